@@ -1,0 +1,92 @@
+"""graddbg: find out what is wrong with the gradients of a PyTorch program, and where.
+
+>>> import torch, graddbg
+>>> model = torch.nn.Linear(3, 2)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> with graddbg.watch(model, opt) as w:
+...     for _ in range(3):
+...         model(torch.randn(4, 3)).sum().backward()
+...         opt.step()
+...         opt.zero_grad()
+>>> sorted(w.stats["name"].unique())
+['bias', 'weight']
+
+``import graddbg`` imports torch and nothing heavier: the public names below are
+resolved on first use, and pandas, matplotlib and graphviz are imported only by the
+functions that need them.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from graddbg._errors import (
+    CompileWarning,
+    CoverageWarning,
+    DDPInconsistencyError,
+    DDPTimeoutError,
+    DotNotFoundError,
+    GraddbgError,
+    GraddbgWarning,
+    GradientAnomalyError,
+    GradientMismatchError,
+    NonFiniteError,
+    PrecisionWarning,
+)
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (resolved lazily, see __getattr__)
+_LAZY = {
+    "watch": "graddbg.hooks",
+    "Watch": "graddbg.hooks",
+    "HookSet": "graddbg.hooks",
+    "load": "graddbg.run",
+    "Run": "graddbg.run",
+    "Anomaly": "graddbg.anomaly",
+    "NonFinite": "graddbg.anomaly",
+    "Explode": "graddbg.anomaly",
+    "Vanish": "graddbg.anomaly",
+    "find_nonfinite": "graddbg.anomaly",
+    "gradcheck": "graddbg.gradcheck",
+    "check_module": "graddbg.gradcheck",
+    "assert_gradients_close": "graddbg.gradcheck",
+    "GradcheckResult": "graddbg.gradcheck",
+    "graph": "graddbg.graphviz",
+    "Graph": "graddbg.graphviz",
+    "grad_stats": "graddbg.stats",
+}
+_SUBMODULES = ("stats", "anomaly", "hooks", "gradcheck", "graphviz", "plots", "report",
+               "ddp_verify", "cli", "run", "pytest_plugin")
+
+__all__ = [
+    *_LAZY,
+    *_SUBMODULES,
+    "GraddbgError",
+    "GradientAnomalyError",
+    "NonFiniteError",
+    "GradientMismatchError",
+    "DDPInconsistencyError",
+    "DDPTimeoutError",
+    "DotNotFoundError",
+    "GraddbgWarning",
+    "PrecisionWarning",
+    "CoverageWarning",
+    "CompileWarning",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"graddbg.{name}")
+    else:
+        raise AttributeError(f"module 'graddbg' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,82 @@
+"""Exceptions and warning categories of graddbg.
+
+Everything graddbg raises on purpose is a :class:`GraddbgError` (a ``RuntimeError``), so
+``except graddbg.GraddbgError`` catches all of it. Mismatch errors are also
+``AssertionError`` so that pytest shows them as failed assertions. Warnings have their own
+categories, so they can be filtered by type rather than by text.
+
+This module imports nothing of graddbg.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "GraddbgError",
+    "GradientAnomalyError",
+    "NonFiniteError",
+    "GradientMismatchError",
+    "DDPInconsistencyError",
+    "DDPTimeoutError",
+    "DotNotFoundError",
+    "GraddbgWarning",
+    "PrecisionWarning",
+    "CoverageWarning",
+    "CompileWarning",
+]
+
+
+class GraddbgError(RuntimeError):
+    """Base class of every error graddbg raises on purpose."""
+
+
+class GradientAnomalyError(GraddbgError):
+    """A gradient anomaly under the ``"raise"`` policy. ``.anomaly`` holds the record."""
+
+    def __init__(self, message: str, anomaly: Any = None) -> None:
+        super().__init__(message)
+        self.anomaly = anomaly
+
+
+class NonFiniteError(GradientAnomalyError):
+    """A NaN or Inf was produced (by ``watch`` or ``find_nonfinite``)."""
+
+
+class GradientMismatchError(GraddbgError, AssertionError):
+    """Analytic and numerical gradients disagree (raised by ``assert_gradients_close``)."""
+
+    def __init__(self, message: str, result: Any = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class DDPInconsistencyError(GraddbgError):
+    """Ranks of a process group disagree (structure, gradients, parameters or buffers)."""
+
+    def __init__(self, message: str, report: Any = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class DDPTimeoutError(DDPInconsistencyError):
+    """Some ranks did not join a collective check within the timeout."""
+
+
+class DotNotFoundError(GraddbgError):
+    """The graphviz ``dot`` program is not installed (DOT text still works without it)."""
+
+
+class GraddbgWarning(UserWarning):
+    """Base category of graddbg's warnings."""
+
+
+class PrecisionWarning(GraddbgWarning):
+    """A check runs in a precision too low to be trusted (for instance float32 gradcheck)."""
+
+
+class CoverageWarning(GraddbgWarning):
+    """Some watched parameters or modules produced no data."""
+
+
+class CompileWarning(GraddbgWarning):
+    """A requested feature does not work, or breaks graphs, on a compiled model."""

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sets up everything graddbg needs on a fresh Debian machine with Python 3.11:
+# Debian's graphviz (the `dot` program) when missing, and a virtual environment in
+# .venv with graddbg installed (editable) and torch pinned through constraints.txt.
+# Usage: scripts/setup.sh [--dev]      (--dev also installs the test tools)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra=""
+[ "${1:-}" = "--dev" ] && extra="[dev]"
+
+if ! command -v dot >/dev/null 2>&1; then
+  echo "setup: 'dot' not found; installing Debian's graphviz" >&2
+  if [ "$(id -u)" = "0" ]; then SUDO=""; else SUDO="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq </dev/null
+  $SUDO apt-get install -y -qq graphviz </dev/null >/dev/null
+fi
+
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip </dev/null >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q -c constraints.txt -e ".${extra}" </dev/null
