@@ -1,0 +1,90 @@
+"""pytest plugin of graddbg (registered through the ``pytest11`` entry point).
+
+It gives one fixture, ``graddbg_check``: it seeds Python's, torch's (and numpy's, when
+numpy is already imported) random number generators before the test, puts their states
+back after it, and hands the test the gradcheck helpers::
+
+    def test_my_square(graddbg_check):
+        x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+        graddbg_check.assert_gradients_close(MySquare.apply, x)
+        assert graddbg_check.gradcheck(MySquare.apply, x, mode="fast").ok
+
+The seed is 0, or ``--graddbg-seed N`` on the command line. Importing this module costs
+nothing beyond pytest itself: torch and graddbg.gradcheck are imported when the fixture
+is first used.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any, Iterator
+
+import pytest
+
+__all__ = ["GradcheckHelpers", "graddbg_check"]
+
+
+class GradcheckHelpers:
+    """What the ``graddbg_check`` fixture returns: the gradcheck helpers and the seed.
+
+    >>> helpers = GradcheckHelpers(seed=0)
+    >>> import torch
+    >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    >>> helpers.gradcheck(torch.sin, x).ok
+    True
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+
+    def gradcheck(self, fn: Any, *inputs: Any, **kw: Any) -> Any:
+        """``graddbg.gradcheck`` (see there)."""
+        from graddbg.gradcheck import gradcheck
+
+        return gradcheck(fn, *inputs, **kw)
+
+    def check_module(self, module: Any, *inputs: Any, **kw: Any) -> Any:
+        """``graddbg.check_module`` (see there)."""
+        from graddbg.gradcheck import check_module
+
+        return check_module(module, *inputs, **kw)
+
+    def assert_gradients_close(self, fn_or_module: Any, *inputs: Any, **kw: Any) -> None:
+        """``graddbg.assert_gradients_close`` (see there)."""
+        from graddbg.gradcheck import assert_gradients_close
+
+        assert_gradients_close(fn_or_module, *inputs, **kw)
+
+    def __repr__(self) -> str:
+        return f"GradcheckHelpers(seed={self.seed})"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("graddbg")
+    group.addoption("--graddbg-seed", type=int, default=0, dest="graddbg_seed",
+                    help="seed of the RNGs set by the graddbg_check fixture (default 0)")
+
+
+@pytest.fixture
+def graddbg_check(request: pytest.FixtureRequest) -> Iterator[GradcheckHelpers]:
+    """Seed the RNGs (put back after the test) and return the gradcheck helpers."""
+    import torch
+
+    seed = int(request.config.getoption("graddbg_seed", default=0) or 0)
+    py_state = random.getstate()
+    numpy = sys.modules.get("numpy")
+    np_state = numpy.random.get_state() if numpy is not None else None
+    with torch.random.fork_rng(devices=[], enabled=True):
+        cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        random.seed(seed)
+        torch.manual_seed(seed)
+        if numpy is not None:
+            numpy.random.seed(seed)
+        try:
+            yield GradcheckHelpers(seed)
+        finally:
+            random.setstate(py_state)
+            if numpy is not None and np_state is not None:
+                numpy.random.set_state(np_state)
+            if cuda_states is not None:
+                torch.cuda.set_rng_state_all(cuda_states)
