@@ -1,0 +1,774 @@
+"""Matplotlib figures of a recorded run: pure functions of the DataFrames from :mod:`graddbg.stats`.
+
+Every function takes DataFrames (never a ``Watch``) and returns a new
+:class:`matplotlib.figure.Figure` made without pyplot, so nothing is left in pyplot's
+global state: the figures work headless (Agg) and display inline in Jupyter.
+
+Non-finite values are never dropped silently and never crash a plot: NaN/Inf
+gradients are drawn as red markers on the edge of the axes (and counted in the legend),
+all-zero gradients as markers at the bottom, parameters without a gradient in grey.
+
+- :func:`flow`: per parameter in forward order, rms and max ``|grad|`` at one step.
+- :func:`norms`: gradient norms over steps (lines, or a parameter x step heatmap).
+- :func:`update_ratio`: ``||dw|| / ||w||`` over steps with a guide line at 1e-3.
+- :func:`hist`: histograms of ``|grad|`` per parameter at chosen steps.
+- :func:`plot`: dispatches on ``kind`` ("flow", "norms", "heatmap", "update", "hist").
+
+matplotlib, numpy and pandas are imported inside the functions.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:  # pragma: no cover - type names only, nothing imported at run time
+    import numpy
+    import pandas
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["flow", "norms", "update_ratio", "hist", "plot", "KINDS"]
+
+KINDS = ("flow", "norms", "heatmap", "update", "hist")
+
+# colours and markers shared by every plot (and by the report's legend)
+NONFINITE_COLOR = "#d62728"
+ZERO_COLOR = "#222222"
+NOGRAD_COLOR = "#9e9e9e"
+ANOMALY_COLORS = {
+    "nonfinite": "#d62728",
+    "explode": "#ff7f0e",
+    "vanish": "#1f77b4",
+    "overflow": "#7f7f7f",
+    "ddp_mismatch": "#9467bd",
+}
+_STATS_COLUMNS = ("step", "name", "norm")
+_MAX_LINES = 10
+_MAX_TICKLABELS = 60
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _check_frame(obj: Any, arg: str, columns: Sequence[str]) -> None:
+    import pandas as pd
+
+    if not isinstance(obj, pd.DataFrame):
+        raise TypeError(f"{arg} must be a pandas DataFrame with columns {list(columns)}; "
+                        f"got {type(obj).__name__}")
+    missing = [c for c in columns if c not in obj.columns]
+    if missing:
+        raise ValueError(f"{arg} lacks the columns {missing}; it has {list(obj.columns)} "
+                         f"(expected the frames recorded by graddbg.watch)")
+
+
+def _new_figure(width: float, height: float) -> "Figure":
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _order(names: Iterable[str]) -> List[str]:
+    """Unique names in order of first appearance (forward / named_parameters order)."""
+    return list(dict.fromkeys(names))
+
+
+def _select_names(stats: "pandas.DataFrame", names: Optional[Sequence[str]]) -> List[str]:
+    known = _order(stats["name"])
+    if names is None:
+        return known
+    if isinstance(names, str):
+        names = [names]
+    unknown = [n for n in names if n not in set(known)]
+    if unknown:
+        shown = known[:10] + (["..."] if len(known) > 10 else [])
+        raise ValueError(f"names: unknown parameters {unknown}; recorded parameters are {shown}")
+    return list(names)
+
+
+def _has_grad(frame: "pandas.DataFrame") -> "numpy.ndarray":
+    import numpy as np
+
+    if "has_grad" in frame.columns:
+        return frame["has_grad"].to_numpy(dtype=bool)
+    return np.ones(len(frame), dtype=bool)
+
+
+def _edge_markers(ax: "Axes", xs: Sequence[float], where: str, *, color: str, marker: str,
+                  label: str, gid: str) -> None:
+    """Markers at the top (``where="top"``) or bottom of the axes, at data x positions:
+    values that a log axis cannot show (NaN, Inf, 0) stay visible."""
+    if len(xs) == 0:
+        return
+    y = 0.97 if where == "top" else 0.03
+    line, = ax.plot(list(xs), [y] * len(xs), linestyle="none", marker=marker, color=color,
+                    markersize=7, transform=ax.get_xaxis_transform(), clip_on=False,
+                    label=label, zorder=5)
+    line.set_gid(gid)
+
+
+def _anomaly_table(anomalies: Any) -> List[Tuple[int, str]]:
+    """(step, kind) pairs from a list of Anomaly records, dicts, or a DataFrame."""
+    if anomalies is None:
+        return []
+    try:
+        import pandas as pd
+
+        if isinstance(anomalies, pd.DataFrame):
+            if len(anomalies) == 0:
+                return []
+            _check_frame(anomalies, "anomalies", ("step", "kind"))
+            return [(int(s), str(k)) for s, k in zip(anomalies["step"], anomalies["kind"])]
+    except ImportError:  # pragma: no cover - pandas is a dependency
+        pass
+    out = []
+    for a in anomalies:
+        if isinstance(a, dict):
+            out.append((int(a["step"]), str(a["kind"])))
+        else:
+            out.append((int(a.step), str(a.kind)))
+    return out
+
+
+def _mark_anomalies(ax: "Axes", anomalies: Any, steps_frame: Optional["pandas.DataFrame"],
+                    x_of: Any = None) -> None:
+    """Vertical lines on the time axis: one LineCollection per anomaly kind, plus scaler
+    overflow (skipped) steps from the steps frame. ``x_of`` maps steps to x positions."""
+    rows = _anomaly_table(anomalies)
+    by_kind: Dict[str, List[int]] = {}
+    for step, kind in rows:
+        by_kind.setdefault(kind, []).append(step)
+    if steps_frame is not None and "overflow" in steps_frame.columns and len(steps_frame):
+        over = steps_frame.loc[steps_frame["overflow"].astype(bool), "step"].tolist()
+        if over:
+            by_kind.setdefault("overflow", []).extend(int(s) for s in over)
+    for kind, xs in by_kind.items():
+        xs = sorted(set(xs))
+        pos = [x_of(x) for x in xs] if x_of is not None else xs
+        label = ("scaler overflow (skipped)" if kind == "overflow" else f"anomaly: {kind}")
+        coll = ax.vlines(pos, 0, 1, transform=ax.get_xaxis_transform(),
+                         colors=ANOMALY_COLORS.get(kind, "#8c564b"),
+                         linestyles=":" if kind == "overflow" else "--", linewidth=1.0,
+                         label=f"{label} ({len(xs)})", zorder=1)
+        coll.set_gid(f"anomaly-{kind}")
+
+
+def _downsample(x: "numpy.ndarray", y: "numpy.ndarray", max_points: int) -> Tuple[Any, Any]:
+    """At most ``2 * max_points`` points keeping each bucket's min and max (spikes survive)."""
+    import numpy as np
+
+    n = len(x)
+    if max_points is None or n <= max_points:
+        return x, y
+    finite = np.isfinite(y)
+    hi = np.where(finite, y, -np.inf)
+    lo = np.where(finite, y, np.inf)
+    keep = set()
+    for idx in np.array_split(np.arange(n), max_points):
+        if len(idx) == 0:
+            continue
+        keep.add(int(idx[np.argmax(hi[idx])]))
+        keep.add(int(idx[np.argmin(lo[idx])]))
+    sel = np.array(sorted(keep))
+    return x[sel], y[sel]
+
+
+def _log_line(ax: "Axes", x: Any, y: Any, *, label: str, max_points: int, **kw: Any) -> Any:
+    """A line of the positive finite values of y (others leave gaps, marked elsewhere)."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    shown = np.where(np.isfinite(y) & (y > 0), y, np.nan)
+    xs, ys = _downsample(x, shown, max_points)
+    line, = ax.plot(xs, ys, label=label, **kw)
+    return line
+
+
+def _set_log_limits(ax: "Axes", values: Any) -> None:
+    """Log y axis; explicit limits when nothing positive and finite can set them."""
+    import numpy as np
+
+    ax.set_yscale("log")
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v) & (v > 0)]
+    if v.size == 0:
+        ax.set_ylim(1e-12, 1.0)
+    else:
+        lo, hi = float(v.min()), float(v.max())
+        ax.set_ylim(lo / 3.0, min(hi * 10.0, 1e308))
+
+
+def _nonfinite_mask(frame: "pandas.DataFrame", column: str) -> "numpy.ndarray":
+    """Rows whose value in ``column`` is NaN/Inf although the parameter had a gradient,
+    or whose gradient had non-finite entries."""
+    import numpy as np
+
+    has = _has_grad(frame)
+    v = frame[column].to_numpy(dtype=float)
+    bad = has & ~np.isfinite(v)
+    if "nonfinite" in frame.columns and column in ("norm", "absmax"):
+        bad |= has & (frame["nonfinite"].to_numpy() > 0)
+    return bad
+
+
+def _title_count(shown: int, total: int, what: str) -> str:
+    return "" if shown == total else f" ({shown} of {total} {what})"
+
+
+# --------------------------------------------------------------------------- flow
+
+def flow(stats: "pandas.DataFrame", step: Optional[int] = None, *,
+         names: Optional[Sequence[str]] = None) -> "Figure":
+    """Gradient flow at one recorded step: per parameter in forward order, the rms
+    ``|grad|`` (norm / sqrt(numel)) and the max ``|grad|`` on a log scale.
+
+    Parameters whose gradient holds NaN/Inf get a red ``X`` at the top, all-zero
+    gradients a black triangle at the bottom, parameters without a gradient a grey
+    circle; their tick labels take the same colour. ``step=None`` is the last recorded step.
+
+    >>> import pandas as pd
+    >>> stats = pd.DataFrame({"step": [1, 1], "name": ["fc.weight", "fc.bias"],
+    ...     "module": ["fc", "fc"], "numel": [6, 2], "norm": [0.5, float("nan")],
+    ...     "absmax": [0.4, float("nan")], "nonfinite": [0, 2], "has_grad": [True, True]})
+    >>> fig = flow(stats)
+    >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    ['fc.weight', 'fc.bias']
+    """
+    import numpy as np
+
+    _check_frame(stats, "stats", ("step", "name", "numel", "norm", "absmax"))
+    if len(stats) == 0:
+        raise ValueError("stats: the run recorded no statistics (no step was recorded)")
+    recorded = sorted(set(int(s) for s in stats["step"]))
+    if step is None:
+        step = recorded[-1]
+    elif int(step) not in set(recorded):
+        raise ValueError(f"step: {step!r} was not recorded; recorded steps run from "
+                         f"{recorded[0]} to {recorded[-1]} ({len(recorded)} steps)")
+    chosen = _select_names(stats, names)
+    rows = stats[stats["step"] == int(step)].drop_duplicates("name").set_index("name")
+    rows = rows.reindex([n for n in chosen if n in rows.index])
+    n = len(rows)
+    labels = list(rows.index)
+    has = _has_grad(rows)
+    norm = rows["norm"].to_numpy(dtype=float)
+    absmax = rows["absmax"].to_numpy(dtype=float)
+    numel = np.maximum(rows["numel"].to_numpy(dtype=float), 1.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        rms = norm / np.sqrt(numel)
+    bad = _nonfinite_mask(rows, "norm") | (has & ~np.isfinite(absmax))
+    zero = has & ~bad & (norm == 0)
+    nograd = ~has
+    counts = rows["nonfinite"].to_numpy() if "nonfinite" in rows.columns else np.zeros(n, int)
+
+    fig = _new_figure(min(max(6.0, 0.22 * n + 2.0), 24.0), 4.2)
+    ax = fig.add_subplot()
+    x = np.arange(n)
+    ok_max = has & ~bad & np.isfinite(absmax) & (absmax > 0)
+    ok_rms = has & ~bad & np.isfinite(rms) & (rms > 0)
+    ax.bar(x[ok_max], absmax[ok_max], width=0.8, color="#9ecae1",
+                      label="max |grad|")
+    ax.bar(x[ok_rms], rms[ok_rms], width=0.5, color="#08519c",
+                      label="rms |grad| (norm/√numel)")
+    _set_log_limits(ax, np.concatenate([absmax[ok_max], rms[ok_rms]]))
+    _edge_markers(ax, x[bad], "top", color=NONFINITE_COLOR, marker="X",
+                  label=f"non-finite ({int(bad.sum())})", gid="nonfinite")
+    _edge_markers(ax, x[zero], "bottom", color=ZERO_COLOR, marker="v",
+                  label=f"all zero ({int(zero.sum())})", gid="zero")
+    _edge_markers(ax, x[nograd], "bottom", color=NOGRAD_COLOR, marker="o",
+                  label=f"no gradient ({int(nograd.sum())})", gid="nograd")
+    if bad.sum() and bad.sum() <= 30:
+        for i in x[bad]:
+            c = int(counts[i])
+            ax.annotate(f"{c} NaN/Inf" if c else "NaN/Inf", (i, 0.93),
+                        xycoords=ax.get_xaxis_transform(), ha="center", va="top",
+                        fontsize=7, color=NONFINITE_COLOR, rotation=90)
+    ax.set_xlim(-0.6, n - 0.4)
+    stride = max(1, math.ceil(n / _MAX_TICKLABELS))
+    ax.set_xticks(x[::stride])
+    ax.set_xticklabels(labels[::stride], rotation=90, fontsize=7)
+    for tick, i in zip(ax.get_xticklabels(), x[::stride]):
+        if bad[i]:
+            tick.set_color(NONFINITE_COLOR)
+        elif nograd[i]:
+            tick.set_color(NOGRAD_COLOR)
+    ax.set_xlabel("parameter (forward order)")
+    ax.set_ylabel("|grad|")
+    total = len(_order(stats["name"]))
+    ax.set_title(f"Gradient flow at step {int(step)}{_title_count(n, total, 'parameters')}")
+    ax.grid(True, axis="y", which="major", alpha=0.3)
+    ax.legend(loc="upper right", fontsize=7)
+    return fig
+
+
+# --------------------------------------------------------------------------- norms
+
+def _series_groups(stats: "pandas.DataFrame", names: Optional[Sequence[str]]
+                   ) -> Tuple[List[str], Any, str]:
+    """(labels, frame indexed by step with one column per label, what) for the lines:
+    the named parameters, or the top-level modules (root of the sum of squares)."""
+    import numpy as np
+    import pandas as pd
+
+    frame = stats.copy()
+    has = _has_grad(frame)
+    if names is not None:
+        chosen = _select_names(stats, names)
+        frame = frame[frame["name"].isin(chosen)]
+        wide = frame.pivot_table(index="step", columns="name", values="norm",
+                                 aggfunc="first", dropna=False)
+        return chosen, wide.reindex(columns=chosen), "parameters"
+    top = [n.split(".", 1)[0] for n in frame["name"]]
+    frame["_group"] = top
+    frame["_sq"] = _squares(frame)
+    frame["_has"] = has
+    grouped = frame.groupby(["step", "_group"], sort=False)
+    wide = np.sqrt(grouped["_sq"].sum()).where(grouped["_has"].any())
+    wide = wide.unstack("_group")
+    groups = _order(top)
+    wide = wide.reindex(columns=groups).sort_index()
+    if len(groups) > _MAX_LINES:  # keep the largest
+        peak = wide.where(np.isfinite(wide)).max(axis=0).fillna(-np.inf)
+        keep = set(peak.sort_values(ascending=False).index[:_MAX_LINES])
+        groups = [g for g in groups if g in keep]
+        wide = wide[groups]
+    return groups, wide, "top-level modules"
+
+
+def _global_series(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"]) -> Any:
+    """Global norm per step: from the steps frame when given, else computed from stats."""
+    import numpy as np
+    import pandas as pd
+
+    if steps is not None and len(steps) and "global_norm" in steps.columns:
+        s = steps.set_index("step")["global_norm"].astype(float)
+        return s[~s.index.duplicated()].sort_index()
+    s = pd.Series(_squares(stats), index=stats["step"].to_numpy()).groupby(level=0).sum()
+    return np.sqrt(s).sort_index()
+
+
+def _squares(frame: "pandas.DataFrame") -> "numpy.ndarray":
+    """Squared norms for root-of-sum-of-squares roll-ups: 0 without a gradient, +Inf for
+    a non-finite norm (pandas sums skip NaN; Inf propagates, so the sum stays non-finite)."""
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        sq = frame["norm"].to_numpy(dtype=float) ** 2
+    sq = np.where(np.isnan(sq), np.inf, sq)
+    return np.where(_has_grad(frame), sq, 0.0)
+
+
+def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
+          anomalies: Any = None, names: Optional[Sequence[str]] = None,
+          heatmap: bool = False, *, max_points: int = 1000) -> "Figure":
+    """Gradient norms over steps.
+
+    Lines (default): the global norm (``steps.global_norm`` when the steps frame is
+    given, else the root of the sum of squares of ``stats.norm``) and one line per
+    parameter in ``names``, or per top-level module (root of the sum of squares, the
+    ten largest) when ``names`` is None. ``heatmap=True`` draws parameter x step on a
+    log colour scale instead. Non-finite norms are red markers at the top (red cells in
+    the heatmap), anomalies (a list of Anomaly or a DataFrame) and scaler overflow steps
+    vertical lines. Series longer than ``max_points`` are reduced to each bucket's min
+    and max, so spikes survive; the markers use every step.
+
+    >>> import pandas as pd
+    >>> stats = pd.DataFrame({"step": [1, 2, 3], "name": ["w"] * 3, "module": [""] * 3,
+    ...     "numel": [4] * 3, "norm": [1.0, float("inf"), 0.5], "absmax": [1.0] * 3,
+    ...     "nonfinite": [0, 1, 0]})
+    >>> fig = norms(stats)
+    >>> fig.axes[0].get_yscale(), fig.axes[0].get_xlabel()
+    ('log', 'step')
+    """
+    import numpy as np
+
+    _check_frame(stats, "stats", _STATS_COLUMNS)
+    if steps is not None:
+        _check_frame(steps, "steps", ("step",))
+    if max_points is not None and int(max_points) < 2:
+        raise ValueError(f"max_points must be at least 2 (or None for all points); got {max_points!r}")
+    if heatmap:
+        return _norm_heatmap(stats, steps, anomalies, names, max_points)
+
+    fig = _new_figure(9.0, 4.5)
+    ax = fig.add_subplot()
+    all_values = []
+    g = _global_series(stats, steps)
+    gl = _log_line(ax, g.index, g.to_numpy(), label="global norm", max_points=max_points,
+                   color="black", linewidth=1.6, zorder=4)
+    gl.set_gid("global")
+    all_values.append(g.to_numpy(dtype=float))
+    bad_steps = set(int(s) for s in g.index[~np.isfinite(g.to_numpy(dtype=float))])
+    zero_steps: set = set(int(s) for s in g.index[g.to_numpy(dtype=float) == 0])
+
+    labels, wide, what = _series_groups(stats, names)
+    n_total = len(_order(stats["name"])) if what == "parameters" else \
+        len(_order(n.split(".", 1)[0] for n in stats["name"]))
+    # non-finite per step from the raw rows (a NaN norm, or non-finite entries)
+    bad_rows = _nonfinite_mask(stats, "norm")
+    bad_steps |= set(int(s) for s in stats.loc[bad_rows, "step"])
+    for label in labels:
+        col = wide[label]
+        line = _log_line(ax, col.index, col.to_numpy(), label=label or "(root)",
+                         max_points=max_points, linewidth=1.0, alpha=0.85)
+        line.set_gid(f"series:{label}")
+        all_values.append(col.to_numpy(dtype=float))
+    _set_log_limits(ax, np.concatenate(all_values) if all_values else [])
+    _edge_markers(ax, sorted(bad_steps), "top", color=NONFINITE_COLOR, marker="X",
+                  label=f"non-finite ({len(bad_steps)} steps)", gid="nonfinite")
+    _edge_markers(ax, sorted(zero_steps), "bottom", color=ZERO_COLOR, marker="v",
+                  label=f"zero global norm ({len(zero_steps)} steps)", gid="zero")
+    _mark_anomalies(ax, anomalies, steps)
+    ax.set_xlabel("step")
+    ax.set_ylabel("gradient L2 norm")
+    ax.set_title("Gradient norms: global and "
+                 + (what if what == "parameters" else f"per {what[:-1]}")
+                 + _title_count(len(labels), n_total, what))
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
+    return fig
+
+
+def _bucket_columns(n: int, max_cols: Optional[int]) -> List[Any]:
+    import numpy as np
+
+    if max_cols is None or n <= max_cols:
+        return [np.array([i]) for i in range(n)]
+    return [b for b in np.array_split(np.arange(n), max_cols) if len(b)]
+
+
+def _norm_heatmap(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"],
+                  anomalies: Any, names: Optional[Sequence[str]],
+                  max_points: Optional[int]) -> "Figure":
+    import numpy as np
+    from matplotlib.colors import ListedColormap, LogNorm
+    from matplotlib.patches import Patch
+
+    chosen = _select_names(stats, names)
+    frame = stats[stats["name"].isin(chosen)]
+    step_values = np.array(sorted(set(int(s) for s in frame["step"])), dtype=np.int64)
+    p_index = {n: i for i, n in enumerate(chosen)}
+    s_index = {int(s): j for j, s in enumerate(step_values)}
+    P, S = len(chosen), len(step_values)
+    value = np.full((P, S), np.nan)
+    cat = np.full((P, S), 3, dtype=np.int8)  # 0 finite>0, 1 non-finite, 2 zero, 3 no grad
+    if len(frame):
+        rows = np.array([p_index[n] for n in frame["name"]])
+        cols = np.array([s_index[int(s)] for s in frame["step"]])
+        v = frame["norm"].to_numpy(dtype=float)
+        has = _has_grad(frame)
+        bad = _nonfinite_mask(frame, "norm")
+        c = np.where(~has, 3, np.where(bad, 1, np.where(v == 0, 2, 0))).astype(np.int8)
+        value[rows, cols] = np.where(c == 0, v, np.nan)
+        cat[rows, cols] = c
+    # reduce columns to at most max_points buckets: max value; non-finite wins
+    buckets = _bucket_columns(S, max_points)
+    if len(buckets) < S:
+        vb = np.full((P, len(buckets)), np.nan)
+        cb = np.full((P, len(buckets)), 3, dtype=np.int8)
+        for j, b in enumerate(buckets):
+            block = value[:, b]
+            any_ok = np.isfinite(block).any(axis=1)
+            vb[any_ok, j] = np.nanmax(block[any_ok], axis=1)
+            cblock = cat[:, b]
+            cb[:, j] = np.where((cblock == 1).any(axis=1), 1,
+                                np.where(any_ok, 0,
+                                         np.where((cblock == 2).any(axis=1), 2, 3)))
+        value, cat = vb, cb
+        starts = np.array([step_values[b[0]] for b in buckets], dtype=float)
+        ends = np.array([step_values[b[-1]] for b in buckets], dtype=float)
+    else:
+        starts = ends = step_values.astype(float)
+    # x edges between columns (steps need not be evenly spaced)
+    if len(starts) == 0:
+        edges = np.array([0.0, 1.0])
+    elif len(starts) == 1:
+        edges = np.array([starts[0] - 0.5, ends[0] + 0.5])
+    else:
+        mids = (ends[:-1] + starts[1:]) / 2.0
+        edges = np.concatenate([[starts[0] - (mids[0] - ends[0])], mids,
+                                [ends[-1] + (starts[-1] - mids[-1])]])
+    y_edges = np.arange(P + 1) - 0.5
+
+    fig = _new_figure(10.0, min(max(3.0, 0.16 * P + 1.5), 16.0))
+    ax = fig.add_subplot()
+    good = np.ma.masked_invalid(value)
+    finite = value[np.isfinite(value)]
+    vmin = float(finite.min()) if finite.size else 1e-12
+    vmax = float(finite.max()) if finite.size else 1.0
+    if vmax <= vmin:
+        vmin, vmax = vmin / 10.0, vmax * 10.0
+    mesh = ax.pcolormesh(edges, y_edges, good, norm=LogNorm(vmin=vmin, vmax=vmax),
+                         cmap="viridis", rasterized=True, shading="flat")
+    mesh.set_gid("heatmap")
+    overlay = np.ma.masked_where(cat == 0, cat)
+    special = ax.pcolormesh(edges, y_edges, overlay,
+                            cmap=ListedColormap([NONFINITE_COLOR, ZERO_COLOR, "#e6e6e6"]),
+                            vmin=0.5, vmax=3.5, rasterized=True, shading="flat")
+    special.set_gid("heatmap-special")
+    cbar = fig.colorbar(mesh, ax=ax, pad=0.01)
+    cbar.set_label("gradient L2 norm (log scale)")
+    ax.set_ylim(P - 0.5, -0.5)  # first parameter at the top
+    stride = max(1, math.ceil(P / _MAX_TICKLABELS))
+    ax.set_yticks(np.arange(P)[::stride])
+    ax.set_yticklabels(chosen[::stride], fontsize=6)
+    handles = [Patch(color=NONFINITE_COLOR, label=f"non-finite ({int((cat == 1).sum())} cells)"),
+               Patch(color=ZERO_COLOR, label=f"all zero ({int((cat == 2).sum())} cells)"),
+               Patch(color="#e6e6e6", label=f"no gradient ({int((cat == 3).sum())} cells)")]
+    _mark_anomalies(ax, anomalies, steps)
+    h, l = ax.get_legend_handles_labels()
+    ax.legend(handles=handles + h, fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.12),
+              ncol=3, borderaxespad=0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("parameter (forward order)")
+    total = len(_order(stats["name"]))
+    ax.set_title("Gradient norm per parameter and step"
+                 + _title_count(P, total, "parameters")
+                 + ("" if len(buckets) == S else f" (max over {S} steps in {len(buckets)} columns)"))
+    return fig
+
+
+# --------------------------------------------------------------------------- update ratio
+
+def update_ratio(stats: "pandas.DataFrame", guide: Optional[float] = 1e-3, *,
+                 names: Optional[Sequence[str]] = None, anomalies: Any = None,
+                 max_points: int = 1000) -> "Figure":
+    """Update/weight ratio ``||dw|| / ||w||`` over steps, log scale, with a dashed guide
+    line at ``guide`` (1e-3, the usual healthy order of magnitude; None for none).
+
+    One line per parameter when ``names`` is given or there are at most ten; otherwise
+    the median over parameters, a 10-90 % band and the maximum. Non-finite ratios are red
+    markers at the top. Without an optimizer the ratios are unknown (NaN) and the figure
+    says so.
+
+    >>> import pandas as pd
+    >>> stats = pd.DataFrame({"step": [1, 2], "name": ["w", "w"], "norm": [1.0, 1.0],
+    ...                       "update_ratio": [1e-3, 2e-3]})
+    >>> fig = update_ratio(stats)
+    >>> [l.get_label() for l in fig.axes[0].get_lines() if l.get_gid() == "guide"]
+    ['guide 0.001']
+    """
+    import numpy as np
+
+    _check_frame(stats, "stats", ("step", "name"))
+    if guide is not None and not (isinstance(guide, (int, float)) and math.isfinite(guide)
+                                  and guide > 0):
+        raise ValueError(f"guide must be a positive finite number or None; got {guide!r}")
+    fig = _new_figure(9.0, 4.5)
+    ax = fig.add_subplot()
+    ax.set_xlabel("step")
+    ax.set_ylabel("||Δw|| / ||w||")
+    ax.set_title("Update / weight ratio")
+    ratios = (stats["update_ratio"].to_numpy(dtype=float) if "update_ratio" in stats.columns
+              else np.full(len(stats), np.nan))
+    if guide is not None:
+        gl = ax.axhline(guide, color="black", linestyle="--", linewidth=1.0,
+                        label=f"guide {guide:g}")
+        gl.set_gid("guide")
+    if not np.isfinite(ratios).any() and not np.isinf(ratios).any():
+        ax.set_yscale("log")
+        ax.set_ylim(1e-6, 1.0)
+        ax.text(0.5, 0.5, "no update ratios recorded\n(watch() needs the optimizer)",
+                transform=ax.transAxes, ha="center", va="center", color="#555555")
+        if len(stats):
+            steps_seen = stats["step"].to_numpy(dtype=float)
+            ax.set_xlim(steps_seen.min() - 0.5, steps_seen.max() + 0.5)
+        ax.legend(loc="upper right", fontsize=7)
+        return fig
+    frame = stats.assign(update_ratio=ratios)
+    chosen = _select_names(stats, names)
+    all_vals = [ratios[np.isfinite(ratios)]]
+    if guide is not None:
+        all_vals.append(np.array([guide]))
+    if names is not None or len(chosen) <= _MAX_LINES:
+        wide = frame[frame["name"].isin(chosen)].pivot_table(
+            index="step", columns="name", values="update_ratio", aggfunc="first",
+            dropna=False).reindex(columns=chosen).sort_index()
+        for name in chosen:
+            line = _log_line(ax, wide.index, wide[name].to_numpy(), label=name,
+                             max_points=max_points, linewidth=1.0)
+            line.set_gid(f"series:{name}")
+    else:
+        wide = frame.pivot_table(index="step", columns="name", values="update_ratio",
+                                 aggfunc="first", dropna=False).sort_index()
+        vals = wide.to_numpy(dtype=float)
+        vals = np.where(np.isfinite(vals) & (vals > 0), vals, np.nan)
+        ok = np.isfinite(vals).any(axis=1)
+        x = wide.index.to_numpy(dtype=float)[ok]
+        v = vals[ok]
+        q10, med, q90 = np.nanpercentile(v, [10, 50, 90], axis=1) if len(v) else ([], [], [])
+        mx = np.nanmax(v, axis=1) if len(v) else []
+        xd, q10d = _downsample(x, np.asarray(q10), max_points)
+        _, q90d = _downsample(x, np.asarray(q90), max_points)
+        if len(xd) == len(q90d):
+            band = ax.fill_between(xd, q10d, q90d, color="#9ecae1", alpha=0.6,
+                                   label=f"10–90 % of {len(chosen)} parameters")
+            band.set_gid("band")
+        line = _log_line(ax, x, med, label="median", max_points=max_points, color="#08519c")
+        line.set_gid("median")
+        line = _log_line(ax, x, mx, label="max", max_points=max_points, color="#08519c",
+                         linestyle=":")
+        line.set_gid("max")
+    # an infinite ratio, or an unknown one where the gradient itself had NaN/Inf entries
+    bad = np.isinf(ratios)
+    if "nonfinite" in frame.columns:
+        bad |= np.isnan(ratios) & (frame["nonfinite"].to_numpy() > 0)
+    bad = frame["step"].to_numpy()[bad]
+    bad_steps = sorted(set(int(s) for s in bad))
+    _set_log_limits(ax, np.concatenate(all_vals))
+    _edge_markers(ax, bad_steps, "top", color=NONFINITE_COLOR, marker="X",
+                  label=f"non-finite ({len(bad_steps)} steps)", gid="nonfinite")
+    _mark_anomalies(ax, anomalies, None)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
+    return fig
+
+
+# --------------------------------------------------------------------------- histograms
+
+def _hist_edges(lo: "numpy.ndarray", hi: "numpy.ndarray") -> "numpy.ndarray":
+    """Bin edges drawable on a log axis: the first bin (from 0.0) gets the log width of
+    its neighbour; a non-finite last edge too."""
+    import numpy as np
+
+    edges = np.concatenate([lo, hi[-1:]]).astype(float)
+    positive = edges[np.isfinite(edges) & (edges > 0)]
+    if positive.size == 0:
+        return np.logspace(-12, 0, len(edges))
+    ratio = 10.0
+    if positive.size >= 2:
+        ratio = float(positive[1] / positive[0]) if positive[1] > positive[0] else 10.0
+    if not (edges[0] > 0):
+        edges[0] = edges[1] / ratio if edges[1] > 0 else positive[0] / ratio
+    if not math.isfinite(edges[-1]):
+        edges[-1] = edges[-2] * ratio
+    return edges
+
+
+def hist(histograms: "pandas.DataFrame", at: Optional[Sequence[int]] = None,
+         names: Optional[Sequence[str]] = None, *, stats: Optional["pandas.DataFrame"] = None,
+         max_panels: int = 12) -> "Figure":
+    """Histograms of ``|grad|`` per parameter (one panel each, forward order) at the
+    steps ``at`` (default: up to four recorded steps, first and last included).
+
+    The bins are the fixed log-spaced bins recorded by ``watch(histograms=...)``; the
+    first, which starts at 0.0, is drawn with its neighbour's log width and shaded
+    (exact zeros and tiny values). NaN/Inf are not in the bins: when ``stats`` is given
+    each panel states their count (from ``stats.nonfinite``) in red.
+
+    >>> import pandas as pd
+    >>> h = pd.DataFrame({"step": [1, 1, 1], "name": ["w"] * 3, "lo": [0.0, 1e-3, 1e-2],
+    ...                   "hi": [1e-3, 1e-2, 1e-1], "count": [2, 5, 1]})
+    >>> fig = hist(h)
+    >>> fig.axes[0].get_title(), fig.axes[0].get_xscale()
+    ('w', 'log')
+    """
+    import numpy as np
+
+    if histograms is None:
+        raise ValueError("histograms: none were recorded; pass watch(..., histograms=...) "
+                         "to record them")
+    _check_frame(histograms, "histograms", ("step", "name", "lo", "hi", "count"))
+    if len(histograms) == 0:
+        raise ValueError("histograms: the frame is empty (no recorded step had histograms)")
+    if int(max_panels) < 1:
+        raise ValueError(f"max_panels must be at least 1; got {max_panels!r}")
+    recorded = sorted(set(int(s) for s in histograms["step"]))
+    if at is None:
+        if len(recorded) <= 4:
+            chosen_steps = recorded
+        else:
+            idx = sorted(set(np.linspace(0, len(recorded) - 1, 4).round().astype(int)))
+            chosen_steps = [recorded[i] for i in idx]
+    else:
+        chosen_steps = [int(s) for s in ([at] if isinstance(at, int) else at)]
+        missing = [s for s in chosen_steps if s not in set(recorded)]
+        if missing:
+            raise ValueError(f"at: steps {missing} have no histogram; recorded histogram "
+                             f"steps are {recorded[:10]}{' ...' if len(recorded) > 10 else ''}")
+    all_names = _order(histograms["name"])
+    if names is None:
+        chosen = all_names[:int(max_panels)]
+    else:
+        chosen = [names] if isinstance(names, str) else list(names)
+        unknown = [n for n in chosen if n not in set(all_names)]
+        if unknown:
+            raise ValueError(f"names: no histogram for {unknown}; parameters with histograms "
+                             f"are {all_names[:10]}{' ...' if len(all_names) > 10 else ''}")
+    nonfinite = {}
+    if stats is not None:
+        _check_frame(stats, "stats", ("step", "name"))
+        if "nonfinite" in stats.columns:
+            for s, n, c in zip(stats["step"], stats["name"], stats["nonfinite"]):
+                nonfinite[(int(s), n)] = int(c)
+
+    ncols = min(3, len(chosen))
+    nrows = math.ceil(len(chosen) / ncols)
+    fig = _new_figure(4.0 * ncols + 0.5, 2.8 * nrows + 0.6)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    colors = ["#08519c", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2"]
+    grouped = {key: g for key, g in histograms.groupby(["name", "step"], sort=False)}
+    for ax, name in zip(axes, chosen):
+        notes = []
+        zero_edge = None
+        for k, s in enumerate(chosen_steps):
+            g = grouped.get((name, s))
+            if g is None:
+                continue
+            g = g.sort_values("lo")
+            lo = g["lo"].to_numpy(dtype=float)
+            hi = g["hi"].to_numpy(dtype=float)
+            counts = g["count"].to_numpy(dtype=float)
+            edges = _hist_edges(lo, hi)
+            ax.stairs(counts, edges, label=f"step {s}", color=colors[k % len(colors)],
+                            linewidth=1.2)
+            if lo[0] == 0.0:
+                zero_edge = (edges[0], edges[1])
+            c = nonfinite.get((s, name))
+            if c:
+                notes.append(f"step {s}: {c} NaN/Inf")
+        if zero_edge is not None:
+            ax.axvspan(zero_edge[0], zero_edge[1], color="#eeeeee", zorder=0,
+                       label=f"0 and < {zero_edge[1]:.0e}")
+        if notes:
+            ax.text(0.98, 0.95, "\n".join(notes[:4]), transform=ax.transAxes, ha="right",
+                    va="top", fontsize=7, color=NONFINITE_COLOR)
+        ax.set_xscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("|grad|", fontsize=8)
+        ax.set_ylabel("count", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0].legend(fontsize=6, loc="upper left")
+    for ax in axes[len(chosen):]:
+        ax.set_visible(False)
+    fig.suptitle("Histograms of |grad|" + _title_count(len(chosen), len(all_names),
+                                                       "parameters"), fontsize=10)
+    return fig
+
+
+# --------------------------------------------------------------------------- dispatcher
+
+def plot(kind: str, stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
+         anomalies: Any = None, histograms: Optional["pandas.DataFrame"] = None,
+         **kw: Any) -> "Figure":
+    """One figure of a run by ``kind``: "flow" (:func:`flow`), "norms" (:func:`norms`),
+    "heatmap" (:func:`norms` with ``heatmap=True``), "update" (:func:`update_ratio`) or
+    "hist" (:func:`hist`). Extra keywords go to that function.
+
+    >>> import pandas as pd
+    >>> stats = pd.DataFrame({"step": [1], "name": ["w"], "module": [""], "numel": [3],
+    ...     "norm": [0.1], "absmax": [0.1], "nonfinite": [0], "update_ratio": [1e-3]})
+    >>> plot("flow", stats).axes[0].get_title()
+    'Gradient flow at step 1'
+    """
+    if kind == "flow":
+        return flow(stats, **kw)
+    if kind == "norms":
+        return norms(stats, steps=steps, anomalies=anomalies, **kw)
+    if kind == "heatmap":
+        return norms(stats, steps=steps, anomalies=anomalies, heatmap=True, **kw)
+    if kind == "update":
+        return update_ratio(stats, anomalies=anomalies, **kw)
+    if kind == "hist":
+        return hist(histograms, stats=stats, **kw)
+    raise ValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")
