@@ -1,0 +1,703 @@
+"""Cross-rank consistency checks: do gradients, parameters and buffers agree on every rank?
+
+Every check is *collective*: every rank of the group calls it at the same point of the
+program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
+
+1. a monitored barrier with a timeout (on the group itself when it is a gloo group, on a
+   gloo side group otherwise, created once per group and cached, see :func:`prepare`), so
+   that a rank which never arrives makes the others raise :class:`DDPTimeoutError` naming
+   it, instead of hanging;
+2. one all-gather of a 4-integer header: a hash of the names, shapes and dtypes of the
+   tensors, plus what was asked. Ranks whose models differ raise
+   :class:`DDPInconsistencyError` naming the first difference (only then are the names
+   themselves exchanged);
+3. one all-gather of a small ``[tensors x k]`` integer table of fingerprints, computed on
+   the tensors' own device in one pass. Whole tensors never travel, except with
+   ``details=True``, where only the tensors found to differ are gathered, to report the
+   largest difference per rank.
+
+Two modes. With ``atol == rtol == 0`` (the default) the comparison is *bitwise*: a
+fingerprint is three integer hashes of the raw bits (a sum of the words, and two sums
+weighted by the position of the word in its column and in its row of a
+``[n / 1024, 1024]`` view), so any change of a single element is always caught, any other
+change with overwhelming probability, and the same NaN on every rank is consistent. With a
+tolerance, the fingerprint is the float64 sum, sum of squares and sum of absolute values
+of the finite elements and the counts of NaN, +Inf and -Inf; two ranks disagree when a
+count differs or a sum differs by more than elementwise ``|a - b| <= atol + rtol * |b|``
+allows. A tolerance mismatch is therefore certain; a pass means the sums agree within
+those bounds. Tolerance mode reads each tensor several times: prefer the bitwise mode
+for checks on every step.
+
+When several ranks disagree, the reference is the largest group of ranks that agree
+(ties go to the group holding the lowest rank), and every other rank is reported.
+
+Usage with DDP (``torchrun --nproc-per-node=4 train.py`` on one machine, or
+``torchrun --nnodes=2 --node-rank=R --nproc-per-node=8 --rdzv-endpoint=HOST:29500 train.py``
+on several)::
+
+    model = DDP(net)
+    ddp_verify.prepare()                      # optional; needed before NCCL checks that may time out
+    for step, (x, y) in enumerate(loader):
+        loss_fn(model(x), y).backward()
+        if step % 100 == 0:
+            report = ddp_verify.check_gradients(model)     # before optimizer.step()
+            if not report.ok:
+                print(report)
+        opt.step(); opt.zero_grad()
+
+Gradient accumulation with ``no_sync``: check right before ``optimizer.step()``, that is
+after the backward that should have synchronised. If a loop got its ``no_sync`` logic
+wrong (the last micro-batch inside ``no_sync``, an off-by-one), the gradients the
+optimizer is about to use differ across ranks and the check names them;
+:func:`check_parameters` after the step catches weights that have already drifted apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from datetime import timedelta
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graddbg._errors import DDPInconsistencyError, DDPTimeoutError, GraddbgError
+
+__all__ = [
+    "ConsistencyReport",
+    "Mismatch",
+    "check_gradients",
+    "check_parameters",
+    "check_buffers",
+    "fingerprints",
+    "prepare",
+]
+
+_COLUMNS = 1024                 # width of the 2-D view the positional hashes use
+_PRIME = 2_147_483_647          # 2**31 - 1: the positional hashes are taken modulo this
+_MULT = 1_103_515_245           # weight of position i is (i + 1) * _MULT mod _PRIME
+_MAX_DETAIL_TENSORS = 16        # details=True gathers at most this many differing tensors
+_MAX_STR_ROWS = 10              # str(report) shows at most this many rows
+_BITWISE_K = 4                  # present, word sum, column hash, row hash
+_TOLERANCE_K = 7                # present, nan, +inf, -inf, sum, sum of squares, sum of |x|
+
+Timeout = Union[timedelta, float, int]
+
+
+# --------------------------------------------------------------------------- fingerprints
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t`` as a 1-D integer tensor (int32, int16 or uint8 words)."""
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    flat = t.reshape(-1)
+    size = flat.element_size()
+    if size in (4, 8):
+        return flat.view(torch.int32)
+    if size == 2:
+        return flat.view(torch.int16)
+    return flat.view(torch.uint8)
+
+
+def _bitwise_parts(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Column sums ``[_COLUMNS]`` and row sums ``[rows + 1]`` (int32, wrapping) of t's words."""
+    w = _words(t)
+    n = w.numel()
+    rows = n // _COLUMNS
+    body = w[: rows * _COLUMNS].view(rows, _COLUMNS)
+    tail = w[rows * _COLUMNS:]
+    col = body.sum(0, dtype=torch.int32)
+    col[: tail.numel()] += tail
+    row = torch.cat([body.sum(1, dtype=torch.int32), tail.sum(dtype=torch.int32).reshape(1)])
+    return col, row
+
+
+def _position_weights(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(1, n + 1, device=device, dtype=torch.int64).mul_(_MULT).remainder_(_PRIME)
+
+
+def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
+                          device: torch.device) -> torch.Tensor:
+    cols, rows, present = [], [], []
+    for t in tensors:
+        if t is None:
+            cols.append(torch.zeros(_COLUMNS, dtype=torch.int32, device=device))
+            rows.append(torch.zeros(1, dtype=torch.int32, device=device))
+            present.append(0)
+            continue
+        c, r = _bitwise_parts(t)
+        cols.append(c.to(device, non_blocking=True))
+        rows.append(r.to(device, non_blocking=True))
+        present.append(1)
+    col = torch.stack(cols).to(torch.int64)                               # [P, C]
+    word_sum = col.sum(1)
+    col_hash = col.remainder_(_PRIME).mul_(_position_weights(_COLUMNS, device)) \
+                  .remainder_(_PRIME).sum(1)
+    lengths = [r.numel() for r in rows]
+    row = torch.cat(rows).to(torch.int64)                                 # [sum of rows]
+    segment = torch.repeat_interleave(
+        torch.arange(len(rows), device=device), torch.tensor(lengths, device=device))
+    starts = torch.tensor([0] + lengths[:-1], device=device).cumsum(0)
+    position = torch.arange(row.numel(), device=device) - starts[segment]
+    weights = (position + 1).mul_(_MULT).remainder_(_PRIME)
+    contrib = row.remainder_(_PRIME).mul_(weights).remainder_(_PRIME)
+    row_hash = torch.zeros(len(rows), dtype=torch.int64, device=device).index_add_(0, segment, contrib)
+    flag = torch.tensor(present, dtype=torch.int64, device=device)
+    return torch.stack([flag, word_sum, col_hash, row_hash], dim=1)
+
+
+def _tolerance_row(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    x = t.reshape(-1).to(torch.float64)                                   # a copy
+    nan = torch.isnan(x)
+    pinf = x == float("inf")
+    ninf = x == float("-inf")
+    x.masked_fill_(~torch.isfinite(x), 0.0)
+    floats = torch.stack([x.sum(), torch.dot(x, x), x.abs().sum()]).view(torch.int64)
+    counts = torch.stack([torch.ones((), dtype=torch.int64, device=x.device),
+                          nan.sum(), pinf.sum(), ninf.sum()])
+    return torch.cat([counts, floats]).to(device, non_blocking=True)
+
+
+def _tolerance_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
+                            device: torch.device) -> torch.Tensor:
+    rows = [torch.zeros(_TOLERANCE_K, dtype=torch.int64, device=device) if t is None
+            else _tolerance_row(t, device) for t in tensors]
+    return torch.stack(rows)
+
+
+def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitwise",
+                 device: Optional[torch.device] = None) -> torch.Tensor:
+    """Per-tensor fingerprints, computed locally (no communication), as an int64 ``[n, k]`` table.
+
+    ``mode="bitwise"``: columns ``present, word_sum, column_hash, row_hash`` (hashes of
+    the raw bits). ``mode="tolerance"``: ``present, nan, posinf, neginf`` and the float64
+    ``sum, sum_of_squares, sum_abs`` of the finite elements, stored bit for bit in int64
+    (``table[:, 4:].view(torch.float64)``). ``None`` entries get ``present == 0``.
+    The table lands on ``device`` (default: the first tensor's device).
+
+    >>> a = torch.tensor([1.0, float("nan"), 3.0])
+    >>> b = a.clone(); b[2] = 3.0000002
+    >>> fp = fingerprints([a, a.clone(), b, None])
+    >>> fp.shape
+    torch.Size([4, 4])
+    >>> bool((fp[0] == fp[1]).all()), bool((fp[0] == fp[2]).all()), fp[3, 0].item()
+    (True, False, 0)
+    """
+    if mode not in ("bitwise", "tolerance"):
+        raise GraddbgError(f"fingerprints(mode=...): got {mode!r}; accepted: 'bitwise', 'tolerance'")
+    if device is None:
+        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+    if not tensors:
+        k = _BITWISE_K if mode == "bitwise" else _TOLERANCE_K
+        return torch.zeros(0, k, dtype=torch.int64, device=device)
+    if mode == "bitwise":
+        return _bitwise_fingerprints(tensors, device)
+    return _tolerance_fingerprints(tensors, device)
+
+
+# --------------------------------------------------------------------------- the report
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """One tensor on one rank that disagrees with the reference rank."""
+
+    name: str
+    rank: int
+    reference_rank: int
+    reason: str
+    shape: Tuple[int, ...]
+    dtype: str
+    fingerprint: str
+    reference_fingerprint: str
+    max_abs_diff: float = float("nan")     # details=True only
+    n_diff: Optional[int] = None           # details=True: elements that differ
+    index: Optional[Tuple[int, ...]] = None  # details=True: where the largest difference is
+    value: Optional[float] = None          # details=True: this rank's value there
+    reference_value: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsistencyReport:
+    """The verdict of a collective check; the same on every rank.
+
+    ``ok`` (also ``bool(report)``), ``world_size``, ``rank`` (this process's rank in the
+    group), ``kind`` ("gradients", "parameters" or "buffers"), ``mode`` ("bitwise" or
+    "tolerance"), ``checked`` (number of tensors compared), ``rows`` (the
+    :class:`Mismatch` records) and ``mismatches``, the same as a DataFrame.
+    """
+
+    ok: bool
+    world_size: int
+    rank: int
+    kind: str
+    mode: str
+    checked: int
+    rows: Tuple[Mismatch, ...] = ()
+    atol: float = 0.0
+    rtol: float = 0.0
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @property
+    def names(self) -> List[str]:
+        """Names of the tensors that differ somewhere, in model order, without repeats."""
+        return list(dict.fromkeys(m.name for m in self.rows))
+
+    @property
+    def ranks(self) -> List[int]:
+        """Ranks that differ from the reference on some tensor, sorted."""
+        return sorted({m.rank for m in self.rows})
+
+    @property
+    def mismatches(self) -> Any:
+        """A pandas DataFrame, one row per (tensor, rank) that differs from the reference."""
+        import pandas as pd
+
+        columns = [f.name for f in dataclasses.fields(Mismatch)]
+        return pd.DataFrame([dataclasses.astuple(m) for m in self.rows], columns=columns)
+
+    def summary(self) -> str:
+        """One line: the verdict, the first differing tensor and the ranks."""
+        head = f"{self.kind} ({self.mode}) across {self.world_size} ranks"
+        if self.ok:
+            return f"{head}: consistent ({self.checked} tensors)"
+        first = self.rows[0]
+        return (f"{head}: {len(self.names)} of {self.checked} tensors differ, first "
+                f"{first.name!r} on rank(s) {sorted({m.rank for m in self.rows if m.name == first.name})} "
+                f"({first.reason}); ranks that differ: {self.ranks}")
+
+    def __str__(self) -> str:
+        lines = [f"ConsistencyReport[rank {self.rank}]: {self.summary()}"]
+        if not self.ok:
+            header = ("name", "rank", "ref", "reason", "max_abs_diff")
+            table = [header] + [
+                (m.name, str(m.rank), str(m.reference_rank), m.reason,
+                 "" if m.max_abs_diff != m.max_abs_diff else f"{m.max_abs_diff:.4g}")
+                for m in self.rows[:_MAX_STR_ROWS]]
+            widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+            lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+            if len(self.rows) > _MAX_STR_ROWS:
+                lines.append(f"  ... and {len(self.rows) - _MAX_STR_ROWS} more rows "
+                             "(report.mismatches has them all)")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- plumbing
+def _unwrap(model: Any, fn: str) -> nn.Module:
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise GraddbgError(f"{fn}(model=...): got the class {model.__name__}, expected an "
+                           f"nn.Module instance; instantiate it first")
+    if not isinstance(model, nn.Module):
+        raise GraddbgError(f"{fn}(model=...): got {type(model).__name__}, expected an nn.Module "
+                           f"(a DistributedDataParallel wrapper or a plain module)")
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            break
+    return model
+
+
+def _validate(fn: str, group: Any, atol: float, rtol: float, timeout: Timeout) -> timedelta:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise GraddbgError(f"{fn}: torch.distributed is not initialized; call "
+                           f"torch.distributed.init_process_group(...) on every rank first "
+                           f"(or launch with torchrun)")
+    for arg, val in (("atol", atol), ("rtol", rtol)):
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not val >= 0 \
+                or val == float("inf"):
+            raise GraddbgError(f"{fn}({arg}=...): got {val!r}; accepted: a finite number >= 0")
+    if isinstance(timeout, bool) or not isinstance(timeout, (timedelta, int, float)):
+        raise GraddbgError(f"{fn}(timeout=...): got {timeout!r}; accepted: a datetime.timedelta "
+                           f"or a number of seconds > 0")
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise GraddbgError(f"{fn}(timeout=...): got {timeout}; accepted: a positive duration")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise GraddbgError(f"{fn}(group=...): got {type(group).__name__}; accepted: None (the "
+                           f"default group) or a torch.distributed.ProcessGroup")
+    if dist.get_rank(group) < 0:
+        raise GraddbgError(f"{fn}(group=...): this process (global rank {dist.get_rank()}) is not "
+                           f"a member of the group; call the check only on its members")
+    return timeout
+
+
+def _backend(group: Any) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+def _comm_device(group: Any, tensors: Sequence[Optional[torch.Tensor]]) -> torch.device:
+    backend = _backend(group)
+    if backend in ("gloo", "mpi"):
+        return torch.device("cpu")
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    first = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+    if "cpu:" in backend and first.type == "cpu":
+        return first
+    if first.type == "cuda" and first.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return first
+
+
+# Barrier groups by group: creating a group is collective, so it happens once per group
+# (in prepare() or in the first check) and is cached for the life of the process. The
+# entry keeps the group itself alive, so that its id is not reused.
+_SIDE_GROUPS: dict = {}
+
+
+def _barrier_group(group: Any, timeout: timedelta, force_side: bool = False) -> Any:
+    if not force_side and "gloo" in _backend(group) and ("cpu:" not in _backend(group)
+                                      or "cpu:gloo" in _backend(group)):
+        return group
+    key = id(group if group is not None else dist.group.WORLD)
+    entry = _SIDE_GROUPS.get(key)
+    if entry is None:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        try:
+            side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
+                                  use_local_synchronization=True)
+        except RuntimeError as err:
+            raise DDPTimeoutError(
+                f"graddbg.ddp_verify: could not create the gloo side group used to detect "
+                f"missing ranks (ranks {ranks}); some rank did not arrive within {timeout}. "
+                f"Call graddbg.ddp_verify.prepare() on every rank right after "
+                f"init_process_group. Cause: {err}") from err
+        entry = (group, side)
+        _SIDE_GROUPS[key] = entry
+    return entry[1]
+
+
+def prepare(group: Any = None, *, timeout: Timeout = timedelta(seconds=300)) -> None:
+    """Create (once, cached) the gloo group the checks use to detect missing ranks.
+
+    Needed only for groups of another backend than gloo (NCCL, for instance), and even then
+    optional: the first check creates it. Creating a group is collective, so call this
+    on every rank of ``group`` at the same point, right after ``init_process_group``,
+    when a later check may be reached by some ranks only.
+
+    >>> prepare()  # doctest: +SKIP
+    """
+    timeout = _validate("prepare", group, 0.0, 0.0, timeout)
+    _barrier_group(group, timeout)
+
+
+def _barrier(fn: str, group: Any, timeout: timedelta) -> None:
+    bgroup = _barrier_group(group, timeout)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    try:
+        dist.monitored_barrier(bgroup, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as err:
+        text = str(err)
+        found = re.search(r"Ranks? ([\d,\s]+) failed to pass monitoredBarrier", text)
+        secs = timeout.total_seconds()
+        if found:
+            missing = [int(r) for r in re.findall(r"\d+", found.group(1))]
+            message = (f"{fn}: rank(s) {missing} of the group (world size {world}) did not "
+                       f"enter the check within {secs:g} s (seen from rank {rank}). Every rank "
+                       f"must call {fn} at the same point of the program.")
+        else:
+            missing = []
+            message = (f"{fn}: rank {rank} entered the check, but the group did not complete its "
+                       f"barrier within {secs:g} s: rank 0, or a rank that rank 0 names in its own "
+                       f"error, did not enter it. Every rank must call {fn} at the same point "
+                       f"of the program.")
+        error = DDPTimeoutError(f"{message} (torch.distributed said: {text.strip()[:300]})")
+        error.missing_ranks = missing  # type: ignore[attr-defined]
+        raise error from err
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    out = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return torch.stack(out)
+
+
+def _collect(model: nn.Module, kind: str) -> Tuple[List[str], List[Optional[torch.Tensor]], List[tuple]]:
+    ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
+    names: List[str] = []
+    tensors: List[Optional[torch.Tensor]] = []
+    meta: List[tuple] = []
+    if kind == "buffers":
+        items: Iterable = model.named_buffers()
+    else:
+        items = model.named_parameters()
+    for name, t in items:
+        if name in ignore:
+            continue
+        names.append(name)
+        entry = (name, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        if kind == "gradients":
+            entry += (bool(t.requires_grad),)
+            tensors.append(t.grad)
+        else:
+            tensors.append(t)
+        meta.append(entry)
+    return names, tensors, meta
+
+
+def _describe(entry: Optional[tuple]) -> str:
+    if entry is None:
+        return "nothing there"
+    text = f"{entry[0]!r} shape {entry[1]} {entry[2]}"
+    if len(entry) > 3:
+        text += f" requires_grad={entry[3]}"
+    return text
+
+
+def _structure_error(fn: str, kind: str, call: str, meta: List[tuple], group: Any) -> None:
+    world = dist.get_world_size(group)
+    everything: List[Any] = [None] * world
+    dist.all_gather_object(everything, (call, meta), group=group)
+    calls = [c for c, _ in everything]
+    if len(set(calls)) > 1:
+        raise DDPInconsistencyError(
+            f"{fn}: the ranks called different checks: "
+            + "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+            + ". Every rank must call the same check with the same atol and rtol.")
+    metas = [m for _, m in everything]
+    ref = metas[0]
+    first, differing = None, []
+    for r, other in enumerate(metas[1:], start=1):
+        if other == ref:
+            continue
+        differing.append(r)
+        idx = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
+        if first is None or idx < first[0]:
+            first = (idx, r)
+    assert first is not None
+    idx, r = first
+    what = "parameter" if kind != "buffers" else "buffer"
+    counts = ""
+    if len(metas[r]) != len(ref):
+        counts = f" (rank 0 has {len(ref)} {what}s, rank {r} has {len(metas[r])})"
+    raise DDPInconsistencyError(
+        f"{fn}: the ranks hold different models{counts}; first difference at {what} #{idx}: "
+        f"rank 0 has {_describe(ref[idx] if idx < len(ref) else None)}, rank {r} has "
+        f"{_describe(metas[r][idx] if idx < len(metas[r]) else None)}. Ranks that differ from "
+        f"rank 0: {differing}. Build the same model on every rank (same layers, shapes, dtypes"
+        f"{' and requires_grad' if kind == 'gradients' else ''}).")
+
+
+def _fp_text(row: torch.Tensor, mode: str) -> str:
+    if not int(row[0]):
+        return "absent"
+    if mode == "bitwise":
+        return "-".join(f"{int(v) & 0xFFFFFFFFFFFFFFFF:016x}" for v in row[1:])
+    s, q, l1 = row[4:].view(torch.float64).tolist()
+    return (f"sum={s:.9g} sumsq={q:.9g} sumabs={l1:.9g} nan={int(row[1])} "
+            f"+inf={int(row[2])} -inf={int(row[3])}")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, numel: int, atol: float, rtol: float) -> bool:
+    """Could two tolerance fingerprints come from tensors with |a - b| <= atol + rtol |b|?"""
+    if not torch.equal(a[:4], b[:4]):
+        return False
+    if not int(a[0]):
+        return True
+    sa, qa, la = a[4:].view(torch.float64).tolist()
+    sb, qb, lb = b[4:].view(torch.float64).tolist()
+    big_l, big_q = max(la, lb), max(qa, qb)
+    slack = 1e-12 * (big_l + big_q) + 1e-300
+    n = numel
+    return (abs(sa - sb) <= atol * n + rtol * big_l + slack
+            and abs(la - lb) <= atol * n + rtol * big_l + slack
+            and abs(qa - qb) <= atol * atol * n + 2 * atol * (1 + rtol) * big_l
+            + rtol * (2 + rtol) * big_q + slack)
+
+
+def _verdict(table: torch.Tensor, names: List[str], meta: List[tuple], mode: str,
+             atol: float, rtol: float) -> List[Tuple[int, int, int, str]]:
+    """(param index, rank, reference rank, reason) for every entry that disagrees."""
+    world = table.shape[0]
+    equal = (table == table[0:1]).all(dim=2).all(dim=0)
+    out: List[Tuple[int, int, int, str]] = []
+    for p in (~equal).nonzero().flatten().tolist():
+        rows = table[:, p, :]
+        if mode == "bitwise":
+            same = [[bool(torch.equal(rows[i], rows[j])) for j in range(world)] for i in range(world)]
+        else:
+            numel = 1
+            for s in meta[p][1]:
+                numel *= s
+            same = [[_close(rows[i], rows[j], numel, atol, rtol) for j in range(world)]
+                    for i in range(world)]
+        support = [sum(row) for row in same]
+        ref = max(range(world), key=lambda r: (support[r], -r))
+        for r in range(world):
+            if same[r][ref]:
+                continue
+            if int(rows[r, 0]) != int(rows[ref, 0]):
+                reason = ("no gradient on this rank" if not int(rows[r, 0])
+                          else "has a gradient, the reference rank has none")
+            elif mode == "bitwise":
+                reason = "bits differ"
+            elif not torch.equal(rows[r, 1:4], rows[ref, 1:4]):
+                reason = "NaN/Inf counts differ"
+            else:
+                reason = "values differ beyond atol/rtol"
+            out.append((p, r, ref, reason))
+    return out
+
+
+def _wire(t: Optional[torch.Tensor], shape: Tuple[int, ...], dtype: str,
+          device: torch.device) -> torch.Tensor:
+    """What a rank sends of one tensor for details=True (zeros where it has none)."""
+    if t is None:
+        return torch.zeros(shape, dtype=torch.float64, device=device)
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.to(device=device, dtype=torch.float64).contiguous()
+
+
+def _details(found: List[Tuple[int, int, int, str]], tensors: List[Optional[torch.Tensor]],
+             meta: List[tuple], group: Any, device: torch.device) -> dict:
+    """Gather the offending tensors (at most _MAX_DETAIL_TENSORS) and measure differences."""
+    params = list(dict.fromkeys(p for p, _, _, _ in found))[:_MAX_DETAIL_TENSORS]
+    result = {}
+    for p in params:
+        gathered = _all_gather(_wire(tensors[p], meta[p][1], meta[p][2], device), group).cpu()
+        for q, r, ref, _ in found:
+            if q != p:
+                continue
+            a, b = gathered[r], gathered[ref]
+            same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+            diff = torch.where(same, torch.zeros_like(a), (a - b).abs()).nan_to_num(nan=float("inf"))
+            n_diff = int((~same).sum())
+            if diff.numel() == 0:
+                result[(p, r)] = (0.0, 0, None, None, None)
+                continue
+            flat = int(diff.reshape(-1).argmax())
+            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)) \
+                if diff.dim() else ()
+            result[(p, r)] = (float(diff.reshape(-1)[flat]), n_diff, index,
+                              float(a.reshape(-1)[flat]), float(b.reshape(-1)[flat]))
+    return result
+
+
+def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
+           timeout: Timeout, details: bool, raise_on_mismatch: bool) -> ConsistencyReport:
+    module = _unwrap(model, fn)
+    timeout = _validate(fn, group, atol, rtol, timeout)
+    mode = "bitwise" if atol == 0 and rtol == 0 else "tolerance"
+    names, tensors, meta = _collect(module, kind)
+    device = _comm_device(group, [p for p in module.parameters()] or tensors)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+
+    _barrier(fn, group, timeout)
+
+    call = f"{fn}(mode={mode}, atol={float(atol)!r}, rtol={float(rtol)!r})"
+    header = torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), int(bool(details))],
+                          dtype=torch.int64, device=device)
+    headers = _all_gather(header, group).cpu()
+    if not bool((headers == headers[0]).all()):
+        _structure_error(fn, kind, call, meta, group)  # raises on every rank
+
+    table = _all_gather(fingerprints(tensors, mode=mode, device=device), group).cpu()
+    found = _verdict(table, names, meta, mode, float(atol), float(rtol))
+    measured = _details(found, tensors, meta, group, device) if (details and found) else {}
+
+    rows = []
+    for p, r, ref, reason in found:
+        extra = measured.get((p, r))
+        rows.append(Mismatch(
+            name=names[p], rank=r, reference_rank=ref, reason=reason, shape=meta[p][1],
+            dtype=meta[p][2], fingerprint=_fp_text(table[r, p], mode),
+            reference_fingerprint=_fp_text(table[ref, p], mode),
+            **({} if extra is None else dict(zip(
+                ("max_abs_diff", "n_diff", "index", "value", "reference_value"), extra)))))
+    report = ConsistencyReport(ok=not rows, world_size=world, rank=rank, kind=kind, mode=mode,
+                               checked=len(names), rows=tuple(rows), atol=float(atol),
+                               rtol=float(rtol))
+    if rows and raise_on_mismatch:
+        raise DDPInconsistencyError(str(report), report=report)
+    return report
+
+
+_DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+
+def check_gradients(model: nn.Module, *, group: Any = None, atol: float = 0.0, rtol: float = 0.0,
+                    timeout: Timeout = _DEFAULT_TIMEOUT, details: bool = False,
+                    raise_on_mismatch: bool = False) -> ConsistencyReport:
+    """Check that every parameter's ``.grad`` is the same on every rank of ``group``.
+
+    Collective: call it on every rank at the same point (after the synchronising backward,
+    before ``optimizer.step()``). ``model`` is a ``DistributedDataParallel`` or a plain
+    module (names never carry DDP's ``module.`` prefix). A parameter whose gradient is
+    ``None`` on some ranks only is reported by name and rank. ``atol``/``rtol`` > 0 switch
+    from the bitwise comparison to tolerance mode; ``details=True`` gathers the differing
+    tensors (only those) to report the largest difference per rank;
+    ``raise_on_mismatch=True`` raises :class:`DDPInconsistencyError` on every rank after
+    all of them have reached the same verdict. A rank that does not arrive within
+    ``timeout`` makes the others raise :class:`DDPTimeoutError`; ranks holding different
+    models raise :class:`DDPInconsistencyError` naming the first difference.
+
+    >>> import os, tempfile, torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = torch.nn.Linear(3, 2)
+    >>> model(torch.randn(4, 3)).sum().backward()
+    >>> report = check_gradients(model)
+    >>> report.ok, report.world_size, report.checked
+    (True, 1, 2)
+    >>> dist.destroy_process_group()
+    """
+    return _check("check_gradients", "gradients", model, group, atol, rtol, timeout, details,
+                  raise_on_mismatch)
+
+
+def check_parameters(model: nn.Module, *, group: Any = None, atol: float = 0.0,
+                     rtol: float = 0.0, timeout: Timeout = _DEFAULT_TIMEOUT,
+                     details: bool = False, raise_on_mismatch: bool = False) -> ConsistencyReport:
+    """Check that every parameter's value is the same on every rank (see :func:`check_gradients`).
+
+    Run it after ``optimizer.step()`` to catch weights that drifted apart.
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> print(check_parameters(torch.nn.Linear(3, 2)))
+    ConsistencyReport[rank 0]: parameters (bitwise) across 1 ranks: consistent (2 tensors)
+    >>> dist.destroy_process_group()
+    """
+    return _check("check_parameters", "parameters", model, group, atol, rtol, timeout, details,
+                  raise_on_mismatch)
+
+
+def check_buffers(model: nn.Module, *, group: Any = None, atol: float = 0.0, rtol: float = 0.0,
+                  timeout: Timeout = _DEFAULT_TIMEOUT, details: bool = False,
+                  raise_on_mismatch: bool = False) -> ConsistencyReport:
+    """Check that every buffer (BatchNorm statistics, for instance) is the same on every rank.
+
+    Buffers drift apart under ``DistributedDataParallel(..., broadcast_buffers=False)``.
+    See :func:`check_gradients` for the arguments.
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> check_buffers(torch.nn.BatchNorm1d(4)).names
+    []
+    >>> dist.destroy_process_group()
+    """
+    return _check("check_buffers", "buffers", model, group, atol, rtol, timeout, details,
+                  raise_on_mismatch)
