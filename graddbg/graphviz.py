@@ -780,7 +780,7 @@ def escape(text: str) -> str:
     ``& < >`` as entities (graphviz reads entities in labels). Braces and ``|`` need no
     escaping in the (non-record) shapes graddbg uses.
 
-    >>> print(escape('a"b<c>&d\e'))
+    >>> print(escape('a"b<c>&d\\e'))
     a\"b&lt;c&gt;&amp;d\\e
     """
     text = str(text)

@@ -1,0 +1,485 @@
+"""Tests of graddbg.graphviz: extract (plain graph), emit (DOT text), render (dot).
+
+Golden DOT files live in tests/goldens/graph/; rewrite them with
+``GRADDBG_UPDATE_GOLDENS=1 pytest tests/test_graphviz.py``.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import pathlib
+import re
+import shutil
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+from torch import nn
+
+import graddbg
+from graddbg._errors import DotNotFoundError, GraddbgError
+from graddbg.graphviz import (AutogradGraph, Graph, collapse, escape, extract, graph, to_dot,
+                              trace_modules)
+
+GOLDENS = pathlib.Path(__file__).parent / "goldens" / "graph"
+UPDATE = os.environ.get("GRADDBG_UPDATE_GOLDENS") == "1"
+HAS_DOT = shutil.which("dot") is not None
+needs_dot = pytest.mark.skipif(not HAS_DOT, reason="needs the graphviz dot program")
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDENS / f"{name}.dot"
+    if UPDATE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"missing golden {path}; run with GRADDBG_UPDATE_GOLDENS=1"
+    assert text == path.read_text(), f"DOT differs from golden {path.name}"
+
+
+# ---------------------------------------------------------------- small problems
+
+
+class TwoModules(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(3, 4)
+        self.dec = nn.Sequential(nn.Linear(4, 2), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(torch.relu(self.enc(x)))
+
+
+def two_modules_graph(**kw):
+    torch.manual_seed(0)
+    model = TwoModules()
+    x = torch.randn(5, 3)
+    return model, graph(lambda: model(x).pow(2).sum(), model=model, **kw)
+
+
+def svg_texts(svg: str) -> list:
+    root = ET.fromstring(svg)  # raises on invalid XML
+    return [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text")]
+
+
+# ---------------------------------------------------------------- extract
+
+
+def test_extract_small_graph_structure():
+    x = torch.ones(3, requires_grad=True)
+    w = torch.ones(3, requires_grad=True)
+    y = (x * w).sum()
+    g = extract(y, params={"w": w})
+    assert [(n.id, n.kind, n.name) for n in g.nodes] == [
+        ("n0", "output", "output"), ("n1", "op", "SumBackward0"), ("n2", "op", "MulBackward0"),
+        ("n3", "input", "input"), ("n4", "param", "w")]
+    assert {(e.src, e.dst) for e in g.edges} == {("n1", "n0"), ("n2", "n1"), ("n3", "n2"), ("n4", "n2")}
+    assert g.node("n4").shape == (3,)
+
+
+def test_extract_matches_naive_recursive_walk():
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    y = model(torch.randn(2, 4)).sum()
+    ops = collections.Counter()
+    seen = set()
+
+    def walk(fn):  # naive reference, small graph
+        if fn is None or fn in seen:
+            return
+        seen.add(fn)
+        if not hasattr(fn, "variable"):
+            ops[type(fn).__name__] += 1
+        for u, _ in fn.next_functions:
+            walk(u)
+    walk(y.grad_fn)
+    g = extract(y, model=model)
+    assert collections.Counter(n.name for n in g.by_kind("op")) == ops
+    assert sorted(n.name for n in g.by_kind("param")) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_identical_output_on_two_runs():
+    _, g1 = two_modules_graph(grads=True)
+    _, g2 = two_modules_graph(grads=True)
+    assert g1.source == g2.source
+    assert [n.id for n in g1.nodes] == [n.id for n in g2.nodes]
+
+
+def test_long_chain_has_no_recursion_error():
+    x = torch.ones(2, requires_grad=True)
+    y = x
+    for _ in range(5000):
+        y = y * 1.0001
+    g = graph(y.sum(), max_nodes=None)
+    assert len(g.extracted.by_kind("op")) == 5001
+    assert g.source.count(" -> ") == 5002
+    assert not g.extracted.truncated
+
+
+def test_max_nodes_truncates_with_visible_note():
+    x = torch.ones(2, requires_grad=True)
+    y = x
+    for _ in range(50):
+        y = y + 1
+    g = graph(y.sum(), max_nodes=10)
+    assert len(g.nodes) == 10
+    assert g.extracted.total_nodes == 53  # output + Sum + 50 Add + leaf
+    assert g.extracted.truncated
+    assert "graph truncated: showing 10 of 53 nodes (max_nodes=10)" in g.source
+
+
+@dataclasses.dataclass
+class ModelOutput:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    hidden: object = None
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "dataclass", "namedtuple"])
+def test_container_roots(kind):
+    x = torch.randn(3, requires_grad=True)
+    a, b = x.exp(), x.sin()
+    NT = collections.namedtuple("NT", ["loss", "logits"])
+    roots, names = {
+        "tuple": ((a, b), ["[0]", "[1]"]),
+        "list": ([a, b], ["[0]", "[1]"]),
+        "dict": ({"loss": a, "logits": b, "step": 3}, ["loss", "logits"]),
+        "dataclass": (ModelOutput(loss=a, logits=b, hidden=None), ["loss", "logits"]),
+        "namedtuple": (NT(a, b), ["loss", "logits"]),
+    }[kind]
+    g = extract(roots)
+    assert [n.name for n in g.by_kind("output")] == names
+    assert sorted(n.name for n in g.by_kind("op")) == ["ExpBackward0", "SinBackward0"]
+    assert len(g.by_kind("input")) == 1  # x shared by both ops
+
+
+def test_modeloutput_mapping_roots():
+    class Output(collections.OrderedDict):  # what transformers' ModelOutput is
+        pass
+    x = torch.randn(3, requires_grad=True)
+    out = Output(loss=x.sum(), logits=x * 2)
+    g = graph(out)
+    assert [n.name for n in g.extracted.by_kind("output")] == ["loss", "logits"]
+
+
+def test_roots_without_graph_are_rejected():
+    with pytest.raises(ValueError, match=r"roots=.*no tensor with a grad_fn.*dict"):
+        graph({"a": torch.ones(2)})
+
+
+def test_bad_arguments_name_themselves():
+    y = torch.ones(2, requires_grad=True).exp().sum()
+    with pytest.raises(ValueError, match=r"max_nodes=.*positive int.*got 0"):
+        graph(y, max_nodes=0)
+    with pytest.raises(ValueError, match=r"depth=.*non-negative.*got -1"):
+        graph(y, depth=-1)
+    with pytest.raises(TypeError, match=r"model=.*nn.Module.*got str"):
+        graph(y, model="resnet")
+    with pytest.raises(ValueError, match=r"format=.*svg.*got 'jpg'"):
+        graph(y).render("x.jpg", format="jpg")
+
+
+# ---------------------------------------------------------------- modules
+
+
+def test_every_node_of_two_module_model_lands_in_its_cluster():
+    model, g = two_modules_graph()
+    where = {n.name if n.kind != "op" else f"{n.name}@{n.id}": n.module for n in g.nodes}
+    ops = {(n.name, n.module) for n in g.extracted.by_kind("op")}
+    assert ops == {
+        ("SumBackward0", ()), ("PowBackward0", ()), ("ReluBackward0", ()),   # model/loss level
+        ("AddmmBackward0", ("enc",)), ("TBackward0", ("enc",)),
+        ("AddmmBackward0", ("dec", "0")), ("TBackward0", ("dec", "0")),
+        ("TanhBackward0", ("dec", "1")),
+    }
+    assert where["enc.weight"] == ("enc",) and where["enc.bias"] == ("enc",)
+    assert where["dec.0.weight"] == ("dec", "0") and where["dec.0.bias"] == ("dec", "0")
+    # nested clusters in the DOT text: dec contains dec.0 and dec.1
+    src = g.source
+    dec = src.index('label="dec\\n(Sequential)"')
+    dec0 = src.index('label="dec.0\\n(Linear)"')
+    assert src.count("subgraph cluster_") == 4
+    assert dec < dec0
+
+
+def test_trace_modules_removes_hooks_and_leaves_model_unchanged():
+    model = TwoModules()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ZeroDivisionError):
+        with trace_modules(model):
+            model(torch.randn(2, 3))
+            1 / 0
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert not any(k.startswith("_graddbg") for m in model.modules() for k in vars(m))
+
+
+def test_context_manager_trace_equals_callable_form():
+    model = TwoModules()
+    x = torch.randn(5, 3)
+    with trace_modules(model) as tr:
+        y = model(x).pow(2).sum()
+    g1 = graph(y, model=tr)
+    g2 = graph(lambda: model(x).pow(2).sum(), model=model)
+    assert g1.source == g2.source
+
+
+def test_precomputed_roots_cluster_parameters_by_ownership():
+    model = TwoModules()
+    y = model(torch.randn(5, 3)).sum()
+    g = graph(y, model=model)
+    params = {n.name: n.module for n in g.extracted.by_kind("param")}
+    assert params == {"enc.weight": ("enc",), "enc.bias": ("enc",),
+                      "dec.0.weight": ("dec", "0"), "dec.0.bias": ("dec", "0")}
+    addmm = [n.module for n in g.extracted.by_kind("op") if n.name == "AddmmBackward0"]
+    assert sorted(addmm) == [("dec", "0"), ("enc",)]
+
+
+def test_depth_collapses_deeper_modules_into_counted_nodes():
+    _, full = two_modules_graph()
+    _, g = two_modules_graph(depth=0)
+    modules = {n.name: n.ops for n in g.extracted.by_kind("module")}
+    assert modules == {"enc": 2, "dec": 3}  # Addmm+T ; Addmm+T+Tanh
+    assert 'label="dec\\nSequential\\n3 ops"' in g.source
+    assert not g.extracted.by_kind("param")
+    _, g1 = two_modules_graph(depth=1)
+    assert {n.name for n in g1.extracted.by_kind("module")} == {"dec.0", "dec.1"}
+    # collapsing keeps connectivity: enc -> relu -> dec
+    ids = {n.name: n.id for n in g.nodes}
+    relu = [n.id for n in g.nodes if n.name == "ReluBackward0"][0]
+    edges = {(e.src, e.dst) for e in g.edges}
+    assert (ids["enc"], relu) in edges and (relu, ids["dec"]) in edges
+    assert len(g.nodes) < len(full.nodes)
+
+
+# ---------------------------------------------------------------- grads
+
+
+def test_sqrt_at_zero_marks_sqrt_backward_nonfinite():
+    x = torch.tensor([0.0, 1.0, 4.0], requires_grad=True)
+    y = (x.sqrt() * 2).sum()
+    g = graph(y, grads=True)
+    by_name = {n.name: n for n in g.nodes}
+    sqrt = by_name["SqrtBackward0"]
+    assert sqrt.nonfinite and sqrt.nonfinite_origin
+    assert not by_name["MulBackward0"].nonfinite
+    assert by_name["MulBackward0"].grad_norm == pytest.approx(2 * 3 ** 0.5)
+    assert by_name["input"].nonfinite and not by_name["input"].nonfinite_origin
+    line = [ln for ln in g.source.splitlines() if "SqrtBackward0" in ln][0]
+    assert "non-finite (origin)" in line and "#e41a1c" in line
+    assert 'label="non-finite"' in g.source  # legend
+
+
+def test_grad_norms_match_reference_and_leave_grad_alone():
+    model = TwoModules()
+    x = torch.randn(5, 3)
+    model.enc.weight.grad = torch.full_like(model.enc.weight, 7.0)
+    before = model.enc.weight.grad
+    y = model(x).pow(2).sum()
+    g = graph(y, model=model, grads=True)
+    assert model.enc.weight.grad is before and torch.all(before == 7.0)
+    assert model.dec[0].weight.grad is None
+    ref = torch.autograd.grad(y, [model.enc.weight, model.dec[0].bias], retain_graph=True)
+    by_name = {n.name: n for n in g.nodes}
+    assert by_name["enc.weight"].grad_norm == pytest.approx(ref[0].norm().item(), rel=1e-6)
+    assert by_name["dec.0.bias"].grad_norm == pytest.approx(ref[1].norm().item(), rel=1e-6)
+    for fn in [y.grad_fn, y.grad_fn.next_functions[0][0]]:
+        assert not fn._forward_hooks if hasattr(fn, "_forward_hooks") else True
+    y.backward()  # the graph was kept, and no hook of ours fires any more
+    assert model.dec[0].weight.grad is not None
+
+
+def test_zero_gradient_is_grey():
+    x = torch.randn(3, requires_grad=True)
+    y = (x * 0).sum()
+    g = graph(y, grads=True)
+    line = [ln for ln in g.source.splitlines() if "input" in ln and "->" not in ln][0]
+    assert "grad 0" in line and "#d9d9d9" in line
+
+
+def test_grads_on_freed_graph_is_explained():
+    x = torch.randn(3, requires_grad=True)
+    y = x.exp().sum()
+    y.backward()
+    with pytest.raises(GraddbgError, match="already freed"):
+        graph(y, grads=True)
+
+
+def test_watch_stats_annotate_parameters():
+    pd = pytest.importorskip("pandas")
+    model = TwoModules()
+
+    class FakeWatch:
+        stats = pd.DataFrame({"step": [0, 1, 1], "name": ["enc.weight", "enc.weight", "enc.bias"],
+                              "norm": [9.0, 0.5, float("nan")], "absmax": [1.0, 0.25, float("nan")],
+                              "nonfinite": [0, 0, 3]})
+    g = graph(model(torch.randn(2, 3)).sum(), model=model, watch=FakeWatch())
+    lines = {n.name: n for n in g.nodes}
+    assert lines["enc.weight"].detail == ["step 1: norm=0.5 absmax=0.25"]
+    assert "non-finite: 3" in lines["enc.bias"].detail
+    assert "#e41a1c" in [ln for ln in g.source.splitlines() if "enc.bias" in ln][0]
+
+
+# ---------------------------------------------------------------- DOT text
+
+
+def test_golden_two_modules():
+    _, g = two_modules_graph()
+    check_golden("two_modules", g.source)
+
+
+def test_golden_two_modules_grads():
+    _, g = two_modules_graph(grads=True)
+    check_golden("two_modules_grads", g.source)
+
+
+def test_golden_depth0():
+    _, g = two_modules_graph(depth=0)
+    check_golden("two_modules_depth0", g.source)
+
+
+def test_golden_saved_tensors():
+    x = torch.ones(2, 3, requires_grad=True)
+    g = graph((x * x.exp()).sum(), show_saved=True, cluster=False)
+    check_golden("saved", g.source)
+    saved = {n.name: n.detail for n in g.extracted.by_kind("saved")}
+    assert saved["result"] == ["float32 24 B"]
+
+
+def test_escape():
+    assert escape('a"b') == 'a\\"b'
+    assert escape("a\\b") == "a\\\\b"
+    assert escape("x<y>&z") == "x&lt;y&gt;&amp;z"
+    assert escape("l1\nl2") == "l1\\nl2"
+    assert escape("plain_name.0") == "plain_name.0"
+
+
+def test_digraph_has_same_source():
+    pytest.importorskip("graphviz")
+    _, g = two_modules_graph()
+    assert g.digraph.source == g.source
+
+
+def test_import_graphviz_module_does_not_import_heavy_packages():
+    import ast
+    tree = ast.parse(pathlib.Path(graddbg.graphviz.__file__).read_text())
+    top = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            top |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            top.add((node.module or "").split(".")[0])
+    assert not top & {"graphviz", "pandas", "matplotlib", "numpy", "torchviz"}
+
+
+# ---------------------------------------------------------------- torchviz compatibility
+
+
+def _canonical(nodes_by_key: dict, edges: list) -> tuple:
+    return nodes_by_key, collections.Counter(edges)
+
+
+def _torchviz_structure(dot):
+    nodes, edges = {}, []
+    for line in dot.body:
+        line = line.strip()
+        m = re.match(r"^(\d+) -> (\d+)(?: \[(.*)\])?$", line)
+        if m:
+            style = {"dir=none": "undirected", "style=dotted": "dotted", None: ""}[m.group(3)]
+            edges.append((int(m.group(1)), int(m.group(2)), style))
+            continue
+        m = re.match(r'^(\d+) \[label=(?:"(.*)"|(\w+))(?: fillcolor=(\S+))?\]$', line, re.S)
+        if m:
+            label = m.group(2) if m.group(2) is not None else m.group(3)
+            nodes[int(m.group(1))] = (label.replace("\n", "\\n"), m.group(4) or "")
+    return nodes, edges
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("case", ["mlp", "view_root", "shared_input", "multi_root"])
+def test_torchviz_style_matches_make_dot(case):
+    torchviz = pytest.importorskip("torchviz")
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(5, 3, requires_grad=True)
+    if case == "mlp":
+        root = model(x).sum()
+    elif case == "view_root":
+        root = model(x).view(-1)[:4]
+    elif case == "shared_input":
+        root = (x * x).sum() + x.sum()
+    else:
+        out = model(x)
+        root = (out.sum(), out.mean())
+    params = dict(model.named_parameters())
+    keep = []  # hold every autograd node so that id() values stay unique while both run
+    stack = [t.grad_fn for t in (root if isinstance(root, tuple) else (root,))]
+    while stack:
+        fn = stack.pop()
+        if fn is not None and all(fn is not k for k in keep):
+            keep.append(fn)
+            stack.extend(u for u, _ in fn.next_functions)
+    ref_nodes, ref_edges = _torchviz_structure(torchviz.make_dot(root, params=params))
+    g = graph(root, params=params, style="torchviz")
+    ours = {n.key: ((f"{escape(n.name)}\\n {'(' + ', '.join(map(str, n.shape)) + ')'}"
+                     if n.kind == "tensor" else n.name), n.attrs.get("fillcolor", ""))
+            for n in g.nodes}
+    by_id = {n.id: n.key for n in g.nodes}
+    our_edges = [(by_id[e.src], by_id[e.dst], e.style) for e in g.edges]
+    assert ours == ref_nodes
+    assert collections.Counter(our_edges) == collections.Counter(ref_edges)
+    assert "cluster" not in g.source
+
+
+# ---------------------------------------------------------------- render
+
+
+HOSTILE = ['quote"name', "a<b>&c", "{brace}|x", "line\nbreak", "back\\slash", "\\N\\G"]
+
+
+@needs_dot
+def test_hostile_module_names_give_valid_svg():
+    model = nn.Module()
+    for i, name in enumerate(HOSTILE):
+        model.add_module(name, nn.Linear(2, 2))
+
+    def run():
+        h = torch.randn(1, 2)
+        for name in HOSTILE:
+            h = getattr(model, name)(h)
+        return h.sum()
+    g = graph(run, model=model)
+    svg = g.svg()
+    texts = svg_texts(svg)
+    for name in HOSTILE:
+        for part in name.split("\n"):
+            assert part in texts, f"label {part!r} missing from SVG texts"
+        assert (name + ".weight").split("\n")[-1] in texts
+
+
+@needs_dot
+@pytest.mark.parametrize("fmt,magic", [("svg", b"<?xml"), ("png", b"\x89PNG"), ("pdf", b"%PDF")])
+def test_render_formats(tmp_path, fmt, magic):
+    _, g = two_modules_graph(grads=True)
+    out = g.render(tmp_path / f"g.{fmt}", format=fmt)
+    assert out.read_bytes().startswith(magic)
+
+
+@needs_dot
+def test_notebook_svg_scales_to_fit():
+    _, g = two_modules_graph()
+    bundle = g._repr_mimebundle_()
+    svg = bundle["image/svg+xml"]
+    assert 'style="max-width: 100%; height: auto;"' in svg and "viewBox" in svg
+    ET.fromstring(svg)
+
+
+def test_missing_dot_gives_install_hint_and_source_still_works(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no dot anywhere
+    _, g = two_modules_graph()
+    assert g.source.startswith("digraph {") and g.to_dot() == g.source
+    with pytest.raises(DotNotFoundError, match=r"apt-get install graphviz.*brew install graphviz"
+                                               r".*conda install -c conda-forge graphviz"):
+        g.render(tmp_path / "g.svg")
+    assert isinstance(DotNotFoundError("x"), GraddbgError)
+    bundle = g._repr_mimebundle_()
+    assert "image/svg+xml" not in bundle and "apt-get install graphviz" in bundle["text/plain"]
