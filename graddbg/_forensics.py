@@ -1,0 +1,501 @@
+"""``find_nonfinite``: the slow forensic mode that names the op where a NaN/Inf was born.
+
+Every operation, forward and backward, goes through a ``TorchDispatchMode`` that checks
+its floating-point outputs. The first op whose output is non-finite while all of its
+inputs were finite (the *producer*, not a propagator) raises :class:`NonFiniteError`.
+
+Forward ops are named by their aten op (``aten.log``); backward ops by the autograd node
+being run (``SqrtBackward0``). The module path comes from forward pre/post hooks on the
+model's submodules; the source line is the innermost frame outside torch and graddbg.
+For backward, the module and source line are those of the forward op that created the
+node: they are recorded at forward time in the node's own ``metadata`` dict (the place
+``torch.autograd.detect_anomaly`` keeps its tracebacks), so they live exactly as long as
+the graph does and nothing is kept past it.
+
+This module imports only torch and the stdlib at module level (plus ``graddbg._errors``
+and ``graddbg._source``); :mod:`graddbg.anomaly` re-exports :func:`find_nonfinite` and is
+imported lazily here, to build the :class:`~graddbg.anomaly.Anomaly` of an error.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graddbg._errors import NonFiniteError
+from graddbg._source import _is_internal, user_source_from_stack
+
+__all__ = ["find_nonfinite", "NonFiniteScan"]
+
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+_current_node = torch._C._current_autograd_node
+_current_task = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled
+
+# Key under which forward-time facts are stored in ``grad_fn.metadata``.
+_KEY = "graddbg.find_nonfinite"
+
+# Ops that overwrite their mutated argument entirely: its old value is not an input.
+_OVERWRITES = frozenset({
+    "copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_",
+    "exponential_", "geometric_", "cauchy_", "log_normal_", "set_", "resize_",
+    "resize_as_",
+})
+# Ops whose output needs no check: uninitialised memory, or no new values at all.
+_NO_CHECK = frozenset({
+    "detach", "alias", "lift_fresh", "_unsafe_view", "set_", "resize_", "resize_as_",
+    "_local_scalar_dense", "clone", "contiguous",
+})
+_MAX_INPUT_LINES = 6
+
+# What to try, by op (forward aten name or backward node name, lower case, prefix match).
+_HINTS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
+    (("sqrtbackward", "powbackward", "normbackward", "linalgvectornormbackward",
+      "cdistbackward"),
+     "the derivative of sqrt (or of a norm) is infinite at 0: add an epsilon inside the "
+     "root, e.g. torch.sqrt(x + eps), or mask the zero entries (pairwise distances of a "
+     "point to itself are 0)"),
+    (("div", "reciprocal", "rsqrt", "true_divide", "divbackward", "reciprocalbackward",
+      "rsqrtbackward"),
+     "a division by zero (0/0 gives NaN, x/0 gives Inf): add an epsilon to the "
+     "denominator or clamp it, e.g. x / y.clamp_min(eps)"),
+    (("log", "xlogy", "logbackward"),
+     "log of zero or of a negative number: clamp the argument, e.g. "
+     "torch.log(x.clamp_min(eps)), or use log_softmax / logsumexp"),
+    (("exp", "pow", "cosh", "sinh", "expbackward"),
+     "an overflow: the argument is too large for the dtype (exp overflows float32 above "
+     "about 88.7); subtract the maximum first (softmax, logsumexp) or clamp it"),
+    (("sqrt",), "sqrt of a negative number: clamp the argument, e.g. x.clamp_min(0)"),
+    (("_to_copy", "copy"),
+     "an overflow when casting to a narrower dtype: scale the values or keep this tensor "
+     "in float32"),
+    (("mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "linear"),
+     "an overflow in a matrix product or convolution: activations or weights are too "
+     "large (check the learning rate and the initialisation, or use a wider dtype)"),
+)
+
+
+def _hint(op: str) -> str:
+    key = (op.split(".", 1)[1] if op.startswith("aten.") else op).lower().rstrip("0123456789")
+    for prefixes, text in _HINTS:
+        if any(key == p or key.startswith(p + "_") for p in prefixes):
+            return text
+    return ("look at the input statistics above: extreme values, zeros where a "
+            "denominator or a log argument is, or a dtype too narrow for the range")
+
+
+class _Plan:
+    """What to do with one OpOverload, computed once from its schema."""
+
+    __slots__ = ("name", "check", "record", "pre", "ignore")
+
+    def __init__(self, func: Any) -> None:
+        packet = func.overloadpacket.__name__
+        self.name = str(func.overloadpacket)  # "aten.log"
+        view = bool(getattr(func, "is_view", False))
+        self.check = not (view or packet in _NO_CHECK or "empty" in packet)
+        self.record = not view
+        pre: List[Tuple[int, str]] = []
+        ignore: List[Tuple[int, str]] = []
+        for i, arg in enumerate(func._schema.arguments):
+            alias = arg.alias_info
+            if alias is None or not alias.is_write:
+                continue
+            if getattr(arg, "is_out", False) or arg.kwarg_only or packet in _OVERWRITES:
+                ignore.append((i, arg.name))  # old value overwritten: not an input
+            else:
+                pre.append((i, arg.name))  # mutated in place: check it before the op
+        self.pre = tuple(pre)
+        self.ignore = tuple(ignore)
+
+
+def _float_tensor(t: Any) -> bool:
+    return (type(t) is _Tensor or isinstance(t, torch.nn.Parameter)) and (
+        t.dtype.is_floating_point or t.dtype.is_complex) and t.layout is _STRIDED and (
+        t.device.type != "meta")
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """One reduction and one host read. A finite sum means every element is finite;
+    a non-finite sum may be an overflow of finite values, so it is checked exactly."""
+    if t.numel() == 0:
+        return True
+    if t.dtype.is_complex:
+        return bool(torch.isfinite(t).all())
+    if t.dtype in (torch.float64, torch.float32):
+        s = t.sum()
+    else:
+        s = t.sum(dtype=torch.float32)
+    if math.isfinite(s.item()):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def _tensors(obj: Any) -> List[torch.Tensor]:
+    if isinstance(obj, _Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        out: List[torch.Tensor] = []
+        for x in obj:
+            if isinstance(x, _Tensor):
+                out.append(x)
+            elif isinstance(x, (tuple, list)):
+                out.extend(y for y in x if isinstance(y, _Tensor))
+        return out
+    return []
+
+
+def _outputs_finite(out: Any, scan: "NonFiniteScan") -> bool:
+    if type(out) is _Tensor:
+        if not _float_tensor(out):
+            return True
+        scan.ops_checked += 1
+        return _all_finite(out)
+    ts = [t for t in _tensors(out) if _float_tensor(t) and t.numel()]
+    if not ts:
+        return True
+    scan.ops_checked += 1
+    if len(ts) == 1:
+        return _all_finite(ts[0])
+    sums = [t.sum() if t.dtype in (torch.float32, torch.float64) and not t.dtype.is_complex
+            else None for t in ts]
+    if all(s is not None for s in sums) and len({(s.dtype, s.device) for s in sums}) == 1:
+        if math.isfinite(torch.stack(sums).sum().item()):
+            return True
+    return all(_all_finite(t) for t in ts)
+
+
+def _arg(args: Sequence[Any], kwargs: Dict[str, Any], index: int, name: str) -> Any:
+    return args[index] if index < len(args) else kwargs.get(name)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _tensor_stats(t: torch.Tensor) -> str:
+    head = f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} {t.device.type}"
+    if t.numel() == 0:
+        return head + " (empty)"
+    if t.dtype.is_complex:
+        t = t.abs()
+    if not t.dtype.is_floating_point:
+        if t.dtype == torch.bool:
+            return head + f": {int(t.sum())} true of {t.numel()}"
+        lo, hi = int(t.min()), int(t.max())
+        return head + f": min {lo} max {hi} zeros {int((t == 0).sum())}"
+    f = t.detach().double()
+    fin = torch.isfinite(f)
+    nan, inf = int(torch.isnan(f).sum()), int(torch.isinf(f).sum())
+    good = f[fin]
+    if good.numel():
+        lo, hi, amax = float(good.min()), float(good.max()), float(good.abs().max())
+        rng = f"min {_fmt(lo)} max {_fmt(hi)} absmax {_fmt(amax)}"
+    else:
+        rng = "no finite value"
+    return head + f": {rng} zeros {int((f == 0).sum())} nan {nan} inf {inf}"
+
+
+def _output_stats(t: torch.Tensor) -> str:
+    f = t.detach()
+    bad = ~torch.isfinite(f)
+    nan = int(torch.isnan(f).sum())
+    pinf = int((torch.isinf(f) & (f.real > 0 if f.is_complex() else f > 0)).sum())
+    ninf = int(torch.isinf(f).sum()) - pinf
+    where = ""
+    idx = torch.nonzero(bad.reshape(bad.shape or (1,)))
+    if idx.numel():
+        where = f", first at index {tuple(int(i) for i in idx[0])}"
+    return (f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}: nan {nan} +inf {pinf} "
+            f"-inf {ninf} of {t.numel()}{where}")
+
+
+class NonFiniteScan(TorchDispatchMode):
+    """The dispatch mode behind :func:`find_nonfinite` (the object it yields).
+
+    ``ops_checked`` counts the ops whose floating-point outputs were checked so far.
+    Do not enter it directly: :func:`find_nonfinite` does, with the hooks it needs.
+    """
+
+    def __init__(self, *, check_forward: bool, check_backward: bool, skip_ints: bool,
+                 model: Optional[torch.nn.Module]) -> None:
+        super().__init__()
+        self.ops_checked = 0
+        self._check = (check_forward, check_backward)
+        self._skip_ints = skip_ints
+        self._model = model
+        self._plans: Dict[Any, _Plan] = {}
+        self._internal: Dict[str, bool] = {}
+        self._stack: List[str] = []  # module paths, innermost last
+        self._pending: List[Tuple[Any, tuple]] = []  # forward outputs awaiting grad_fn
+        self._passes = 0  # backward passes seen (graph tasks)
+        self._task = -1
+
+    # -- module stack (fed by the hooks find_nonfinite registers) --------------------
+    def _push(self, name: str) -> None:
+        self._stack.append(name)
+
+    def _pop(self, name: str) -> None:
+        if self._stack and self._stack[-1] == name:
+            self._stack.pop()
+
+    # -- the check --------------------------------------------------------------------
+    def _user_frame(self) -> Optional[Tuple[str, int]]:
+        """(file, line) of the innermost frame outside torch and graddbg."""
+        cache = self._internal
+        f = sys._getframe(1)
+        while f is not None:
+            fn = f.f_code.co_filename
+            internal = cache.get(fn)
+            if internal is None:
+                internal = cache[fn] = _is_internal(fn)
+            if not internal:
+                return fn, f.f_lineno
+            f = f.f_back
+        return None
+
+    def _flush(self) -> None:
+        """Store forward facts in the nodes that autograd attached after each op."""
+        pending, self._pending = self._pending, []
+        for out, info in pending:
+            for t in _tensors(out):
+                g = t.grad_fn
+                if g is None:
+                    continue
+                md = g.metadata
+                old = md.get(_KEY)
+                if old is None or (old[0] is None and info[0] is not None):
+                    md[_KEY] = info
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if kwargs is None:
+            kwargs = {}
+        plan = self._plans.get(func)
+        if plan is None:
+            plan = self._plans[func] = _Plan(func)
+        if self._pending:
+            self._flush()
+        node = _current_node()
+        if node is not None:
+            task = _current_task()
+            if task != self._task:
+                self._task = task
+                self._passes += 1
+        check = plan.check and self._check[node is not None]
+        pre = None
+        if check and plan.pre:
+            pre = [all(_all_finite(t) for t in _tensors(_arg(args, kwargs, i, n))
+                       if _float_tensor(t)) for i, n in plan.pre]
+        out = func(*args, **kwargs)
+        if check:
+            if not _outputs_finite(out, self):
+                self._nonfinite(func, plan, args, kwargs, out, pre, node)
+        if node is None and plan.record and _grad_enabled():
+            module = self._stack[-1] if self._stack else None
+            self._pending.append((out, (module, self._user_frame(), plan.name, self._passes)))
+        return out
+
+    def _inputs_finite(self, plan: _Plan, args: Sequence[Any], kwargs: Dict[str, Any],
+                       pre: Optional[List[bool]]) -> bool:
+        if pre is not None and not all(pre):
+            return False
+        skip = {id(_arg(args, kwargs, i, n)) for i, n in plan.pre + plan.ignore}
+        for value in list(args) + list(kwargs.values()):
+            if id(value) in skip:
+                continue
+            for x in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(x, (float, complex)) and not math.isfinite(abs(x)):
+                    return False
+                if isinstance(x, _Tensor) and _float_tensor(x) and not _all_finite(x):
+                    return False
+        return True
+
+    def _nonfinite(self, func: Any, plan: _Plan, args: Sequence[Any],
+                   kwargs: Dict[str, Any], out: Any, pre: Optional[List[bool]],
+                   node: Any) -> None:
+        if not self._inputs_finite(plan, args, kwargs, pre):
+            return  # a propagator: the producer came earlier (or from outside)
+        raise self._error(func, plan, args, kwargs, out, node)
+
+    # -- the report -------------------------------------------------------------------
+    def _error(self, func: Any, plan: _Plan, args: Sequence[Any], kwargs: Dict[str, Any],
+               out: Any, node: Any) -> NonFiniteError:
+        from graddbg.anomaly import Anomaly  # lazily: anomaly re-exports this module
+
+        backward = node is not None
+        fwd_op = None
+        name = None
+        if backward:
+            op = node.name()
+            md = node.metadata
+            info = md.get(_KEY)
+            if info is not None:
+                module, frame, fwd_op, _ = info
+                source = f"{frame[0]}:{frame[1]}" if frame else None
+            else:
+                module = None
+                source = user_source_from_stack(md.get("traceback_"))
+            step = self._passes - 1
+            variable = getattr(node, "variable", None)
+            if variable is not None and self._model is not None:
+                for pname, p in self._model.named_parameters():
+                    if p is variable:
+                        name = pname
+                        break
+        else:
+            op = plan.name
+            module = self._stack[-1] if self._stack else None
+            frame = self._user_frame()
+            source = f"{frame[0]}:{frame[1]}" if frame else None
+            step = self._passes
+
+        outs = [t for t in _tensors(out) if _float_tensor(t)]
+        value = float("nan")
+        for t in outs:
+            if bool(torch.isnan(t).any()):
+                break
+        else:
+            for t in outs:
+                inf = torch.isinf(t)
+                if bool(inf.any()):
+                    value = float("inf") if bool((t[inf].real > 0).any()) else float("-inf")
+                    break
+        kind = "NaN" if math.isnan(value) else "Inf"
+
+        lines = []
+        where = "backward" if backward else "forward"
+        lines.append(f"find_nonfinite: {kind} produced from finite inputs by {where} op "
+                     f"{op} (step {step}).")
+        if self._model is not None:
+            mod_txt = "none (outside the model)" if module is None else (
+                f"{module or '<root>'} ({self._module_type(module)})")
+            lines.append(f"  module: {mod_txt}")
+        lines.append(f"  source: {source or 'unknown'}"
+                     + (f" (the forward line that created {op})" if backward and source else ""))
+        if backward:
+            lines.append(f"  forward op: {fwd_op or 'unknown (created outside find_nonfinite)'}")
+            lines.append(f"  aten op in backward: {plan.name}")
+        if name is not None:
+            lines.append(f"  parameter: {name}")
+        lines.append("  inputs:")
+        entries = self._input_entries(plan, args, kwargs)
+        for text in entries[:_MAX_INPUT_LINES]:
+            lines.append(f"    {text}")
+        if len(entries) > _MAX_INPUT_LINES:
+            lines.append(f"    ... and {len(entries) - _MAX_INPUT_LINES} more")
+        if not entries:
+            lines.append("    (no floating-point tensor input)")
+        for i, t in enumerate(outs[:_MAX_INPUT_LINES]):
+            if not _all_finite(t):
+                lines.append(f"  output[{i}]: {_output_stats(t)}")
+        lines.append(f"  try: {_hint(op)}")
+        message = "\n".join(lines)
+        anomaly = Anomaly(step=step, kind="nonfinite", name=name, module=module, op=op,
+                          value=value, threshold=None, source=source, message=message)
+        return NonFiniteError(message, anomaly=anomaly)
+
+    def _module_type(self, path: str) -> str:
+        try:
+            return type(self._model.get_submodule(path)).__name__  # type: ignore[union-attr]
+        except (AttributeError, TypeError):
+            return "?"
+
+    def _input_entries(self, plan: _Plan, args: Sequence[Any],
+                       kwargs: Dict[str, Any]) -> List[str]:
+        ignore = {id(_arg(args, kwargs, i, n)) for i, n in plan.ignore}
+        entries: List[str] = []
+        named = [(f"[{i}]", a) for i, a in enumerate(args)] + [
+            (k, v) for k, v in kwargs.items()]
+        for label, value in named:
+            if id(value) in ignore:
+                continue
+            items = list(value) if isinstance(value, (tuple, list)) else [value]
+            for j, x in enumerate(items):
+                lab = label if len(items) == 1 and not isinstance(value, (tuple, list)) \
+                    else f"{label}[{j}]"
+                if isinstance(x, _Tensor):
+                    if x.dtype.is_floating_point or x.dtype.is_complex or not self._skip_ints:
+                        if x.layout is _STRIDED and x.device.type != "meta":
+                            entries.append(f"{lab} {_tensor_stats(x)}")
+                elif isinstance(x, float):
+                    entries.append(f"{lab} scalar {x!r}")
+        return entries
+
+
+@contextlib.contextmanager
+def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bool = True,
+                   check_backward: bool = True,
+                   skip_ints: bool = True) -> Iterator[NonFiniteScan]:
+    """Raise :class:`~graddbg.NonFiniteError` at the first op that makes a NaN or Inf
+    from finite inputs, forward or backward, naming the op, the module and the line.
+
+    This is a slow forensic mode, like ``torch.autograd.detect_anomaly``: it checks the
+    output of every operation (one reduction and one host read per op), so turn it on to
+    hunt a NaN, not for training. It never changes results, and on exit (normal or by
+    exception) every hook and the dispatch mode are gone.
+
+    Only the *producer* is blamed: an op whose inputs were already non-finite is a
+    propagator and passes silently, so non-finite values that come from outside the
+    context (inputs, parameters) are not reported. A non-finite Python scalar argument
+    (``masked_fill(mask, -inf)``) counts as a non-finite input. A NaN later masked out by
+    ``torch.where`` is still reported where it was made; use ``check_forward=False`` to
+    look only at the backward pass.
+
+    Args:
+        model: when given, errors name the innermost submodule (its qualified name) that
+            was running; backward ops are blamed on the module whose forward created them.
+        check_forward / check_backward: which passes to check.
+        skip_ints: leave integer and bool inputs out of the statistics in the message
+            (they cannot be non-finite, and are never checked).
+
+    Yields the scan; ``scan.ops_checked`` counts the ops whose floating-point outputs
+    were checked.
+
+    >>> import torch, graddbg
+    >>> x = torch.tensor([1.0, 100.0], requires_grad=True)
+    >>> try:
+    ...     with graddbg.find_nonfinite():
+    ...         y = x.exp()
+    ... except graddbg.NonFiniteError as e:
+    ...     print(e.anomaly.op, e.anomaly.value)
+    aten.exp inf
+    """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"find_nonfinite: model must be a torch.nn.Module or None, "
+                        f"got {type(model).__name__}")
+    for arg, value in (("check_forward", check_forward), ("check_backward", check_backward),
+                       ("skip_ints", skip_ints)):
+        if not isinstance(value, bool):
+            raise TypeError(f"find_nonfinite: {arg} must be True or False, got {value!r}")
+    if not (check_forward or check_backward):
+        raise ValueError("find_nonfinite: check_forward and check_backward are both False, "
+                         "so nothing would be checked; set at least one to True")
+    scan = NonFiniteScan(check_forward=check_forward, check_backward=check_backward,
+                         skip_ints=skip_ints, model=model)
+    handles: List[Any] = []
+    entered = False
+    try:
+        if model is not None:
+            for path, module in model.named_modules():
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, a, _p=path: scan._push(_p)))
+                handles.append(module.register_forward_hook(
+                    lambda m, a, o, _p=path: scan._pop(_p), always_call=True))
+        scan.__enter__()
+        entered = True
+        yield scan
+    finally:
+        try:
+            if entered:
+                scan.__exit__(None, None, None)
+                scan._flush()  # tag the nodes of the last ops (outside the mode)
+        finally:
+            for h in handles:
+                h.remove()
+            scan._pending.clear()
+            scan._stack.clear()
