@@ -78,12 +78,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"graddbg.{name}")
-    else:
+    if name not in _LAZY and name not in _SUBMODULES:
         raise AttributeError(f"module 'graddbg' has no attribute {name!r}")
+    target = _LAZY.get(name, f"graddbg.{name}")
+    try:
+        module = importlib.import_module(target)
+    except AttributeError as e:  # would be reported as a missing attribute of graddbg
+        raise ImportError(f"importing {target} failed: {e!r}") from e
+    value = getattr(module, name) if name in _LAZY else module
     globals()[name] = value
     return value
 

@@ -1,0 +1,60 @@
+"""Where in the user's code something happened: the innermost frame outside torch and graddbg."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Optional
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_GRADDBG_DIR = os.path.dirname(os.path.abspath(__file__))
+_SKIP = (_TORCH_DIR, _GRADDBG_DIR, "<frozen ", os.path.join("contextlib.py"))
+
+
+def _is_internal(filename: str) -> bool:
+    return filename.startswith(_SKIP) or filename.endswith("contextlib.py")
+
+
+def user_source(skip: int = 1) -> Optional[str]:
+    """Return ``"file:line"`` of the innermost frame that is not torch's or graddbg's.
+
+    >>> user_source() is not None
+    True
+    """
+    frame = sys._getframe(skip)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_internal(filename):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def user_source_from_stack(stack: "list[str] | str | None") -> Optional[str]:
+    """Pick the innermost user frame from a formatted traceback (as autograd's anomaly
+    mode stores in ``node.metadata["traceback_"]``)."""
+    if not stack:
+        return None
+    if isinstance(stack, str):
+        stack = [stack]
+    best = None
+    for entry in stack:
+        for line in entry.splitlines():
+            line = line.strip()
+            if line.startswith('File "'):
+                try:
+                    filename = line.split('"')[1]
+                    lineno = int(line.split("line ")[1].split(",")[0])
+                except (IndexError, ValueError):
+                    continue
+                if not _is_internal(filename):
+                    best = f"{filename}:{lineno}"
+    return best
+
+
+def short_stack(limit: int = 5) -> list[str]:
+    """The last ``limit`` user frames, formatted, innermost last."""
+    frames = [f for f in traceback.extract_stack()[:-1] if not _is_internal(f.filename)]
+    return [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-limit:]]

@@ -1,0 +1,280 @@
+"""Anomaly records, detectors and policies; ``find_nonfinite`` for op-level localisation.
+
+Knows nothing of hooks: :mod:`graddbg.hooks` feeds the detectors with the statistics it
+records, and applies the policy they return.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+from graddbg._errors import GradientAnomalyError, GraddbgWarning, NonFiniteError
+
+__all__ = [
+    "Anomaly",
+    "KINDS",
+    "POLICIES",
+    "NonFinite",
+    "Explode",
+    "Vanish",
+    "anomalies_frame",
+    "find_nonfinite",
+    "GradientAnomalyError",
+    "NonFiniteError",
+    "AnomalyWarning",
+]
+
+KINDS = ("nonfinite", "explode", "vanish", "overflow", "ddp_mismatch")
+POLICIES = ("raise", "warn", "skip", "record")
+
+
+class AnomalyWarning(GraddbgWarning):
+    """An anomaly under the ``"warn"`` policy."""
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    """One gradient anomaly.
+
+    ``name`` is the parameter (qualified name), ``module`` the module where the problem
+    started, ``op`` the autograd node (``SqrtBackward0``) and ``source`` the ``file:line``
+    of the forward code that created it, when known. ``value`` is what was measured and
+    ``threshold`` what it was compared with.
+
+    >>> a = Anomaly(step=3, kind="nonfinite", name="fc.weight", module="fc", op=None,
+    ...             value=float("nan"), threshold=None, source=None, message="NaN")
+    >>> Anomaly.from_dict(a.to_dict()) == a or math.isnan(Anomaly.from_dict(a.to_dict()).value)
+    True
+    """
+
+    step: int
+    kind: str
+    name: Optional[str]
+    module: Optional[str]
+    op: Optional[str]
+    value: float
+    threshold: Optional[float]
+    source: Optional[str]
+    message: str
+    rank: Optional[int] = None
+    params: tuple = ()  # other parameters involved (e.g. those that jumped most)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["params"] = list(self.params)
+        for k in ("value", "threshold"):
+            v = d[k]
+            if isinstance(v, float) and not math.isfinite(v):
+                d[k] = repr(v)  # 'nan', 'inf', '-inf': JSON has no such numbers
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Anomaly":
+        d = dict(d)
+        for k in ("value", "threshold"):
+            if isinstance(d.get(k), str):
+                d[k] = float(d[k])
+        d["params"] = tuple(d.get("params") or ())
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def anomalies_frame(anomalies: Sequence[Anomaly]):
+    """A DataFrame with one row per anomaly (columns: the fields of :class:`Anomaly`)."""
+    import pandas as pd
+
+    cols = [f.name for f in dataclasses.fields(Anomaly)]
+    return pd.DataFrame([dataclasses.asdict(a) for a in anomalies], columns=cols)
+
+
+PolicyArg = Union[str, Callable[[Anomaly], Any], None]
+
+
+def check_policy(policy: Any, arg: str) -> Any:
+    """Validate a policy: one of POLICIES, a callable, or None."""
+    if policy is None or callable(policy) or policy in POLICIES:
+        return policy
+    raise ValueError(f"{arg}= got {policy!r}; accepted: "
+                     f"{', '.join(repr(p) for p in POLICIES)}, a callable taking an Anomaly, or None")
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """Flag NaN/Inf gradients. Checks every ``every`` steps; between checks the flags
+    accumulate on the device (no host synchronisation), so the first bad step is still
+    named when the check comes."""
+
+    policy: PolicyArg = "raise"
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy, "NonFinite(policy")
+        _check_int(self.every, "NonFinite(every", 1)
+
+
+@dataclass(frozen=True)
+class Explode:
+    """Flag a global gradient norm above ``factor`` times the robust running level (the
+    median of the previous ``window`` healthy steps, after ``warmup`` of them), or above
+    ``absolute``."""
+
+    factor: Optional[float] = 10.0
+    absolute: Optional[float] = None
+    window: int = 50
+    policy: PolicyArg = "warn"
+    warmup: int = 5
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy, "Explode(policy")
+        _check_int(self.window, "Explode(window", 1)
+        _check_int(self.warmup, "Explode(warmup", 1)
+        if self.factor is not None and not (self.factor > 1):
+            raise ValueError(f"Explode(factor=) must be > 1 or None, got {self.factor!r}")
+        if self.factor is None and self.absolute is None:
+            raise ValueError("Explode needs factor= or absolute= (both are None)")
+
+    def new_state(self) -> "_ExplodeState":
+        return _ExplodeState(self)
+
+
+@dataclass(frozen=True)
+class Vanish:
+    """Flag a parameter whose gradient norm stays below ``below`` for ``patience``
+    recorded steps in a row (once per parameter, until it recovers)."""
+
+    below: float = 1e-8
+    patience: int = 20
+    policy: PolicyArg = "warn"
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy, "Vanish(policy")
+        _check_int(self.patience, "Vanish(patience", 1)
+        if not self.below > 0:
+            raise ValueError(f"Vanish(below=) must be > 0, got {self.below!r}")
+
+    def new_state(self, n_params: int) -> "_VanishState":
+        return _VanishState(self, n_params)
+
+
+def _check_int(value: Any, arg: str, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{arg}=) must be an int >= {minimum}, got {value!r}")
+
+
+def as_detector(value: Any, kind: str) -> Any:
+    """Turn a watch() argument (string policy, callable, detector or None) into a detector."""
+    cls = {"nonfinite": NonFinite, "explode": Explode, "vanish": Vanish}[kind]
+    if value is None:
+        return None
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, (NonFinite, Explode, Vanish)):
+        raise TypeError(f"{kind}= got a {type(value).__name__} detector; expected a {cls.__name__}")
+    check_policy(value, kind)
+    return cls(policy=value)
+
+
+class _ExplodeState:
+    def __init__(self, det: Explode) -> None:
+        self.det = det
+        self.level: List[float] = []
+        self.prev_norms: Any = None
+
+    def check(self, step: int, global_norm: float, norms: Any, names: Sequence[str],
+              modules: Sequence[str]) -> Optional[Anomaly]:
+        import numpy as np
+
+        det = self.det
+        prev = self.prev_norms
+        self.prev_norms = norms
+        if not math.isfinite(global_norm):
+            return None  # the non-finite detector's business
+        threshold = math.inf
+        if det.absolute is not None:
+            threshold = det.absolute
+        if det.factor is not None and len(self.level) >= det.warmup:
+            med = float(np.median(self.level))
+            threshold = min(threshold, det.factor * med)
+        if global_norm > threshold:
+            # which parameters jumped most, relative to their previous recorded norm
+            jumped: List[str] = []
+            if prev is not None and norms is not None:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio = np.where(prev > 0, norms / prev, np.inf)
+                ratio = np.nan_to_num(ratio, nan=-1.0)
+                order = np.argsort(-ratio)[:5]
+                jumped = [names[i] for i in order if ratio[i] > 1]
+            elif norms is not None:
+                jumped = [names[i] for i in np.argsort(-np.nan_to_num(norms, nan=-1.0))[:5]]
+            top = jumped[0] if jumped else None
+            msg = (f"graddbg: gradient explosion at step {step}: global gradient norm "
+                   f"{global_norm:.4g} > threshold {threshold:.4g}"
+                   + (f" ({det.factor:g}x the median of the last {len(self.level)} steps)"
+                      if det.factor is not None and len(self.level) >= det.warmup and threshold < (det.absolute or math.inf) else
+                      " (absolute bound)")
+                   + (f"; parameters that jumped most: {', '.join(jumped)}" if jumped else "")
+                   + ". Try a lower learning rate, warm-up, or gradient clipping.")
+            return Anomaly(step=step, kind="explode", name=top,
+                           module=modules[names.index(top)] if top else None, op=None,
+                           value=float(global_norm), threshold=float(threshold), source=None,
+                           message=msg, params=tuple(jumped))
+        self.level.append(global_norm)
+        if len(self.level) > det.window:
+            del self.level[0]
+        return None
+
+
+class _VanishState:
+    def __init__(self, det: Vanish, n: int) -> None:
+        import numpy as np
+
+        self.det = det
+        self.run = np.zeros(n, dtype=np.int64)
+        self.flagged = np.zeros(n, dtype=bool)
+
+    def check(self, step: int, norms: Any, has_grad: Any, names: Sequence[str],
+              modules: Sequence[str]) -> Optional[Anomaly]:
+        import numpy as np
+
+        low = has_grad & np.isfinite(norms) & (norms < self.det.below)
+        self.run = np.where(low, self.run + 1, 0)
+        self.flagged &= low  # recovered parameters may be flagged again later
+        new = (self.run >= self.det.patience) & ~self.flagged
+        if not new.any():
+            return None
+        self.flagged |= new
+        idx = np.nonzero(new)[0]  # forward order: the first are the earliest layers
+        first = int(idx[0])
+        shown = ", ".join(names[i] for i in idx[:8]) + (f" and {len(idx) - 8} more" if len(idx) > 8 else "")
+        msg = (f"graddbg: vanishing gradients at step {step}: {len(idx)} parameter(s) have had a "
+               f"gradient norm below {self.det.below:g} for {self.det.patience} recorded steps: {shown}. "
+               f"The earliest is {names[first]} (module {modules[first] or '<root>'}), "
+               f"norm {float(norms[first]):.3g}. Check saturating activations, initialisation, "
+               f"normalisation or residual connections.")
+        return Anomaly(step=step, kind="vanish", name=names[first], module=modules[first], op=None,
+                       value=float(norms[first]), threshold=float(self.det.below), source=None,
+                       message=msg, params=tuple(names[i] for i in idx))
+
+
+def find_nonfinite(model: Any = None, **kwargs: Any) -> Any:
+    """Check the output of every op, forward and backward, and raise :class:`NonFiniteError`
+    at the first one that makes a NaN/Inf from finite inputs, naming the op, the module
+    path, the source line and the input statistics. Slow on purpose (a forensic mode).
+
+    >>> import torch
+    >>> x = torch.tensor([1000.0], requires_grad=True)
+    >>> try:
+    ...     with find_nonfinite():
+    ...         y = torch.exp(x)
+    ... except NonFiniteError as e:
+    ...     print(e.anomaly.op)
+    aten.exp.default
+    """
+    from graddbg._forensics import find_nonfinite as _find
+
+    return _find(model, **kwargs)

@@ -1,0 +1,444 @@
+"""Gradient statistics: batched on-device kernels, a bounded history, and DataFrames.
+
+No hooks here. The kernels take lists of gradient tensors and return one small tensor
+on the gradients' device, so that the caller decides when (and whether) to read it back
+to the host: one synchronisation per recorded step at most.
+
+>>> import torch
+>>> model = torch.nn.Linear(4, 2)
+>>> model(torch.ones(3, 4)).sum().backward()
+>>> df = grad_stats(model)
+>>> list(df["name"])
+['weight', 'bias']
+>>> float(df.loc[df.name == "bias", "norm"].iloc[0]) == 3.0 * 2 ** 0.5
+True
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "STAT_NAMES",
+    "DEFAULT_STATS",
+    "StatPlan",
+    "validate_stats",
+    "grad_stats",
+    "summarize",
+    "clean_name",
+    "module_of",
+    "named_trainable_parameters",
+    "History",
+    "HIST_EDGES",
+    "histogram_counts",
+    "STATS_COLUMNS",
+    "STEPS_COLUMNS",
+]
+
+#: statistics that can be asked for through ``stats=``
+STAT_NAMES = ("norm", "absmax", "nonfinite", "mean", "std", "zero_frac")
+DEFAULT_STATS = ("norm", "absmax", "nonfinite")
+#: columns of the tidy per-parameter table, in order (optional ones appended when asked)
+STATS_COLUMNS = ("step", "name", "module", "numel", "norm", "absmax", "nonfinite",
+                 "update_ratio", "has_grad")
+STEPS_COLUMNS = ("step", "global_norm", "clipped_norm", "nonfinite", "overflow", "scale",
+                 "recorded", "lr")
+
+# tensors at least this large are reduced one by one with BLAS-fast kernels; smaller ones
+# go through the foreach kernels, where the cost is the launch, not the data
+_LARGE = 1 << 16
+_FAST_DTYPES = (torch.float32, torch.float64)
+
+#: fixed log-spaced bin edges of |grad| for histograms: [0, 1e-12), [1e-12, ...), ..., [1e4, inf)
+HIST_EDGES = tuple(10.0 ** (e / 2) for e in range(-24, 9))
+
+
+def validate_stats(stats: Union[str, Iterable[str]]) -> Tuple[str, ...]:
+    """Check a ``stats=`` argument; return it as a tuple (always with the defaults).
+
+    >>> validate_stats(["norm", "mean"])
+    ('norm', 'absmax', 'nonfinite', 'mean')
+    """
+    if isinstance(stats, str):
+        stats = (stats,)
+    try:
+        asked = tuple(stats)
+    except TypeError:
+        raise TypeError(f"stats= must be a sequence of statistic names, got {type(stats).__name__}; "
+                        f"accepted names: {', '.join(STAT_NAMES)}") from None
+    unknown = [s for s in asked if s not in STAT_NAMES]
+    if unknown:
+        raise ValueError(f"stats= got unknown statistic(s) {unknown}; accepted: {', '.join(STAT_NAMES)}")
+    return tuple(dict.fromkeys(DEFAULT_STATS + asked))
+
+
+def clean_name(name: str) -> str:
+    """Strip the wrappers' prefixes (DDP's ``module.``, torch.compile's ``_orig_mod.``).
+
+    >>> clean_name("module._orig_mod.fc.weight")
+    'fc.weight'
+    """
+    changed = True
+    while changed:
+        changed = False
+        for prefix in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+    return name.replace("._orig_mod.", ".").replace("._fsdp_wrapped_module.", ".") \
+               .replace("._checkpoint_wrapped_module.", ".")
+
+
+def module_of(name: str) -> str:
+    """The qualified module name that owns a parameter name ("" for the root).
+
+    >>> module_of("encoder.layers.0.linear1.weight"), module_of("bias")
+    ('encoder.layers.0.linear1', '')
+    """
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def named_trainable_parameters(model_or_named_params: Any) -> List[Tuple[str, nn.Parameter]]:
+    """(clean name, parameter) for every parameter that requires grad, tied ones once."""
+    if isinstance(model_or_named_params, nn.Module):
+        items = model_or_named_params.named_parameters()  # deduplicates tied parameters
+    elif isinstance(model_or_named_params, dict):
+        items = model_or_named_params.items()
+    else:
+        try:
+            items = list(model_or_named_params)
+        except TypeError:
+            raise TypeError("expected an nn.Module, a dict of name -> tensor or an iterable of "
+                            f"(name, tensor) pairs, got {type(model_or_named_params).__name__}") from None
+    out, seen = [], set()
+    for name, p in items:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"expected tensors as parameters, got {type(p).__name__} for {name!r}")
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        out.append((clean_name(name), p))
+    return out
+
+
+class StatPlan:
+    """How to reduce a fixed list of parameters' gradients, decided once.
+
+    Large float32/float64 tensors are reduced one by one (``dot`` and ``aminmax``, each a
+    single fast pass); the many small ones together with foreach kernels. The results are
+    stacked into one ``[P, K]`` float64 tensor on the gradients' device: columns ``norm``,
+    ``absmax`` and then the extra statistics asked for (``mean``, ``std``, ``zero_frac``).
+    Missing gradients give NaN rows. Norms are accumulated in the gradient's dtype and the
+    rare ones that overflow are recomputed in float64 by :meth:`fixup` after read-back.
+    """
+
+    def __init__(self, params: Sequence[Tensor], stats: Sequence[str] = DEFAULT_STATS) -> None:
+        self.numel = [p.numel() for p in params]
+        self.extras = tuple(s for s in ("mean", "std", "zero_frac") if s in stats)
+        self.columns = ("norm", "absmax") + self.extras
+        self._large = [i for i, p in enumerate(params)
+                       if p.numel() >= _LARGE or p.dtype not in _FAST_DTYPES]
+
+    def _reduce(self, grads: Sequence[Optional[Tensor]], absmax_only: bool) -> List[Tuple[int, Tensor]]:
+        """(column, [P] tensor) for each statistic, in parameter order."""
+        n = len(grads)
+        norms: List[Optional[Tensor]] = [None] * n
+        maxes: List[Optional[Tensor]] = [None] * n
+        large = set(self._large)
+        small_idx = [i for i, g in enumerate(grads) if g is not None and i not in large and g.numel() > 0]
+        if small_idx:
+            small = [grads[i] for i in small_idx]
+            if not absmax_only:
+                for i, v in zip(small_idx, torch._foreach_norm(small)):
+                    norms[i] = v
+            for i, v in zip(small_idx, torch._foreach_max(torch._foreach_abs(small))):
+                maxes[i] = v
+        for i in self._large:
+            g = grads[i]
+            if g is None or g.numel() == 0:
+                continue
+            v = g.reshape(-1)
+            if v.dtype not in _FAST_DTYPES:
+                v = v.float()
+            if not absmax_only:
+                norms[i] = torch.dot(v, v).sqrt()
+            lo, hi = torch.aminmax(v)
+            maxes[i] = torch.maximum(hi, -lo)
+        return [(0, norms), (1, maxes)] if not absmax_only else [(1, maxes)]  # type: ignore[list-item]
+
+    def compute(self, grads: Sequence[Optional[Tensor]]) -> Tensor:
+        """``[P, K]`` float64 statistics of ``grads`` on their device (no host sync)."""
+        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        cols = [_stack(vals, device) for _, vals in self._reduce(grads, absmax_only=False)]
+        if self.extras:
+            cols += self._extras(grads, device)
+        return torch.stack(cols, 1)
+
+    def absmax(self, grads: Sequence[Optional[Tensor]]) -> Tensor:
+        """``[P]`` float64 max |g| (NaN if any entry is NaN, inf if any is inf): the cheap
+        exact non-finite check."""
+        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        return _stack(self._reduce(grads, absmax_only=True)[0][1], device)
+
+    def _extras(self, grads: Sequence[Optional[Tensor]], device: torch.device) -> List[Tensor]:
+        sums: List[Optional[Tensor]] = []
+        sqs: List[Optional[Tensor]] = []
+        zeros: List[Optional[Tensor]] = []
+        for g in grads:
+            if g is None or g.numel() == 0:
+                sums.append(None), sqs.append(None), zeros.append(None)
+                continue
+            g64 = g.double() if g.dtype != torch.float64 else g
+            sums.append(g64.sum())
+            sqs.append((g64 * g64).sum() if "std" in self.extras else None)
+            zeros.append((g == 0).sum() if "zero_frac" in self.extras else None)
+        numel = torch.tensor(self.numel, dtype=torch.float64, device=device)
+        s = _stack(sums, device)
+        mean = s / numel
+        out = []
+        for name in self.extras:
+            if name == "mean":
+                out.append(mean)
+            elif name == "std":
+                sq = _stack(sqs, device)
+                var = (sq - numel * mean * mean) / (numel - 1).clamp(min=1)
+                out.append(var.clamp(min=0).sqrt())
+            elif name == "zero_frac":
+                out.append(_stack(zeros, device) / numel)
+        return out
+
+    @staticmethod
+    def fixup(values: "Any", grads: Sequence[Optional[Tensor]]) -> "Any":
+        """After read-back: exact non-finite counts and float64 norms where the fast norm
+        overflowed. ``values`` is the numpy ``[P, K]`` array from :meth:`compute`; returns
+        the ``[P]`` numpy array of non-finite counts (and fixes ``values`` in place)."""
+        import numpy as np
+
+        counts = np.zeros(len(grads), dtype=np.int64)
+        bad = np.nonzero(~np.isfinite(values[:, 0]) | ~np.isfinite(values[:, 1]))[0]
+        for i in bad:
+            g = grads[i]
+            if g is None:
+                continue
+            counts[i] = int((~torch.isfinite(g)).sum())  # rare path: an anomaly
+            if counts[i] == 0:  # finite entries whose norm overflowed in the fast dtype
+                values[i, 0] = float(torch.linalg.vector_norm(g.double()))
+        return counts
+
+
+def _stack(values: Sequence[Optional[Tensor]], device: torch.device) -> Tensor:
+    nan = None
+    out = []
+    for v in values:
+        if v is None:
+            if nan is None:
+                nan = torch.tensor(float("nan"), dtype=torch.float64, device=device)
+            out.append(nan)
+        else:
+            out.append(v.to(torch.float64))
+    if not out:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack(out)
+
+
+def histogram_counts(grad: Tensor, edges: Tensor) -> Tensor:
+    """Counts of finite |grad| values in the bins ``[0, e0), [e0, e1), ..., [e_last, inf)``
+    (``len(edges) + 1`` bins), on the gradient's device. NaN and Inf are not counted.
+
+    >>> histogram_counts(torch.tensor([0.0, 1.0, -1.0, float("nan")]), torch.tensor([0.5, 2.0])).tolist()
+    [1, 2, 0]
+    """
+    a = grad.detach().reshape(-1).abs()
+    a = a[torch.isfinite(a)]
+    idx = torch.bucketize(a.to(edges.dtype), edges, right=True)
+    return torch.bincount(idx, minlength=edges.numel() + 1)
+
+
+def grad_stats(model_or_named_params: Any, stats: Sequence[str] = STAT_NAMES):
+    """One-shot statistics of the current ``.grad`` of every trainable parameter; no hooks.
+
+    Returns a DataFrame with one row per parameter: ``name, module, numel, norm, absmax,
+    nonfinite, has_grad`` and the optional statistics asked for. A parameter without a
+    gradient has ``has_grad=False`` and NaN statistics.
+    """
+    import pandas as pd
+
+    stats = validate_stats(stats)
+    named = named_trainable_parameters(model_or_named_params)
+    params = [p for _, p in named]
+    grads = [p.grad for p in params]
+    plan = StatPlan(params, stats)
+    values = plan.compute(grads).cpu().numpy() if params else None
+    counts = plan.fixup(values, grads) if params else []
+    rows = []
+    for i, (name, p) in enumerate(named):
+        row = {"name": name, "module": module_of(name), "numel": p.numel(),
+               "norm": values[i, 0], "absmax": values[i, 1], "nonfinite": int(counts[i]),
+               "has_grad": grads[i] is not None}
+        for j, col in enumerate(plan.extras):
+            row[col] = values[i, 2 + j]
+        rows.append(row)
+    cols = ["name", "module", "numel", "norm", "absmax", "nonfinite", "has_grad", *plan.extras]
+    return pd.DataFrame(rows, columns=cols)
+
+
+@dataclass
+class StepRecord:
+    """What one step boundary recorded (host-side, numpy; small)."""
+
+    step: int
+    values: Any  # numpy [P, K] float64 or None when per-parameter stats were not due
+    nonfinite: Any  # numpy [P] int64 or None
+    has_grad: Any  # numpy [P] bool or None
+    global_norm: float
+    clipped_norm: float
+    overflow: bool
+    scale: float
+    lr: float
+    update: Any = None  # numpy [P] update ratios, filled after the optimizer step
+    hist: Any = None  # numpy [P, bins] counts or None
+
+
+class History:
+    """A bounded history of step records: the newest ``maxlen`` steps are kept and the
+    oldest dropped (a deque), so memory stays flat however long training runs."""
+
+    def __init__(self, names: Sequence[str], columns: Sequence[str], maxlen: int) -> None:
+        self.names = list(names)
+        self.modules = [module_of(n) for n in names]
+        self.columns = tuple(columns)
+        self.records: Deque[StepRecord] = deque(maxlen=maxlen)
+        self.dropped = 0
+
+    def append(self, rec: StepRecord) -> None:
+        if len(self.records) == self.records.maxlen:
+            self.dropped += 1
+        self.records.append(rec)
+
+    def stats_frame(self, numel: Sequence[int]):
+        import numpy as np
+        import pandas as pd
+
+        recs = [r for r in self.records if r.values is not None]
+        P = len(self.names)
+        extras = list(self.columns[2:])
+        cols = list(STATS_COLUMNS) + extras
+        if not recs or P == 0:
+            return _typed_empty(cols)
+        n = len(recs)
+        vals = np.concatenate([r.values for r in recs], 0)
+        upd = np.concatenate([r.update if r.update is not None else np.full(P, np.nan) for r in recs])
+        data = {
+            "step": np.repeat(np.array([r.step for r in recs], dtype=np.int64), P),
+            "name": np.tile(np.array(self.names, dtype=object), n),
+            "module": np.tile(np.array(self.modules, dtype=object), n),
+            "numel": np.tile(np.asarray(numel, dtype=np.int64), n),
+            "norm": vals[:, 0],
+            "absmax": vals[:, 1],
+            "nonfinite": np.concatenate([r.nonfinite for r in recs]).astype(np.int64),
+            "update_ratio": upd.astype(np.float64),
+            "has_grad": np.concatenate([r.has_grad for r in recs]).astype(bool),
+        }
+        for j, c in enumerate(extras):
+            data[c] = vals[:, 2 + j]
+        return pd.DataFrame(data, columns=cols)
+
+    def steps_frame(self):
+        import numpy as np
+        import pandas as pd
+
+        recs = list(self.records)
+        data = {
+            "step": np.array([r.step for r in recs], dtype=np.int64),
+            "global_norm": np.array([r.global_norm for r in recs], dtype=np.float64),
+            "clipped_norm": np.array([r.clipped_norm for r in recs], dtype=np.float64),
+            "nonfinite": np.array([0 if r.nonfinite is None else int(r.nonfinite.sum()) for r in recs],
+                                  dtype=np.int64),
+            "overflow": np.array([r.overflow for r in recs], dtype=bool),
+            "scale": np.array([r.scale for r in recs], dtype=np.float64),
+            "recorded": np.array([r.values is not None for r in recs], dtype=bool),
+            "lr": np.array([r.lr for r in recs], dtype=np.float64),
+        }
+        return pd.DataFrame(data, columns=list(STEPS_COLUMNS))
+
+    def hist_frame(self):
+        import numpy as np
+        import pandas as pd
+
+        recs = [r for r in self.records if r.hist is not None]
+        lo = np.array((0.0,) + HIST_EDGES)
+        hi = np.array(HIST_EDGES + (math.inf,))
+        B, P = len(lo), len(self.names)
+        if not recs:
+            return pd.DataFrame({"step": np.zeros(0, np.int64), "name": np.zeros(0, object),
+                                 "lo": np.zeros(0), "hi": np.zeros(0), "count": np.zeros(0, np.int64)})
+        n = len(recs)
+        return pd.DataFrame({
+            "step": np.repeat(np.array([r.step for r in recs], dtype=np.int64), P * B),
+            "name": np.tile(np.repeat(np.array(self.names, dtype=object), B), n),
+            "lo": np.tile(lo, n * P),
+            "hi": np.tile(hi, n * P),
+            "count": np.concatenate([r.hist.reshape(-1) for r in recs]).astype(np.int64),
+        })
+
+
+def _typed_empty(cols: Sequence[str]):
+    import numpy as np
+    import pandas as pd
+
+    dtypes = {"step": np.int64, "name": object, "module": object, "numel": np.int64,
+              "nonfinite": np.int64, "has_grad": bool}
+    return pd.DataFrame({c: np.zeros(0, dtype=dtypes.get(c, np.float64)) for c in cols})
+
+
+def summarize(stats, by: str = "param"):
+    """Roll a tidy statistics table up: one row per parameter (``by="param"``) or per
+    module (``by="module"``; a module's norm is the root of the sum of its parameters'
+    squared norms) over all recorded steps.
+
+    Parameter rows: ``name, module, numel, steps, norm_mean, norm_max, norm_last,
+    absmax_max, nonfinite_steps, nonfinite_total, update_ratio_mean, has_grad_frac``.
+    Module rows: ``module, params, numel, steps, norm_mean, norm_max, norm_last,
+    nonfinite_total``. NaN and Inf norms are kept (max of a column with inf is inf), and
+    NaN-aware means skip NaN.
+    """
+    import numpy as np
+    import pandas as pd
+
+    if by not in ("param", "module"):
+        raise ValueError(f"by= must be 'param' or 'module', got {by!r}")
+    df = stats
+    if by == "module":
+        sq = df.assign(_sq=df["norm"] ** 2)
+        g = sq.groupby(["step", "module"], sort=False)
+        per = g.agg(_sq=("_sq", lambda s: s.sum(min_count=1)), numel=("numel", "sum"),
+                    params=("name", "nunique"), nonfinite=("nonfinite", "sum")).reset_index()
+        per["norm"] = np.sqrt(per["_sq"])
+        out = per.groupby("module", sort=False).agg(
+            params=("params", "max"), numel=("numel", "max"), steps=("step", "nunique"),
+            norm_mean=("norm", "mean"), norm_max=("norm", _nanmax), norm_last=("norm", "last"),
+            nonfinite_total=("nonfinite", "sum")).reset_index()
+        return out[["module", "params", "numel", "steps", "norm_mean", "norm_max", "norm_last",
+                    "nonfinite_total"]]
+    g = df.groupby("name", sort=False)
+    out = g.agg(module=("module", "first"), numel=("numel", "first"), steps=("step", "nunique"),
+                norm_mean=("norm", "mean"), norm_max=("norm", _nanmax), norm_last=("norm", "last"),
+                absmax_max=("absmax", _nanmax), nonfinite_steps=("nonfinite", lambda s: int((s > 0).sum())),
+                nonfinite_total=("nonfinite", "sum"), update_ratio_mean=("update_ratio", "mean"),
+                has_grad_frac=("has_grad", "mean")).reset_index()
+    return out[["name", "module", "numel", "steps", "norm_mean", "norm_max", "norm_last", "absmax_max",
+                "nonfinite_steps", "nonfinite_total", "update_ratio_mean", "has_grad_frac"]]
+
+
+def _nanmax(s):
+    import numpy as np
+
+    v = s.to_numpy(dtype=np.float64)
+    if np.isposinf(v).any():
+        return np.inf
+    v = v[~np.isnan(v)]
+    return float(v.max()) if v.size else np.nan
