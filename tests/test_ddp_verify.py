@@ -1,0 +1,471 @@
+"""Tests of graddbg.ddp_verify.
+
+Local tests check the fingerprints against naive references and the verdict logic on
+synthetic tables. Distributed tests spawn real gloo worlds on 127.0.0.1 (tests/_ddp_workers.py):
+one 2-rank and one 3-rank world, each running many scenarios, with every rank writing what
+it saw; the tests below assert on those records, for every rank.
+"""
+from __future__ import annotations
+
+import math
+import random
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import _ddp_workers as workers
+from conftest import requires_cuda
+from graddbg import DDPInconsistencyError, GraddbgError, ddp_verify
+from graddbg.ddp_verify import _COLUMNS, _MULT, _PRIME
+
+# --------------------------------------------------------------------------- references
+
+
+def _wrap32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def naive_bitwise(t: torch.Tensor) -> list:
+    """The bitwise fingerprint written out with Python integers, one word at a time."""
+    words = [int(w) for w in ddp_verify._words(t).tolist()]
+    n = len(words)
+    cols = [0] * _COLUMNS
+    rows = [0] * (n // _COLUMNS + 1)
+    for i, w in enumerate(words):
+        cols[i % _COLUMNS] += w
+        rows[i // _COLUMNS] += w
+    cols = [_wrap32(c) for c in cols]
+    rows = [_wrap32(r) for r in rows]
+    word_sum = sum(cols)
+    col_hash = sum((c % _PRIME) * ((i + 1) * _MULT % _PRIME) % _PRIME for i, c in enumerate(cols))
+    row_hash = sum((r % _PRIME) * ((i + 1) * _MULT % _PRIME) % _PRIME for i, r in enumerate(rows))
+    return [1, word_sum, col_hash, row_hash]
+
+
+def naive_tolerance(t: torch.Tensor) -> list:
+    vals = [float(v) for v in t.detach().reshape(-1).double().tolist()]
+    finite = [v for v in vals if math.isfinite(v)]
+    return [1, sum(math.isnan(v) for v in vals), vals.count(math.inf), vals.count(-math.inf),
+            math.fsum(finite), math.fsum(v * v for v in finite), math.fsum(abs(v) for v in finite)]
+
+
+SHAPES = [(), (7,), (3, 5), (1024,), (2, 1024), (2500,), (3, 1100)]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.uint8]
+
+
+def _tensor(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 3).to(dtype)
+    return torch.randint(0, 200, shape, generator=g).to(dtype)
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_bitwise_fingerprint_matches_naive_reference(shape, dtype):
+    t = _tensor(shape, dtype)
+    assert ddp_verify.fingerprints([t])[0].tolist() == naive_bitwise(t)
+
+
+def test_bitwise_fingerprint_batches_like_one_at_a_time():
+    ts = [_tensor(s, torch.float32, seed=i) for i, s in enumerate(SHAPES)]
+    table = ddp_verify.fingerprints(ts + [None])
+    assert table.shape == (len(ts) + 1, 4)
+    for i, t in enumerate(ts):
+        assert table[i].tolist() == ddp_verify.fingerprints([t])[0].tolist()
+    assert table[-1].tolist() == [0, 0, 0, 0]
+
+
+def test_every_single_bit_flip_changes_the_bitwise_fingerprint():
+    t = _tensor((3, 1100), torch.float32)
+    base = ddp_verify.fingerprints([t])[0]
+    words = t.view(torch.int32).reshape(-1)
+    rng = random.Random(0)
+    for _ in range(200):
+        i, bit = rng.randrange(words.numel()), rng.randrange(32)
+        u = t.clone()
+        w = u.view(torch.int32).reshape(-1)
+        w[i] = _wrap32(int(words[i]) ^ (1 << bit))
+        assert not torch.equal(ddp_verify.fingerprints([u])[0], base), (i, bit)
+
+
+@pytest.mark.parametrize("j", [1, _COLUMNS, 2 * _COLUMNS + 5], ids=["same-row", "same-column", "both-differ"])
+def test_swapping_two_elements_changes_the_bitwise_fingerprint(j):
+    t = _tensor((3, 1100), torch.float32)
+    u = t.clone().reshape(-1)
+    u[0], u[j] = t.reshape(-1)[j].item(), t.reshape(-1)[0].item()
+    assert not torch.equal(ddp_verify.fingerprints([u.reshape(t.shape)])[0],
+                           ddp_verify.fingerprints([t])[0])
+
+
+def test_same_nan_is_consistent_but_signed_zero_is_not_bitwise():
+    a = torch.tensor([1.0, float("nan"), float("inf"), 0.0])
+    b = a.clone()
+    assert torch.equal(ddp_verify.fingerprints([a]), ddp_verify.fingerprints([b]))
+    b[3] = -0.0
+    assert not torch.equal(ddp_verify.fingerprints([a]), ddp_verify.fingerprints([b]))
+    # the tolerance fingerprint treats -0.0 and 0.0 alike
+    assert torch.equal(ddp_verify.fingerprints([a], mode="tolerance"),
+                       ddp_verify.fingerprints([b], mode="tolerance"))
+
+
+def test_fingerprints_of_other_layouts_and_dtypes():
+    dense = torch.tensor([[0.0, 2.0], [3.0, 0.0]])
+    assert torch.equal(ddp_verify.fingerprints([dense.to_sparse()]), ddp_verify.fingerprints([dense]))
+    noncontig = torch.randn(6, 4).t()
+    assert torch.equal(ddp_verify.fingerprints([noncontig]),
+                       ddp_verify.fingerprints([noncontig.contiguous()]))
+    z = torch.randn(5, dtype=torch.complex64)
+    assert ddp_verify.fingerprints([z])[0].tolist() == naive_bitwise(torch.view_as_real(z))
+    assert ddp_verify.fingerprints([torch.tensor([True, False, True])])[0, 1].item() == 2
+    assert ddp_verify.fingerprints([torch.empty(0)])[0].tolist() == [1, 0, 0, 0]
+    assert ddp_verify.fingerprints([]).shape == (0, 4)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2500,)], ids=str)
+def test_tolerance_fingerprint_matches_naive_reference(shape):
+    t = _tensor(shape, torch.float32)
+    t.reshape(-1)[0] = float("nan")
+    t.reshape(-1)[-1] = float("-inf")
+    row = ddp_verify.fingerprints([t], mode="tolerance")[0]
+    ref = naive_tolerance(t)
+    assert row[:4].tolist() == ref[:4]
+    got = row[4:].view(torch.float64).tolist()
+    assert got == pytest.approx(ref[4:], rel=1e-12)
+
+
+def test_fingerprints_rejects_unknown_mode():
+    with pytest.raises(GraddbgError, match=r"mode=.*'exact'.*accepted: 'bitwise', 'tolerance'"):
+        ddp_verify.fingerprints([torch.ones(2)], mode="exact")
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def _table(rows_per_rank, mode="bitwise"):
+    return torch.stack([ddp_verify.fingerprints(rows, mode=mode) for rows in rows_per_rank])
+
+
+def test_verdict_reports_the_minority_and_breaks_ties_towards_rank_0():
+    a, b = torch.ones(3), torch.tensor([1.0, 2.0, 1.0])
+    meta = [("w", (3,), "float32")]
+    # three ranks, rank 0 is the odd one: the majority {1, 2} is the reference
+    found = ddp_verify._verdict(_table([[b], [a], [a]]), ["w"], meta, "bitwise", 0.0, 0.0)
+    assert found == [(0, 0, 1, "bits differ")]
+    # two ranks: a tie, the group holding rank 0 is the reference
+    found = ddp_verify._verdict(_table([[b], [a]]), ["w"], meta, "bitwise", 0.0, 0.0)
+    assert found == [(0, 1, 0, "bits differ")]
+    # a missing tensor on one rank of three
+    found = ddp_verify._verdict(_table([[a], [None], [a]]), ["w"], meta + [], "bitwise", 0.0, 0.0)
+    assert found == [(0, 1, 0, "no gradient on this rank")]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_tolerance_bounds_never_flag_elementwise_close_tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 400, (1,), generator=g))
+    b = torch.randn(n, generator=g, dtype=torch.float64) * 10 ** float(torch.randint(-3, 3, (1,), generator=g))
+    atol, rtol = [1e-6, 0.0, 1e-3][seed % 3], [1e-5, 1e-3, 0.0][seed % 3]
+    a = b + (atol + rtol * b.abs()) * (2 * torch.rand(n, generator=g, dtype=torch.float64) - 1)
+    assert torch.all((a - b).abs() <= atol + rtol * b.abs())
+    fa, fb = (ddp_verify.fingerprints([x], mode="tolerance")[0] for x in (a, b))
+    assert ddp_verify._close(fa, fb, n, atol, rtol)
+    far = b.clone()
+    far[0] += 10 * (atol * n + rtol * b.abs().sum().item() + 1.0)
+    assert not ddp_verify._close(ddp_verify.fingerprints([far], mode="tolerance")[0], fb, n, atol, rtol)
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def test_needs_an_initialized_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(GraddbgError, match="not initialized.*init_process_group"):
+        ddp_verify.check_gradients(torch.nn.Linear(2, 2))
+
+
+@pytest.fixture
+def one_rank_world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_report_fields_and_argument_errors_in_a_one_rank_world(one_rank_world):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model(torch.randn(5, 3)).sum().backward()
+    report = ddp_verify.check_gradients(model, details=True)
+    assert (report.ok, bool(report), report.world_size, report.rank, report.kind, report.mode,
+            report.checked) == (True, True, 1, 0, "gradients", "bitwise", 4)
+    assert list(report.mismatches.columns)[:4] == ["name", "rank", "reference_rank", "reason"]
+    assert len(report.mismatches) == 0
+    assert ddp_verify.check_buffers(model).checked == 3
+    assert ddp_verify.check_parameters(model, rtol=1e-3).mode == "tolerance"
+    assert ddp_verify.check_parameters(model, timeout=5).ok
+    with pytest.raises(GraddbgError, match=r"rtol=.*got -0.5.*finite number >= 0"):
+        ddp_verify.check_gradients(model, rtol=-0.5)
+    with pytest.raises(GraddbgError, match=r"timeout=.*got 0:00:00.*positive"):
+        ddp_verify.check_gradients(model, timeout=timedelta(0))
+    with pytest.raises(GraddbgError, match=r"model=.*got str.*nn.Module"):
+        ddp_verify.check_gradients("model")
+    with pytest.raises(GraddbgError, match=r"group=.*got int.*ProcessGroup"):
+        ddp_verify.check_gradients(model, group=3)
+
+
+def test_report_str_is_bounded():
+    rows = tuple(ddp_verify.Mismatch(name=f"layer{i}.weight", rank=1, reference_rank=0,
+                                     reason="bits differ", shape=(2,), dtype="float32",
+                                     fingerprint="x", reference_fingerprint="y")
+                 for i in range(50))
+    report = ddp_verify.ConsistencyReport(ok=False, world_size=2, rank=0, kind="gradients",
+                                          mode="bitwise", checked=60, rows=rows)
+    text = str(report)
+    assert "50 of 60 tensors differ" in text and "'layer0.weight'" in text
+    assert "layer9.weight" in text and "layer10.weight" not in text
+    assert "and 40 more rows" in text
+    assert len(text.splitlines()) == 13
+    assert report.names[:2] == ["layer0.weight", "layer1.weight"] and report.ranks == [1]
+
+
+# --------------------------------------------------------------------------- real worlds
+
+def distributed(test):
+    """Marks of a test that spawns (or reuses) a real world: slow, and bounded in time."""
+    return pytest.mark.slow(pytest.mark.timeout(240)(test))
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """A 2-rank gloo world running every scenario of WORLDS['two']: {rank: {scenario: record}}."""
+    out = tmp_path_factory.mktemp("ddp_two")
+    results = workers.run_world("two", 2, str(out), timeout_s=180)
+    assert sorted(results) == [0, 1], "a rank wrote no results"
+    return results
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp_three")
+    results = workers.run_world("three", 3, str(out), timeout_s=180)
+    assert sorted(results) == [0, 1, 2], "a rank wrote no results"
+    return results
+
+
+def _scenario(world, name, nranks):
+    records = [world[r][name] for r in range(nranks)]
+    for r, rec in enumerate(records):
+        assert "traceback" not in rec, f"rank {r} failed in {name}: {rec}"
+    return records
+
+
+def _assert_same_verdict(reports):
+    """Every rank reached the same verdict (same names, ranks and rows)."""
+    assert all(r["rows"] == reports[0]["rows"] and r["ok"] == reports[0]["ok"] for r in reports)
+    assert [r["rank"] for r in reports] == list(range(len(reports)))
+
+
+@distributed
+@pytest.mark.parametrize("world,n", [("two", 2), ("three", 3)])
+def test_healthy_ddp_is_consistent_and_the_group_stays_usable(world, n, request):
+    records = _scenario(request.getfixturevalue(world), "healthy", n)
+    for rec in records:
+        for key in ("grads", "params", "buffers", "tolerance", "plain_module"):
+            assert rec[key]["ok"] and rec[key]["world_size"] == n, (key, rec[key]["text"])
+        assert rec["grads"]["checked"] == 4 and rec["buffers"]["checked"] == 0
+        assert rec["allreduce_after"] == [float(n)] * 3
+
+
+@distributed
+def test_find_unused_parameters_static_graph_and_bucket_views(two):
+    for rec in _scenario(two, "find_unused", 2):
+        assert rec["report"]["ok"] and rec["unused_grad_none"]
+    for rec in _scenario(two, "static_bucket_view", 2):
+        assert rec["oks"] == [True] * 6
+
+
+@distributed
+@pytest.mark.parametrize("world,n", [("two", 2), ("three", 3)])
+def test_comm_hook_corrupting_rank_1_is_reported_on_every_rank(world, n, request):
+    records = _scenario(request.getfixturevalue(world), "comm_hook", n)
+    expected = records[0]["expected"]
+    assert expected and all(rec["expected"] == expected for rec in records)
+    reports = [rec["report"] for rec in records]
+    _assert_same_verdict(reports)
+    for rep in reports:
+        assert not rep["ok"] and rep["names"] == [expected] and rep["ranks"] == [1]
+        (name, rank, ref, reason, max_abs_diff, n_diff), = rep["rows"]
+        assert (rank, ref, reason, n_diff) == (1, 0, "bits differ", 1)
+        assert max_abs_diff == pytest.approx(1.0, rel=1e-5)
+        assert rep["df_len"] == 1 and expected in rep["text"]
+    for rec in records:
+        assert rec["raised"]["error"] == "DDPInconsistencyError"
+        assert rec["raised"]["names"] == [expected]
+
+
+@distributed
+def test_three_ranks_blame_the_minority_even_when_it_is_rank_0(three):
+    reports = [rec["report"] for rec in _scenario(three, "comm_hook_rank0", 3)]
+    _assert_same_verdict(reports)
+    for rep in reports:
+        assert rep["ranks"] == [0] and [row[2] for row in rep["rows"]] == [1]
+
+
+@distributed
+def test_weights_drifted_on_rank_1_are_named_by_check_parameters(two):
+    for rec in _scenario(two, "drift", 2):
+        assert rec["before"]["ok"]
+        after = rec["after"]
+        assert after["names"] == ["2.weight"] and after["ranks"] == [1]
+        assert after["rows"][0][4] == pytest.approx(1e-3, rel=1e-3)
+        assert not rec["after_tol"]["ok"] and rec["after_tol"]["names"] == ["2.weight"]
+
+
+@distributed
+def test_the_same_nan_on_every_rank_is_consistent(two):
+    for rec in _scenario(two, "same_nan", 2):
+        assert rec["bitwise"]["ok"] and rec["tolerance"]["ok"]
+
+
+@distributed
+def test_nan_on_rank_1_only_is_reported_by_name(two):
+    records = _scenario(two, "nan_rank1", 2)
+    _assert_same_verdict([rec["bitwise"] for rec in records])
+    for rec in records:
+        assert rec["bitwise"]["names"] == ["0.bias"] and rec["bitwise"]["ranks"] == [1]
+        assert rec["bitwise"]["rows"][0][4] == math.inf and rec["bitwise"]["rows"][0][5] == 1
+        tol = rec["tolerance"]
+        assert tol["names"] == ["0.bias"] and tol["rows"][0][3] == "NaN/Inf counts differ"
+
+
+@distributed
+def test_no_sync_off_by_one_is_detected(two):
+    for rec in _scenario(two, "no_sync", 2):
+        assert rec["correct"]["grads"]["ok"] and rec["correct"]["params"]["ok"]
+        buggy = rec["buggy"]
+        assert not buggy["grads"]["ok"] and buggy["grads"]["ranks"] == [1]
+        assert "0.weight" in buggy["grads"]["names"]
+        assert buggy["params"]["names"] == buggy["grads"]["names"]
+
+
+@distributed
+def test_a_gradient_missing_on_one_rank_is_reported_by_name_and_rank(two):
+    for rec in _scenario(two, "missing_grad", 2):
+        (row,) = rec["report"]["rows"]
+        assert row[:4] == ["2.weight", 1, 0, "no gradient on this rank"]
+
+
+@distributed
+def test_check_buffers_finds_batchnorm_statistics_that_drifted(two):
+    for rec in _scenario(two, "batchnorm", 2):
+        assert rec["same"]["ok"] and rec["same"]["checked"] == 3
+        assert rec["different"]["names"] == ["1.running_mean", "1.running_var"]
+        assert rec["different"]["ranks"] == [1]
+
+
+@distributed
+def test_tolerance_mode_passes_float_noise_that_bitwise_mode_flags(two):
+    for rec in _scenario(two, "tolerance", 2):
+        assert rec["bitwise"]["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert rec["tolerance"]["ok"] and rec["tolerance"]["mode"] == "tolerance"
+        assert not rec["tight"]["ok"]
+        big = rec["big"]
+        assert big["names"] == ["0.weight"] and big["ranks"] == [1]
+        assert big["rows"][0][4] == pytest.approx(0.05, rel=1e-3)
+
+
+@distributed
+def test_hand_all_reduced_plain_model(two):
+    for rec in _scenario(two, "hand_allreduce", 2):
+        assert not rec["before"]["ok"] and rec["before"]["ranks"] == [1]
+        assert rec["after"]["ok"]
+
+
+@distributed
+def test_different_architectures_raise_a_clear_error_on_every_rank(two):
+    for rec in _scenario(two, "architecture", 2):
+        width = rec["width"]
+        assert width["error"] == "DDPInconsistencyError"
+        assert "rank 0 has '0.weight' shape (16, 8) float32, rank 1 has '0.weight' shape (12, 8)" \
+            in width["message"]
+        assert "Ranks that differ from rank 0: [1]" in width["message"]
+        assert "rank 0 has 2 parameters, rank 1 has 4" in rec["depth"]["message"]
+        assert "rank 0: check_gradients" in rec["calls"]["message"]
+        assert "rank 1: check_parameters" in rec["calls"]["message"]
+        assert rec["after"]["ok"]
+
+
+@distributed
+def test_bad_arguments_raise_before_any_collective(two):
+    for rec in _scenario(two, "bad_args", 2):
+        assert rec["atol"]["error"] == "GraddbgError" and "atol" in rec["atol"]["message"]
+        assert "timeout" in rec["timeout"]["message"]
+        assert "instantiate it first" in rec["model"]["message"]
+        assert rec["after"]["ok"]
+
+
+@distributed
+@pytest.mark.parametrize("world,n,skipper", [("two", 2, 1), ("three", 3, 2)])
+def test_a_rank_that_skips_the_check_makes_the_others_raise_within_the_timeout(world, n, skipper, request):
+    records = _scenario(request.getfixturevalue(world), "skip", n)
+    assert records[skipper] == {"skipped": True}
+    for rank, rec in enumerate(records):
+        if rank == skipper:
+            continue
+        assert rec["error"] == "DDPTimeoutError", rec
+        assert rec["elapsed"] < 2.0 + 3.0
+        if rank == 0:
+            assert f"rank(s) [{skipper}]" in rec["message"]
+        else:
+            assert "did not complete its barrier within 2 s" in rec["message"]
+
+
+@distributed
+def test_side_group_is_created_once_and_works(three):
+    for rec in _scenario(three, "side_group", 3):
+        assert rec["cached"] and rec["side_world"] == 3 and rec["check"]["ok"]
+
+
+@distributed
+def test_checks_run_on_a_subgroup(three):
+    records = _scenario(three, "subgroup", 3)
+    assert records[2] == {"skipped": True}
+    for rec in records[:2]:
+        assert rec["ok"] and rec["world_size"] == 2
+
+
+@requires_cuda
+@pytest.mark.timeout(240)
+def test_fingerprints_on_cuda_match_cpu():
+    ts = [_tensor(s, torch.float32, seed=i) for i, s in enumerate(SHAPES)]
+    for mode in ("bitwise", "tolerance"):
+        cpu = ddp_verify.fingerprints(ts, mode=mode)
+        gpu = ddp_verify.fingerprints([t.cuda() for t in ts], mode=mode)
+        assert gpu.device.type == "cuda"
+        if mode == "bitwise":
+            assert torch.equal(cpu, gpu.cpu())
+        else:
+            assert torch.equal(cpu[:, :4], gpu.cpu()[:, :4])
+            assert torch.allclose(cpu[:, 4:].view(torch.float64), gpu.cpu()[:, 4:].view(torch.float64),
+                                  rtol=1e-12)
+
+
+@requires_cuda
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cuda_model_over_gloo(tmp_path):
+    results = workers.run_world("cuda", 2, str(tmp_path), timeout_s=180, device="cuda")
+    for r in (0, 1):
+        rec = results[r]["cuda_gloo"]
+        assert "traceback" not in rec, rec
+        assert rec["healthy"]["ok"]
+        assert rec["nan"]["names"] == ["0.bias"] and rec["nan"]["ranks"] == [1]
+        assert rec["tolerance"]["rows"][0][3] == "NaN/Inf counts differ"
