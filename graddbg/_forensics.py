@@ -35,7 +35,6 @@ _Tensor = torch.Tensor
 _STRIDED = torch.strided
 _current_node = torch._C._current_autograd_node
 _current_task = torch._C._current_graph_task_id
-_grad_enabled = torch.is_grad_enabled
 
 # Key under which forward-time facts are stored in ``grad_fn.metadata``.
 _KEY = "graddbg.find_nonfinite"
@@ -160,8 +159,13 @@ def _outputs_finite(out: Any, scan: "NonFiniteScan") -> bool:
     if not ts:
         return True
     scan.ops_checked += 1
-    if len(ts) == 1:
-        return _all_finite(ts[0])
+    return _group_finite(ts)
+
+
+def _group_finite(ts: List[torch.Tensor]) -> bool:
+    """Several tensors, one host read when they share a device and dtype."""
+    if len(ts) <= 1:
+        return not ts or _all_finite(ts[0])
     sums = [t.sum() if t.dtype in (torch.float32, torch.float64) and not t.dtype.is_complex
             else None for t in ts]
     if all(s is not None for s in sums) and len({(s.dtype, s.device) for s in sums}) == 1:
@@ -189,7 +193,7 @@ def _tensor_stats(t: torch.Tensor) -> str:
             return head + f": {int(t.sum())} true of {t.numel()}"
         lo, hi = int(t.min()), int(t.max())
         return head + f": min {lo} max {hi} zeros {int((t == 0).sum())}"
-    f = t.detach().double()
+    f = t.detach() if t.dtype == torch.float64 else t.detach().float()
     fin = torch.isfinite(f)
     nan, inf = int(torch.isnan(f).sum()), int(torch.isinf(f).sum())
     good = f[fin]
@@ -289,13 +293,13 @@ class NonFiniteScan(TorchDispatchMode):
         check = plan.check and self._check[node is not None]
         pre = None
         if check and plan.pre:
-            pre = [all(_all_finite(t) for t in _tensors(_arg(args, kwargs, i, n))
-                       if _float_tensor(t)) for i, n in plan.pre]
+            pre = [_group_finite([t for t in _tensors(_arg(args, kwargs, i, n))
+                                  if _float_tensor(t) and t.numel()]) for i, n in plan.pre]
         out = func(*args, **kwargs)
         if check:
             if not _outputs_finite(out, self):
                 self._nonfinite(func, plan, args, kwargs, out, pre, node)
-        if node is None and plan.record and _grad_enabled():
+        if node is None and plan.record:  # also under no_grad: custom Functions' forward
             module = self._stack[-1] if self._stack else None
             self._pending.append((out, (module, self._user_frame(), plan.name, self._passes)))
         return out

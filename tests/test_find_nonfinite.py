@@ -444,3 +444,51 @@ def test_cross_entropy_training_step_is_clean() -> None:
             opt.step()
     assert scan.ops_checked > 30
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _BadRecip(torch.autograd.Function):
+    """A custom Function whose backward divides by the input: 1/0 at x = 0."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * x / x  # 0 / 0 at x = 0 (the true derivative is 2x)
+
+
+class UsesCustomFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _BadRecip.apply(torch.relu(self.fc(x)))
+
+
+def test_custom_function_backward_is_named_with_its_module() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), UsesCustomFunction())
+    with pytest.raises(NonFiniteError, match="backward op _BadRecipBackward") as info:
+        with find_nonfinite(model):
+            model(torch.randn(16, 3)).sum().backward()
+    a = info.value.anomaly
+    assert a.op == "_BadRecipBackward"
+    assert a.module == "1"
+    # the forward code of the Function: the op whose output became the node's output
+    assert a.source == f"{HERE}:{inspect.getsourcelines(_BadRecip.forward)[1] + 3}"
+
+
+def test_attention_masks_built_from_minus_inf_are_not_reported() -> None:
+    q = torch.randn(2, 5, 8, requires_grad=True)
+    with find_nonfinite() as scan:
+        mask = nn.Transformer.generate_square_subsequent_mask(5)  # -inf above the diagonal
+        scores = q @ q.transpose(1, 2) / 8 ** 0.5
+        attn = torch.softmax(scores + mask, dim=-1)
+        filled = torch.softmax(scores.masked_fill(mask.bool(), float("-inf")), dim=-1)
+        (attn.sum() + filled.sum()).backward()
+    assert torch.allclose(attn, filled)
+    assert torch.isfinite(q.grad).all()
+    assert scan.ops_checked > 5
