@@ -172,13 +172,19 @@ def _downsample(x: "numpy.ndarray", y: "numpy.ndarray", max_points: int) -> Tupl
     return x[sel], y[sel]
 
 
-def _log_line(ax: "Axes", x: Any, y: Any, *, label: str, max_points: int, **kw: Any) -> Any:
-    """A line of the positive finite values of y (others leave gaps, marked elsewhere)."""
+def _log_line(ax: "Axes", x: Any, y: Any, *, label: str, max_points: int,
+              connect: bool = False, **kw: Any) -> Any:
+    """A line of the positive finite values of y. Others leave gaps (marked elsewhere),
+    or with ``connect=True`` are left out so the measured points join up (for sparse
+    series such as update ratios, measured every few steps)."""
     import numpy as np
 
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
-    shown = np.where(np.isfinite(y) & (y > 0), y, np.nan)
+    ok = np.isfinite(y) & (y > 0)
+    if connect:
+        x, y, ok = x[ok], y[ok], ok[ok]
+    shown = np.where(ok, y, np.nan)
     xs, ys = _downsample(x, shown, max_points)
     line, = ax.plot(xs, ys, label=label, **kw)
     return line
@@ -586,7 +592,8 @@ def update_ratio(stats: "pandas.DataFrame", guide: Optional[float] = 1e-3, *,
             dropna=False).reindex(columns=chosen).sort_index()
         for name in chosen:
             line = _log_line(ax, wide.index, wide[name].to_numpy(), label=name,
-                             max_points=max_points, linewidth=1.0)
+                             max_points=max_points, connect=True, linewidth=1.0,
+                             marker="o", markersize=2)
             line.set_gid(f"series:{name}")
     else:
         wide = frame.pivot_table(index="step", columns="name", values="update_ratio",
@@ -604,10 +611,11 @@ def update_ratio(stats: "pandas.DataFrame", guide: Optional[float] = 1e-3, *,
             band = ax.fill_between(xd, q10d, q90d, color="#9ecae1", alpha=0.6,
                                    label=f"10–90 % of {len(chosen)} parameters")
             band.set_gid("band")
-        line = _log_line(ax, x, med, label="median", max_points=max_points, color="#08519c")
+        line = _log_line(ax, x, med, label="median", max_points=max_points, connect=True,
+                         color="#08519c", marker="o", markersize=2)
         line.set_gid("median")
-        line = _log_line(ax, x, mx, label="max", max_points=max_points, color="#08519c",
-                         linestyle=":")
+        line = _log_line(ax, x, mx, label="max", max_points=max_points, connect=True,
+                         color="#08519c", linestyle=":")
         line.set_gid("max")
     # an infinite ratio, or an unknown one where the gradient itself had NaN/Inf entries
     bad = np.isinf(ratios)

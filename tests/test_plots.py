@@ -332,6 +332,10 @@ def test_update_ratio_lines_and_guide(frames):
     np.testing.assert_allclose(by_gid["series:head.weight"].get_ydata(), w.update_ratio.to_numpy())
     # NaN gradient (step 5) and Inf gradient (step 6) have unknown ratios: marked
     assert list(by_gid["nonfinite"].get_xdata()) == [5, 6]
+    # ratios measured on some steps only (NaN between) still join up into a line
+    sparse = stats.assign(update_ratio=np.where(stats.step.isin([1, 4, 7]), stats.update_ratio, np.nan))
+    line = lines_by_gid(plots.update_ratio(sparse).axes[0])["series:head.weight"]
+    assert list(line.get_xdata()) == [1, 4, 7]
     ax2 = plots.update_ratio(stats, guide=1e-2).axes[0]
     assert set(lines_by_gid(ax2)["guide"].get_ydata()) == {1e-2}
     assert "guide" not in lines_by_gid(plots.update_ratio(stats, guide=None).axes[0])

@@ -1,0 +1,295 @@
+"""graddbg.run: Run, save/load round trip (parquet + JSON, no pickle), summary, plot and
+TensorBoard export, on synthetic frames and on a real recorded run."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import graddbg
+from graddbg import GraddbgError
+from graddbg._errors import CoverageWarning
+from graddbg.anomaly import Anomaly
+from graddbg.run import FORMAT_VERSION, Run, load
+from test_plots import PARAMS, make_frames
+
+
+class TinyNet(torch.nn.Module):
+    """Two top-level modules used in forward, one never used (no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+        self.head = torch.nn.Linear(8, 2)
+        self.unused = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def recorded_watch(n_steps: int = 6, nan_step: int = 3, **kw):
+    """A real run: TinyNet trained n_steps under graddbg.watch with histograms; a NaN in
+    the input at ``nan_step`` (policy "skip": the bad step leaves the weights alone)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = dict(histograms=True, nonfinite="skip", update_every=1)
+    options.update(kw)
+    with pytest.warns(CoverageWarning, match="unused.weight, unused.bias"):
+        with graddbg.watch(model, opt, **options) as w:
+            for i in range(n_steps):
+                x = torch.randn(16, 4)
+                if i == nan_step:
+                    x[0, 0] = float("nan")
+                (model(x) ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    return w
+
+
+def make_run(**kw) -> Run:
+    f = make_frames(**kw)
+    return Run(f["stats"], f["steps"], f["anomalies"], histograms=f["histograms"], meta=f["meta"])
+
+
+@pytest.fixture
+def run():
+    r = make_run(n_steps=8, nan=[(5, "layers.1.weight")], inf=[(6, "head.bias")],
+                 huge=[(3, "embed.weight")], zero=["layers.0.bias"], nograd=["scale"],
+                 extra_stats=True)
+    r.activations = pd.DataFrame({
+        "step": np.repeat(np.arange(1, 9, dtype=np.int64), 2),
+        "module": ["layers.0", "head"] * 8,
+        "grad_norm": [0.5, math.nan, 0.25, math.inf, 1e38, 0.1] + [0.3] * 10,
+        "out_nonfinite": np.array([0, 3, 0, 1] + [0] * 12, dtype=np.int64),
+    })
+    return r
+
+
+def assert_runs_equal(a, b):
+    pd.testing.assert_frame_equal(a.stats, b.stats)
+    pd.testing.assert_frame_equal(a.steps, b.steps)
+    for name in ("histograms", "activations"):
+        fa, fb = getattr(a, name), getattr(b, name)
+        assert (fa is None) == (fb is None), name
+        if fa is not None:
+            pd.testing.assert_frame_equal(fa, fb)
+    assert [x.to_dict() for x in a.anomalies] == [x.to_dict() for x in b.anomalies]
+    assert a.meta == b.meta
+
+
+# ----------------------------------------------------------------------------- save / load
+
+def test_save_load_round_trip_with_nan_inf_and_huge(run, tmp_path):
+    path = run.save(tmp_path / "run.parquet")
+    assert path == tmp_path / "run.parquet" and path.is_file()
+    back = graddbg.load(path)
+    assert isinstance(back, Run)
+    assert_runs_equal(run, back)
+    # NaN / Inf / 1e38 survive exactly
+    s = back.stats.set_index(["step", "name"])
+    assert math.isnan(s.loc[(5, "layers.1.weight"), "norm"])
+    assert s.loc[(6, "head.bias"), "norm"] == math.inf
+    assert s.loc[(3, "embed.weight"), "norm"] == 1e38
+    assert math.isnan(back.anomalies[0].value) and back.anomalies[1].value == math.inf
+    assert back.anomalies[0].op == "LogBackward0" and back.anomalies[0].source == "train.py:12"
+
+
+def test_saved_file_is_plain_parquet_with_json_metadata(run, tmp_path):
+    import pyarrow.parquet as pq
+
+    path = run.save(tmp_path / "run.parquet")
+    # any parquet reader gets the statistics table directly
+    pd.testing.assert_frame_equal(pd.read_parquet(path), run.stats)
+    md = pq.read_schema(path).metadata
+    doc = json.loads(md[b"graddbg"])
+    assert doc["format"] == "graddbg.run" and doc["version"] == FORMAT_VERSION
+    assert doc["meta"] == run.meta
+    assert [a["kind"] for a in doc["anomalies"]] == ["nonfinite", "nonfinite"]
+    assert sorted(doc["tables"]) == ["activations", "histograms", "steps"]
+    assert {b"graddbg.steps", b"graddbg.histograms", b"graddbg.activations"} <= set(md)
+
+
+def test_round_trip_keeps_object_dtypes_and_missing_tables(tmp_path):
+    stats = pd.DataFrame({"step": np.array([1, 1], dtype=np.int64),
+                          "name": pd.Series(["a.w", "b"], dtype=object),
+                          "module": pd.Series(["a", ""], dtype=object),
+                          "norm": [1.0, math.nan]})
+    steps = pd.DataFrame({"step": np.array([1], dtype=np.int64), "global_norm": [math.nan]})
+    assert stats["name"].dtype == object
+    r = Run(stats, steps)
+    back = load(r.save(tmp_path / "r.parquet"))
+    assert back.stats["name"].dtype == object
+    assert_runs_equal(r, back)
+    assert back.histograms is None and back.activations is None and back.anomalies == []
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="path: no such file"):
+        load(tmp_path / "missing.parquet")
+    plain = tmp_path / "plain.parquet"
+    pd.DataFrame({"x": [1]}).to_parquet(plain)
+    with pytest.raises(GraddbgError, match="is a parquet file but not a graddbg run"):
+        load(plain)
+    text = tmp_path / "notes.parquet"
+    text.write_text("hello")
+    with pytest.raises(GraddbgError, match="is not a parquet file written by"):
+        load(text)
+    import pyarrow.parquet as pq
+    r = make_run(n_steps=2, histograms=False)
+    path = r.save(tmp_path / "future.parquet")
+    table = pq.read_table(path)
+    md = dict(table.schema.metadata)
+    doc = json.loads(md[b"graddbg"])
+    doc["version"] = FORMAT_VERSION + 1
+    md[b"graddbg"] = json.dumps(doc).encode()
+    pq.write_table(table.replace_schema_metadata(md), path)
+    with pytest.raises(GraddbgError, match="format version 2; this graddbg reads versions up to 1"):
+        load(path)
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        r.save(tmp_path)
+
+
+def test_run_constructor_checks_its_arguments():
+    f = make_frames(2, histograms=False)
+    with pytest.raises(TypeError, match=r"Run\(stats=...\) must be a pandas DataFrame; got dict"):
+        Run({"step": [1]}, f["steps"])
+    with pytest.raises(TypeError, match=r"Run\(histograms=...\) must be a pandas DataFrame or None"):
+        Run(f["stats"], f["steps"], histograms=[1])
+    with pytest.raises(TypeError, match="must hold graddbg.anomaly.Anomaly records; got dict"):
+        Run(f["stats"], f["steps"], anomalies=[{"step": 1}])
+    with pytest.raises(TypeError, match="JSON-able"):
+        Run(f["stats"], f["steps"], meta={"x": object()}).save("unused.parquet")
+    r = Run(f["stats"], f["steps"])
+    assert repr(r) == "Run(recorded_steps=2, steps=2, params=8, anomalies=0)"
+
+
+# ----------------------------------------------------------------------------- views
+
+def test_summary_by_param_and_module_match_naive_reference(run):
+    p = run.summary("param")
+    assert list(p["name"]) == [n for n, _, _ in PARAMS]
+    st = run.stats
+    w = st[st.name == "head.weight"]
+    row = p.set_index("name").loc["head.weight"]
+    assert row["norm_max"] == pytest.approx(w.norm.max())
+    assert row["norm_last"] == pytest.approx(w.norm.iloc[-1])
+    assert row["nonfinite_total"] == 0
+    assert p.set_index("name").loc["layers.1.weight", "nonfinite_total"] == 64
+    m = run.summary(by="module").set_index("module")
+    last = st[(st.step == 8) & (st.module == "layers.0")]
+    assert m.loc["layers.0", "norm_last"] == pytest.approx(math.sqrt((last.norm ** 2).sum()))
+    assert m.loc["layers.0", "params"] == 2
+    with pytest.raises(ValueError, match="by"):
+        run.summary(by="layer")
+
+
+def test_plot_delegates_to_plots(run):
+    assert run.plot().axes[0].get_title() == "Gradient flow at step 8"
+    assert run.plot("flow", step=5).axes[0].get_title() == "Gradient flow at step 5"
+    ax = run.plot("norms").axes[0]
+    # the steps frame and the anomalies reach the plot
+    assert {c.get_gid() for c in ax.collections} >= {"anomaly-nonfinite"}
+    assert [l for l in ax.get_lines() if l.get_gid() == "global"]
+    fig = run.plot("hist", at=[1, 5], names=["layers.1.weight"])
+    assert any(t.get_text() == "step 5: 64 NaN/Inf" for t in fig.axes[0].texts)
+    assert run.plot("update").axes[0].get_title() == "Update / weight ratio"
+    with pytest.raises(ValueError, match="kind must be one of"):
+        run.plot("pie")
+
+
+# ----------------------------------------------------------------------------- tensorboard
+
+def _events(logdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    ea.Reload()
+    return ea
+
+
+def test_to_tensorboard_writes_scalars_histograms_and_text(run, tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(log_dir=str(tmp_path)) as writer:
+        run.to_tensorboard(writer)
+    ea = _events(tmp_path)
+    scalars = set(ea.Tags()["scalars"])
+    assert {"graddbg/global_norm", "graddbg/nonfinite", "graddbg/lr",
+            "graddbg/norm/head.weight", "graddbg/nonfinite/layers.1.weight"} <= scalars
+    g = {e.step: e.value for e in ea.Scalars("graddbg/global_norm")}
+    want = run.steps.set_index("step")["global_norm"]
+    assert sorted(g) == [s for s in want.index if math.isfinite(want[s])]  # NaN/Inf left out
+    for s, v in g.items():
+        assert v == pytest.approx(want[s], rel=1e-6)
+    # the non-finite value is left out of the norm series and counted in the nonfinite one
+    assert 5 not in {e.step for e in ea.Scalars("graddbg/norm/layers.1.weight")}
+    nf = {e.step: e.value for e in ea.Scalars("graddbg/nonfinite/layers.1.weight")}
+    assert nf[5] == 64 and nf[4] == 0
+    huge = {e.step: e.value for e in ea.Scalars("graddbg/norm/embed.weight")}
+    assert huge[3] == pytest.approx(1e38, rel=1e-6)
+    hist_tags = ea.Tags()["histograms"]
+    assert "graddbg/grad_abs/head.weight" in hist_tags and "graddbg/grad_abs/scale" not in hist_tags
+    h = {e.step: e.histogram_value for e in ea.Histograms("graddbg/grad_abs/head.weight")}
+    want_counts = run.histograms[(run.histograms.name == "head.weight") & (run.histograms.step == 2)]
+    assert list(h[2].bucket) == [float(c) for c in want_counts.sort_values("lo")["count"]]
+    assert h[2].num == want_counts["count"].sum()
+    texts = ea.Tags()["tensors"]
+    assert "graddbg/anomalies/text_summary" in texts
+
+
+def test_to_tensorboard_accepts_a_log_directory(run, tmp_path):
+    run.to_tensorboard(tmp_path / "logs")
+    ea = _events(tmp_path / "logs")
+    assert "graddbg/global_norm" in ea.Tags()["scalars"]
+
+
+def test_to_tensorboard_without_tensorboard_says_how_to_install(run, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        run.to_tensorboard(tmp_path / "logs")
+    with pytest.raises(TypeError, match="writer must be a tensorboard SummaryWriter"):
+        run.to_tensorboard(42)
+
+
+# ----------------------------------------------------------------------------- real run
+
+def test_real_run_round_trips_through_save_and_load(tmp_path):
+    w = recorded_watch()
+    path = w.save(tmp_path / "real.parquet")
+    back = graddbg.load(path)
+    assert_runs_equal(w.to_run(), back)
+    assert back.histograms is not None and len(back.histograms) > 0
+    assert back.meta["uncovered"] == ["unused.weight", "unused.bias"]
+    assert [a.kind for a in back.anomalies] == ["nonfinite"]
+    assert back.anomalies[0].step == 3
+
+
+def test_real_run_plots_show_what_happened():
+    w = recorded_watch()
+    run = w.to_run()
+    names = list(dict.fromkeys(run.stats["name"]))
+    bad_step = run.anomalies[0].step
+    ax = run.plot("flow", step=bad_step).axes[0]
+    marks = {l.get_gid(): l for l in ax.get_lines() if l.get_gid()}
+    bad = set(run.stats[(run.stats.step == bad_step) & (run.stats.nonfinite > 0)].name)
+    assert bad  # the NaN input poisons every used parameter's gradient
+    assert [names[int(i)] for i in marks["nonfinite"].get_xdata()] == [n for n in names if n in bad]
+    assert [names[int(i)] for i in marks["nograd"].get_xdata()] == ["unused.weight", "unused.bias"]
+    ax = w.plot("norms").axes[0]
+    assert bad_step in list({l.get_gid(): l for l in ax.get_lines() if l.get_gid()}["nonfinite"].get_xdata())
+    assert [l.get_label() for l in ax.get_lines() if (l.get_gid() or "").startswith("series:")] == \
+        ["body", "head", "unused"]
+    seg = {c.get_gid(): c for c in ax.collections}["anomaly-nonfinite"].get_segments()
+    assert [s[0][0] for s in seg] == [bad_step]
+    fig = w.plot("hist", at=[0, bad_step], names=["head.weight"])
+    assert fig.axes[0].get_title() == "head.weight"
+    assert any("NaN/Inf" in t.get_text() for t in fig.axes[0].texts)
+    ax = w.plot("update").axes[0]
+    assert {"guide", "series:head.weight"} <= {l.get_gid() for l in ax.get_lines()}
