@@ -1,0 +1,585 @@
+"""watch(): statistics against naive references, step semantics, lifecycle, bad input."""
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import math
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import graddbg
+from graddbg._errors import CompileWarning, CoverageWarning
+from problems import PROBLEMS, hook_counts, optimizer_hook_counts
+
+
+def _naive(model, names_grads=None):
+    """Reference statistics computed the obvious way, in float64."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.detach().double()
+        fin = torch.isfinite(g)
+        out[name] = {
+            "norm": g.norm().item(), "absmax": g.abs().max().item(),
+            "nonfinite": int((~fin).sum()), "mean": g.mean().item(),
+            "std": g.std().item() if g.numel() > 1 else 0.0, "zero_frac": (g == 0).double().mean().item(),
+        }
+    return out
+
+
+@pytest.mark.parametrize("problem", list(PROBLEMS), ids=list(PROBLEMS))
+def test_statistics_equal_naive_reference(problem, device):
+    pb = PROBLEMS[problem]
+    model = pb.make_model().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    refs = []
+    with graddbg.watch(model, opt, stats=("norm", "absmax", "nonfinite", "mean", "std", "zero_frac")) as w:
+        for i in range(3):
+            x, y = pb.make_batch(device)
+            pb.loss(model(x), y).backward()
+            refs.append(_naive(model))
+            opt.step()
+            opt.zero_grad()
+    df = w.stats
+    assert sorted(df["step"].unique()) == [0, 1, 2]
+    assert list(df[df.step == 0]["name"]) == [n for n, _ in model.named_parameters()]
+    for step, ref in enumerate(refs):
+        for name, r in ref.items():
+            row = df[(df.step == step) & (df.name == name)].iloc[0]
+            for key in ("norm", "absmax", "mean", "std", "zero_frac"):
+                assert row[key] == pytest.approx(r[key], rel=1e-5, abs=1e-12), (step, name, key)
+            assert row["nonfinite"] == r["nonfinite"]
+            assert row["module"] == name.rsplit(".", 1)[0]
+    # the global norm is the root of the sum of squares of the parameter norms
+    for step, ref in enumerate(refs):
+        gn = math.sqrt(sum(r["norm"] ** 2 for r in ref.values()))
+        assert w.steps.loc[w.steps.step == step, "global_norm"].item() == pytest.approx(gn, rel=1e-6)
+
+
+def test_one_shot_grad_stats_matches_watch():
+    model = PROBLEMS["mlp"].make_model()
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    F.cross_entropy(model(x), y).backward()
+    df = graddbg.stats.grad_stats(model)
+    ref = _naive(model)
+    for _, row in df.iterrows():
+        assert row["norm"] == pytest.approx(ref[row["name"]]["norm"], rel=1e-6)
+        assert row["zero_frac"] == pytest.approx(ref[row["name"]]["zero_frac"])
+    assert hook_counts(model) == hook_counts(PROBLEMS["mlp"].make_model())
+
+
+def test_huge_finite_gradients_give_exact_finite_norm():
+    p = nn.Parameter(torch.zeros(1000))
+    model = nn.Module()
+    model.p = p
+    with graddbg.watch(model, nonfinite="raise") as w:
+        p.grad = torch.full((1000,), 1e20)
+        w.step()
+    row = w.stats.iloc[0]
+    assert math.isfinite(row["norm"])
+    assert row["norm"] == pytest.approx(1e20 * math.sqrt(1000), rel=1e-6)
+    assert row["absmax"] == pytest.approx(1e20)
+    assert row["nonfinite"] == 0
+    assert not w.anomalies
+
+
+def test_gradient_accumulation_gives_one_record_equal_to_accumulated_gradient():
+    torch.manual_seed(0)
+    model = PROBLEMS["mlp"].make_model()
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    with graddbg.watch(model, opt) as w:
+        for k in range(4):  # four micro-batches, one optimizer step
+            (F.cross_entropy(model(x[4 * k: 4 * k + 4]), y[4 * k: 4 * k + 4]) / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    F.cross_entropy(ref_model(x), y).backward()  # the same gradient in one batch
+    df = w.stats
+    assert df["step"].unique().tolist() == [0]
+    assert len(w.steps) == 1
+    for name, p in ref_model.named_parameters():
+        assert df.loc[df.name == name, "norm"].item() == pytest.approx(p.grad.norm().item(), rel=1e-5)
+
+
+def test_record_holds_pre_clip_gradient_and_post_clip_norm():
+    model = PROBLEMS["mlp"].make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    with graddbg.watch(model, opt) as w:
+        F.cross_entropy(model(x), y).backward()
+        pre = _naive(model)
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+        opt.step()
+    for name, r in pre.items():
+        assert w.stats.loc[w.stats.name == name, "norm"].item() == pytest.approx(r["norm"], rel=1e-5)
+    steps = w.steps.iloc[0]
+    assert steps["global_norm"] == pytest.approx(total.item(), rel=1e-5)
+    assert steps["clipped_norm"] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_no_clip_means_no_post_clip_norm():
+    model = PROBLEMS["mlp"].make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    with graddbg.watch(model, opt) as w:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert math.isnan(w.steps["clipped_norm"].iloc[0])
+
+
+class TiedFrozenUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.out = nn.Linear(4, 10, bias=False)
+        self.out.weight = self.emb.weight  # tied
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, tok):
+        return self.out(self.frozen(self.emb(tok)))
+
+
+def test_tied_frozen_and_unused_parameters():
+    model = TiedFrozenUnused()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    tok = torch.randint(0, 10, (6,))
+    with pytest.warns(CoverageWarning, match="unused.weight"):
+        with graddbg.watch(model, opt) as w:
+            F.cross_entropy(model(tok), tok).backward()
+            tied_norm = model.emb.weight.grad.norm().item()
+            opt.step()
+    df = w.stats
+    assert df["name"].tolist() == ["emb.weight", "unused.weight", "unused.bias"]  # tied once, frozen not at all
+    assert df.loc[df.name == "emb.weight", "norm"].item() == pytest.approx(tied_norm, rel=1e-6)
+    unused = df[df.name.str.startswith("unused")]
+    assert not unused["has_grad"].any() and unused["norm"].isna().all()
+    cov = w.coverage()
+    assert set(cov.loc[~cov.covered, "name"]) == {"unused.weight", "unused.bias"}
+    assert w.to_run().meta["uncovered"] == ["unused.weight", "unused.bias"]
+
+
+def test_no_optimizer_boundary_is_end_of_backward_and_manual_step():
+    model = PROBLEMS["mlp"].make_model()
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    with graddbg.watch(model) as w:
+        for _ in range(3):
+            F.cross_entropy(model(x), y).backward()
+        assert w.current_step == 3
+        w.step()  # by hand
+    assert w.stats["step"].unique().tolist() == [0, 1, 2, 3]
+    # gradients accumulate without zero_grad: step 1 holds twice step 0's gradient
+    n0 = w.stats[w.stats.step == 0]["norm"].to_numpy()
+    n1 = w.stats[w.stats.step == 1]["norm"].to_numpy()
+    np.testing.assert_allclose(n1, 2 * n0, rtol=1e-5)
+    assert w.stats["update_ratio"].isna().all()
+
+
+def test_every_k_records_every_kth_step_and_syncs_only_when_due():
+    model = PROBLEMS["mlp"].make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    with graddbg.watch(model, opt, every=4, nonfinite=graddbg.NonFinite(every=4), explode=None) as w:
+        for i in range(12):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            assert w.host_syncs == i // 4 + 1  # one read-back on each due step, none between
+    assert w.stats["step"].unique().tolist() == [0, 4, 8]
+    assert w.steps["recorded"].tolist() == [i % 4 == 0 for i in range(12)]
+
+
+def test_default_makes_exactly_one_sync_per_step():
+    model = PROBLEMS["mlp"].make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    with graddbg.watch(model, opt, update_every=None) as w:
+        for _ in range(5):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert w.host_syncs == 5
+
+
+def test_deferred_nonfinite_check_names_first_bad_step():
+    model = nn.Linear(3, 1)
+    with graddbg.watch(model, every=5, nonfinite=graddbg.NonFinite(policy="record", every=5)) as w:
+        for i in range(10):
+            model.weight.grad = torch.ones(1, 3)
+            model.bias.grad = torch.full((1,), float("inf") if i == 2 else 1.0)
+            w.step()
+            assert w.host_syncs == (1 if i < 5 else 2)  # read-backs only at steps 0 and 5
+    assert len(w.anomalies) == 1
+    a = w.anomalies[0]
+    assert a.kind == "nonfinite" and a.step == 2 and a.name == "bias"
+
+
+def test_update_ratio_matches_reference():
+    torch.manual_seed(0)
+    model = PROBLEMS["mlp"].make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    expected = {}
+    with graddbg.watch(model, opt, update_every=1) as w:
+        for step in range(3):
+            F.cross_entropy(model(x), y).backward()
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+            for n, p in model.named_parameters():
+                expected[(step, n)] = ((p.detach() - before[n]).norm() / before[n].norm()).item()
+    for (step, n), r in expected.items():
+        got = w.stats.loc[(w.stats.step == step) & (w.stats.name == n), "update_ratio"].item()
+        assert got == pytest.approx(r, rel=1e-5)
+
+
+def test_update_ratio_is_sparse_by_default():
+    model = PROBLEMS["mlp"].make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    with graddbg.watch(model, opt, update_every=2) as w:
+        for _ in range(4):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    per_step = w.stats.groupby("step")["update_ratio"].apply(lambda s: s.notna().all())
+    assert per_step.tolist() == [True, False, True, False]
+
+
+def test_histograms_count_every_finite_entry():
+    model = PROBLEMS["mlp"].make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    with graddbg.watch(model, opt, histograms=True) as w:
+        F.cross_entropy(model(x), y).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    h = w.histograms
+    for n, g in grads.items():
+        rows = h[(h.step == 0) & (h.name == n)]
+        assert rows["count"].sum() == g.numel()
+        # the count in each bin is the naive count of |g| in [lo, hi)
+        a = g.abs()
+        for _, r in rows.iterrows():
+            assert r["count"] == int(((a >= r["lo"]) & (a < r["hi"])).sum()), (n, r["lo"])
+
+
+def test_watch_leaves_training_bitwise_identical():
+    def train(watched: bool):
+        torch.manual_seed(0)
+        model = PROBLEMS["resnetlike"].make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        x, y = PROBLEMS["resnetlike"].make_batch(torch.device("cpu"))
+        ctx = graddbg.watch(model, opt, stats=("norm", "mean"), activations=True, histograms=2,
+                            update_every=1) if watched else None
+        try:
+            for _ in range(5):
+                F.cross_entropy(model(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+        finally:
+            if ctx is not None:
+                ctx.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train(False), train(True)):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- lifecycle
+
+@pytest.mark.parametrize("activations", [False, True])
+def test_hooks_removed_after_normal_exit(activations):
+    model = PROBLEMS["resnetlike"].make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before, obefore = hook_counts(model), optimizer_hook_counts(opt)
+    with graddbg.watch(model, opt, activations=activations) as w:
+        assert hook_counts(model) != before
+        x, y = PROBLEMS["resnetlike"].make_batch(torch.device("cpu"))
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert hook_counts(model) == before
+    assert optimizer_hook_counts(opt) == obefore
+    assert not hasattr(w, "_model") or w._model is None
+
+
+def test_hooks_removed_when_body_raises_and_data_kept():
+    model = PROBLEMS["mlp"].make_model()
+    before = hook_counts(model)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    with pytest.raises(KeyError, match="boom"):
+        with graddbg.watch(model, activations=True) as w:
+            F.cross_entropy(model(x), y).backward()
+            raise KeyError("boom")
+    assert hook_counts(model) == before
+    assert len(w.stats) == 6 and w.activations["step"].unique().tolist() == [0]  # kept
+
+
+class RaisingForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x):
+        raise ValueError("forward failed")
+
+
+def test_hooks_removed_when_forward_raises():
+    model = RaisingForward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before, obefore = hook_counts(model), optimizer_hook_counts(opt)
+    with pytest.raises(ValueError, match="forward failed"):
+        with graddbg.watch(model, opt, activations=True):
+            model(torch.ones(1, 2))
+    assert hook_counts(model) == before and optimizer_hook_counts(opt) == obefore
+
+
+def test_close_is_idempotent_and_works_without_with():
+    model = nn.Linear(2, 2)
+    before = hook_counts(model)
+    w = graddbg.watch(model)
+    model(torch.ones(1, 2)).sum().backward()
+    w.close()
+    w.close()
+    assert hook_counts(model) == before
+    assert len(w.stats) == 2
+    with pytest.raises(RuntimeError, match="closed"):
+        w.step()
+
+
+def test_model_pickles_deepcopies_and_saves_during_and_after_watch(tmp_path):
+    model = PROBLEMS["mlp"].make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    with graddbg.watch(model, opt, activations=True):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        copy.deepcopy(model.state_dict())
+        torch.save(model.state_dict(), tmp_path / "sd.pt")
+        assert torch.equal(copy.deepcopy(model)(x), model(x))
+    pickle.loads(pickle.dumps(model))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    clone = copy.deepcopy(model)
+    assert hook_counts(clone) == hook_counts(PROBLEMS["mlp"].make_model())
+    assert not any(k.startswith("_graddbg") for k in vars(model))
+
+
+def test_hundred_enter_exit_cycles_leave_nothing_behind():
+    model = PROBLEMS["mlp"].make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    before = hook_counts(model)
+    gc.collect()
+    n_tensors = sum(type(o) in (torch.Tensor, nn.Parameter) for o in gc.get_objects())
+    for _ in range(100):
+        with graddbg.watch(model, opt, activations=True):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    gc.collect()
+    assert hook_counts(model) == before
+    assert sum(type(o) in (torch.Tensor, nn.Parameter) for o in gc.get_objects()) <= n_tensors + 5
+
+
+def test_memory_is_bounded_over_many_steps():
+    model = nn.Linear(4, 2)
+    with graddbg.watch(model, history=50) as w:
+        for _ in range(400):
+            model.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+    assert len(w.steps) == 50
+    assert w.stats["step"].min() == 350 and w.stats["step"].max() == 399
+    assert w.to_run().meta["steps_dropped"] == 350
+
+
+def test_two_watches_on_one_model_both_record():
+    model = PROBLEMS["mlp"].make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    before = hook_counts(model)
+    with graddbg.watch(model, opt) as w1, graddbg.watch(model, opt, every=2) as w2:
+        for _ in range(2):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert len(w1.stats) == 2 * 6 and len(w2.stats) == 6
+    np.testing.assert_array_equal(w1.stats[w1.stats.step == 0]["norm"], w2.stats["norm"])
+    assert hook_counts(model) == before
+
+
+def test_names_strip_wrapper_prefixes_of_compiled_model():
+    torch._dynamo.reset()
+    model = PROBLEMS["mlp"].make_model()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    with graddbg.watch(compiled, opt) as w:
+        for _ in range(2):
+            F.cross_entropy(compiled(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    breaks = sum(counters["graph_break"].values())
+    assert breaks == 0
+    assert w.stats["name"].tolist()[:2] == ["0.weight", "0.bias"]
+    F.cross_entropy(ref(x), y).backward()
+    assert w.stats.loc[(w.stats.step == 0) & (w.stats.name == "0.weight"), "norm"].item() == \
+        pytest.approx(ref[0].weight.grad.norm().item(), rel=1e-5)
+    torch._dynamo.reset()
+
+
+def test_activations_on_compiled_model_warn_once():
+    torch._dynamo.reset()
+    compiled = torch.compile(PROBLEMS["mlp"].make_model(), backend="eager")
+    with pytest.warns(CompileWarning, match="activations=True"):
+        w = graddbg.watch(compiled, activations=True)
+    w.close()
+    torch._dynamo.reset()
+
+
+def test_activations_with_inplace_relu_residual_identity_and_dict_outputs():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # like pytest -W error: no deprecation or hook warnings
+        for key in ("resnetlike", "dictout"):
+            pb = PROBLEMS[key]
+            model = pb.make_model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            x, y = pb.make_batch(torch.device("cpu"))
+            with graddbg.watch(model, opt, activations=True) as w:
+                for _ in range(2):
+                    pb.loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+            act = w.activations
+            assert set(act["step"]) == {0, 1}
+            assert (act["grad_norm"] > 0).all() and np.isfinite(act["grad_norm"]).all()
+            assert w.coverage()["covered"].all()
+
+
+def test_activation_gradient_norm_matches_reference_and_module_reuse_adds_up():
+    lin = nn.Linear(3, 3)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(self.lin(x))
+
+    model = Twice()
+    x = torch.randn(2, 3)
+    outs = []
+    with graddbg.watch(model, activations=True) as w:
+        h1 = model.lin(x)
+        h1.retain_grad()
+        h2 = model.lin(h1)
+        h2.retain_grad()
+        h2.sum().backward()
+        ref = math.sqrt(h1.grad.pow(2).sum().item() + h2.grad.pow(2).sum().item())
+    act = w.activations
+    assert act.loc[act.module == "lin", "grad_norm"].item() == pytest.approx(ref, rel=1e-6)
+
+
+def test_activation_checkpointing_is_not_double_counted():
+    from torch.utils.checkpoint import checkpoint
+
+    class Ck(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.b(checkpoint(self.a, x, use_reentrant=False))
+
+    model = Ck()
+    x = torch.randn(5, 4)
+    with graddbg.watch(model, activations=True) as w:
+        model(x).sum().backward()
+    ref_model = copy.deepcopy(model)
+    h = ref_model.a(x)
+    h.retain_grad()
+    ref_model.b(h).sum().backward()
+    act = w.activations
+    assert len(act[act.module == "a"]) == 1
+    assert act.loc[act.module == "a", "grad_norm"].item() == pytest.approx(h.grad.norm().item(), rel=1e-6)
+
+
+def test_direct_forward_call_is_reported_as_uncovered_module():
+    class Direct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(2, 2)
+            self.direct = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.direct.forward(self.used(x))  # .forward() bypasses module hooks
+
+    model = Direct()
+    with graddbg.watch(model, activations=True) as w:
+        model(torch.ones(1, 2)).sum().backward()
+    cov = w.coverage()
+    mods = cov[cov.kind == "module"].set_index("name")["covered"]
+    assert bool(mods["used"]) and not bool(mods["direct"])
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_model_arguments():
+    with pytest.raises(TypeError, match="nn.Module, got list"):
+        graddbg.watch([nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match="instantiate it first"):
+        graddbg.watch(nn.Linear)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    ({"every": 0}, ValueError, r"every= must be an int >= 1, got 0"),
+    ({"every": 1.5}, ValueError, r"every= must be an int >= 1, got 1.5"),
+    ({"history": 0}, ValueError, r"history= must be an int >= 1, got 0"),
+    ({"stats": ("norm", "median")}, ValueError, r"unknown statistic\(s\) \['median'\]; accepted: norm, absmax"),
+    ({"nonfinite": "explode"}, ValueError, r"nonfinite= got 'explode'; accepted: 'raise', 'warn'"),
+    ({"explode": graddbg.Vanish()}, TypeError, r"expected a Explode"),
+    ({"histograms": "yes"}, TypeError, r"histograms= must be None, a bool or an int"),
+    ({"ddp_check_every": 0}, ValueError, r"ddp_check_every= must be None or an int >= 1"),
+    ({"scaler": object()}, TypeError, r"scaler= must be a torch.amp.GradScaler"),
+])
+def test_bad_options(kw, exc, match):
+    model = nn.Linear(2, 2)
+    before = hook_counts(model)
+    with pytest.raises(exc, match=match):
+        graddbg.watch(model, **kw)
+    assert hook_counts(model) == before
+
+
+def test_optimizer_of_another_model_is_refused():
+    model = nn.Linear(2, 2)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="holds none of the model's 2 trainable parameters"):
+        graddbg.watch(model, other)
+    with pytest.raises(TypeError, match="optimizer= must be a torch.optim.Optimizer"):
+        graddbg.watch(model, "sgd")
+
+
+def test_bad_detector_arguments():
+    with pytest.raises(ValueError, match=r"NonFinite\(every=\) must be an int >= 1, got 0"):
+        graddbg.NonFinite(every=0)
+    with pytest.raises(ValueError, match=r"Explode\(factor=\) must be > 1"):
+        graddbg.Explode(factor=0.5)
+    with pytest.raises(ValueError, match=r"Vanish\(below=\) must be > 0"):
+        graddbg.Vanish(below=0)
