@@ -370,11 +370,15 @@ class NonFiniteScan(TorchDispatchMode):
                     value = float("inf") if bool((t[inf].real > 0).any()) else float("-inf")
                     break
         kind = "NaN" if math.isnan(value) else "Inf"
+        rank = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
 
         lines = []
         where = "backward" if backward else "forward"
+        at = f"step {step}" + (f", rank {rank}" if rank is not None else "")
         lines.append(f"find_nonfinite: {kind} produced from finite inputs by {where} op "
-                     f"{op} (step {step}).")
+                     f"{op} ({at}).")
         if self._model is not None:
             mod_txt = "none (outside the model)" if module is None else (
                 f"{module or '<root>'} ({self._module_type(module)})")
@@ -400,7 +404,8 @@ class NonFiniteScan(TorchDispatchMode):
         lines.append(f"  try: {_hint(op)}")
         message = "\n".join(lines)
         anomaly = Anomaly(step=step, kind="nonfinite", name=name, module=module, op=op,
-                          value=value, threshold=None, source=source, message=message)
+                          value=value, threshold=None, source=source, message=message,
+                          rank=rank)
         return NonFiniteError(message, anomaly=anomaly)
 
     def _module_type(self, path: str) -> str:
@@ -448,11 +453,15 @@ def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bo
     context (inputs, parameters) are not reported. A non-finite Python scalar argument
     (``masked_fill(mask, -inf)``) counts as a non-finite input. A NaN later masked out by
     ``torch.where`` is still reported where it was made; use ``check_forward=False`` to
-    look only at the backward pass.
+    look only at the backward pass. Under AMP, an fp16 overflow that a ``GradScaler``
+    would skip is reported too (run it without the scaler, or in float32, to hunt a real
+    NaN). The error's ``anomaly.step`` counts the backward passes seen in the context
+    before the failing op (so it is the training step when each step has one backward).
 
     Args:
-        model: when given, errors name the innermost submodule (its qualified name) that
-            was running; backward ops are blamed on the module whose forward created them.
+        model: when given, errors name the innermost submodule (its qualified name, without
+            the ``module.`` of a DDP/DataParallel wrapper) that was running; backward ops
+            are blamed on the module whose forward created them.
         check_forward / check_backward: which passes to check.
         skip_ints: leave integer and bool inputs out of the statistics in the message
             (they cannot be non-finite, and are never checked).
@@ -479,13 +488,17 @@ def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bo
     if not (check_forward or check_backward):
         raise ValueError("find_nonfinite: check_forward and check_backward are both False, "
                          "so nothing would be checked; set at least one to True")
+    inner = model
+    while inner is not None and isinstance(inner, (torch.nn.DataParallel,
+                                                   torch.nn.parallel.DistributedDataParallel)):
+        inner = inner.module  # name modules as the user wrote them, without "module."
     scan = NonFiniteScan(check_forward=check_forward, check_backward=check_backward,
-                         skip_ints=skip_ints, model=model)
+                         skip_ints=skip_ints, model=inner)
     handles: List[Any] = []
     entered = False
     try:
         if model is not None:
-            for path, module in model.named_modules():
+            for path, module in inner.named_modules():
                 handles.append(module.register_forward_pre_hook(
                     lambda m, a, _p=path: scan._push(_p)))
                 handles.append(module.register_forward_hook(

@@ -492,3 +492,16 @@ def test_attention_masks_built_from_minus_inf_are_not_reported() -> None:
     assert torch.allclose(attn, filled)
     assert torch.isfinite(q.grad).all()
     assert scan.ops_checked > 5
+
+
+def test_dataparallel_wrapper_is_named_through() -> None:
+    inner = NormNet()
+    with torch.no_grad():
+        inner.embed.bias.fill_(-100.0)
+    wrapped = nn.DataParallel(inner)  # on CPU it just calls the module
+    with pytest.raises(NonFiniteError, match=r"module: norm \(RowNormalise\)") as info:
+        with find_nonfinite(wrapped):
+            wrapped(torch.randn(3, 4))
+    assert info.value.anomaly.module == "norm"
+    assert info.value.anomaly.rank is None  # no process group
+    assert _no_hooks(wrapped)
