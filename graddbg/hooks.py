@@ -212,7 +212,8 @@ class Watch:
         self._ever_grad = [False] * len(self._params)
         self._explode_state = self._explode.new_state() if self._explode else None
         self._vanish_state = self._vanish.new_state(len(self._params)) if self._vanish else None
-        self._leaf_modules: List[Tuple[str, nn.Module]] = []
+        self._leaf_modules: List[Tuple[str, nn.Module]] = []  # all modules, with activations=True
+        self._act_leaf: List[bool] = []
         self._act_fwd: List[Tuple[int, Tensor, Tensor]] = []
         self._act_bwd: List[Tuple[int, Tensor]] = []
         self._act_rows: List[Tuple[int, str, float, int]] = []
@@ -261,11 +262,14 @@ class Watch:
             for p in self._params:
                 hooks.add(p.register_post_accumulate_grad_hook(self._on_param_grad))
         if self._activations:
+            # every module checks its forward output (the producer of a forward NaN may be a
+            # container); leaf modules also record the gradient at their output
             for name, mod in _unwrap(model).named_modules():
-                if next(mod.children(), None) is None:
-                    idx = len(self._leaf_modules)
-                    self._leaf_modules.append((name, mod))
-                    hooks.add(mod.register_forward_hook(self._make_act_hook(idx)))
+                idx = len(self._leaf_modules)
+                self._leaf_modules.append((name, mod))
+                leaf = next(mod.children(), None) is None
+                self._act_leaf.append(leaf)
+                hooks.add(mod.register_forward_hook(self._make_act_hook(idx, leaf)))
 
     # ------------------------------------------------------------------ hook bodies
     def _on_root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -357,23 +361,23 @@ class Watch:
             ratio = torch.where(wn > 0, dn / wn, torch.where(dn > 0, torch.full_like(dn, math.inf), torch.zeros_like(dn)))
         self._update_dev = (rec, ratio)  # read back with the next read-back, not now
 
-    def _make_act_hook(self, idx: int) -> Callable[..., None]:
+    def _make_act_hook(self, idx: int, leaf: bool) -> Callable[..., None]:
         wself = weakref.ref(self)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             w = wself()
             if w is None or w._closed or w._replaying or _in_backward():
                 return  # activation checkpointing recomputes forwards in backward: skip them
+            w._act_seen.add(idx)
             outs = _tensors_in(output)
             if not outs:
                 return
-            w._act_seen.add(idx)
             ins = _tensors_in(args)
             with torch.no_grad():
                 in_bad = _any_nonfinite(ins, outs[0].device)
                 out_bad = _any_nonfinite(outs, outs[0].device)
             w._act_fwd.append((idx, in_bad, out_bad))
-            if torch.is_grad_enabled():
+            if leaf and torch.is_grad_enabled():
                 for t in outs:
                     if t.requires_grad:
                         w._temp_handles.append(t.register_hook(w._make_act_grad_hook(idx)))
@@ -582,6 +586,9 @@ class Watch:
 
     def _record_overflow(self, pending: _Pending) -> None:
         """The scaler skipped the optimizer step: record it as an overflow step."""
+        for i, g in enumerate(pending.grads):
+            if g is not None:
+                self._ever_grad[i] = True
         rec = StepRecord(pending.step, None, None, None, math.nan, math.nan, True,
                          float(pending.scale or math.nan), self._lr())
         self._history.append(rec)
@@ -624,6 +631,10 @@ class Watch:
                 module = replay.module if replay.module is not None else module
                 op, source = replay.op, replay.source
                 how = "a replay of the forward and backward pass"
+        if module:  # name a parameter of the module blamed, when it has one among the affected
+            own = [n for n in names if n.startswith(module + ".")]
+            if own:
+                name = own[0]
         total = int(counts[idx].sum()) if counts is not None else None
         shown = ", ".join(f"{n} {tuple(self._params[i].shape)}" for n, i in zip(names[:6], idx[:6]))
         more = f" and {len(names) - 6} more" if len(names) > 6 else ""
@@ -737,7 +748,7 @@ class Watch:
         if bwd_vals is not None:
             for (mi, _), v in zip(act_bwd, bwd_vals):
                 sq[mi] = sq.get(mi, 0.0) + float(v)  # a module called twice adds up
-        for mi in sorted(set(sq) | set(bad)):
+        for mi in sorted(set(sq) | {m for m in bad if self._act_leaf[m]}):
             self._act_rows.append((step, self._leaf_modules[mi][0],
                                    float(np.sqrt(sq[mi])) if mi in sq else math.nan, bad.get(mi, 0)))
 
@@ -803,7 +814,7 @@ class Watch:
         rows = [{"kind": "param", "name": n, "covered": bool(c)} for n, c in zip(self._names, self._ever_grad)]
         if self._activations:
             rows += [{"kind": "module", "name": n, "covered": i in self._act_seen}
-                     for i, (n, _) in enumerate(self._leaf_modules)]
+                     for i, (n, _) in enumerate(self._leaf_modules) if self._act_leaf[i]]
         return pd.DataFrame(rows, columns=["kind", "name", "covered"])
 
     def to_run(self):
