@@ -350,6 +350,8 @@ class NonFiniteScan(TorchDispatchMode):
                 for pname, p in self._model.named_parameters():
                     if p is variable:
                         name = pname
+                        if module is None:  # AccumulateGrad: the parameter's own module
+                            module = pname.rpartition(".")[0]
                         break
         else:
             op = plan.name

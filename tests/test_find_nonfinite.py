@@ -505,3 +505,18 @@ def test_dataparallel_wrapper_is_named_through() -> None:
     assert info.value.anomaly.module == "norm"
     assert info.value.anomaly.rank is None  # no process group
     assert _no_hooks(wrapped)
+
+
+def test_gradient_accumulation_overflow_names_the_parameter() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    with torch.no_grad():  # hidden = (1, 1), output = 0.5: every forward value is finite
+        model[0].weight.zero_()
+        model[0].bias.fill_(1.0)
+        model[1].weight.fill_(0.25)
+        model[1].bias.zero_()
+    model[1].weight.grad = torch.full_like(model[1].weight, 3e38)  # accumulated so far
+    with pytest.raises(NonFiniteError, match="parameter: 1.weight") as info:
+        with find_nonfinite(model):
+            (model(torch.ones(1, 2)) * 3e38).sum().backward()  # finite, but the sum is not
+    a = info.value.anomaly
+    assert (a.op, a.name, a.module) == ("torch::autograd::AccumulateGrad", "1.weight", "1")
