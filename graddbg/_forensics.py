@@ -51,6 +51,9 @@ _NO_CHECK = frozenset({
     "_local_scalar_dense", "clone", "contiguous",
 })
 _MAX_INPUT_LINES = 6
+# Memo of facts about torch itself (op schemas, which files are torch's), no user data.
+_PLANS: Dict[Any, "_Plan"] = {}
+_INTERNAL: Dict[str, bool] = {}
 
 # What to try, by op (forward aten name or backward node name, lower case, prefix match).
 _HINTS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
@@ -233,8 +236,6 @@ class NonFiniteScan(TorchDispatchMode):
         self._check = (check_forward, check_backward)
         self._skip_ints = skip_ints
         self._model = model
-        self._plans: Dict[Any, _Plan] = {}
-        self._internal: Dict[str, bool] = {}
         self._stack: List[str] = []  # module paths, innermost last
         self._pending: List[Tuple[Any, tuple]] = []  # forward outputs awaiting grad_fn
         self._passes = 0  # backward passes seen (graph tasks)
@@ -251,7 +252,7 @@ class NonFiniteScan(TorchDispatchMode):
     # -- the check --------------------------------------------------------------------
     def _user_frame(self) -> Optional[Tuple[str, int]]:
         """(file, line) of the innermost frame outside torch and graddbg."""
-        cache = self._internal
+        cache = _INTERNAL
         f = sys._getframe(1)
         while f is not None:
             fn = f.f_code.co_filename
@@ -279,9 +280,9 @@ class NonFiniteScan(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if kwargs is None:
             kwargs = {}
-        plan = self._plans.get(func)
+        plan = _PLANS.get(func)
         if plan is None:
-            plan = self._plans[func] = _Plan(func)
+            plan = _PLANS[func] = _Plan(func)
         if self._pending:
             self._flush()
         node = _current_node()

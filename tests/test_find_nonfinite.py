@@ -294,7 +294,8 @@ def test_message_text_for_a_real_case() -> None:
     assert lines[3] == "  inputs:"
     assert lines[4] == ("    [0] (2, 3) float32 cpu: min -2 max 100 absmax 100 zeros 2 "
                         "nan 0 inf 0")
-    assert lines[5] == "  output[0]: (2, 3) float32: nan 0 +inf 1 -inf 0 of 6, first at index (1, 0)"
+    assert lines[5] == ("  output[0]: (2, 3) float32: nan 0 +inf 1 -inf 0 of 6, "
+                        "first at index (1, 0)")
     assert lines[6].startswith("  try: an overflow")
     assert len(lines) == 7
 
