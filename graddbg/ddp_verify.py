@@ -150,21 +150,46 @@ def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
     return torch.stack([flag, word_sum, col_hash, row_hash], dim=1)
 
 
-def _tolerance_row(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+_CHUNK = 1 << 16     # CPU float64 sums go chunk by chunk, each chunk cast while in cache
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.is_complex():
         t = torch.view_as_real(t)
-    x = t.reshape(-1).to(torch.float64)                                   # a copy
-    nan = torch.isnan(x)
-    pinf = x == float("inf")
-    ninf = x == float("-inf")
-    x.masked_fill_(~torch.isfinite(x), 0.0)
-    floats = torch.stack([x.sum(), torch.dot(x, x), x.abs().sum()]).view(torch.int64)
-    counts = torch.stack([torch.ones((), dtype=torch.int64, device=x.device),
-                          nan.sum(), pinf.sum(), ninf.sum()])
-    return torch.cat([counts, floats]).to(device, non_blocking=True)
+    return t.reshape(-1)
+
+
+def _float_sums(x: torch.Tensor) -> torch.Tensor:
+    """float64 [sum, sum of squares, sum of |x|] of a flat tensor (NaN/Inf propagate)."""
+    pieces = x.split(_CHUNK) if x.device.type == "cpu" and x.numel() > _CHUNK else (x,)
+    out = []
+    for piece in pieces:
+        d = piece.to(torch.float64)
+        out.append(torch.stack([d.sum(), torch.dot(d, d), torch.linalg.vector_norm(d, 1)]))
+    return out[0] if len(out) == 1 else torch.stack(out).sum(0)
+
+
+def _tolerance_quick(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[present, sum, sumsq, sumabs]: the cheap first round of tolerance mode."""
+    x = _flat(t)
+    one = torch.ones(1, dtype=torch.int64, device=x.device)
+    return torch.cat([one, _float_sums(x).view(torch.int64)]).to(device, non_blocking=True)
+
+
+def _tolerance_row(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[present, nan, +inf, -inf, sum, sumsq, sumabs] with the sums over finite elements."""
+    x = _flat(t)
+    if not (x.is_floating_point()):
+        counts = torch.zeros(3, dtype=torch.int64, device=x.device)
+    else:
+        counts = torch.stack([torch.isnan(x).sum(), (x == float("inf")).sum(),
+                              (x == float("-inf")).sum()])
+        x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    one = torch.ones(1, dtype=torch.int64, device=x.device)
+    return torch.cat([one, counts, _float_sums(x).view(torch.int64)]).to(device, non_blocking=True)
 
 
 def _tolerance_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
@@ -597,6 +622,34 @@ def _details(found: List[Tuple[int, int, int, str]], tensors: List[Optional[torc
     return result
 
 
+def _tolerance_table(tensors: List[Optional[torch.Tensor]], group: Any,
+                     device: torch.device) -> torch.Tensor:
+    """Tolerance fingerprints of every rank, [world, P, 7], in one or two rounds.
+
+    Round one gathers the float64 sums only. Where some rank's sums are not finite (a NaN
+    or an Inf somewhere), round two, for those tensors only, gathers the NaN/+Inf/-Inf
+    counts and the sums of the finite elements. Every rank sees the same round-one table,
+    so every rank agrees on whether there is a round two and what it holds.
+    """
+    if tensors:
+        quick = torch.stack([torch.zeros(4, dtype=torch.int64, device=device) if t is None
+                             else _tolerance_quick(t, device) for t in tensors])
+    else:
+        quick = torch.zeros(0, 4, dtype=torch.int64, device=device)
+    first = _all_gather(quick, group).cpu()                               # [W, P, 4]
+    world, count = first.shape[0], first.shape[1]
+    table = torch.zeros(world, count, _TOLERANCE_K, dtype=torch.int64)
+    table[:, :, 0] = first[:, :, 0]
+    table[:, :, 4:] = first[:, :, 1:]
+    sums = first[:, :, 1:].contiguous().view(torch.float64)
+    again = ((~torch.isfinite(sums)).any(dim=2) & (first[:, :, 0] == 1)).any(dim=0)
+    redo = again.nonzero().flatten().tolist()
+    if redo:
+        full = fingerprints([tensors[p] for p in redo], mode="tolerance", device=device)
+        table[:, redo, :] = _all_gather(full, group).cpu()
+    return table
+
+
 def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
            timeout: Timeout, details: bool, raise_on_mismatch: bool) -> ConsistencyReport:
     module = _unwrap(model, fn)
@@ -615,7 +668,10 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
     if not bool((headers == headers[0]).all()):
         _structure_error(fn, kind, call, meta, group)  # raises on every rank
 
-    table = _all_gather(fingerprints(tensors, mode=mode, device=device), group).cpu()
+    if mode == "bitwise":
+        table = _all_gather(fingerprints(tensors, mode=mode, device=device), group).cpu()
+    else:
+        table = _tolerance_table(tensors, group, device)
     found = _verdict(table, names, meta, mode, float(atol), float(rtol))
     measured = _details(found, tensors, meta, group, device) if (details and found) else {}
 

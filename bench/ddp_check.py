@@ -1,0 +1,140 @@
+"""Cost of graddbg.ddp_verify.check_gradients next to one DDP training step.
+
+gloo, 2 ranks on 127.0.0.1, the 8M-parameter MLP of bench/_models.py. For each repeat, one
+DDP step (forward, backward with its gradient all-reduce, optimizer step) and one
+check_gradients are timed back to back, so both see the same machine load; the script
+prints medians and their ratio (target: <= 5% when run every step), and the bytes the
+check hands to collectives against those of an all_reduce of every gradient
+(target: >= 1000x fewer). The byte counts are measured by wrapping
+torch.distributed.all_gather / all_reduce in this process only.
+
+    .venv/bin/python bench/ddp_check.py [--repeats 20] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _ByteCounter:
+    """Counts the bytes of the tensors this rank hands to all_gather / all_reduce."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.calls = 0
+        self._orig = {}
+
+    def __enter__(self) -> "_ByteCounter":
+        for name in ("all_gather", "all_reduce"):
+            orig = getattr(dist, name)
+            self._orig[name] = orig
+
+            def wrapped(*args, _orig=orig, _name=name, **kw):
+                tensor = args[1] if _name == "all_gather" else args[0]
+                self.bytes += tensor.numel() * tensor.element_size()
+                self.calls += 1
+                return _orig(*args, **kw)
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, orig in self._orig.items():
+            setattr(dist, name, orig)
+
+
+def _worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    from _models import mlp8m
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from graddbg import ddp_verify
+
+    torch.manual_seed(0)
+    net, make_batch, loss_fn = mlp8m()
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = make_batch()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    def check(**kw) -> None:
+        report = ddp_verify.check_gradients(model, **kw)
+        assert report.ok, str(report)
+
+    for _ in range(3):
+        step()
+        check()
+        check(rtol=1e-6)
+    times = {"step": [], "check": [], "check_tol": []}
+    for _ in range(repeats):
+        for key, fn in (("step", step), ("check", check), ("check_tol", lambda: check(rtol=1e-6))):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+
+    with _ByteCounter() as c:
+        check()
+    check_bytes, check_calls = c.bytes, c.calls
+    grads = [p.grad for p in model.parameters()]
+    with _ByteCounter() as a:
+        for g in grads:
+            dist.all_reduce(g.clone())
+    grad_bytes = a.bytes
+    if rank == 0:
+        queue.put({k: statistics.median(v) for k, v in times.items()} | {
+            "check_bytes": check_bytes, "check_calls": check_calls, "grad_bytes": grad_bytes,
+            "params": sum(p.numel() for p in model.parameters()),
+            "tensors": len(grads)})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args()
+    world, port = 2, _free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(world, port, args.repeats, args.threads, queue),
+                       nprocs=world, start_method="spawn", join=True)
+    r = queue.get()
+    print(f"mlp8m: {r['params'] / 1e6:.2f}M parameters in {r['tensors']} tensors, gloo, "
+          f"{world} ranks, {args.threads} thread(s) per rank, median of {args.repeats} interleaved repeats")
+    print(f"DDP step (fwd + bwd + all-reduce + SGD): {r['step'] * 1e3:8.2f} ms")
+    print(f"check_gradients, bitwise:                {r['check'] * 1e3:8.2f} ms  "
+          f"= {100 * r['check'] / r['step']:.2f}% of a step   (target <= 5%)")
+    print(f"check_gradients, tolerance (rtol=1e-6):  {r['check_tol'] * 1e3:8.2f} ms  "
+          f"= {100 * r['check_tol'] / r['step']:.2f}% of a step")
+    print(f"bytes per rank into collectives: check {r['check_bytes']} B in {r['check_calls']} "
+          f"all_gathers (+ a monitored barrier), all_reduce of all gradients "
+          f"{r['grad_bytes']} B: {r['grad_bytes'] / r['check_bytes']:.0f}x fewer   (target >= 1000x)")
+
+
+if __name__ == "__main__":
+    main()
