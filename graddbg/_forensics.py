@@ -47,9 +47,15 @@ _OVERWRITES = frozenset({
 })
 # Ops whose output needs no check: uninitialised memory, or no new values at all.
 _NO_CHECK = frozenset({
-    "detach", "alias", "lift_fresh", "_unsafe_view", "set_", "resize_", "resize_as_",
+    "detach", "alias", "_unsafe_view", "set_", "resize_", "resize_as_",
     "_local_scalar_dense", "clone", "contiguous",
 })
+# Ops that make a tensor from Python data (torch.tensor, as_tensor): a NaN there is a
+# constant written in the code or the data, and is blamed on the line that made it.
+_CONSTANTS = frozenset({"lift_fresh", "lift_fresh_copy"})
+_CONSTANT_HINT = ("a NaN constant: a NaN written in the code (a fill value, a placeholder, "
+                  "torch.tensor(float('nan'))) or present in the data turned into a tensor "
+                  "here")
 _MAX_INPUT_LINES = 6
 # Memo of facts about torch itself (op schemas, which files are torch's), no user data.
 _PLANS: Dict[Any, "_Plan"] = {}
@@ -94,13 +100,14 @@ def _hint(op: str) -> str:
 class _Plan:
     """What to do with one OpOverload, computed once from its schema."""
 
-    __slots__ = ("name", "check", "record", "pre", "ignore")
+    __slots__ = ("name", "check", "record", "pre", "ignore", "constant")
 
     def __init__(self, func: Any) -> None:
         packet = func.overloadpacket.__name__
         self.name = str(func.overloadpacket)  # "aten.log"
         view = bool(getattr(func, "is_view", False))
-        self.check = not (view or packet in _NO_CHECK or "empty" in packet)
+        self.constant = packet in _CONSTANTS
+        self.check = self.constant or not (view or packet in _NO_CHECK or "empty" in packet)
         self.record = not view
         pre: List[Tuple[int, str]] = []
         ignore: List[Tuple[int, str]] = []
@@ -314,8 +321,8 @@ class NonFiniteScan(TorchDispatchMode):
             if id(value) in skip:
                 continue
             for x in (value if isinstance(value, (tuple, list)) else (value,)):
-                if isinstance(x, (float, complex)) and not math.isfinite(abs(x)):
-                    return False
+                if isinstance(x, (float, complex)) and math.isinf(abs(x)):
+                    return False  # an Inf constant (a -inf mask) is a deliberate input
                 if isinstance(x, _Tensor) and _float_tensor(x) and not _all_finite(x):
                     return False
         return True
@@ -323,7 +330,10 @@ class NonFiniteScan(TorchDispatchMode):
     def _nonfinite(self, func: Any, plan: _Plan, args: Sequence[Any],
                    kwargs: Dict[str, Any], out: Any, pre: Optional[List[bool]],
                    node: Any) -> None:
-        if not self._inputs_finite(plan, args, kwargs, pre):
+        if plan.constant:
+            if not any(bool(torch.isnan(t).any()) for t in _tensors(out) if _float_tensor(t)):
+                return  # an Inf constant (a mask): deliberate
+        elif not self._inputs_finite(plan, args, kwargs, pre):
             return  # a propagator: the producer came earlier (or from outside)
         raise self._error(func, plan, args, kwargs, out, node)
 
@@ -380,8 +390,11 @@ class NonFiniteScan(TorchDispatchMode):
         lines = []
         where = "backward" if backward else "forward"
         at = f"step {step}" + (f", rank {rank}" if rank is not None else "")
-        lines.append(f"find_nonfinite: {kind} produced from finite inputs by {where} op "
-                     f"{op} ({at}).")
+        nan_constant = plan.constant or any(
+            isinstance(x, float) and math.isnan(x) for v in list(args) + list(kwargs.values())
+            for x in (v if isinstance(v, (tuple, list)) else (v,)))
+        how = "from a NaN constant" if nan_constant else "from finite inputs"
+        lines.append(f"find_nonfinite: {kind} produced {how} by {where} op {op} ({at}).")
         if self._model is not None:
             mod_txt = "none (outside the model)" if module is None else (
                 f"{module or '<root>'} ({self._module_type(module)})")
@@ -404,7 +417,7 @@ class NonFiniteScan(TorchDispatchMode):
         for i, t in enumerate(outs[:_MAX_INPUT_LINES]):
             if not _all_finite(t):
                 lines.append(f"  output[{i}]: {_output_stats(t)}")
-        lines.append(f"  try: {_hint(op)}")
+        lines.append(f"  try: {_CONSTANT_HINT if nan_constant else _hint(op)}")
         message = "\n".join(lines)
         anomaly = Anomaly(step=step, kind="nonfinite", name=name, module=module, op=op,
                           value=value, threshold=None, source=source, message=message,
@@ -453,8 +466,10 @@ def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bo
 
     Only the *producer* is blamed: an op whose inputs were already non-finite is a
     propagator and passes silently, so non-finite values that come from outside the
-    context (inputs, parameters) are not reported. A non-finite Python scalar argument
-    (``masked_fill(mask, -inf)``) counts as a non-finite input. A NaN later masked out by
+    context (inputs, parameters) are not reported. An Inf constant is taken as deliberate
+    (an input): ``masked_fill(mask, -inf)``, ``torch.full(size, -inf)`` pass; a NaN
+    constant is not: ``torch.tensor(float("nan"))``, ``x.fill_(nan)`` and a tensor made
+    from data holding a NaN are blamed on the line that made them. A NaN later masked out by
     ``torch.where`` is still reported where it was made; use ``check_forward=False`` to
     look only at the backward pass. Under AMP, an fp16 overflow that a ``GradScaler``
     would skip is reported too (run it without the scaler, or in float32, to hunt a real

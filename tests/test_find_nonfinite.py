@@ -521,3 +521,40 @@ def test_gradient_accumulation_overflow_names_the_parameter() -> None:
             (model(torch.ones(1, 2)) * 3e38).sum().backward()  # finite, but the sum is not
     a = info.value.anomaly
     assert (a.op, a.name, a.module) == ("torch::autograd::AccumulateGrad", "1.weight", "1")
+
+
+class ConstLayer(nn.Module):
+    def __init__(self, inject: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.inject = inject
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        if self.inject:
+            ConstLayer.line = _line() + 1
+            h = h * torch.where(torch.arange(6) == 0, torch.tensor(float("nan")), torch.tensor(1.0))
+        return h
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_nan_constant_injected_in_layer_k_is_blamed_where_it_was_written(k: int) -> None:
+    model = nn.ModuleDict({"layers": nn.Sequential(*[ConstLayer(i == k) for i in range(5)])})
+    with pytest.raises(NonFiniteError, match="NaN produced from a NaN constant") as info:
+        with find_nonfinite(model):
+            model["layers"](torch.randn(4, 6)).sum().backward()
+    a = info.value.anomaly
+    assert (a.module, a.op) == (f"layers.{k}", "aten.lift_fresh")
+    assert a.source == f"{HERE}:{ConstLayer.line}"
+    assert "try: a NaN constant" in str(info.value)
+
+
+def test_nan_fill_value_is_blamed_but_inf_fill_value_is_not() -> None:
+    x = torch.randn(3)
+    with find_nonfinite():
+        torch.full((2, 2), float("-inf"))
+        x.masked_fill(x > 0, float("inf"))
+        torch.tensor([1.0, float("-inf")])
+    with pytest.raises(NonFiniteError, match=r"from a NaN constant by forward op aten\.fill_"):
+        with find_nonfinite():
+            torch.zeros(3).fill_(float("nan"))
