@@ -64,7 +64,7 @@ _INTERNAL: Dict[str, bool] = {}
 # What to try, by op (forward aten name or backward node name, lower case, prefix match).
 _HINTS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
     (("sqrtbackward", "powbackward", "normbackward", "linalgvectornormbackward",
-      "cdistbackward"),
+      "cdistbackward", "stdbackward", "std_meanbackward"),
      "the derivative of sqrt (or of a norm) is infinite at 0: add an epsilon inside the "
      "root, e.g. torch.sqrt(x + eps), or mask the zero entries (pairwise distances of a "
      "point to itself are 0)"),
@@ -75,7 +75,9 @@ _HINTS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
     (("log", "xlogy", "logbackward"),
      "log of zero or of a negative number: clamp the argument, e.g. "
      "torch.log(x.clamp_min(eps)), or use log_softmax / logsumexp"),
-    (("exp", "pow", "cosh", "sinh", "expbackward"),
+    (("pow",), "a negative base to a fractional power gives NaN, and a large base "
+     "overflows: clamp the base, e.g. x.clamp_min(eps) ** p"),
+    (("exp", "cosh", "sinh", "expbackward"),
      "an overflow: the argument is too large for the dtype (exp overflows float32 above "
      "about 88.7); subtract the maximum first (softmax, logsumexp) or clamp it"),
     (("sqrt",), "sqrt of a negative number: clamp the argument, e.g. x.clamp_min(0)"),
@@ -517,6 +519,8 @@ def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bo
     try:
         if model is not None:
             for path, module in inner.named_modules():
+                if isinstance(module, torch.jit.ScriptModule):
+                    continue  # scripted code takes no Python hooks (its ops are still checked)
                 handles.append(module.register_forward_pre_hook(
                     lambda m, a, _p=path: scan._push(_p)))
                 handles.append(module.register_forward_hook(

@@ -558,3 +558,20 @@ def test_nan_fill_value_is_blamed_but_inf_fill_value_is_not() -> None:
     with pytest.raises(NonFiniteError, match=r"from a NaN constant by forward op aten\.fill_"):
         with find_nonfinite():
             torch.zeros(3).fill_(float("nan"))
+
+
+def test_scripted_submodule_is_left_alone() -> None:
+    class Log(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript is deprecated in recent torch
+        scripted = torch.jit.script(Log())
+    model = nn.Sequential(nn.Linear(2, 2), nn.Softplus(), scripted)
+    x = torch.randn(3, 2)
+    with find_nonfinite(model) as scan:
+        out = model(x)
+    assert torch.equal(out, model(x))
+    assert scan.ops_checked >= 3
+    assert _no_hooks(model)
