@@ -88,9 +88,13 @@ def _worker(rank: int, world: int, port: int, repeats: int, threads: int, queue)
         step()
         check()
         check(rtol=1e-6)
-    times = {"step": [], "check": [], "check_tol": []}
+    grads = [p.grad for p in model.parameters()]
+    times = {"step": [], "check": [], "check_tol": [], "fingerprints": [], "barrier": []}
+    parts = (("step", step), ("check", check), ("check_tol", lambda: check(rtol=1e-6)),
+             ("fingerprints", lambda: ddp_verify.fingerprints(grads)),
+             ("barrier", lambda: dist.monitored_barrier(timeout=timedelta(seconds=60))))
     for _ in range(repeats):
-        for key, fn in (("step", step), ("check", check), ("check_tol", lambda: check(rtol=1e-6))):
+        for key, fn in parts:
             dist.barrier()
             t0 = time.perf_counter()
             fn()
@@ -99,7 +103,6 @@ def _worker(rank: int, world: int, port: int, repeats: int, threads: int, queue)
     with _ByteCounter() as c:
         check()
     check_bytes, check_calls = c.bytes, c.calls
-    grads = [p.grad for p in model.parameters()]
     with _ByteCounter() as a:
         for g in grads:
             dist.all_reduce(g.clone())
@@ -129,6 +132,9 @@ def main() -> None:
     print(f"DDP step (fwd + bwd + all-reduce + SGD): {r['step'] * 1e3:8.2f} ms")
     print(f"check_gradients, bitwise:                {r['check'] * 1e3:8.2f} ms  "
           f"= {100 * r['check'] / r['step']:.2f}% of a step   (target <= 5%)")
+    print(f"  of which local fingerprints (no communication) {r['fingerprints'] * 1e3:.2f} ms "
+          f"= {100 * r['fingerprints'] / r['step']:.2f}%, one monitored barrier alone "
+          f"{r['barrier'] * 1e3:.2f} ms")
     print(f"check_gradients, tolerance (rtol=1e-6):  {r['check_tol'] * 1e3:8.2f} ms  "
           f"= {100 * r['check_tol'] / r['step']:.2f}% of a step")
     print(f"bytes per rank into collectives: check {r['check_bytes']} B in {r['check_calls']} "

@@ -509,7 +509,9 @@ def _structure_error(fn: str, kind: str, call: str, meta: List[tuple], group: An
         idx = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
         if first is None or idx < first[0]:
             first = (idx, r)
-    assert first is not None
+    if first is None:  # the hashes differed but the descriptions agree: should not happen
+        raise DDPInconsistencyError(f"{fn}: the ranks' headers differ but their models and calls "
+                                    f"agree; this is a bug in graddbg.ddp_verify")
     idx, r = first
     what = "parameter" if kind != "buffers" else "buffer"
     counts = ""
@@ -661,8 +663,9 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
 
     _barrier(fn, group, timeout)
 
-    call = f"{fn}(mode={mode}, atol={float(atol)!r}, rtol={float(rtol)!r})"
-    header = torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), int(bool(details))],
+    call = (f"{fn}(mode={mode}, atol={float(atol)!r}, rtol={float(rtol)!r}, "
+            f"details={bool(details)})")
+    header = torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), world],
                           dtype=torch.int64, device=device)
     headers = _all_gather(header, group).cpu()
     if not bool((headers == headers[0]).all()):
@@ -688,7 +691,8 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
                                checked=len(names), rows=tuple(rows), atol=float(atol),
                                rtol=float(rtol))
     if rows and raise_on_mismatch:
-        raise DDPInconsistencyError(str(report), report=report)
+        raise DDPInconsistencyError(f"{fn}: the ranks disagree (raise_on_mismatch=True)\n{report}",
+                                    report=report)
     return report
 
 
