@@ -190,11 +190,36 @@ def _log_line(ax: "Axes", x: Any, y: Any, *, label: str, max_points: int,
     return line
 
 
+def _pow10(value: float, _pos: Any = None) -> str:
+    """Tick label of a log axis as plain text ("1e-3"): mathtext labels cost most of the
+    drawing time of these figures."""
+    if not (value > 0 and math.isfinite(value)):
+        return ""
+    e = math.log10(value)
+    if abs(e - round(e)) < 1e-9:
+        e = int(round(e))
+        return "1" if e == 0 else ("10" if e == 1 else f"1e{e}")
+    return f"{value:.0e}".replace("e-0", "e-").replace("e+0", "e").replace("e+", "e")
+
+
+def _log_axis(axis: Any) -> None:
+    """Plain-text major labels, at most ten, and no minor ticks on a log axis
+    (``ax.xaxis``/``ax.yaxis``): each tick is an artist to lay out, and gradient values
+    span tens of decades."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
+
+    axis.set_major_locator(LogLocator(base=10.0, numticks=10))
+    axis.set_major_formatter(FuncFormatter(_pow10))
+    axis.set_minor_locator(NullLocator())
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _set_log_limits(ax: "Axes", values: Any) -> None:
     """Log y axis; explicit limits when nothing positive and finite can set them."""
     import numpy as np
 
     ax.set_yscale("log")
+    _log_axis(ax.yaxis)
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v) & (v > 0)]
     if v.size == 0:
@@ -514,6 +539,7 @@ def _norm_heatmap(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"]
     special.set_gid("heatmap-special")
     cbar = fig.colorbar(mesh, ax=ax, pad=0.01)
     cbar.set_label("gradient L2 norm (log scale)")
+    _log_axis(cbar.ax.yaxis)
     ax.set_ylim(P - 0.5, -0.5)  # first parameter at the top
     stride = max(1, math.ceil(P / _MAX_TICKLABELS))
     ax.set_yticks(np.arange(P)[::stride])
@@ -573,6 +599,7 @@ def update_ratio(stats: "pandas.DataFrame", guide: Optional[float] = 1e-3, *,
         gl.set_gid("guide")
     if not np.isfinite(ratios).any() and not np.isinf(ratios).any():
         ax.set_yscale("log")
+        _log_axis(ax.yaxis)
         ax.set_ylim(1e-6, 1.0)
         ax.text(0.5, 0.5, "no update ratios recorded\n(watch() needs the optimizer)",
                 transform=ax.transAxes, ha="center", va="center", color="#555555")
@@ -715,7 +742,8 @@ def hist(histograms: "pandas.DataFrame", at: Optional[Sequence[int]] = None,
     fig = _new_figure(4.0 * ncols + 0.5, 2.8 * nrows + 0.6)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     colors = ["#08519c", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2"]
-    grouped = {key: g for key, g in histograms.groupby(["name", "step"], sort=False)}
+    wanted = histograms[histograms["name"].isin(chosen) & histograms["step"].isin(chosen_steps)]
+    grouped = {key: g for key, g in wanted.groupby(["name", "step"], sort=False)}
     for ax, name in zip(axes, chosen):
         notes = []
         zero_edge = None
@@ -742,6 +770,7 @@ def hist(histograms: "pandas.DataFrame", at: Optional[Sequence[int]] = None,
             ax.text(0.98, 0.95, "\n".join(notes[:4]), transform=ax.transAxes, ha="right",
                     va="top", fontsize=7, color=NONFINITE_COLOR)
         ax.set_xscale("log")
+        _log_axis(ax.xaxis)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("|grad|", fontsize=8)
         ax.set_ylabel("count", fontsize=8)

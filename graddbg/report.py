@@ -41,6 +41,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 MAX_ANOMALY_ROWS = 500
 MAX_SUMMARY_ROWS = 2000
 MAX_PLOT_POINTS = 600
+MAX_HIST_PANELS = 6
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:0;
@@ -58,7 +59,7 @@ tr.bad td{background:#fff1f0} .bad{color:#c62828;font-weight:600} .muted{color:#
 .note{color:#555;font-size:13px} .error{color:#c62828;font-size:13px}
 .figure{margin:10px 0;overflow-x:auto} .figure svg{max-width:100%;height:auto}
 .scroll{max-height:480px;overflow:auto}
-.kpi{display:inline-block;margin:4px 18px 8px 0} .kpi b{display:block;font-size:18px}
+.kpi{display:inline-block;margin:4px 18px 8px 0} .kpi strong{display:block;font-size:18px}
 pre{background:#f6f8fa;padding:8px;overflow:auto;font-size:11px;max-height:400px}
 """
 
@@ -72,8 +73,10 @@ def write_report(run: Any, path: PathLike, *, graph: Any = None,
     ``run`` is a ``Watch``, a :class:`graddbg.run.Run` or anything with their attributes
     (``stats``, ``steps``, ``anomalies``, ``histograms``, ``activations``, ``meta``).
     ``graph`` is optional: a ``graddbg.graph(...)`` result (anything with ``_repr_svg_``),
-    SVG text, DOT text, or a root tensor to draw the autograd graph of. When drawing
-    needs graphviz's ``dot`` and it is missing, the report says so and keeps the DOT text.
+    SVG text, DOT text, or a root tensor to draw the autograd graph of. For a graph whose
+    parameter nodes carry the run's statistics pass ``graddbg.graph(loss, model=model,
+    watch=w)`` (a bare root has no parameter names to match). When drawing needs
+    graphviz's ``dot`` and it is missing, the report says so and keeps the DOT text.
 
     >>> import pandas as pd, tempfile, os
     >>> from graddbg.run import Run
@@ -110,6 +113,7 @@ def render_report(run: Any, *, graph: Any = None, title: Optional[str] = None) -
     """
     import pandas as pd
 
+    _check_graph(graph)
     stats = getattr(run, "stats", None)
     steps = getattr(run, "steps", None)
     if not isinstance(stats, pd.DataFrame) or not isinstance(steps, pd.DataFrame):
@@ -132,7 +136,7 @@ def render_report(run: Any, *, graph: Any = None, title: Optional[str] = None) -
         sections.append(("activations", "Activation gradients (per module)",
                          _activations_html(activations)))
     if graph is not None:
-        sections.append(("graph", "Autograd graph", _graph_html(graph)))
+        sections.append(("graph", "Autograd graph", _graph_html(graph, run)))
 
     from graddbg import __version__
 
@@ -259,7 +263,7 @@ def _summary_html(stats: "pandas.DataFrame", steps: "pandas.DataFrame",
     out = ['<div class="kpis">']
     for label, value in kpis:
         bad = label in ("anomalies", "steps with NaN/Inf") and value not in (0, "0")
-        out.append(f'<span class="kpi{" bad" if bad else ""}"><b>{esc(str(value))}</b>'
+        out.append(f'<span class="kpi{" bad" if bad else ""}"><strong>{esc(str(value))}</strong>'
                    f"{esc(label)}</span>")
     out.append("</div>")
     facts: List[Tuple[str, Any]] = []
@@ -371,7 +375,7 @@ def _plots_html(stats: "pandas.DataFrame", steps: "pandas.DataFrame", anomalies:
     else:
         jobs.append(("update", "Update / weight ratio", None))
     if histograms is not None and len(histograms):
-        jobs.append(("hist", "Histograms of |grad|", lambda: plots.hist(histograms, stats=stats)))
+        jobs.append(("hist", "Histograms of |grad|", lambda: plots.hist(histograms, stats=stats, max_panels=MAX_HIST_PANELS)))
     out = []
     for fid, caption, make in jobs:
         out.append(f'<h3 id="fig-{fid}">{html.escape(caption)}</h3>')
@@ -439,29 +443,41 @@ def _activations_html(activations: "pandas.DataFrame") -> str:
                         cls="activations")
 
 
-def _graph_html(graph: Any) -> str:
+def _is_root(graph: Any) -> bool:
+    import torch
+
+    return isinstance(graph, torch.Tensor) or (
+        isinstance(graph, (tuple, list)) and len(graph) > 0
+        and all(isinstance(t, torch.Tensor) for t in graph))
+
+
+def _check_graph(graph: Any) -> None:
+    if graph is None or hasattr(graph, "_repr_svg_") or isinstance(graph, (str, bytes)) \
+            or _is_root(graph):
+        return
+    raise TypeError("graph must be None, a graddbg.graph(...) result, SVG or DOT text, or a "
+                    f"root tensor (such as the loss); got {type(graph).__name__}")
+
+
+def _graph_html(graph: Any, run: Any) -> str:
     esc = html.escape
     dot: Optional[str] = None
     svg: Optional[str] = None
     note: Optional[str] = None
-    try:
-        import torch
+    if _is_root(graph):
+        try:
+            from graddbg.graphviz import graph as make_graph
 
-        if isinstance(graph, torch.Tensor) or (
-                isinstance(graph, (tuple, list)) and graph
-                and all(isinstance(t, torch.Tensor) for t in graph)):
-            try:
-                from graddbg.graphviz import graph as make_graph
-            except ImportError as e:
-                return _error("drawing the autograd graph", e)
-            graph = make_graph(graph)
-    except Exception as e:
-        return _error("drawing the autograd graph", e)
+            graph = make_graph(graph, watch=run)  # parameter nodes get the latest statistics
+        except Exception as e:  # the rest of the report is still worth writing
+            return _error("drawing the autograd graph", e)
     if hasattr(graph, "_repr_svg_"):
         dot = getattr(graph, "source", None)
         try:
             svg = graph._repr_svg_()
-        except (DotNotFoundError, RuntimeError, OSError) as e:
+        except DotNotFoundError as e:
+            note = f"The graph could not be drawn: {e} The DOT text is below."
+        except (RuntimeError, OSError) as e:
             note = f"The graph could not be drawn ({type(e).__name__}: {e})."
     elif isinstance(graph, (str, bytes)):
         text = graph.decode("utf-8") if isinstance(graph, bytes) else graph
@@ -470,27 +486,20 @@ def _graph_html(graph: Any) -> str:
         else:
             dot = text
             try:
-                import graphviz
+                from graddbg.graphviz import render_source
 
-                svg = graphviz.Source(text).pipe(format="svg").decode("utf-8")
-            except ImportError as e:
-                note = f"The graph could not be drawn: the graphviz package is missing ({e})."
-            except graphviz.ExecutableNotFound:
-                note = ("The graph could not be drawn: graphviz's dot program is not "
-                        "installed (apt-get install graphviz, or conda install graphviz). "
-                        "The DOT text is below.")
-            except (graphviz.CalledProcessError, RuntimeError, OSError) as e:
+                svg = render_source(text, "svg").decode("utf-8")
+            except DotNotFoundError as e:
+                note = f"The graph could not be drawn: {e} The DOT text is below."
+            except (RuntimeError, OSError) as e:
                 note = f"The graph could not be drawn ({type(e).__name__}: {e})."
-    else:
-        return _error("the graph section", TypeError(
-            "graph must be a graddbg.graph(...) result, SVG or DOT text, or a root tensor; "
-            f"got {type(graph).__name__}"))
     out = []
     if svg is not None:
         try:
             out.append(f'<div class="figure graph">{_inline_svg(svg, "graph")}</div>')
         except ValueError as e:
             note = f"The graph SVG could not be embedded ({e})."
+            svg = None
     if note is not None:
         out.append(f'<p class="note">{esc(note)}</p>')
     if dot is not None and svg is None:

@@ -433,9 +433,9 @@ def test_every_plot_survives_nonfinite_data(kind, variant):
         with pytest.raises(ValueError, match="none were recorded"):
             plots.plot(kind, stats, f["steps"], f["anomalies"], f["histograms"])
         return
-    fig = plots.plot(kind, stats, f["steps"], f["anomalies"], f["histograms"])
-    render(fig, "svg")
-    render(fig, "png")
+    kw = {"max_panels": 3} if kind == "hist" else {}  # three panels show it; seven cost 2 s
+    fig = plots.plot(kind, stats, f["steps"], f["anomalies"], f["histograms"], **kw)
+    render(fig, "svg" if variant != "huge_1e38" else "png")  # the report's and Agg's path
     if variant == "all_nan" and kind in ("flow", "norms"):
         assert "nonfinite" in lines_by_gid(fig.axes[0])
 
