@@ -273,7 +273,7 @@ def find_nonfinite(model: Any = None, **kwargs: Any) -> Any:
     ...         y = torch.exp(x)
     ... except NonFiniteError as e:
     ...     print(e.anomaly.op)
-    aten.exp.default
+    aten.exp
     """
     from graddbg._forensics import find_nonfinite as _find
 

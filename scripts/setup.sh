@@ -19,7 +19,15 @@ fi
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  if ! "$PY" -m venv .venv >/dev/null 2>&1; then
+    # Debian's python3 ships venv separately
+    echo "setup: installing Debian's python3-venv" >&2
+    rm -rf .venv
+    if [ "$(id -u)" = "0" ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq </dev/null
+    $SUDO apt-get install -y -qq python3-venv </dev/null >/dev/null
+    "$PY" -m venv .venv
+  fi
 fi
 .venv/bin/python -m pip install -q --upgrade pip </dev/null >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -c constraints.txt -e ".${extra}" </dev/null

@@ -1,0 +1,154 @@
+"""Step-time overhead of graddbg.watch against a bare training step, measured side by side.
+
+For each model (bench/_models.py) the variants run interleaved in one process, in a
+shuffled order each repeat, each with its own copy of the model (same initial weights):
+
+- bare:      forward, backward, optimizer step, zero_grad
+- floor:     bare + one torch._foreach_norm over all gradients (one read of them)
+- watch:     bare under graddbg.watch(model, opt) with the defaults (every step: norm,
+             absmax, non-finite check; explode detector)
+- watch/10:  graddbg.watch(every=10, nonfinite=NonFinite(every=10)): 9 steps in 10 make no
+             host synchronisation
+- item:      the usual hand-written recipe: a post-accumulate-grad hook per parameter
+             doing grad.norm().item()
+- anomaly:   bare under torch.autograd.detect_anomaly()
+
+Prints medians and spread (IQR) of the time per step, the ratio to bare, the overhead as
+a multiple of the floor's overhead, and host synchronisations per step; writes JSON.
+
+    python bench/overhead.py                 # all four models, 7 repeats
+    python bench/overhead.py --models launchbound --repeats 9
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _models  # noqa: E402
+
+import graddbg  # noqa: E402
+
+STEPS = {"mlp8m": 8, "transformer4": 3, "resnet18ish": 2, "launchbound": 40}
+
+
+class Variant:
+    def __init__(self, name, model, make_batch, loss_fn):
+        self.name = name
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        self.batch = make_batch()
+        self.loss_fn = loss_fn
+        self.ctx = None
+        self.handles = []
+        self.times = []
+        params = [p for p in model.parameters() if p.requires_grad]
+        if name == "watch":
+            self.ctx = graddbg.watch(model, self.opt)
+        elif name == "watch/10":
+            self.ctx = graddbg.watch(model, self.opt, every=10, nonfinite=graddbg.NonFinite(every=10))
+        elif name == "item":
+            self.norms = {}
+            for i, p in enumerate(params):
+                self.handles.append(p.register_post_accumulate_grad_hook(
+                    lambda t, i=i: self.norms.__setitem__(i, t.grad.norm().item())))
+        self.params = params
+
+    def step(self):
+        x, y = self.batch
+        if self.name == "anomaly":
+            with torch.autograd.detect_anomaly():
+                self.loss_fn(self.model(x), y).backward()
+        else:
+            self.loss_fn(self.model(x), y).backward()
+        if self.name == "floor":
+            torch._foreach_norm([p.grad for p in self.params])
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+
+    def close(self):
+        if self.ctx is not None:
+            self.ctx.close()
+        for h in self.handles:
+            h.remove()
+
+
+def bench_model(name, repeats, variants):
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = _models.MODELS[name]()
+    vs = [Variant(v, copy.deepcopy(model), make_batch, loss_fn) for v in variants]
+    n = STEPS[name]
+    for v in vs:  # warm-up
+        for _ in range(2):
+            v.step()
+    syncs0 = {v.name: v.ctx.host_syncs for v in vs if v.ctx is not None}
+    order = list(vs)
+    for _ in range(repeats):
+        random.shuffle(order)
+        for v in order:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                v.step()
+            v.times.append((time.perf_counter() - t0) / n)
+    result = {}
+    for v in vs:
+        med = statistics.median(v.times)
+        q = statistics.quantiles(v.times, n=4) if len(v.times) >= 2 else [med, med, med]
+        syncs = None
+        if v.ctx is not None:
+            syncs = (v.ctx.host_syncs - syncs0[v.name]) / (repeats * n)
+        result[v.name] = {"median_s": med, "q1_s": q[0], "q3_s": q[2], "syncs_per_step": syncs}
+        v.close()
+    bare = result["bare"]["median_s"]
+    floor_over = result["floor"]["median_s"] - bare if "floor" in result else float("nan")
+    for r in result.values():
+        r["ratio"] = r["median_s"] / bare
+        r["over_floor"] = (r["median_s"] - bare) / floor_over if floor_over > 0 else float("nan")
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(_models.MODELS), choices=list(_models.MODELS))
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--variants", nargs="+", default=["bare", "floor", "watch", "watch/10", "item", "anomaly"])
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "overhead.json"))
+    args = ap.parse_args(argv)
+    if args.repeats < 7:
+        print(f"note: {args.repeats} repeats (the target is measured with >= 7)")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    warnings.simplefilter("ignore")  # detect_anomaly announces itself
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, "
+          f"variants interleaved in shuffled order")
+    all_results = {}
+    for name in args.models:
+        res = bench_model(name, args.repeats, args.variants)
+        all_results[name] = res
+        print(f"\n{name} ({STEPS[name]} steps per timing)")
+        print(f"  {'variant':10s} {'ms/step':>9s} {'IQR ms':>15s} {'ratio':>7s} {'x floor':>8s} {'syncs/step':>10s}")
+        for v in args.variants:
+            r = res[v]
+            syncs = "" if r["syncs_per_step"] is None else f"{r['syncs_per_step']:.2f}"
+            print(f"  {v:10s} {r['median_s'] * 1e3:9.2f} {r['q1_s'] * 1e3:7.2f}-{r['q3_s'] * 1e3:<7.2f} "
+                  f"{r['ratio']:7.3f} {r['over_floor']:8.2f} {syncs:>10s}")
+        if "item" in res and "watch" in res:
+            wo = res["watch"]["median_s"] - res["bare"]["median_s"]
+            io = res["item"]["median_s"] - res["bare"]["median_s"]
+            print(f"  watch overhead / item-recipe overhead: {wo / io:.2f}" if io > 0 else "")
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(all_results, f, indent=1)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The package's shape: import arrows of DESIGN.md, a light `import graddbg`, the public API."""
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import graddbg
+
+PKG = pathlib.Path(graddbg.__file__).parent
+
+# module -> graddbg modules it may import at module level (DESIGN.md's arrows)
+ALLOWED = {
+    "_errors": set(),
+    "_source": set(),
+    "__init__": {"_errors"},
+    "__main__": {"cli"},
+    "stats": {"_errors"},
+    "anomaly": {"_errors", "_source"},
+    "_forensics": {"_errors", "_source"},
+    "hooks": {"_errors", "_source", "stats", "anomaly"},
+    "gradcheck": {"_errors", "_source"},
+    "pytest_plugin": {"_errors", "gradcheck"},
+    "graphviz": {"_errors", "_source"},
+    "plots": {"_errors"},
+    "ddp_verify": {"_errors", "stats"},
+    "run": {"_errors", "stats", "anomaly"},
+    "report": {"_errors", "_source", "stats", "anomaly", "plots", "graphviz", "run"},
+    "cli": None,  # on top of everything
+}
+# imports inside functions may also reach these (lazily, to keep imports light)
+LAZY = {
+    "__init__": None,
+    "anomaly": {"_forensics"},
+    "_forensics": {"anomaly"},
+    "hooks": {"run", "ddp_verify", "_forensics", "stats", "plots", "report"},
+    "run": {"plots", "report", "stats", "anomaly", "graphviz", "__init__"},
+    "report": {"plots", "graphviz", "stats", "anomaly", "run", "__init__"},
+    "pytest_plugin": {"gradcheck", "stats", "hooks", "anomaly"},
+}
+
+
+def _graddbg_imports(node: ast.AST) -> set:
+    names = set()
+    if isinstance(node, ast.Import):
+        for a in node.names:
+            if a.name.startswith("graddbg."):
+                names.add(a.name.split(".")[1])
+            elif a.name == "graddbg":
+                names.add("__init__")
+    elif isinstance(node, ast.ImportFrom) and node.module:
+        if node.level == 0 and node.module.startswith("graddbg."):
+            names.add(node.module.split(".")[1])
+        elif node.level == 0 and node.module == "graddbg":
+            subs = {p.stem for p in PKG.glob("*.py")}
+            names.update(a.name if a.name in subs else "__init__" for a in node.names)
+        elif node.level == 1:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _split_imports(path: pathlib.Path):
+    tree = ast.parse(path.read_text())
+    top, nested = set(), set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            top |= _graddbg_imports(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        else:
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    nested |= _graddbg_imports(sub)
+    return top, nested
+
+
+MODULES = sorted(p.stem for p in PKG.glob("*.py"))
+
+
+def test_every_module_is_known_to_the_layout_test():
+    assert set(MODULES) <= set(ALLOWED), set(MODULES) - set(ALLOWED)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_imports_point_down(module):
+    top, nested = _split_imports(PKG / f"{module}.py")
+    top.discard(module)
+    nested.discard(module)
+    allowed = ALLOWED[module]
+    if allowed is None:
+        return
+    assert top <= allowed, f"graddbg.{module} imports {sorted(top - allowed)} at module level"
+    lazy = LAZY.get(module, set())
+    if lazy is None:
+        return
+    bad = nested - allowed - lazy
+    assert not bad, f"graddbg.{module} imports {sorted(bad)} inside functions"
+
+
+def test_import_graddbg_loads_nothing_heavier_than_torch():
+    code = (
+        "import sys, torch; base = set(sys.modules); import graddbg, graddbg.stats, graddbg.hooks, "
+        "graddbg.anomaly, graddbg.gradcheck, graddbg.graphviz, graddbg.ddp_verify, graddbg.run; "
+        "new = set(sys.modules) - base; "
+        "print(sorted(m for m in ('pandas', 'matplotlib', 'graphviz', 'torchviz', 'pyarrow', 'scipy') if m in new))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_public_api_names_resolve():
+    for name in graddbg.__all__:
+        assert getattr(graddbg, name) is not None, name
+    for name in ("watch", "Watch", "load", "Anomaly", "NonFinite", "Explode", "Vanish", "find_nonfinite",
+                 "gradcheck", "check_module", "assert_gradients_close", "GradcheckResult", "graph", "Graph",
+                 "GraddbgError", "GradientAnomalyError", "NonFiniteError", "GradientMismatchError",
+                 "DDPInconsistencyError", "GraddbgWarning", "PrecisionWarning"):
+        assert name in graddbg.__all__, name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        graddbg.nope
+
+
+def test_error_family():
+    assert issubclass(graddbg.GraddbgError, RuntimeError)
+    assert issubclass(graddbg.NonFiniteError, graddbg.GradientAnomalyError)
+    assert issubclass(graddbg.GradientAnomalyError, graddbg.GraddbgError)
+    assert issubclass(graddbg.GradientMismatchError, AssertionError)
+    assert issubclass(graddbg.GradientMismatchError, graddbg.GraddbgError)
+    assert issubclass(graddbg.PrecisionWarning, graddbg.GraddbgWarning)
+    assert (PKG / "py.typed").exists()
