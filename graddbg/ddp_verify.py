@@ -3,18 +3,20 @@
 Every check is *collective*: every rank of the group calls it at the same point of the
 program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
 
-1. a monitored barrier with a timeout (on the group itself when it is a gloo group, on a
+1. local fingerprints of every tensor, computed on the tensors' own device in one pass
+   (a ``[tensors x k]`` integer table), and a 128-bit digest of that table;
+2. a monitored barrier with a timeout (on the group itself when it is a gloo group, on a
    gloo side group otherwise, created once per group and cached, see :func:`prepare`), so
    that a rank which never arrives makes the others raise :class:`DDPTimeoutError` naming
    it, instead of hanging;
-2. one all-gather of a 4-integer header: a hash of the names, shapes and dtypes of the
-   tensors, plus what was asked. Ranks whose models differ raise
+3. one all-gather of a 6-integer header: a hash of the names, shapes and dtypes of the
+   tensors, a hash of what was asked, and the digest. Ranks whose models differ raise
    :class:`DDPInconsistencyError` naming the first difference (only then are the names
-   themselves exchanged);
-3. one all-gather of a small ``[tensors x k]`` integer table of fingerprints, computed on
-   the tensors' own device in one pass. Whole tensors never travel, except with
-   ``details=True``, where only the tensors found to differ are gathered, to report the
-   largest difference per rank.
+   themselves exchanged). When every digest is equal the check is over: consistent.
+4. Only when the digests differ, one all-gather of the fingerprint tables, to find which
+   tensors differ on which ranks; with ``details=True``, then, the differing tensors
+   themselves (and only those) to report the largest difference per rank. Whole tensors
+   never travel otherwise.
 
 Two modes. With ``atol == rtol == 0`` (the default) the comparison is *bitwise*: a
 fingerprint is three integer hashes of the raw bits (a sum of the words, and two sums
@@ -116,8 +118,34 @@ def _bitwise_parts(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return col, row
 
 
-def _position_weights(n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(1, n + 1, device=device, dtype=torch.int64).mul_(_MULT).remainder_(_PRIME)
+# Constant index tensors, by (what, size or lengths, device): the same model asks for the
+# same ones at every check, so they are built once. Bounded; cleared when full.
+_CONSTANTS: dict = {}
+
+
+def _constant(key: tuple, build: Any) -> torch.Tensor:
+    value = _CONSTANTS.get(key)
+    if value is None:
+        if len(_CONSTANTS) > 64:
+            _CONSTANTS.clear()
+        value = _CONSTANTS[key] = build()
+    return value
+
+
+def _position_weights(n: int, device: torch.device, prime: int = _PRIME) -> torch.Tensor:
+    """Weight of position i: (i + 1) * _MULT mod prime, distinct for every i < prime."""
+    return _constant(("weights", n, str(device), prime), lambda: torch.arange(
+        1, n + 1, device=device, dtype=torch.int64).mul_(_MULT).remainder_(prime))
+
+
+def _row_plan(lengths: Tuple[int, ...], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For rows of several tensors laid end to end: the tensor of each row, and its weight."""
+    def build() -> Tuple[torch.Tensor, torch.Tensor]:
+        segment = torch.repeat_interleave(torch.arange(len(lengths)),
+                                          torch.tensor(lengths)).to(device)
+        weights = torch.cat([_position_weights(n, torch.device("cpu")) for n in lengths])
+        return segment, weights.to(device)
+    return _constant(("rows", lengths, str(device)), build)
 
 
 def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
@@ -137,17 +165,27 @@ def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
     word_sum = col.sum(1)
     col_hash = col.remainder_(_PRIME).mul_(_position_weights(_COLUMNS, device)) \
                   .remainder_(_PRIME).sum(1)
-    lengths = [r.numel() for r in rows]
-    row = torch.cat(rows).to(torch.int64)                                 # [sum of rows]
-    segment = torch.repeat_interleave(
-        torch.arange(len(rows), device=device), torch.tensor(lengths, device=device))
-    starts = torch.tensor([0] + lengths[:-1], device=device).cumsum(0)
-    position = torch.arange(row.numel(), device=device) - starts[segment]
-    weights = (position + 1).mul_(_MULT).remainder_(_PRIME)
-    contrib = row.remainder_(_PRIME).mul_(weights).remainder_(_PRIME)
+    segment, weights = _row_plan(tuple(r.numel() for r in rows), device)
+    contrib = torch.cat(rows).to(torch.int64).remainder_(_PRIME).mul_(weights).remainder_(_PRIME)
     row_hash = torch.zeros(len(rows), dtype=torch.int64, device=device).index_add_(0, segment, contrib)
-    flag = torch.tensor(present, dtype=torch.int64, device=device)
+    flag = torch.tensor(present, dtype=torch.int64).to(device, non_blocking=True)
     return torch.stack([flag, word_sum, col_hash, row_hash], dim=1)
+
+
+_DIGEST_PRIMES = (2_147_483_647, 2_147_483_629)   # two primes below 2**31
+
+
+def _digest(table: torch.Tensor) -> torch.Tensor:
+    """Two int64 hashes of a whole fingerprint table (weighted sums modulo two primes).
+
+    Equal tables give equal digests; tables that differ give different digests unless a
+    difference is a multiple of both primes (about 2**62) or the differences cancel in both
+    weighted sums at once.
+    """
+    flat = table.reshape(-1)
+    out = [flat.remainder(p).mul_(_position_weights(flat.numel(), flat.device, p))
+               .remainder_(p).sum() for p in _DIGEST_PRIMES]
+    return torch.stack(out) if flat.numel() else torch.zeros(2, dtype=torch.int64, device=flat.device)
 
 
 _CHUNK = 1 << 16     # CPU float64 sums go chunk by chunk, each chunk cast while in cache
@@ -624,21 +662,23 @@ def _details(found: List[Tuple[int, int, int, str]], tensors: List[Optional[torc
     return result
 
 
-def _tolerance_table(tensors: List[Optional[torch.Tensor]], group: Any,
-                     device: torch.device) -> torch.Tensor:
-    """Tolerance fingerprints of every rank, [world, P, 7], in one or two rounds.
+def _tolerance_quick_table(tensors: List[Optional[torch.Tensor]],
+                           device: torch.device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(0, 4, dtype=torch.int64, device=device)
+    return torch.stack([torch.zeros(4, dtype=torch.int64, device=device) if t is None
+                        else _tolerance_quick(t, device) for t in tensors])
 
-    Round one gathers the float64 sums only. Where some rank's sums are not finite (a NaN
-    or an Inf somewhere), round two, for those tensors only, gathers the NaN/+Inf/-Inf
-    counts and the sums of the finite elements. Every rank sees the same round-one table,
-    so every rank agrees on whether there is a round two and what it holds.
+
+def _tolerance_finish(first: torch.Tensor, tensors: List[Optional[torch.Tensor]], group: Any,
+                      device: torch.device) -> torch.Tensor:
+    """From the round-one tables ([W, P, 4]: present and float64 sums) to [W, P, 7].
+
+    Where some rank's sums are not finite (a NaN or an Inf somewhere), round two, for those
+    tensors only, gathers the NaN/+Inf/-Inf counts and the sums of the finite elements.
+    Every rank holds the same round-one tables, so every rank agrees on whether there is a
+    round two and what it holds.
     """
-    if tensors:
-        quick = torch.stack([torch.zeros(4, dtype=torch.int64, device=device) if t is None
-                             else _tolerance_quick(t, device) for t in tensors])
-    else:
-        quick = torch.zeros(0, 4, dtype=torch.int64, device=device)
-    first = _all_gather(quick, group).cpu()                               # [W, P, 4]
     world, count = first.shape[0], first.shape[1]
     table = torch.zeros(world, count, _TOLERANCE_K, dtype=torch.int64)
     table[:, :, 0] = first[:, :, 0]
@@ -660,21 +700,26 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
     names, tensors, meta = _collect(module, kind)
     device = _comm_device(group, [p for p in module.parameters()] or tensors)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-
-    _barrier(fn, group, timeout)
-
     call = (f"{fn}(mode={mode}, atol={float(atol)!r}, rtol={float(rtol)!r}, "
             f"details={bool(details)})")
-    header = torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), world],
-                          dtype=torch.int64, device=device)
-    headers = _all_gather(header, group).cpu()
-    if not bool((headers == headers[0]).all()):
-        _structure_error(fn, kind, call, meta, group)  # raises on every rank
 
+    # Local work first: a rank that arrives early computes while it would wait anyway.
     if mode == "bitwise":
-        table = _all_gather(fingerprints(tensors, mode=mode, device=device), group).cpu()
+        local = fingerprints(tensors, mode=mode, device=device)
     else:
-        table = _tolerance_table(tensors, group, device)
+        local = _tolerance_quick_table(tensors, device)
+    header = torch.cat([torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), world],
+                                     dtype=torch.int64).to(device), _digest(local)])
+
+    _barrier(fn, group, timeout)
+    headers = _all_gather(header, group).cpu()                           # the one exchange
+    if not bool((headers[:, :4] == headers[0, :4]).all()):
+        _structure_error(fn, kind, call, meta, group)  # raises on every rank
+    if bool((headers[:, 4:] == headers[0, 4:]).all()):
+        first = local.cpu().unsqueeze(0).expand(world, *local.shape)     # all tables equal
+    else:
+        first = _all_gather(local, group).cpu()                          # find who differs
+    table = first if mode == "bitwise" else _tolerance_finish(first, tensors, group, device)
     found = _verdict(table, names, meta, mode, float(atol), float(rtol))
     measured = _details(found, tensors, meta, group, device) if (details and found) else {}
 

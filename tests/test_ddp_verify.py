@@ -469,3 +469,18 @@ def test_cuda_model_over_gloo(tmp_path):
         assert rec["healthy"]["ok"]
         assert rec["nan"]["names"] == ["0.bias"] and rec["nan"]["ranks"] == [1]
         assert rec["tolerance"]["rows"][0][3] == "NaN/Inf counts differ"
+
+
+def test_digest_tells_tables_apart():
+    ts = [_tensor(s, torch.float32, seed=i) for i, s in enumerate(SHAPES)]
+    table = ddp_verify.fingerprints(ts)
+    same = ddp_verify._digest(table.clone())
+    assert torch.equal(ddp_verify._digest(table), same) and same.shape == (2,)
+    for p in range(table.shape[0]):
+        for k in range(table.shape[1]):
+            other = table.clone()
+            other[p, k] += 1
+            assert not torch.equal(ddp_verify._digest(other), same), (p, k)
+    swapped = table[[1, 0] + list(range(2, table.shape[0]))]
+    assert not torch.equal(ddp_verify._digest(swapped), same)
+    assert ddp_verify._digest(table[:0]).tolist() == [0, 0]
