@@ -235,8 +235,8 @@ def _stack(values: Sequence[Optional[Tensor]], device: torch.device) -> Tensor:
     out = []
     for v in values:
         if v is None:
-            if nan is None:
-                nan = torch.tensor(float("nan"), dtype=torch.float64, device=device)
+            if nan is None:  # a fill kernel, not a host-to-device copy
+                nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
             out.append(nan)
         else:
             out.append(v.to(torch.float64))

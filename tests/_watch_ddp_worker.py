@@ -1,0 +1,68 @@
+"""Worker for tests/test_hooks_ddp.py: graddbg.watch on a real 2-rank gloo DDP world."""
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _data(rank: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+
+
+def main(rank: int, world: int, port: int, out: str) -> None:
+    import graddbg
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    record = {}
+    try:
+        # 1. statistics are of the all-reduced gradient, the same on every rank
+        model = DDP(_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _data(rank)
+        with graddbg.watch(model, opt, ddp_check_every=1) as w:
+            nn.functional.mse_loss(model(x), y).backward()
+            local = {n: p.grad.norm().item() for n, p in model.module.named_parameters()}
+            opt.step()
+        record["names"] = w.stats["name"].tolist()
+        record["norms"] = w.stats["norm"].tolist()
+        record["local"] = local
+        record["anomalies_ok"] = [a.kind for a in w.anomalies]
+        record["meta"] = {k: w.meta[k] for k in ("world_size", "rank")}
+
+        # 2. a comm hook that corrupts one element on rank 1: ddp_mismatch on every rank
+        model2 = DDP(_model())
+
+        def corrupt(state, bucket):
+            buf = bucket.buffer()
+            if dist.get_rank() == 1:
+                buf[0] += 1.0
+            fut = torch.futures.Future()
+            fut.set_result(buf)
+            return fut
+
+        model2.register_comm_hook(None, corrupt)
+        opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+        with graddbg.watch(model2, opt2, ddp_check_every=1, nonfinite="record") as w2:
+            nn.functional.mse_loss(model2(x), y).backward()
+            opt2.step()
+        record["mismatch"] = [(a.kind, a.name) for a in w2.anomalies]
+    except Exception:
+        record["error"] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(record, f)
+        dist.destroy_process_group()

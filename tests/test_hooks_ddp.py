@@ -1,0 +1,61 @@
+"""watch() under DistributedDataParallel: real processes, gloo, 127.0.0.1."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import _watch_ddp_worker as worker
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("watch_ddp")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=worker.main, args=(r, 2, port, str(out)), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=150)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    results = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
+    for r, rec in results.items():
+        assert "error" not in rec, f"rank {r}:\n{rec.get('error')}"
+    return results
+
+
+@pytest.mark.timeout(240)
+def test_statistics_are_of_the_all_reduced_gradient(ddp_results):
+    r0, r1 = ddp_results[0], ddp_results[1]
+    assert r0["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]  # no 'module.' prefix
+    assert r0["norms"] == r1["norms"]  # identical on every rank
+    # and equal to the gradient of the mean loss over both ranks' data, computed here
+    model = worker._model()
+    x = torch.cat([worker._data(0)[0], worker._data(1)[0]])
+    y = torch.cat([worker._data(0)[1], worker._data(1)[1]])
+    losses = [nn.functional.mse_loss(model(x[:6]), y[:6]), nn.functional.mse_loss(model(x[6:]), y[6:])]
+    ((losses[0] + losses[1]) / 2).backward()
+    for name, norm in zip(r0["names"], r0["norms"]):
+        assert norm == pytest.approx(dict(model.named_parameters())[name].grad.norm().item(), rel=1e-5)
+    assert r0["anomalies_ok"] == [] and r0["meta"] == {"world_size": 2, "rank": 0}
+
+
+@pytest.mark.timeout(240)
+def test_ddp_check_every_records_a_mismatch_on_every_rank(ddp_results):
+    for r in (0, 1):
+        kinds = [k for k, _ in ddp_results[r]["mismatch"]]
+        assert kinds == ["ddp_mismatch"], ddp_results[r]["mismatch"]
