@@ -334,12 +334,30 @@ def flow(stats: "pandas.DataFrame", step: Optional[int] = None, *,
 
 # --------------------------------------------------------------------------- norms
 
+def _module_key(name: str, depth: int) -> str:
+    """The module path of a parameter cut to ``depth`` parts ("blocks.3" for
+    "blocks.3.attn.weight" at depth 2); a parameter of the root module keeps its name."""
+    parts = name.split(".")[:-1]
+    return ".".join(parts[:depth]) if parts else name
+
+
+def _group_depth(names: Sequence[str]) -> int:
+    """Depth 1 (top-level modules), or deeper while that gives a single group (a model
+    that is one container such as ``blocks``)."""
+    unique = _order(names)
+    deepest = max((len(n.split(".")) - 1 for n in unique), default=1)
+    depth = 1
+    while depth < deepest and len(set(_module_key(n, depth) for n in unique)) == 1:
+        depth += 1
+    return depth
+
+
 def _series_groups(stats: "pandas.DataFrame", names: Optional[Sequence[str]]
-                   ) -> Tuple[List[str], Any, str]:
-    """(labels, frame indexed by step with one column per label, what) for the lines:
-    the named parameters, or the top-level modules (root of the sum of squares)."""
+                   ) -> Tuple[List[str], Any, str, int]:
+    """(labels, frame indexed by step with one column per label, what, total) for the
+    lines: the named parameters, or the modules at the depth of :func:`_group_depth`
+    (root of the sum of squares), the ten largest."""
     import numpy as np
-    import pandas as pd
 
     frame = stats.copy()
     has = _has_grad(frame)
@@ -348,8 +366,9 @@ def _series_groups(stats: "pandas.DataFrame", names: Optional[Sequence[str]]
         frame = frame[frame["name"].isin(chosen)]
         wide = frame.pivot_table(index="step", columns="name", values="norm",
                                  aggfunc="first", dropna=False)
-        return chosen, wide.reindex(columns=chosen), "parameters"
-    top = [n.split(".", 1)[0] for n in frame["name"]]
+        return chosen, wide.reindex(columns=chosen), "parameters", len(_order(stats["name"]))
+    depth = _group_depth(frame["name"])
+    top = [_module_key(n, depth) for n in frame["name"]]
     frame["_group"] = top
     frame["_sq"] = _squares(frame)
     frame["_has"] = has
@@ -357,13 +376,14 @@ def _series_groups(stats: "pandas.DataFrame", names: Optional[Sequence[str]]
     wide = np.sqrt(grouped["_sq"].sum()).where(grouped["_has"].any())
     wide = wide.unstack("_group")
     groups = _order(top)
+    total = len(groups)
     wide = wide.reindex(columns=groups).sort_index()
     if len(groups) > _MAX_LINES:  # keep the largest
         peak = wide.where(np.isfinite(wide)).max(axis=0).fillna(-np.inf)
         keep = set(peak.sort_values(ascending=False).index[:_MAX_LINES])
         groups = [g for g in groups if g in keep]
         wide = wide[groups]
-    return groups, wide, "top-level modules"
+    return groups, wide, ("top-level modules" if depth == 1 else f"modules (depth {depth})"), total
 
 
 def _global_series(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"]) -> Any:
@@ -397,7 +417,8 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
     Lines (default): the global norm (``steps.global_norm`` when the steps frame is
     given, else the root of the sum of squares of ``stats.norm``) and one line per
     parameter in ``names``, or per top-level module (root of the sum of squares, the
-    ten largest) when ``names`` is None. ``heatmap=True`` draws parameter x step on a
+    ten largest; one level deeper while the model is a single container) when ``names``
+    is None. ``heatmap=True`` draws parameter x step on a
     log colour scale instead. Non-finite norms are red markers at the top (red cells in
     the heatmap), anomalies (a list of Anomaly or a DataFrame) and scaler overflow steps
     vertical lines. Series longer than ``max_points`` are reduced to each bucket's min
@@ -432,9 +453,7 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
     bad_steps = set(int(s) for s in g.index[~np.isfinite(g.to_numpy(dtype=float))])
     zero_steps: set = set(int(s) for s in g.index[g.to_numpy(dtype=float) == 0])
 
-    labels, wide, what = _series_groups(stats, names)
-    n_total = len(_order(stats["name"])) if what == "parameters" else \
-        len(_order(n.split(".", 1)[0] for n in stats["name"]))
+    labels, wide, what, n_total = _series_groups(stats, names)
     # non-finite per step from the raw rows (a NaN norm, or non-finite entries)
     bad_rows = _nonfinite_mask(stats, "norm")
     bad_steps |= set(int(s) for s in stats.loc[bad_rows, "step"])
@@ -453,8 +472,8 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
     ax.set_xlabel("step")
     ax.set_ylabel("gradient L2 norm")
     ax.set_title("Gradient norms: global and "
-                 + (what if what == "parameters" else f"per {what[:-1]}")
-                 + _title_count(len(labels), n_total, what))
+                 + (what if what == "parameters" else f"per {what.replace('modules', 'module')}")
+                 + _title_count(len(labels), n_total, what.split(" (")[0]))
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
     return fig

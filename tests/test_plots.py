@@ -454,3 +454,19 @@ def test_plot_dispatcher_and_no_pyplot_state(frames):
     assert plt.get_fignums() == before
     with pytest.raises(ValueError, match=r"kind must be one of \['flow', 'norms', 'heatmap', 'update', 'hist'\]; got 'pie'"):
         plots.plot("pie", frames["stats"])
+
+
+def test_norms_groups_one_level_deeper_inside_a_single_container():
+    params = [(f"blocks.{i}.{k}", f"blocks.{i}", 8) for i in range(12) for k in ("weight", "bias")]
+    f = make_frames(4, params, histograms=False)
+    ax = plots.norms(f["stats"], f["steps"]).axes[0]
+    series = {l.get_label(): l for l in ax.get_lines() if (l.get_gid() or "").startswith("series:")}
+    assert len(series) == 10 and set(series) <= {f"blocks.{i}" for i in range(12)}
+    assert ax.get_title() == "Gradient norms: global and per module (depth 2) (10 of 12 modules)"
+    # the ten kept are the largest (naive reference: peak of the root sum of squares)
+    st = f["stats"].assign(group=f["stats"].name.str.rsplit(".", n=1).str[0])
+    peak = st.assign(sq=st.norm ** 2).groupby(["step", "group"]).sq.sum().pow(0.5).groupby("group").max()
+    assert set(series) == set(peak.sort_values(ascending=False).index[:10])
+    for group, line in series.items():
+        sub = st[(st.group == group) & (st.step == 2)]
+        assert line.get_ydata()[1] == pytest.approx(math.sqrt((sub.norm ** 2).sum()))
