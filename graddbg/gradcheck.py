@@ -1,0 +1,1087 @@
+"""Numerical against analytic derivatives: ``gradcheck``, ``check_module``,
+``assert_gradients_close`` and their result, ``GradcheckResult``.
+
+Two modes:
+
+- ``mode="full"`` compares every Jacobian entry (central differences against the
+  backward pass), batched: the perturbations of many input elements go through one
+  ``torch.func.vmap`` call (chunked to bound memory), the rows of the analytic Jacobian
+  through one batched vector-Jacobian product. Functions that ``vmap`` cannot run
+  (``.item()``, random numbers, custom ``autograd.Function`` without a vmap rule, ...)
+  fall back to a loop. Use it for functions of up to a few thousand elements, and always
+  when you hunt a single wrong entry: it finds every one and says where.
+- ``mode="fast"`` compares random projections ``v^T J u`` for several probes ``u`` (per
+  input) and ``v`` (over all outputs), drawn with a fixed seed. Each projection is
+  compared, in float64, against its own magnitude and an estimate of the rounding noise
+  of the finite difference, not against a bound summed over the whole Jacobian (which is
+  why ``torch.autograd.gradcheck(fast_mode=True)`` misses a 1% error in a large input).
+  It catches scaled, dropped-term and transposed gradients at any size for the cost of a
+  few function evaluations; a single wrong entry of a large Jacobian only when it is large
+  against the rest. On a failure it re-runs full mode on the failing input, when that
+  input is small enough, to say which entries are wrong.
+
+Floating-point inputs (and modules) are checked on float64 copies by default; nothing
+passed in is modified.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils import _pytree as pytree
+
+from graddbg._errors import GraddbgError, GradientMismatchError, PrecisionWarning
+
+__all__ = ["gradcheck", "check_module", "assert_gradients_close", "GradcheckResult",
+           "TOLERANCES"]
+
+#: (eps, atol, rtol) by the dtype the check runs in; every value can be overridden.
+TOLERANCES: Dict[torch.dtype, Tuple[float, float, float]] = {
+    torch.float64: (1e-6, 1e-5, 1e-3),
+    torch.float32: (1e-3, 1e-3, 1e-2),
+    torch.float16: (1e-2, 5e-2, 5e-2),
+    torch.bfloat16: (1e-2, 1e-1, 1e-1),
+}
+
+_MODES = ("full", "fast")
+_KINKS = ("allow", "fail")
+_WRT = ("all", "params", "inputs")
+_BUDGET = 1 << 23          # elements of a perturbation/probe chunk (64 MiB of float64)
+_TABLE_ROWS = 1000         # rows kept in a result's table
+_STR_ROWS = 10             # rows shown by str(result)
+_NOISE = 64.0              # rounding units assumed per function output (fast mode)
+
+_COLUMNS = ["input", "index", "output", "output_index", "analytic", "numerical",
+            "abs_err", "rel_err", "check", "note"]
+
+
+# --------------------------------------------------------------------------- result
+
+
+@dataclass
+class GradcheckResult:
+    """The outcome of a check. ``bool(result)`` is ``result.ok``.
+
+    ``table`` (a pandas DataFrame, built on first access) lists the entries that did not
+    match, worst first: ``input`` (argument or parameter name), ``index`` (a tuple into
+    that input), ``output``/``output_index``, ``analytic``, ``numerical``, ``abs_err``,
+    ``rel_err`` (``abs_err / max(|numerical|, atol)``), ``check`` (``"jacobian"``,
+    ``"projection"`` in fast mode, ``"forward_ad"``, ``"forward_vs_reverse"``,
+    ``"second_order"``) and ``note`` (``"non-differentiable point"`` when one-sided
+    differences show a kink and the analytic value is one of its one-sided derivatives).
+
+    >>> import torch
+    >>> r = gradcheck(torch.sin, torch.randn(4, dtype=torch.float64, requires_grad=True))
+    >>> r.ok, len(r.table), r.max_abs_err < 1e-6
+    (True, 0, True)
+    """
+
+    ok: bool
+    mode: str
+    eps: float
+    atol: float
+    rtol: float
+    dtype: torch.dtype
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    n_compared: int = 0
+    n_mismatched: int = 0
+    nondeterministic: bool = False
+    nondet_spread: float = 0.0
+    nondet_tol: Optional[float] = None
+    kinks: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    localised: Optional[str] = None
+    rows: List[dict] = field(default_factory=list, repr=False)
+    _table: Any = field(default=None, repr=False)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @property
+    def mismatch_fraction(self) -> float:
+        """Fraction of compared entries (or projections) that mismatched."""
+        return self.n_mismatched / self.n_compared if self.n_compared else 0.0
+
+    @property
+    def table(self) -> Any:
+        """Mismatching entries, worst first (pandas DataFrame)."""
+        if self._table is None:
+            import pandas as pd
+
+            self._table = pd.DataFrame(self.rows, columns=_COLUMNS)
+        return self._table
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        head = (f"gradcheck {'passed' if self.ok else 'FAILED'} (mode={self.mode}, "
+                f"eps={self.eps:g}, atol={self.atol:g}, rtol={self.rtol:g}, dtype={dt})")
+        what = "projections" if self.mode == "fast" and self.localised is None else "entries"
+        lines = [head,
+                 f"  {self.n_mismatched} of {self.n_compared} {what} mismatch "
+                 f"({100 * self.mismatch_fraction:.3g}%); max abs err {self.max_abs_err:.3g}, "
+                 f"max rel err {self.max_rel_err:.3g}"]
+        if self.nondeterministic:
+            lines.append(f"  nondeterministic backward: two runs differ by up to "
+                         f"{self.nondet_spread:.3g} (allowed: "
+                         f"{'atol + rtol*|grad|' if self.nondet_tol is None else self.nondet_tol});"
+                         f" this is not a wrong gradient; pass nondet_tol>={self.nondet_spread:.3g}"
+                         f" to accept it")
+        elif self.nondet_spread > 0:
+            lines.append(f"  backward varies between runs by {self.nondet_spread:.3g} (within tolerance)")
+        if self.localised:
+            lines.append(f"  fast-mode projections disagreed; full mode re-run on {self.localised} "
+                         f"(entries above are Jacobian entries)")
+        for note in self.kinks[:3]:
+            lines.append(f"  non-differentiable point: {note}")
+        if len(self.kinks) > 3:
+            lines.append(f"  ... {len(self.kinks) - 3} more non-differentiable points")
+        lines.extend(f"  {note}" for note in self.notes)
+        bad = [r for r in self.rows if r["note"] != "non-differentiable point"]
+        if bad:
+            lines.append(f"  worst {min(_STR_ROWS, len(bad))} of {self.n_mismatched}:")
+            lines.extend("    " + line for line in _format_rows(bad[:_STR_ROWS]))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"GradcheckResult(ok={self.ok}, mode={self.mode!r}, max_abs_err="
+                f"{self.max_abs_err:.3g}, max_rel_err={self.max_rel_err:.3g}, "
+                f"n_mismatched={self.n_mismatched})")
+
+
+def _format_rows(rows: List[dict]) -> List[str]:
+    def cell(key: str, value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.6g}"
+        if isinstance(value, tuple):
+            return "(" + ", ".join(str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+        return str(value)
+
+    keys = [k for k in _COLUMNS if any(r.get(k) not in ("", None) for r in rows)]
+    cells = [[cell(k, r[k]) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    out = ["  ".join(k.ljust(w) for k, w in zip(keys, widths))]
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return out
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class _Options:
+    mode: str
+    eps: float
+    atol: float
+    rtol: float
+    nondet_tol: Optional[float]
+    forward_ad: bool
+    second_order: bool
+    kinks: str
+    seed: int
+    probes: int
+    max_entries: int
+    localise_entries: int
+
+
+def _options(dtype: torch.dtype, mode: str, eps: Optional[float], atol: Optional[float],
+             rtol: Optional[float], nondet_tol: Optional[float], forward_ad: bool,
+             second_order: bool, kinks: str, seed: int, probes: int, max_entries: int,
+             localise_entries: int) -> _Options:
+    if mode not in _MODES:
+        raise GraddbgError(f"gradcheck: mode={mode!r} is not supported; use one of {_MODES}")
+    if kinks not in _KINKS:
+        raise GraddbgError(f"gradcheck: kinks={kinks!r} is not supported; use one of {_KINKS}")
+    for name, value in (("eps", eps), ("atol", atol), ("rtol", rtol), ("nondet_tol", nondet_tol)):
+        if value is not None and not (isinstance(value, (int, float)) and value >= 0
+                                      and math.isfinite(value)):
+            raise GraddbgError(f"gradcheck: {name}={value!r} must be a finite number >= 0 (or None)")
+    if eps is not None and eps <= 0:
+        raise GraddbgError(f"gradcheck: eps={eps!r} must be > 0")
+    if not isinstance(probes, int) or probes < 1:
+        raise GraddbgError(f"gradcheck: probes={probes!r} must be an int >= 1")
+    d_eps, d_atol, d_rtol = TOLERANCES.get(dtype, TOLERANCES[torch.float64])
+    return _Options(mode, float(d_eps if eps is None else eps),
+                    float(d_atol if atol is None else atol),
+                    float(d_rtol if rtol is None else rtol),
+                    None if nondet_tol is None else float(nondet_tol),
+                    bool(forward_ad), bool(second_order), kinks, int(seed), probes,
+                    int(max_entries), int(localise_entries))
+
+
+# --------------------------------------------------------------------------- target
+
+
+class _Target:
+    """A function of a flat list of differentiable tensors returning a flat list of
+    floating-point output tensors (integer outputs are dropped)."""
+
+    def __init__(self, fn: Callable[[Sequence[torch.Tensor]], Any], xs: List[torch.Tensor],
+                 names: List[str], seed: int) -> None:
+        self.fn = fn
+        self.xs = xs
+        self.names = names
+        self.seed = seed
+        self.sizes = [x.numel() for x in xs]
+        self.offsets = [0]
+        for s in self.sizes:
+            self.offsets.append(self.offsets[-1] + s)
+        self.n = self.offsets[-1]
+        self.keep: Optional[List[int]] = None
+        self.out_names: List[str] = []
+        self.out_shapes: List[torch.Size] = []
+        self.vmap_ok: Optional[bool] = None
+        self.vjp_batch_ok: Optional[bool] = None
+        self.jvp_batch_ok: Optional[bool] = None
+        self.cuda_gens = [torch.cuda.default_generators[i] for i in _devices(xs)]
+
+    # The RNG is reseeded before every evaluation, so dropout and friends draw the same
+    # numbers in every perturbed call as in the analytic one (states are restored by
+    # fork_rng around the whole check).
+    def call(self, xs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        torch.default_generator.manual_seed(self.seed)
+        for gen in self.cuda_gens:
+            gen.manual_seed(self.seed)
+        out = self.fn(xs)
+        leaves, spec = pytree.tree_flatten(out)
+        if self.keep is None:
+            self._learn_outputs(leaves, spec)
+        return [leaves[i] for i in self.keep]
+
+    def _learn_outputs(self, leaves: List[Any], spec: Any) -> None:
+        keep = []
+        paths = _leaf_names(spec, "output")
+        if not leaves:
+            raise GraddbgError("gradcheck: the function returned no tensor; it must return a "
+                               "tensor or a tuple/list/dict of tensors")
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise GraddbgError(
+                    f"gradcheck: the function's output {paths[i]} is a {type(leaf).__name__}, "
+                    f"not a tensor; return tensors (or tuples/lists/dicts of tensors) only")
+            if leaf.is_complex():
+                raise NotImplementedError(
+                    f"gradcheck: output {paths[i]} is complex ({leaf.dtype}); complex outputs "
+                    f"are not supported yet: return torch.view_as_real(out) instead")
+            if leaf.is_floating_point():
+                keep.append(i)
+        if not keep:
+            raise GraddbgError("gradcheck: the function has no floating-point output to "
+                               "differentiate (outputs: " +
+                               ", ".join(f"{paths[i]}: {leaves[i].dtype}" for i in range(len(leaves))) + ")")
+        self.keep = keep
+        self.out_names = [paths[i] for i in keep]
+        self.out_shapes = [leaves[i].shape for i in keep]
+        self.out_sizes = [leaves[i].numel() for i in keep]
+        self.out_offsets = [0]
+        for s in self.out_sizes:
+            self.out_offsets.append(self.out_offsets[-1] + s)
+        self.m = self.out_offsets[-1]
+
+    def split(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """(k, N) -> per input (k, *shape)."""
+        k = flat.shape[0]
+        return [flat[:, a:b].reshape(k, *x.shape)
+                for a, b, x in zip(self.offsets[:-1], self.offsets[1:], self.xs)]
+
+    def locate_input(self, j: int) -> Tuple[int, Tuple[int, ...]]:
+        b = _bucket(self.offsets, j)
+        return b, _unravel(j - self.offsets[b], self.xs[b].shape)
+
+    def locate_output(self, i: int) -> Tuple[int, Tuple[int, ...]]:
+        o = _bucket(self.out_offsets, i)
+        return o, _unravel(i - self.out_offsets[o], self.out_shapes[o])
+
+
+def _bucket(offsets: List[int], j: int) -> int:
+    lo, hi = 0, len(offsets) - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if offsets[mid] <= j:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _unravel(j: int, shape: Sequence[int]) -> Tuple[int, ...]:
+    idx = []
+    for s in reversed(list(shape)):
+        idx.append(j % s)
+        j //= s
+    return tuple(reversed(idx))
+
+
+def _leaf_names(spec: Any, root: str) -> List[str]:
+    """Readable names of the leaves of a pytree: root, root[0], root['a'][1], ..."""
+    names: List[str] = []
+
+    def walk(s: Any, prefix: str) -> None:
+        if s.is_leaf():
+            names.append(prefix)
+            return
+        ctx = s.context
+        kids = s.children() if hasattr(s, "children") else s.children_specs
+        if isinstance(ctx, (list, tuple)) and len(ctx) == len(kids) and s.type is dict:
+            keys = [f"[{k!r}]" for k in ctx]
+        else:
+            keys = [f"[{i}]" for i in range(len(kids))]
+        for key, kid in zip(keys, kids):
+            walk(kid, prefix + key)
+
+    walk(spec, root)
+    return names
+
+
+def _flat(tensors: Sequence[torch.Tensor], k: int) -> torch.Tensor:
+    if len(tensors) == 1:
+        return tensors[0].reshape(k, -1)
+    return torch.cat([t.reshape(k, -1) for t in tensors], dim=1)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def _eval_directions(t: _Target, d: torch.Tensor) -> torch.Tensor:
+    """f(x + d_r) for every row r of d (k, N), flattened: (k, M). No autograd."""
+    k = d.shape[0]
+    with torch.no_grad():
+        if t.vmap_ok is not False and k > 1:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    out = torch.func.vmap(
+                        lambda row: _flat(t.call([x + r for x, r in zip(t.xs, _split1(t, row))]), 1)[0]
+                    )(d)
+                t.vmap_ok = True
+                return out
+            except Exception:  # noqa: BLE001 - anything vmap cannot run falls back to a loop
+                if t.vmap_ok:
+                    raise
+                t.vmap_ok = False
+        rows = []
+        for r in range(k):
+            pert = _split1(t, d[r])
+            rows.append(_flat(t.call([x + p for x, p in zip(t.xs, pert)]), 1)[0])
+        return torch.stack(rows)
+
+
+def _split1(t: _Target, row: torch.Tensor) -> List[torch.Tensor]:
+    return [row[a:b].view(x.shape) for a, b, x in zip(t.offsets[:-1], t.offsets[1:], t.xs)]
+
+
+def _vjp_rows(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor],
+              v: torch.Tensor) -> torch.Tensor:
+    """Rows v (k, M) times the Jacobian: (k, N)."""
+    k = v.shape[0]
+    pairs = [(y, v[:, a:b].reshape(k, *y.shape))
+             for y, a, b in zip(ys, t.out_offsets[:-1], t.out_offsets[1:]) if y.requires_grad]
+    if not pairs:
+        return v.new_zeros(k, t.n)
+    outs = [p[0] for p in pairs]
+
+    def assemble(grads: Sequence[Optional[torch.Tensor]], kk: int) -> torch.Tensor:
+        return _flat([g if g is not None else x.new_zeros(kk, *x.shape)
+                      for g, x in zip(grads, xs)], kk)
+
+    if t.vjp_batch_ok is not False and k > 1:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                grads = torch.autograd.grad(outs, xs, [p[1] for p in pairs], retain_graph=True,
+                                            allow_unused=True, is_grads_batched=True)
+            t.vjp_batch_ok = True
+            return assemble(grads, k)
+        except Exception:  # noqa: BLE001 - the backward cannot be vmapped: loop
+            if t.vjp_batch_ok:
+                raise
+            t.vjp_batch_ok = False
+    rows = []
+    for r in range(k):
+        grads = torch.autograd.grad(outs, xs, [p[1][r] for p in pairs], retain_graph=True,
+                                    allow_unused=True)
+        rows.append(assemble([g if g is None else g.unsqueeze(0) for g in grads], 1)[0])
+    return torch.stack(rows)
+
+
+def _jvp_cols(t: _Target, u: torch.Tensor) -> torch.Tensor:
+    """The Jacobian times the directions u (k, N), by forward-mode AD: (k, M)."""
+    k = u.shape[0]
+    xs = [x.detach() for x in t.xs]
+    if t.jvp_batch_ok is not False and k > 1:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = torch.func.vmap(
+                    lambda row: _flat(torch.func.jvp(lambda *a: tuple(t.call(list(a))), tuple(xs),
+                                                     tuple(_split1(t, row)))[1], 1)[0])(u)
+            t.jvp_batch_ok = True
+            return out
+        except Exception:  # noqa: BLE001 - fall back to dual numbers in a loop
+            if t.jvp_batch_ok:
+                raise
+            t.jvp_batch_ok = False
+    import torch.autograd.forward_ad as fwAD
+
+    cols = []
+    for r in range(k):
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(x, p) for x, p in zip(xs, _split1(t, u[r]))]
+            outs = t.call(duals)
+            tans = []
+            for y in outs:
+                tan = fwAD.unpack_dual(y).tangent
+                tans.append(torch.zeros_like(y) if tan is None else tan)
+            cols.append(_flat([tt.detach().unsqueeze(0) for tt in tans], 1)[0])
+    return torch.stack(cols)
+
+
+def _chunk(total: int, width: int) -> int:
+    return max(1, min(total, _BUDGET // max(width, 1)))
+
+
+# --------------------------------------------------------------------------- full mode
+
+
+def _numerical_jacobian(t: _Target, eps: float, cols: Optional[range] = None) -> torch.Tensor:
+    """Central-difference Jacobian (M, N) (or the columns in ``cols``)."""
+    x0 = t.xs[0]
+    cols = range(t.n) if cols is None else cols
+    out = x0.new_empty(t.m, len(cols))
+    step = _chunk(len(cols), 2 * (t.n + t.m))
+    for c0 in range(0, len(cols), step):
+        c1 = min(len(cols), c0 + step)
+        k = c1 - c0
+        d = x0.new_zeros(2 * k, t.n)
+        idx = torch.arange(k, device=x0.device)
+        col = torch.as_tensor(list(cols[c0:c1]), device=x0.device)
+        d[idx, col] = eps
+        d[idx + k, col] = -eps
+        f = _eval_directions(t, d)
+        out[:, c0:c1] = ((f[:k] - f[k:]) / (2 * eps)).T
+    return out
+
+
+def _analytic_jacobian(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor]) -> torch.Tensor:
+    x0 = t.xs[0]
+    out = x0.new_empty(t.m, t.n)
+    step = _chunk(t.m, t.m + t.n)
+    for r0 in range(0, t.m, step):
+        r1 = min(t.m, r0 + step)
+        v = x0.new_zeros(r1 - r0, t.m)
+        v[torch.arange(r1 - r0, device=x0.device), torch.arange(r0, r1, device=x0.device)] = 1
+        out[r0:r1] = _vjp_rows(t, xs, ys, v)
+    return out
+
+
+def _forward_jacobian(t: _Target) -> torch.Tensor:
+    x0 = t.xs[0]
+    out = x0.new_empty(t.m, t.n)
+    step = _chunk(t.n, t.m + t.n)
+    for c0 in range(0, t.n, step):
+        c1 = min(t.n, c0 + step)
+        u = x0.new_zeros(c1 - c0, t.n)
+        u[torch.arange(c1 - c0, device=x0.device), torch.arange(c0, c1, device=x0.device)] = 1
+        out[:, c0:c1] = _jvp_cols(t, u).T
+    return out
+
+
+class _Collector:
+    """Accumulates comparison statistics and mismatch rows of one check."""
+
+    def __init__(self, opts: _Options) -> None:
+        self.opts = opts
+        self.rows: List[dict] = []
+        self.kink_rows: List[dict] = []
+        self.kinks: List[str] = []
+        self.notes: List[str] = []
+        self.per_input: Dict[int, Tuple[float, float]] = {}
+        self.max_abs = 0.0
+        self.max_rel = 0.0
+        self.n_compared = 0
+        self.n_mismatched = 0
+        self.nondet = False
+        self.spread = 0.0
+
+    def stats(self, abs_err: torch.Tensor, numerical: torch.Tensor) -> None:
+        if abs_err.numel():
+            self.max_abs = max(self.max_abs, float(abs_err.max()))
+            rel = abs_err / numerical.abs().clamp_min(max(self.opts.atol, 1e-300))
+            self.max_rel = max(self.max_rel, float(rel.max()))
+        self.n_compared += abs_err.numel()
+
+
+def _compare_full(t: _Target, a: torch.Tensor, n: torch.Tensor, col: _Collector,
+                  check: str, spread: Optional[torch.Tensor] = None,
+                  kink_fn: Optional[Callable] = None) -> None:
+    opts = col.opts
+    abs_err = (a - n).abs_()
+    n_abs = n.abs()
+    tol = n_abs * opts.rtol + opts.atol
+    if spread is not None:
+        tol = tol + spread
+    if abs_err.numel():
+        col.max_abs = max(col.max_abs, float(abs_err.max()))
+        col.max_rel = max(col.max_rel, float((abs_err / n_abs.clamp_min_(max(opts.atol, 1e-300))).max()))
+    col.n_compared += abs_err.numel()
+    bad = ~(abs_err <= tol)                      # NaN counts as bad ...
+    nbad = int(bad.sum())
+    if not nbad:
+        return
+    idx = bad.nonzero()
+    same = a[bad] == n[bad]                      # ... unless both sides agree (inf == inf)
+    if bool(same.any()):
+        idx = idx[~same]
+        nbad = idx.shape[0]
+        if not nbad:
+            return
+    errs = abs_err[idx[:, 0], idx[:, 1]]
+    order = torch.argsort(errs.nan_to_num(float("inf")), descending=True)[:_TABLE_ROWS]
+    idx = idx[order].tolist()
+    kink_info = kink_fn([j for _, j in idx]) if kink_fn is not None else {}
+    allowed = 0
+    for i, j in idx:
+        b, in_idx = t.locate_input(j)
+        o, out_idx = t.locate_output(i)
+        av, nv = float(a[i, j]), float(n[i, j])
+        err = abs(av - nv) if math.isfinite(av - nv) else float("inf")
+        row = dict(input=t.names[b], index=in_idx, output=t.out_names[o], output_index=out_idx,
+                   analytic=av, numerical=nv, abs_err=err,
+                   rel_err=err / max(abs(nv), opts.atol, 1e-300), check=check, note="")
+        lr = kink_info.get(j)
+        if lr is not None:
+            left, right = float(lr[0][i]), float(lr[1][i])
+            ktol = opts.atol + opts.rtol * max(abs(left), abs(right))
+            if abs(left - right) > ktol and min(left, right) - ktol <= av <= max(left, right) + ktol:
+                row["note"] = "non-differentiable point"
+                row["left"], row["right"] = left, right
+                if opts.kinks == "allow":
+                    allowed += 1
+                    col.kink_rows.append(row)
+                    col.kinks.append(f"{t.names[b]}{list(in_idx)} -> {t.out_names[o]}"
+                                     f"{list(out_idx)}: left {left:.4g}, right {right:.4g}, "
+                                     f"analytic {av:.4g}")
+                    continue
+        col.rows.append(row)
+    col.n_mismatched += nbad - allowed
+
+
+def _kink_fn(t: _Target, eps: float, f0: torch.Tensor) -> Callable:
+    def one_sided(cols: List[int]) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+        cols = sorted(set(cols))[:256]
+        x0 = t.xs[0]
+        k = len(cols)
+        d = x0.new_zeros(2 * k, t.n)
+        idx = torch.arange(k, device=x0.device)
+        col = torch.as_tensor(cols, device=x0.device)
+        d[idx, col] = eps
+        d[idx + k, col] = -eps
+        f = _eval_directions(t, d)
+        return {c: ((f0 - f[k + r]) / eps, (f[r] - f0) / eps) for r, c in enumerate(cols)}
+    return one_sided
+
+
+def _run_full(t: _Target, opts: _Options, col: _Collector) -> None:
+    xs = [x.detach().requires_grad_(True) for x in t.xs]
+    with torch.enable_grad():
+        ys = t.call(xs)
+    if t.n * t.m > opts.max_entries:
+        raise GraddbgError(
+            f"gradcheck: the Jacobian has {t.m} x {t.n} = {t.m * t.n} entries, more than "
+            f"max_entries={opts.max_entries}; use mode='fast' (random projections) or raise "
+            f"max_entries")
+    f0 = _flat([y.detach().unsqueeze(0) for y in ys], 1)[0]
+    a1 = _analytic_jacobian(t, xs, ys)
+    a2 = _analytic_jacobian(t, xs, ys)
+    num = _numerical_jacobian(t, opts.eps)
+    widen = None
+    if not torch.equal(a1, a2):
+        spread = (a1 - a2).abs()
+        _nondet(col, spread, opts.atol + opts.rtol * num.abs())
+        # a nondeterministic backward is reported as such; only errors well beyond its
+        # spread are called wrong gradients
+        widen = 2 * spread.max()
+        a1 = (a1 + a2) / 2
+    ana = a1
+    _compare_full(t, ana, num, col, "jacobian", widen, _kink_fn(t, opts.eps, f0))
+    if opts.forward_ad:
+        fwd = _forward_jacobian(t)
+        _compare_full(t, fwd, num, col, "forward_ad", None, _kink_fn(t, opts.eps, f0))
+        _compare_full(t, fwd, ana, col, "forward_vs_reverse", widen)
+
+
+def _nondet(col: _Collector, spread: torch.Tensor, tol: Any) -> None:
+    if not spread.numel():
+        return
+    col.spread = max(col.spread, float(spread.max()))
+    limit = tol if col.opts.nondet_tol is None else col.opts.nondet_tol
+    if bool((spread > limit).any()):
+        col.nondet = True
+
+
+# --------------------------------------------------------------------------- fast mode
+
+
+def _gauss(gen: torch.Generator, shape: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(like.device, like.dtype)
+
+
+def _run_fast(t: _Target, opts: _Options, col: _Collector) -> Dict[int, int]:
+    """Projection check; returns {input: number of failed projections}."""
+    k = opts.probes
+    gen = torch.Generator().manual_seed(opts.seed)
+    x0 = t.xs[0]
+    nb = len(t.xs)
+    xs = [x.detach().requires_grad_(True) for x in t.xs]
+    with torch.enable_grad():
+        ys = t.call(xs)
+    # probes u: k per input, supported on that input only; v: k over all outputs
+    u = x0.new_zeros(k * nb, t.n)
+    for b in range(nb):
+        u[b * k:(b + 1) * k, t.offsets[b]:t.offsets[b + 1]] = _gauss(gen, (k, t.sizes[b]), x0)
+    v = _gauss(gen, (k, t.m), x0)
+    f = _eval_directions(t, torch.cat([opts.eps * u, -opts.eps * u]))
+    fp, fm = f[:k * nb], f[k * nb:]
+    d = (fp - fm) / (2 * opts.eps)                       # (k*nb, M) numerical J u
+    noise_el = (fp.abs() + fm.abs()) * (_NOISE * torch.finfo(x0.dtype).eps / (2 * opts.eps))
+    g1 = _vjp_rows(t, xs, ys, v)                          # (k, N) analytic v^T J
+    g2 = _vjp_rows(t, xs, ys, v)
+    failing: Dict[int, int] = {}
+    vv = v * v
+    for b in range(nb):
+        sl = slice(t.offsets[b], t.offsets[b + 1])
+        ub = u[b * k:(b + 1) * k, sl]                    # (k, Nb)
+        db, nzb = d[b * k:(b + 1) * k], noise_el[b * k:(b + 1) * k]
+        a1 = g1[:, sl] @ ub.T                             # (l, k)
+        a2 = g2[:, sl] @ ub.T
+        num = v @ db.T
+        m_a = ((g1[:, sl] ** 2) @ (ub ** 2).T).sqrt()
+        m_n = (vv @ (db ** 2).T).sqrt()
+        noise = (vv @ (nzb ** 2).T).sqrt()
+        unorm = ub.norm(dim=1)[None, :]
+        vnorm = v.norm(dim=1)[:, None]
+        tol = opts.atol * unorm * vnorm + opts.rtol * torch.maximum(m_a, m_n) + noise
+        sp = (a1 - a2).abs()
+        _nondet(col, sp, tol)
+        ana = (a1 + a2) / 2
+        if bool((sp > 0).any()):
+            tol = tol + 2 * sp.max()
+        abs_err = (ana - num).abs()
+        col.per_input[b] = (float(abs_err.max()),
+                            float((abs_err / torch.maximum(m_a, m_n).clamp_min(1e-300)).max()))
+        col.n_compared += abs_err.numel()
+        bad = (abs_err > tol) | (~torch.isfinite(abs_err) & (ana != num))
+        if not bool(bad.any()):
+            continue
+        # confirm against a second step size: a real mismatch does not move with eps
+        ks = sorted({int(kk) for kk in bad.nonzero()[:, 1]})
+        uu = u[[b * k + kk for kk in ks]]
+        f2 = _eval_directions(t, torch.cat([2 * opts.eps * uu, -2 * opts.eps * uu]))
+        d2 = (f2[:len(ks)] - f2[len(ks):]) / (4 * opts.eps)
+        num2 = v @ d2.T
+        fd_err = (num2 - num[:, ks]).abs()
+        confirmed = abs_err[:, ks] > tol[:, ks] + 2 * fd_err
+        confirmed |= ~torch.isfinite(abs_err[:, ks]) & (ana[:, ks] != num[:, ks])
+        nconf = int(confirmed.sum())
+        if not nconf:
+            col.notes.append(f"fast-mode projections of {t.names[b]} disagreed by up to "
+                             f"{float(abs_err[bad].max()):.3g} but moved with eps (finite-"
+                             f"difference error, not a wrong gradient); mode='full' checks entries")
+            continue
+        failing[b] = failing.get(b, 0) + nconf
+        for (l, kk) in confirmed.nonzero().tolist():
+            c = ks[kk]
+            av, nv = float(ana[l, c]), float(num[l, c])
+            err = abs(av - nv)
+            col.rows.append(dict(input=t.names[b], index=(l, c), output="v^T J u",
+                                 output_index=(), analytic=av, numerical=nv, abs_err=err,
+                                 rel_err=err / max(float(torch.maximum(m_a, m_n)[l, c]), 1e-300),
+                                 check="projection", note=f"probe v{l}, u{c}"))
+    if opts.forward_ad:
+        jf = _jvp_cols(t, u)                             # (k*nb, M)
+        for b in range(nb):
+            sl = slice(t.offsets[b], t.offsets[b + 1])
+            ub = u[b * k:(b + 1) * k, sl]
+            fw = v @ jf[b * k:(b + 1) * k].T
+            num = v @ d[b * k:(b + 1) * k].T
+            m = (vv @ (jf[b * k:(b + 1) * k] ** 2).T).sqrt()
+            noise = (vv @ (noise_el[b * k:(b + 1) * k] ** 2).T).sqrt()
+            tol = opts.atol * ub.norm(dim=1)[None, :] * v.norm(dim=1)[:, None] + opts.rtol * m + noise
+            for other, name in ((num, "forward_ad"), (g1[:, sl] @ ub.T, "forward_vs_reverse")):
+                err = (fw - other).abs()
+                bad = (err > tol) | (~torch.isfinite(err) & (fw != other))
+                col.n_compared += err.numel()
+                if bool(bad.any()):
+                    failing[b] = failing.get(b, 0) + int(bad.sum())
+                    for (l, c) in bad.nonzero().tolist():
+                        col.rows.append(dict(input=t.names[b], index=(l, c), output="v^T J u",
+                                             output_index=(), analytic=float(fw[l, c]),
+                                             numerical=float(other[l, c]),
+                                             abs_err=float(err[l, c]),
+                                             rel_err=float(err[l, c] / m[l, c].clamp_min(1e-300)),
+                                             check=name, note=f"probe v{l}, u{c}"))
+    return failing
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _check_target(t: _Target, opts: _Options, dtype: torch.dtype) -> GradcheckResult:
+    col = _Collector(opts)
+    localised = None
+    if opts.mode == "full":
+        _run_full(t, opts, col)
+    else:
+        failing = _run_fast(t, opts, col)
+        col.n_mismatched = sum(failing.values())
+        small = [b for b in failing if t.sizes[b] * t.m <= opts.localise_entries]
+        for b, (mx_abs, mx_rel) in col.per_input.items():
+            if b not in small:
+                col.max_abs, col.max_rel = max(col.max_abs, mx_abs), max(col.max_rel, mx_rel)
+        if small:
+            # say where: full mode on each failing input, the others held fixed
+            col2 = _Collector(opts)
+            for b in small:
+                sub = _sub_target(t, b)
+                _run_full(sub, opts, col2)
+            localised = ", ".join(t.names[b] for b in small)
+            col.rows = [r for r in col.rows if r["input"] not in {t.names[b] for b in small}]
+            col.n_mismatched = sum(c for b, c in failing.items() if b not in small) + col2.n_mismatched
+            col.rows = col2.rows + col.rows
+            col.kink_rows += col2.kink_rows
+            col.kinks += col2.kinks
+            col.nondet |= col2.nondet
+            col.spread = max(col.spread, col2.spread)
+            col.max_abs = max(col.max_abs, col2.max_abs)
+            col.max_rel = max(col.max_rel, col2.max_rel)
+            col.n_compared += col2.n_compared
+            if not col2.rows and col2.n_mismatched == 0:
+                col.notes.append(f"fast-mode projections of {localised} disagreed, but full mode "
+                                 f"found every Jacobian entry within tolerance")
+    rows = sorted(col.rows, key=lambda r: -r["abs_err"] if math.isfinite(r["abs_err"]) else -math.inf)
+    rows += col.kink_rows
+    ok = not col.rows and not col.nondet and col.n_mismatched == 0
+    return GradcheckResult(
+        ok=ok, mode=opts.mode, eps=opts.eps, atol=opts.atol, rtol=opts.rtol, dtype=dtype,
+        max_abs_err=col.max_abs, max_rel_err=col.max_rel, n_compared=col.n_compared,
+        n_mismatched=col.n_mismatched, nondeterministic=col.nondet,
+        nondet_spread=col.spread, nondet_tol=opts.nondet_tol, kinks=col.kinks,
+        notes=col.notes, localised=localised, rows=rows[:_TABLE_ROWS])
+
+
+def _sub_target(t: _Target, b: int) -> _Target:
+    """The same function as a function of input b only."""
+    def fn(xs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        full = list(t.xs)
+        full[b] = xs[0]
+        return t.call(full)
+
+    sub = _Target(fn, [t.xs[b]], [t.names[b]], t.seed)
+    with torch.no_grad():
+        sub.call([t.xs[b].detach()])
+    sub.out_names, sub.out_shapes = t.out_names, t.out_shapes
+    return sub
+
+
+def _second_order_target(t: _Target, seed: int) -> _Target:
+    """(x..., v...) -> v^T dJ/dx: gradients of the outputs, as a function to check."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    x0 = t.xs[0]
+    vs = [_gauss(gen, tuple(s), x0) for s in t.out_shapes]
+    nb = len(t.xs)
+
+    def fn(args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        xs, gos = list(args[:nb]), list(args[nb:])
+        with torch.enable_grad():
+            # clone(), not detach(): a forward-mode tangent on x must survive
+            xs = [x if x.requires_grad else x.clone().requires_grad_(True) for x in xs]
+            ys = t.call(xs)
+            pairs = [(y, g) for y, g in zip(ys, gos) if y.requires_grad]
+            if not pairs:
+                return [torch.zeros_like(x) for x in xs]
+            grads = torch.autograd.grad([p[0] for p in pairs], xs, [p[1] for p in pairs],
+                                        create_graph=True, allow_unused=True)
+        return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
+
+    names = t.names + [f"grad_{name}" for name in t.out_names]
+    return _Target(fn, list(t.xs) + vs, names, t.seed)
+
+
+def _merge_second(first: GradcheckResult, second: GradcheckResult) -> GradcheckResult:
+    for row in second.rows:
+        row["check"] = "second_order" + ("" if row["check"] == "jacobian" else f"_{row['check']}")
+    first.rows = sorted([r for r in first.rows if r["note"] != "non-differentiable point"]
+                        + [r for r in second.rows if r["note"] != "non-differentiable point"],
+                        key=lambda r: -r["abs_err"] if math.isfinite(r["abs_err"]) else -math.inf) \
+        + [r for r in first.rows + second.rows if r["note"] == "non-differentiable point"]
+    first.rows = first.rows[:_TABLE_ROWS]
+    first._table = None
+    first.ok = first.ok and second.ok
+    first.n_compared += second.n_compared
+    first.n_mismatched += second.n_mismatched
+    first.max_abs_err = max(first.max_abs_err, second.max_abs_err)
+    first.max_rel_err = max(first.max_rel_err, second.max_rel_err)
+    first.nondeterministic |= second.nondeterministic
+    first.nondet_spread = max(first.nondet_spread, second.nondet_spread)
+    first.kinks += [f"(second order) {k}" for k in second.kinks]
+    first.notes += [f"second order: {n}" for n in second.notes]
+    if not second.ok:
+        first.notes.append(f"second-order check (gradients of gradients) FAILED: "
+                           f"{second.n_mismatched} mismatches, max abs err {second.max_abs_err:.3g}")
+    return first
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _prepare(inputs: Tuple[Any, ...], dtype: Optional[torch.dtype],
+             select: Callable[[str, torch.Tensor], bool]) -> Tuple[List[Any], Any, List[int], List[str], List[torch.Tensor]]:
+    """Copy the leaves of the inputs (floating tensors to ``dtype``); pick differentiable ones."""
+    leaves, spec = pytree.tree_flatten(inputs)
+    names = _leaf_names(spec, "input")
+    names = [n.replace("input[", "input", 1).replace("]", "", 1) if n.startswith("input[") else n
+             for n in names]
+    new_leaves: List[Any] = []
+    diff_pos: List[int] = []
+    diff_names: List[str] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.is_complex() and (leaf.requires_grad or select(names[i], leaf)):
+                raise NotImplementedError(
+                    f"gradcheck: {names[i]} is complex ({leaf.dtype}); complex inputs are not "
+                    f"supported yet: pass torch.view_as_real(x) and rebuild it inside the "
+                    f"function with torch.view_as_complex")
+            if leaf.layout != torch.strided:
+                raise NotImplementedError(f"gradcheck: {names[i]} has layout {leaf.layout}; only "
+                                          f"dense (strided) tensors are supported")
+            if leaf.is_floating_point():
+                copy_ = leaf.detach().to(dtype=dtype or leaf.dtype, copy=True)
+                if select(names[i], leaf):
+                    diff_pos.append(i)
+                    diff_names.append(names[i])
+                new_leaves.append(copy_)
+                continue
+        new_leaves.append(leaf)
+    return new_leaves, spec, diff_pos, diff_names, [new_leaves[i] for i in diff_pos]
+
+
+def _warn_precision(xs: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    low = sorted({str(x.dtype).replace("torch.", "") for x in xs if x.dtype != torch.float64})
+    if low:
+        warnings.warn(
+            f"gradcheck runs in {', '.join(low)}: finite differences in less than float64 "
+            f"are too noisy to trust small errors; leave dtype=torch.float64 (the default)",
+            PrecisionWarning, stacklevel=3)
+
+
+def _check_dtype(dtype: Optional[torch.dtype]) -> None:
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise GraddbgError(f"gradcheck: dtype={dtype!r} must be a floating-point torch.dtype "
+                           f"(default torch.float64) or None (check in the dtypes given)")
+
+
+def _devices(xs: Sequence[torch.Tensor]) -> List[int]:
+    return sorted({x.device.index or 0 for x in xs if x.device.type == "cuda"})
+
+
+def _run(t: _Target, opts: _Options, dtype: torch.dtype) -> GradcheckResult:
+    with torch.random.fork_rng(devices=_devices(t.xs)):
+        result = _check_target(t, opts, dtype)
+        if opts.second_order:
+            t2 = _second_order_target(t, opts.seed)
+            result = _merge_second(result, _check_target(t2, opts, dtype))
+    return result
+
+
+def gradcheck(fn: Callable[..., Any], *inputs: Any, mode: str = "full",
+              eps: Optional[float] = None, atol: Optional[float] = None,
+              rtol: Optional[float] = None, forward_ad: bool = False,
+              second_order: bool = False, nondet_tol: Optional[float] = None,
+              dtype: Optional[torch.dtype] = torch.float64, kinks: str = "allow",
+              seed: int = 0, probes: int = 4, max_entries: int = 10_000_000,
+              localise_entries: int = 1_000_000) -> GradcheckResult:
+    """Compare the derivatives of ``fn`` at ``inputs`` with central finite differences.
+
+    Differentiable inputs are the floating-point tensors with ``requires_grad=True``,
+    anywhere in ``inputs`` (nested tuples, lists, dicts); every other argument passes
+    through. ``fn`` may return a tensor or tuples/lists/dicts of tensors (integer outputs
+    are ignored). Inputs are checked on float64 copies (``dtype=None`` keeps their dtype;
+    anything below float64 emits a ``PrecisionWarning``); ``eps``/``atol``/``rtol`` default
+    from ``TOLERANCES``. ``mode="full"`` checks every Jacobian entry (``max_entries``
+    bounds its size); ``mode="fast"`` checks ``probes`` random projections per input
+    and, on a failure, re-runs full mode on inputs with at most ``localise_entries``
+    Jacobian entries. Use full mode for functions up to a few thousand elements and to
+    find single wrong entries; fast mode for anything larger (it finds scaled, dropped
+    and transposed gradients at any size). ``forward_ad=True`` also checks forward mode
+    (jvp); ``second_order=True`` checks gradients of gradients. The backward pass runs
+    twice: a difference beyond ``nondet_tol`` (default: the comparison tolerance) is
+    reported as nondeterminism. Entries whose one-sided differences disagree, with the
+    analytic value being one of them, are listed as non-differentiable points and do not
+    fail the check unless ``kinks="fail"``.
+
+    >>> import torch
+    >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    >>> bool(gradcheck(lambda t: t.exp().sum(), x))
+    True
+    >>> gradcheck(torch.sin, x, mode="fast").ok
+    True
+    """
+    if isinstance(fn, torch.nn.Module):
+        return check_module(fn, *inputs, mode=mode, eps=eps, atol=atol, rtol=rtol,
+                            forward_ad=forward_ad, second_order=second_order,
+                            nondet_tol=nondet_tol, dtype=dtype, kinks=kinks, seed=seed,
+                            probes=probes, max_entries=max_entries,
+                            localise_entries=localise_entries)
+    if not callable(fn):
+        raise GraddbgError(f"gradcheck: fn must be callable, got {type(fn).__name__}")
+    _check_dtype(dtype)
+    leaves, spec, pos, names, xs = _prepare(inputs, dtype, lambda n, x: x.requires_grad)
+    if not xs:
+        raise GraddbgError(
+            "gradcheck: no input requires grad; give at least one floating-point tensor "
+            "with requires_grad=True (got " +
+            (", ".join(type(v).__name__ if not isinstance(v, torch.Tensor) else
+                       f"Tensor({v.dtype}, requires_grad={v.requires_grad})"
+                       for v in pytree.tree_leaves(inputs)) or "no inputs") + ")")
+    run_dtype = xs[0].dtype
+    opts = _options(run_dtype, mode, eps, atol, rtol, nondet_tol, forward_ad, second_order,
+                    kinks, seed, probes, max_entries, localise_entries)
+    _warn_precision(xs, names)
+
+    def call(diff: Sequence[torch.Tensor]) -> Any:
+        args = list(leaves)
+        for p, x in zip(pos, diff):
+            args[p] = x
+        return fn(*pytree.tree_unflatten(args, spec))
+
+    return _run(_Target(call, xs, names, seed), opts, run_dtype)
+
+
+def check_module(module: torch.nn.Module, *inputs: Any,
+                 wrt: Union[str, Sequence[str]] = "all", **kw: Any) -> GradcheckResult:
+    """Check a module's gradients w.r.t. its parameters and/or inputs, on a copy.
+
+    ``wrt``: ``"params"`` (parameters with ``requires_grad``), ``"inputs"`` (every
+    floating-point tensor in ``inputs``), ``"all"`` (both), or a list of names
+    (parameter names as ``named_parameters()`` gives them, inputs as ``input0``,
+    ``input1['key']``...). The module is deep-copied and converted to float64 (``dtype``
+    keyword, as in :func:`gradcheck`) and called through ``torch.func.functional_call``:
+    the module and tensors passed in are never changed. Other keywords as
+    :func:`gradcheck`.
+
+    >>> import torch
+    >>> lin = torch.nn.Linear(3, 2)
+    >>> r = check_module(lin, torch.randn(4, 3))
+    >>> r.ok, lin.weight.dtype
+    (True, torch.float32)
+    """
+    if isinstance(module, type):
+        raise GraddbgError(f"check_module: module must be an nn.Module instance, got the class "
+                           f"{module.__name__}; instantiate it first ({module.__name__}(...))")
+    if not isinstance(module, torch.nn.Module):
+        raise GraddbgError(f"check_module: module must be a torch.nn.Module, got "
+                           f"{type(module).__name__}; use gradcheck() for functions")
+    dtype = kw.pop("dtype", torch.float64)
+    _check_dtype(dtype)
+    params = [n for n, p in module.named_parameters() if p.requires_grad]
+    if isinstance(wrt, str):
+        if wrt not in _WRT:
+            raise GraddbgError(f"check_module: wrt={wrt!r} is not supported; use one of {_WRT} "
+                               f"or a list of parameter/input names")
+        want_params = set(params) if wrt in ("all", "params") else set()
+        want_inputs: Optional[set] = None if wrt in ("all", "inputs") else set()
+    else:
+        wanted = list(wrt)
+        if not all(isinstance(w, str) for w in wanted):
+            raise GraddbgError(f"check_module: wrt must be 'all', 'params', 'inputs' or a list "
+                               f"of names (str), got {wrt!r}")
+        want_params = {w for w in wanted if w in params}
+        want_inputs = {w for w in wanted if w not in params}
+    leaves, spec, pos, in_names, xs_in = _prepare(
+        inputs, dtype, lambda n, x: want_inputs is None or n in want_inputs)
+    if want_inputs:
+        unknown = sorted(want_inputs - set(in_names))
+        if unknown:
+            raise GraddbgError(
+                f"check_module: wrt names {unknown} are neither trainable parameters nor "
+                f"floating-point inputs; parameters: {params[:20]}"
+                f"{' ...' if len(params) > 20 else ''}; inputs: {in_names}")
+    mod = copy.deepcopy(module)
+    if dtype is not None:
+        mod = mod.to(dtype)
+    own = dict(mod.named_parameters())
+    p_names = [n for n in params if n in want_params]
+    xs = [own[n].detach().clone() for n in p_names] + xs_in
+    names = p_names + in_names
+    if not xs:
+        raise GraddbgError(
+            f"check_module: nothing to check for wrt={wrt!r}: the module has no trainable "
+            f"parameters selected and no floating-point input was selected")
+    run_dtype = xs[0].dtype
+    opts = _options(run_dtype, **_kw_options(kw))
+    _warn_precision(xs, names)
+    n_p = len(p_names)
+
+    def call(diff: Sequence[torch.Tensor]) -> Any:
+        args = list(leaves)
+        for p, x in zip(pos, diff[n_p:]):
+            args[p] = x
+        return torch.func.functional_call(mod, dict(zip(p_names, diff[:n_p])),
+                                          tuple(pytree.tree_unflatten(args, spec)))
+
+    return _run(_Target(call, xs, names, opts.seed), opts, run_dtype)
+
+
+def _kw_options(kw: Dict[str, Any]) -> Dict[str, Any]:
+    known = dict(mode="full", eps=None, atol=None, rtol=None, nondet_tol=None, forward_ad=False,
+                 second_order=False, kinks="allow", seed=0, probes=4, max_entries=10_000_000,
+                 localise_entries=1_000_000)
+    unknown = sorted(set(kw) - set(known))
+    if unknown:
+        raise GraddbgError(f"check_module: unknown keyword(s) {unknown}; accepted: "
+                           f"{sorted(known) + ['dtype', 'wrt']}")
+    known.update(kw)
+    return known
+
+
+def assert_gradients_close(fn_or_module: Union[Callable[..., Any], torch.nn.Module],
+                           *inputs: Any, **kw: Any) -> None:
+    """Run :func:`gradcheck` (or :func:`check_module` for a module) and raise
+    ``GradientMismatchError`` (an AssertionError) with the result's text on failure.
+
+    >>> import torch
+    >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    >>> assert_gradients_close(torch.tanh, x)
+    >>> class Bad(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, t): return t * 2
+    ...     @staticmethod
+    ...     def backward(ctx, g): return g * 3
+    >>> assert_gradients_close(Bad.apply, x)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    graddbg._errors.GradientMismatchError: gradcheck FAILED (mode=full, ...
+    """
+    if isinstance(fn_or_module, torch.nn.Module):
+        result = check_module(fn_or_module, *inputs, **kw)
+    else:
+        result = gradcheck(fn_or_module, *inputs, **kw)
+    if not result.ok:
+        raise GradientMismatchError(str(result), result)
+
+
+class _CallableModule(types.ModuleType):
+    """``graddbg.gradcheck`` names both this module and its main function: importing the
+    submodule rebinds the package attribute to the module, so the module is callable and
+    ``graddbg.gradcheck(fn, *inputs)`` works either way."""
+
+    def __call__(self, fn: Callable[..., Any], *inputs: Any, **kw: Any) -> GradcheckResult:
+        return gradcheck(fn, *inputs, **kw)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,437 @@
+"""graddbg.gradcheck: full and fast modes against planted bugs and naive references."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import graddbg
+from graddbg import GradientMismatchError, GraddbgError, PrecisionWarning
+from graddbg.gradcheck import GradcheckResult, assert_gradients_close, check_module, gradcheck
+
+MODES = ["full", "fast"]
+
+
+# --------------------------------------------------------------------------- problems
+
+
+class Cube(torch.autograd.Function):
+    """x**3 with a hand-written backward (correct)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+
+class CubeOneWrong(torch.autograd.Function):
+    """x**3 whose derivative at flat element 7 is doubled: one wrong Jacobian entry."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        d = 3 * x * x
+        d = d.reshape(-1).clone()
+        d[7] = 2 * d[7]
+        return d.reshape(x.shape) * g
+
+
+class _TimesTwoWrongBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 3 * g            # wrong: should be 2 * g
+
+
+class SquareBadDouble(torch.autograd.Function):
+    """x**2 whose first derivative is right, but whose second derivative is wrong."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return _TimesTwoWrongBackward.apply(x) * g
+
+
+class NoisyBackward(torch.autograd.Function):
+    """sin with a backward that adds fresh noise each time it runs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return x.cos() * g + 1e-3 * torch.randn_like(x)
+
+
+class SinWrongJvp(torch.autograd.Function):
+    """sin with a right backward and a wrong forward-mode derivative."""
+
+    @staticmethod
+    def forward(x):
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (x,) = inputs
+        ctx.save_for_backward(x)
+        ctx.x = x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return x.cos() * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return -ctx.x.cos() * t      # wrong sign
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, bug):
+        ctx.save_for_backward(x, w)
+        ctx.bug = bug
+        return x @ w.T + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gw = g.T @ x
+        if ctx.bug == "scale":
+            gw = gw * 1.01
+        elif ctx.bug == "transpose":
+            gw = gw.T
+        return g @ w, gw, g.sum(0), None
+
+
+class CustomLinear(nn.Module):
+    def __init__(self, n: int, bug: str = "") -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n) / n ** 0.5)
+        self.bias = nn.Parameter(torch.randn(n))
+        self.bug = bug
+
+    def forward(self, x):
+        return _LinearFn.apply(x, self.weight, self.bias, self.bug)
+
+
+def x64(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+
+# --------------------------------------------------------------------------- correct functions
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_correct_custom_function_passes(mode):
+    r = gradcheck(Cube.apply, x64(4, 5), mode=mode)
+    assert isinstance(r, GradcheckResult)
+    assert r.ok and bool(r)
+    assert r.n_mismatched == 0 and len(r.table) == 0
+    assert r.max_abs_err < 1e-6
+    assert "passed" in str(r)
+
+
+def test_full_mode_compares_every_entry_against_naive_jacobian():
+    x, w = x64(3, 4), x64(4, 2, seed=1)
+    r = gradcheck(lambda a, b: (a @ b).tanh(), x, w)
+    assert r.ok
+    assert r.n_compared == (3 * 2) * (3 * 4 + 4 * 2)     # every (output, input) entry
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_inputs_integer_passthrough_and_several_outputs(mode):
+    a, b = x64(3), x64(2, 3, seed=1)
+    frozen = torch.randn(3, dtype=torch.float64)            # no grad: passes through
+    idx = torch.tensor([2, 0])
+
+    def fn(pair, cfg):
+        x, y = pair
+        return {"s": (x * cfg["w"]).sin()[idx], "m": y @ x}, idx
+
+    r = gradcheck(fn, (a, b), {"w": frozen, "name": "ignored"}, mode=mode)
+    assert r.ok, str(r)
+
+
+# --------------------------------------------------------------------------- planted bugs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_single_wrong_entry_fails_and_first_row_is_that_entry(mode):
+    x = x64(3, 4)
+    r = gradcheck(CubeOneWrong.apply, x, mode=mode)
+    assert not r.ok
+    assert r.n_mismatched == 1
+    first = r.table.iloc[0]
+    assert first["input"] == "input0"
+    assert first["index"] == (1, 3) and first["output_index"] == (1, 3)   # flat 7 of (3, 4)
+    expected = 3 * float(x[1, 3].detach()) ** 2
+    assert first["numerical"] == pytest.approx(expected, rel=1e-6)
+    assert first["analytic"] == pytest.approx(2 * expected, rel=1e-9)
+    assert first["abs_err"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_table_worst_first_and_str_bounded():
+    x = x64(12, 12)
+    r = gradcheck(lambda t: _TimesTwoWrongBackward.apply(t) * t, x)
+    assert not r.ok and r.n_mismatched == 144
+    errs = r.table["abs_err"].tolist()
+    assert errs == sorted(errs, reverse=True)
+    text = str(r)
+    assert len(text.splitlines()) <= 16                        # never the whole Jacobian
+    assert "worst 10 of 144" in text
+
+
+def test_wrong_double_backward_caught_only_with_second_order():
+    x = x64(5)
+    assert gradcheck(SquareBadDouble.apply, x).ok
+    r = gradcheck(SquareBadDouble.apply, x, second_order=True)
+    assert not r.ok
+    assert set(r.table["check"]) == {"second_order"}
+    assert "second-order" in str(r)
+    # d/dx (g * 2x) = 2 g ; the planted backward gives 3 g
+    row = r.table[r.table["input"] == "input0"].iloc[0]
+    assert row["analytic"] / row["numerical"] == pytest.approx(1.5, rel=1e-6)
+
+
+def test_wrong_forward_ad_caught_only_with_forward_ad():
+    x = x64(4)
+    assert gradcheck(SinWrongJvp.apply, x).ok
+    r = gradcheck(SinWrongJvp.apply, x, forward_ad=True)
+    assert not r.ok
+    assert {"forward_ad", "forward_vs_reverse"} <= set(r.table["check"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nondeterministic_backward_reported_as_such(mode):
+    r = gradcheck(NoisyBackward.apply, x64(6), mode=mode, atol=1e-6, rtol=1e-6)
+    assert not r.ok
+    assert r.nondeterministic
+    assert 1e-5 < r.nondet_spread < 1e-1
+    assert "nondeterministic backward" in str(r)
+    assert "not a wrong gradient" in str(r)
+    assert r.n_mismatched == 0                    # the mean gradient is not called wrong
+
+
+def test_nondeterminism_within_nondet_tol_passes_and_is_reported():
+    r = gradcheck(NoisyBackward.apply, x64(6), nondet_tol=1.0)
+    assert r.ok and not r.nondeterministic
+    assert r.nondet_spread > 0
+    assert "varies between runs" in str(r)
+
+
+def test_fast_mode_catches_one_percent_scale_that_torch_fast_mode_misses():
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.sin()
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 1.01 * x.cos() * g
+
+    x = x64(10_000)
+    assert torch.autograd.gradcheck(Scaled.apply, (x,), fast_mode=True, raise_exception=False)
+    r = gradcheck(Scaled.apply, x, mode="fast")
+    assert not r.ok
+    assert r.localised is None                    # too large for full mode: projections only
+    assert set(r.table["check"]) == {"projection"}
+    ratio = r.table["analytic"] / r.table["numerical"]
+    assert ratio.between(1.0099, 1.0101).all()
+
+
+# --------------------------------------------------------------------------- kinks
+
+
+def test_kink_is_labelled_non_differentiable_point():
+    x = torch.tensor([0.0, 1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    r = gradcheck(torch.relu, x)
+    assert r.ok                                   # analytic 0 is the left derivative
+    assert len(r.kinks) == 1 and "input0[0]" in r.kinks[0]
+    assert "non-differentiable point" in str(r)
+    strict = gradcheck(torch.relu, x, kinks="fail")
+    assert not strict.ok
+    assert strict.table.iloc[0]["note"] == "non-differentiable point"
+    assert strict.table.iloc[0]["index"] == (0,)
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def test_float32_linear_passes_via_check_module():
+    lin = nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    r = check_module(lin, x)
+    assert r.ok, str(r)
+    assert r.dtype == torch.float64
+    assert r.n_compared == 15 * (12 + 3 + 20)
+
+
+def test_float32_module_checked_and_left_unchanged():
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 4)
+    x_before = x.clone()
+    r = check_module(model, x, wrt="all")
+    assert r.ok
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32
+        assert torch.equal(v, before[k])
+    assert all(p.grad is None for p in model.parameters())
+    assert x.dtype == torch.float32 and torch.equal(x, x_before) and not x.requires_grad
+
+
+def test_forcing_float32_warns():
+    lin = nn.Linear(3, 2)
+    with pytest.warns(PrecisionWarning, match="float32"):
+        r = check_module(lin, torch.randn(2, 3), dtype=torch.float32)
+    assert r.dtype == torch.float32 and r.eps == 1e-3
+    with pytest.warns(PrecisionWarning, match="float32"):
+        gradcheck(torch.sin, torch.randn(3, requires_grad=True), dtype=None)
+
+
+@pytest.mark.parametrize("bug", ["scale", "transpose"])
+@pytest.mark.parametrize("mode", MODES)
+def test_wrong_custom_weight_backward_names_the_parameter(bug, mode):
+    torch.manual_seed(1)
+    model = CustomLinear(5, bug=bug)
+    x = torch.randn(4, 5)
+    assert check_module(CustomLinear(5), x, mode=mode).ok
+    r = check_module(model, x, mode=mode)
+    assert not r.ok
+    assert set(r.table["input"]) == {"weight"}
+    assert "weight" in str(r)
+    with pytest.raises(GradientMismatchError, match="weight") as info:
+        assert_gradients_close(model, x, mode=mode)
+    assert isinstance(info.value, AssertionError)
+    assert not info.value.result.ok
+
+
+@pytest.mark.parametrize("wrt, names", [("params", {"weight", "bias"}), ("inputs", {"input0"}),
+                                        (["bias"], {"bias"})])
+def test_wrt_selects_what_is_checked(wrt, names):
+    model = CustomLinear(3, bug="scale")
+    x = torch.randn(2, 3)
+    r = check_module(model, x, wrt=wrt)
+    assert set(r.table["input"]) <= names
+    assert r.ok == ("weight" not in names)
+
+
+def test_dropout_in_train_mode_checks_with_fixed_rng():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)).train()
+    x = torch.randn(3, 4)
+    state = torch.get_rng_state()
+    assert check_module(model, x).ok
+    assert torch.equal(torch.get_rng_state(), state)        # global RNG put back
+
+
+def test_assert_gradients_close_message_is_result_text():
+    x = x64(3, 4)
+    r = gradcheck(CubeOneWrong.apply, x)
+    with pytest.raises(GradientMismatchError) as info:
+        assert_gradients_close(CubeOneWrong.apply, x)
+    assert str(info.value) == str(r)
+    assert_gradients_close(Cube.apply, x)                    # passes: returns None
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_no_input_requiring_grad():
+    with pytest.raises(GraddbgError, match="no input requires grad.*requires_grad=False"):
+        gradcheck(torch.sin, torch.randn(3, dtype=torch.float64))
+    with pytest.raises(GraddbgError, match="no input requires grad"):
+        gradcheck(lambda n: torch.ones(n), 3)
+
+
+def test_non_tensor_output():
+    with pytest.raises(GraddbgError, match=r"output\[1\] is a float, not a tensor"):
+        gradcheck(lambda t: (t.sin(), 1.0), x64(3))
+    with pytest.raises(GraddbgError, match="no floating-point output"):
+        gradcheck(lambda t: (t > 0), x64(3))
+
+
+def test_complex_is_a_clear_not_implemented_error():
+    z = torch.randn(3, dtype=torch.complex128, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="input0 is complex.*view_as_real"):
+        gradcheck(torch.sin, z)
+    with pytest.raises(NotImplementedError, match="output is complex.*view_as_real"):
+        gradcheck(lambda t: torch.view_as_complex(t), x64(3, 2))
+
+
+def test_bad_strings_and_options():
+    x = x64(3)
+    with pytest.raises(GraddbgError, match=r"mode='slow' is not supported.*'full', 'fast'"):
+        gradcheck(torch.sin, x, mode="slow")
+    with pytest.raises(GraddbgError, match=r"kinks='ignore' is not supported"):
+        gradcheck(torch.sin, x, kinks="ignore")
+    with pytest.raises(GraddbgError, match=r"eps=-1.0 must be"):
+        gradcheck(torch.sin, x, eps=-1.0)
+    with pytest.raises(GraddbgError, match=r"dtype=torch.int64 must be a floating-point"):
+        gradcheck(torch.sin, x, dtype=torch.int64)
+    with pytest.raises(GraddbgError, match="max_entries=10"):
+        gradcheck(torch.sin, x64(20), max_entries=10)
+    lin = nn.Linear(2, 2)
+    with pytest.raises(GraddbgError, match=r"wrt='weights' is not supported.*'params'"):
+        check_module(lin, torch.randn(1, 2), wrt="weights")
+    with pytest.raises(GraddbgError, match=r"wrt names \['wieght'\].*parameters: \['weight', 'bias'\]"):
+        check_module(lin, torch.randn(1, 2), wrt=["wieght"])
+    with pytest.raises(GraddbgError, match=r"unknown keyword\(s\) \['atoll'\]"):
+        check_module(lin, torch.randn(1, 2), atoll=1.0)
+    with pytest.raises(GraddbgError, match="got the class Linear; instantiate it first"):
+        check_module(nn.Linear, torch.randn(1, 2))
+    with pytest.raises(GraddbgError, match="must be a torch.nn.Module, got function"):
+        check_module(lambda t: t, torch.randn(1, 2))
+
+
+def test_gradcheck_leaves_inputs_and_global_state_alone():
+    x = torch.randn(4, requires_grad=True)                   # float32: checked on a copy
+    before = x.detach().clone()
+    rng = torch.get_rng_state()
+    assert gradcheck(torch.exp, x).ok
+    assert x.dtype == torch.float32 and torch.equal(x.detach(), before) and x.grad is None
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_import_is_light():
+    code = ("import sys, graddbg.gradcheck, graddbg.pytest_plugin; "
+            "print(sorted(m for m in ('pandas', 'matplotlib', 'numpy.testing', 'graphviz') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_names():
+    # graddbg.gradcheck is both the submodule and the function: calling it checks
+    assert isinstance(graddbg.gradcheck(torch.sin, x64(2)), GradcheckResult)
+    assert graddbg.gradcheck.gradcheck is gradcheck
+    assert graddbg.check_module is check_module
+    assert graddbg.assert_gradients_close is assert_gradients_close
+    assert graddbg.GradcheckResult is GradcheckResult
