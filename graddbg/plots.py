@@ -198,8 +198,8 @@ def _pow10(value: float, _pos: Any = None) -> str:
     e = math.log10(value)
     if abs(e - round(e)) < 1e-9:
         e = int(round(e))
-        return "1" if e == 0 else ("10" if e == 1 else f"1e{e}")
-    return f"{value:.0e}".replace("e-0", "e-").replace("e+0", "e").replace("e+", "e")
+        return f"{10.0 ** e:g}" if -3 <= e <= 3 else f"1e{e}"
+    return f"{value:.3g}".replace("e-0", "e-").replace("e+0", "e").replace("e+", "e")
 
 
 def _log_axis(axis: Any) -> None:
@@ -208,7 +208,16 @@ def _log_axis(axis: Any) -> None:
     span tens of decades."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
-    axis.set_major_locator(LogLocator(base=10.0, numticks=10))
+    class Decades(LogLocator):
+        """Powers of ten; 1-2-5 steps as well when the axis spans under three decades."""
+
+        def tick_values(self, vmin: float, vmax: float) -> Any:
+            lo, hi = min(vmin, vmax), max(vmin, vmax)
+            narrow = lo > 0 and math.isfinite(hi) and math.log10(hi / lo) < 3
+            self.set_params(subs=(1.0, 2.0, 5.0) if narrow else (1.0,))
+            return super().tick_values(vmin, vmax)
+
+    axis.set_major_locator(Decades(base=10.0, numticks=10))
     axis.set_major_formatter(FuncFormatter(_pow10))
     axis.set_minor_locator(NullLocator())
     axis.set_minor_formatter(NullFormatter())
@@ -669,9 +678,14 @@ def update_ratio(stats: "pandas.DataFrame", guide: Optional[float] = 1e-3, *,
         bad |= np.isnan(ratios) & (frame["nonfinite"].to_numpy() > 0)
     bad = frame["step"].to_numpy()[bad]
     bad_steps = sorted(set(int(s) for s in bad))
+    # a zero ratio: the optimizer left the weights alone (a skipped step), not drawable on log
+    still = (ratios == 0) & _has_grad(frame) & frame["name"].isin(chosen).to_numpy()
+    still_steps = sorted(set(int(s) for s in frame["step"].to_numpy()[still]))
     _set_log_limits(ax, np.concatenate(all_vals))
     _edge_markers(ax, bad_steps, "top", color=NONFINITE_COLOR, marker="X",
                   label=f"non-finite ({len(bad_steps)} steps)", gid="nonfinite")
+    _edge_markers(ax, still_steps, "bottom", color=ZERO_COLOR, marker="v",
+                  label=f"no update ({len(still_steps)} steps)", gid="zero")
     _mark_anomalies(ax, anomalies, None)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)

@@ -336,6 +336,13 @@ def test_update_ratio_lines_and_guide(frames):
     sparse = stats.assign(update_ratio=np.where(stats.step.isin([1, 4, 7]), stats.update_ratio, np.nan))
     line = lines_by_gid(plots.update_ratio(sparse).axes[0])["series:head.weight"]
     assert list(line.get_xdata()) == [1, 4, 7]
+    # a skipped step (ratio 0, weights untouched) is marked at the bottom, not dropped
+    skipped = stats.assign(update_ratio=np.where(stats.step == 3, 0.0, stats.update_ratio))
+    ax3 = plots.update_ratio(skipped).axes[0]
+    assert list(lines_by_gid(ax3)["zero"].get_xdata()) == [3]
+    assert "no update (1 steps)" in labels_of(ax3)
+    render(ax3.figure)
+    assert "0.001" in [t.get_text() for t in ax3.get_yticklabels()]  # plain-text log labels
     ax2 = plots.update_ratio(stats, guide=1e-2).axes[0]
     assert set(lines_by_gid(ax2)["guide"].get_ydata()) == {1e-2}
     assert "guide" not in lines_by_gid(plots.update_ratio(stats, guide=None).axes[0])
