@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import re
@@ -69,6 +70,9 @@ INSTALL_HINT = (
 )
 
 ModulePath = Tuple[str, ...]
+
+# the autograd sequence counter of this thread (private API; there is a fallback)
+_peek_sequence_nr: Optional[Callable[[], int]] = getattr(torch._C._autograd, "_get_sequence_nr", None)
 
 
 # --------------------------------------------------------------------------- plain graph
@@ -163,11 +167,14 @@ class ModuleTrace:
         self._probe_leaf = torch.empty(0, requires_grad=True)
 
     def _probe(self) -> Optional[int]:
+        """The sequence number the next autograd node of this thread will get."""
         if threading.get_ident() != self._thread:
             return None
-        with torch.enable_grad():
+        if _peek_sequence_nr is not None:
+            return _peek_sequence_nr()
+        with torch.enable_grad():  # fallback: make a throwaway node and read its number
             fn = self._probe_leaf.view_as(self._probe_leaf).grad_fn
-        return None if fn is None else fn._sequence_nr()
+        return None if fn is None else fn._sequence_nr() + 1
 
     def _mark(self) -> None:
         seq = self._probe()
@@ -200,7 +207,11 @@ class ModuleTrace:
 def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
     """Record which module creates each autograd node during the forward passes in the block.
 
-    Every hook is removed on exit, also when the block raises; the model is left unchanged.
+    Uses one global forward pre-hook and one global forward hook
+    (``torch.nn.modules.module.register_module_forward_*``) that ignore modules outside
+    ``model``: registering two hooks per submodule costs more than the forward pass of a
+    deep model. Both are removed on exit, also when the block raises; the model is never
+    touched.
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     >>> with trace_modules(model) as tr:
@@ -208,20 +219,31 @@ def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
     >>> tr.module_of(out.grad_fn), len(model[0]._forward_hooks)
     (('0',), 0)
     """
+    from torch.nn.modules import module as _module
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"trace_modules(model=...) expects a torch.nn.Module, got {type(model).__name__}")
     trace = ModuleTrace(model)
+    paths: Dict[int, ModulePath] = {}
+    for qualname, module in model.named_modules(remove_duplicate=True):
+        if qualname:  # the root: ops directly in model.forward stay top-level
+            path: ModulePath = tuple(qualname.split("."))
+            paths[id(module)] = path
+            trace.module_types[path] = type(module).__name__
+
+    def pre_hook(module: nn.Module, args: Any) -> None:
+        path = paths.get(id(module))
+        if path is not None:
+            trace._enter(module, path)
+
+    def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) in paths:
+            trace._exit(module)
+
     handles: List[Any] = []
     try:
-        for qualname, module in model.named_modules(remove_duplicate=True):
-            if not qualname:
-                continue  # the root: ops directly in model.forward stay top-level
-            path: ModulePath = tuple(qualname.split("."))
-            trace.module_types[path] = type(module).__name__
-            handles.append(module.register_forward_pre_hook(
-                lambda m, args, _p=path: trace._enter(m, _p)))
-            handles.append(module.register_forward_hook(
-                lambda m, args, out: trace._exit(m), always_call=True))
+        handles.append(_module.register_module_forward_pre_hook(pre_hook))
+        handles.append(_module.register_module_forward_hook(post_hook, always_call=True))
         yield trace
     finally:
         for h in handles:
@@ -229,6 +251,20 @@ def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
 
 
 # --------------------------------------------------------------------------- roots
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (and put back its state). Walking a graph makes
+    a few objects per node and frees none, so the collector would rescan them over and over:
+    quadratic time on graphs of 10^4 nodes."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _flatten_roots(roots: Any) -> List[Tuple[str, torch.Tensor]]:
@@ -337,10 +373,11 @@ def extract(
             f"{type(roots).__name__} given; pass the output of a forward pass that "
             f"tracks gradients (a tensor, a tuple/list/dict of tensors, or a ModelOutput)")
     names = _param_names(module, params)
-    if style == "torchviz":
-        g = _extract_torchviz(named_roots, names, show_saved)
-    else:
-        g = _extract(named_roots, names, trace, module, show_saved, max_nodes)
+    with _gc_paused():
+        if style == "torchviz":
+            g = _extract_torchviz(named_roots, names, show_saved)
+        else:
+            g = _extract(named_roots, names, trace, module, show_saved, max_nodes)
     if grads:
         _annotate_grads(g, named_roots)
     return g
@@ -1003,7 +1040,8 @@ def to_dot(g: AutogradGraph, *, cluster: bool = True) -> str:
     }
     <BLANKLINE>
     """
-    return "digraph {\n" + "".join(_body(g, cluster)) + "}\n"
+    with _gc_paused():
+        return "digraph {\n" + "".join(_body(g, cluster)) + "}\n"
 
 
 # --------------------------------------------------------------------------- render

@@ -65,6 +65,19 @@ def svg_texts(svg: str) -> list:
 # ---------------------------------------------------------------- extract
 
 
+def test_extract_restores_gc_state():
+    import gc
+    y = torch.ones(2, requires_grad=True).exp().sum()
+    extract(y)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        extract(y)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_extract_small_graph_structure():
     x = torch.ones(3, requires_grad=True)
     w = torch.ones(3, requires_grad=True)
@@ -202,12 +215,15 @@ def test_every_node_of_two_module_model_lands_in_its_cluster():
 
 
 def test_trace_modules_removes_hooks_and_leaves_model_unchanged():
+    from torch.nn.modules import module as module_mod
     model = TwoModules()
     state = {k: v.clone() for k, v in model.state_dict().items()}
+    n_global = (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks))
     with pytest.raises(ZeroDivisionError):
         with trace_modules(model):
             model(torch.randn(2, 3))
             1 / 0
+    assert (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks)) == n_global
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
@@ -222,6 +238,13 @@ def test_context_manager_trace_equals_callable_form():
     g1 = graph(y, model=tr)
     g2 = graph(lambda: model(x).pow(2).sum(), model=model)
     assert g1.source == g2.source
+
+
+def test_trace_without_private_sequence_counter_gives_same_clusters(monkeypatch):
+    _, g1 = two_modules_graph()
+    monkeypatch.setattr(graddbg.graphviz, "_peek_sequence_nr", None)  # fallback: probe nodes
+    _, g2 = two_modules_graph()
+    assert [(n.name, n.module) for n in g1.nodes] == [(n.name, n.module) for n in g2.nodes]
 
 
 def test_precomputed_roots_cluster_parameters_by_ownership():

@@ -1,0 +1,242 @@
+"""graddbg.graph vs torchviz.make_dot (+ dot), side by side on the same graphs, in one run.
+
+For each model: node counts; time of extraction + DOT text (graddbg with module
+attribution, torchviz.make_dot + .source); the forward-pass cost of recording modules
+(trace_modules); and `dot -Tsvg` time for torchviz's full graph, graddbg's full graph with
+clusters, and graddbg collapsed to depth 2. Timings are medians over interleaved repeats
+(A, B, A, B, ...) so that machine noise hits both sides alike. Ratios are printed.
+
+Targets (issue 5): extraction + DOT within 2x of make_dot and linear in node count (a
+20,000-node chain included); depth 2 gives >= 10x fewer SVG nodes and renders >= 5x faster
+than torchviz's full graph; the 96-layer transformer renders in full with clusters.
+
+    python bench/graph_render.py            # 4/24/96-layer transformers, ResNet, chains
+    python bench/graph_render.py --quick    # 4/24-layer transformers, ResNet, 2 chains
+
+The transformers are bench/_models.transformer(layers) (d=256) on a batch of 1 x 16 tokens:
+the autograd graph does not depend on batch size, and small batches keep the forward cheap.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from graddbg.graphviz import collapse, extract, render_source, to_dot, trace_modules  # noqa: E402
+
+
+class _Step(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 1.0001).sin()  # two autograd nodes per module
+
+
+def chain(nodes: int):
+    model = nn.Sequential(*[_Step() for _ in range(nodes // 2)])
+    x = torch.randn(4, requires_grad=True)
+    return model, (lambda: (x, None)), (lambda out, y: out.sum())
+
+
+def _problem(name: str):
+    from _models import resnet18ish, transformer
+
+    if name.startswith("transformer"):
+        model, make_batch, loss_fn = transformer(int(name[len("transformer"):]))
+        x, y = make_batch()
+        x, y = x[:1, :16], y[:1, :16]
+        return model, (lambda: (x, y)), loss_fn
+    if name == "resnet18ish":
+        model, make_batch, loss_fn = resnet18ish()
+        x, y = make_batch()
+        x, y = x[:2], y[:2]
+        return model, (lambda: (x, y)), loss_fn
+    if name.startswith("chain"):
+        return chain(int(name[len("chain"):]))
+    raise ValueError(name)
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def _dot_svg(source: str) -> bytes:
+    """dot -Tsvg with a memory cap and a time limit (dot can need gigabytes on graphs
+    with thousands of clusters); the same program graddbg's render_source runs."""
+    import resource
+    import subprocess
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    render_source("digraph {}", "svg")  # fails with graddbg's install hint if dot is missing
+    proc = subprocess.run(["dot", "-Tsvg"], input=source.encode(), capture_output=True,
+                          preexec_fn=limit, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"dot failed: {proc.stderr[:500]!r}")
+    return proc.stdout
+
+
+def _svg_nodes(svg: bytes) -> int:
+    return svg.count(b'class="node"')
+
+
+def run_case(name: str, repeats: int, render_repeats: int, render_tv: bool) -> dict:
+    """Chains (render_tv=False) are timed for extraction only: dot needs gigabytes for
+    thousands of sibling clusters, and the chain is there for linearity."""
+    import torchviz
+
+    model, make_batch, loss_fn = _problem(name)
+    x, y = make_batch()
+    params = dict(model.named_parameters())
+
+    def forward():
+        return loss_fn(model(x), y)
+
+    def forward_traced():
+        with trace_modules(model) as tr:
+            return loss_fn(model(x), y), tr
+
+    forward(), forward_traced()  # warm-up
+    t_fwd, t_fwd_tr, t_tv, t_ours = [], [], [], []
+    for _ in range(repeats):
+        t, loss = _timed(forward)
+        t_fwd.append(t)
+        t, (loss_tr, tr) = _timed(forward_traced)
+        t_fwd_tr.append(t)
+        t, dot_tv = _timed(lambda: torchviz.make_dot(loss, params=params))
+        t_src, src_tv = _timed(lambda: dot_tv.source)
+        t_tv.append(t + t_src)
+        t, src = _timed(lambda: to_dot(extract(loss_tr, model=tr, max_nodes=None)))
+        t_ours.append(t)
+    g = extract(loss_tr, model=tr, max_nodes=None)
+    g2 = collapse(g, 2)
+    src2 = to_dot(g2)
+    g1 = collapse(g, 1)
+    src1 = to_dot(g1)
+    n_tv = sum(1 for line in dot_tv.body if " -> " not in line and "[label=" in line)
+
+    r_tv, r_full, r_d2, r_d1, r_empty = [], [], [], [], []
+    svg_tv = svg_full = svg_d2 = svg_d1 = b""
+    for _ in range(render_repeats if render_tv else 0):
+        t, _unused = _timed(lambda: _dot_svg("digraph {}"))
+        r_empty.append(t)
+        if render_tv:
+            t, svg_tv = _timed(lambda: _dot_svg(src_tv))
+            r_tv.append(t)
+        t, svg_full = _timed(lambda: _dot_svg(src))
+        r_full.append(t)
+        t, svg_d2 = _timed(lambda: _dot_svg(src2))
+        r_d2.append(t)
+        t, svg_d1 = _timed(lambda: _dot_svg(src1))
+        r_d1.append(t)
+    def med(xs: list) -> float:
+        return statistics.median(xs) if xs else float("nan")
+
+    return {
+        "name": name, "nodes_tv": n_tv, "nodes_ours": len(g.nodes), "nodes_d2": len(g2.nodes),
+        "clusters": src.count("subgraph cluster_"),
+        "fwd": med(t_fwd), "fwd_traced": med(t_fwd_tr), "extract_tv": med(t_tv),
+        "extract_ours": med(t_ours),
+        "render_tv": med(r_tv), "render_full": med(r_full),
+        "render_d2": med(r_d2), "render_d1": med(r_d1), "svg_d1": _svg_nodes(svg_d1),
+        "render_empty": med(r_empty), "svg_tv": _svg_nodes(svg_tv), "svg_full": _svg_nodes(svg_full),
+        "svg_d2": _svg_nodes(svg_d2),
+    }
+
+
+def torchviz_recursion_check(nodes: int) -> str:
+    """Does make_dot survive a chain this deep under the default recursion limit?"""
+    import torchviz
+
+    x = torch.randn(2, requires_grad=True)
+    y = x
+    for _ in range(nodes):
+        y = y * 1.0001
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        torchviz.make_dot(y.sum())
+        tv = "ok"
+    except RecursionError:
+        tv = "RecursionError"
+    finally:
+        sys.setrecursionlimit(old)
+    g = extract(y.sum(), max_nodes=None)
+    return f"{nodes}-op chain at recursion limit 1000: torchviz {tv}, graddbg ok ({len(g.nodes)} nodes)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a fast subset")
+    parser.add_argument("--repeats", type=int, default=None, help="extraction repeats")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=DeprecationWarning)  # torchviz uses distutils
+    torch.manual_seed(0)
+    if args.quick:
+        cases = ["transformer4", "transformer24", "resnet18ish", "chain5000", "chain20000"]
+        repeats = args.repeats or 3
+    else:
+        cases = ["transformer4", "transformer24", "transformer96", "resnet18ish",
+                 "chain2500", "chain5000", "chain10000", "chain20000"]
+        repeats = args.repeats or 5
+    # torchviz recurses once per node of depth: give it room (graddbg does not need it)
+    sys.setrecursionlimit(1_000_000)
+    print(torchviz_recursion_check(3000))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats={repeats}")
+    rows = []
+    for name in cases:
+        big = name in ("transformer96",) or name.startswith("chain")
+        rows.append(run_case(name, repeats=repeats if not name == "transformer96" else max(2, repeats // 2),
+                             render_repeats=1 if big else 5, render_tv=not name.startswith("chain")))
+        r = rows[-1]
+        print(f"\n== {name}: nodes torchviz {r['nodes_tv']}, graddbg {r['nodes_ours']} "
+              f"({r['clusters']} clusters), depth 2: {r['nodes_d2']}")
+        print(f"   extract+DOT  torchviz {r['extract_tv'] * 1e3:8.1f} ms   graddbg {r['extract_ours'] * 1e3:8.1f} ms"
+              f"   ratio graddbg/torchviz {r['extract_ours'] / r['extract_tv']:.2f}x (target <= 2)"
+              f"   {r['extract_ours'] / max(r['nodes_ours'], 1) * 1e6:.1f} us/node")
+        over = r["fwd_traced"] - r["fwd"]
+        print(f"   forward      plain {r['fwd'] * 1e3:8.1f} ms   with trace_modules {r['fwd_traced'] * 1e3:8.1f} ms"
+              f"   (+{over * 1e3:.1f} ms);  extract+DOT+trace overhead vs torchviz: "
+              f"{(r['extract_ours'] + over) / r['extract_tv']:.2f}x")
+        if not r["svg_tv"]:
+            continue
+        print(f"   dot -Tsvg    torchviz full {r['render_tv']:7.2f} s ({r['svg_tv']} nodes)"
+              f"   graddbg full+clusters {r['render_full']:7.2f} s ({r['svg_full']} nodes)"
+              f"   graddbg depth 2 {r['render_d2']:7.3f} s ({r['svg_d2']} nodes)")
+        if r["svg_tv"]:
+            e = r["render_empty"]
+            print(f"   dot start-up (empty graph) {e * 1e3:.1f} ms;  depth 1: {r['svg_d1']} nodes, {r['render_d1']:.3f} s")
+            for d in ("d2", "d1"):
+                net = (r["render_tv"] - e) / max(r[f"render_{d}"] - e, 1e-4)
+                print(f"   depth {d[1]} vs torchviz full: {r['svg_tv'] / max(r['svg_' + d], 1):.1f}x fewer SVG nodes (target >= 10),"
+                      f" renders {r['render_tv'] / r['render_' + d]:.1f}x faster (target >= 5),"
+                      f" {net:.1f}x net of dot start-up")
+        sys.stdout.flush()
+    chains = [r for r in rows if r["name"].startswith("chain")]
+    if len(chains) >= 2:
+        print("\nlinearity (graddbg extract+DOT with modules, us per node):")
+        for r in chains:
+            print(f"   {r['name']:>12}: {r['nodes_ours']:6d} nodes  {r['extract_ours'] * 1e3:8.1f} ms"
+                  f"  {r['extract_ours'] / r['nodes_ours'] * 1e6:6.2f} us/node"
+                  f"   (torchviz {r['extract_tv'] / r['nodes_tv'] * 1e6:6.2f} us/node)")
+        a, b = chains[0], chains[-1]
+        print(f"   time ratio {b['extract_ours'] / a['extract_ours']:.2f}x for node ratio "
+              f"{b['nodes_ours'] / a['nodes_ours']:.2f}x")
+
+
+if __name__ == "__main__":
+    threading.stack_size(512 * 1024 * 1024)  # torchviz's recursion on deep graphs
+    t = threading.Thread(target=main)
+    t.start()
+    t.join()
