@@ -3,8 +3,10 @@
 Every check is *collective*: every rank of the group calls it at the same point of the
 program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
 
-1. local fingerprints of every tensor, computed on the tensors' own device in one pass
-   (a ``[tensors x k]`` integer table), and a 128-bit digest of that table;
+1. local fingerprints of every tensor, computed on the tensors' own device (two streaming
+   integer reductions per tensor, no host synchronisation), stacked into a small
+   ``[tensors x k]`` integer table, and a digest of that table (two hashes modulo primes
+   near 2**31);
 2. a monitored barrier with a timeout (on the group itself when it is a gloo group, on a
    gloo side group otherwise, created once per group and cached, see :func:`prepare`), so
    that a rank which never arrives makes the others raise :class:`DDPTimeoutError` naming
@@ -27,18 +29,19 @@ tolerance, the fingerprint is the float64 sum, sum of squares and sum of absolut
 of the finite elements and the counts of NaN, +Inf and -Inf; two ranks disagree when a
 count differs or a sum differs by more than elementwise ``|a - b| <= atol + rtol * |b|``
 allows. A tolerance mismatch is therefore certain; a pass means the sums agree within
-those bounds. Tolerance mode reads each tensor several times: prefer the bitwise mode
-for checks on every step.
+those bounds. Tolerance mode exchanges the sums first and the counts only for tensors
+whose sums are not finite on some rank. It casts every element to float64: prefer the
+bitwise mode for checks on every step.
 
 When several ranks disagree, the reference is the largest group of ranks that agree
 (ties go to the group holding the lowest rank), and every other rank is reported.
 
 Usage with DDP (``torchrun --nproc-per-node=4 train.py`` on one machine, or
-``torchrun --nnodes=2 --node-rank=R --nproc-per-node=8 --rdzv-endpoint=HOST:29500 train.py``
+``torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc-per-node=8 --rdzv-endpoint=$MASTER_ADDR:29500 train.py``
 on several)::
 
     model = DDP(net)
-    ddp_verify.prepare()                      # optional; needed before NCCL checks that may time out
+    ddp_verify.prepare()        # once, on every rank: creates the gloo side group under NCCL
     for step, (x, y) in enumerate(loader):
         loss_fn(model(x), y).backward()
         if step % 100 == 0:
@@ -319,6 +322,12 @@ class ConsistencyReport:
     def ranks(self) -> List[int]:
         """Ranks that differ from the reference on some tensor, sorted."""
         return sorted({m.rank for m in self.rows})
+
+    @property
+    def max_abs_diff(self) -> float:
+        """The largest difference measured (``details=True``); NaN when none was measured."""
+        values = [m.max_abs_diff for m in self.rows if m.max_abs_diff == m.max_abs_diff]
+        return max(values) if values else float("nan")
 
     @property
     def mismatches(self) -> Any:

@@ -83,7 +83,7 @@ def _main(world: str, rank: int, nprocs: int, port: int, out: str, device: str) 
 def _summ(report: Any) -> Dict[str, Any]:
     return {"ok": report.ok, "world_size": report.world_size, "rank": report.rank,
             "names": report.names, "ranks": report.ranks, "checked": report.checked,
-            "mode": report.mode, "kind": report.kind,
+            "mode": report.mode, "kind": report.kind, "max_abs_diff": report.max_abs_diff,
             "rows": [[m.name, m.rank, m.reference_rank, m.reason, m.max_abs_diff, m.n_diff]
                      for m in report.rows],
             "df_columns": list(report.mismatches.columns), "df_len": len(report.mismatches),

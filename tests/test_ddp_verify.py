@@ -234,6 +234,7 @@ def test_report_str_is_bounded():
     assert "and 40 more rows" in text
     assert len(text.splitlines()) == 13
     assert report.names[:2] == ["layer0.weight", "layer1.weight"] and report.ranks == [1]
+    assert math.isnan(report.max_abs_diff)
 
 
 # --------------------------------------------------------------------------- real worlds
@@ -304,7 +305,7 @@ def test_comm_hook_corrupting_rank_1_is_reported_on_every_rank(world, n, request
         assert not rep["ok"] and rep["names"] == [expected] and rep["ranks"] == [1]
         (name, rank, ref, reason, max_abs_diff, n_diff), = rep["rows"]
         assert (rank, ref, reason, n_diff) == (1, 0, "bits differ", 1)
-        assert max_abs_diff == pytest.approx(1.0, rel=1e-5)
+        assert max_abs_diff == pytest.approx(1.0, rel=1e-5) == rep["max_abs_diff"]
         assert rep["df_len"] == 1 and expected in rep["text"]
     for rec in records:
         assert rec["raised"]["error"] == "DDPInconsistencyError"
