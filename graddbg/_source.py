@@ -13,7 +13,13 @@ _GRADDBG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SKIP = (_TORCH_DIR, _GRADDBG_DIR, "<frozen ", os.path.join("contextlib.py"))
 
 
+# graddbg's own files that hold user-level code (the demo's model lives in cli.py)
+_USER_FILES = (os.path.join(_GRADDBG_DIR, "cli.py"),)
+
+
 def _is_internal(filename: str) -> bool:
+    if filename in _USER_FILES:
+        return False
     return filename.startswith(_SKIP) or filename.endswith("contextlib.py")
 
 

@@ -121,7 +121,8 @@ class NonFinite:
 class Explode:
     """Flag a global gradient norm above ``factor`` times the robust running level (the
     median of the previous ``window`` healthy steps, after ``warmup`` of them), or above
-    ``absolute``."""
+    ``absolute``. Consecutive exploded steps are one episode and one anomaly; they do not
+    enter the running level."""
 
     factor: Optional[float] = 10.0
     absolute: Optional[float] = None
@@ -184,6 +185,7 @@ class _ExplodeState:
         self.det = det
         self.level: List[float] = []
         self.prev_norms: Any = None
+        self.in_episode = False
 
     def check(self, step: int, global_norm: float, norms: Any, names: Sequence[str],
               modules: Sequence[str]) -> Optional[Anomaly]:
@@ -201,6 +203,9 @@ class _ExplodeState:
             med = float(np.median(self.level))
             threshold = min(threshold, det.factor * med)
         if global_norm > threshold:
+            if self.in_episode:  # one anomaly per episode of consecutive exploded steps
+                return None
+            self.in_episode = True
             # which parameters jumped most, relative to their previous recorded norm
             jumped: List[str] = []
             if prev is not None and norms is not None:
@@ -223,6 +228,7 @@ class _ExplodeState:
                            module=modules[names.index(top)] if top else None, op=None,
                            value=float(global_norm), threshold=float(threshold), source=None,
                            message=msg, params=tuple(jumped))
+        self.in_episode = False
         self.level.append(global_norm)
         if len(self.level) > det.window:
             del self.level[0]

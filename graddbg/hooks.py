@@ -656,15 +656,11 @@ class Watch:
         """Run the captured forward pass again, and backward with the captured output
         gradient, under find_nonfinite: it names the op, module and source line that made
         the first NaN/Inf. Parameters' .grad, buffers and the RNG are left as they were."""
-        if cap.grad is not None and not bool(torch.isfinite(cap.grad).all()):
-            return Anomaly(step=self._step, kind="nonfinite", name=None, module="<loss>", op=None,
-                           value=math.nan, threshold=None, source=None,
-                           message="the gradient arriving at the model's output is already non-finite: "
-                                   "the NaN/Inf was made in the loss computation, outside the model")
-        try:
-            from graddbg._forensics import find_nonfinite
-        except ImportError:
-            return None
+        from graddbg._forensics import find_nonfinite
+
+        # a non-finite gradient arriving at the output: the forward pass may have made it
+        # (a NaN output gives a NaN loss), else the loss did; replay the forward only
+        grad_bad = cap.grad is not None and not bool(torch.isfinite(cap.grad).all())
         model = _unwrap(self._model)
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self._replaying = True
@@ -676,6 +672,12 @@ class Watch:
                 with torch.enable_grad():
                     out = model(*cap.args, **cap.kwargs)
                     outs = _tensors_in(out)
+                    if grad_bad:
+                        return Anomaly(step=self._step, kind="nonfinite", name=None, module="<loss>",
+                                       op=None, value=math.nan, threshold=None, source=None,
+                                       message="the model's forward pass is finite but the gradient "
+                                               "arriving at its output is not: the NaN/Inf was made in "
+                                               "the loss computation, outside the model")
                     if cap.grad is None or cap.output_index >= len(outs):
                         return None
                     t = outs[cap.output_index]

@@ -1,0 +1,6 @@
+"""``python -m graddbg``: the command line."""
+import sys
+
+from graddbg.cli import main
+
+sys.exit(main())
