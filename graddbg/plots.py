@@ -62,9 +62,62 @@ def _check_frame(obj: Any, arg: str, columns: Sequence[str]) -> None:
 
 
 def _new_figure(width: float, height: float) -> "Figure":
+    return _lazy_class("GraddbgFigure")(figsize=(width, height), layout="constrained")
+
+
+def _lazy_class(name: str) -> type:
+    return globals().get(name) or __getattr__(name)
+
+
+def _make_figure_class() -> type:
     from matplotlib.figure import Figure
 
-    return Figure(figsize=(width, height), layout="constrained")
+    class GraddbgFigure(Figure):
+        """A matplotlib Figure made without pyplot that still shows itself in Jupyter.
+
+        Notebooks display figures through a formatter that matplotlib's inline backend
+        registers when pyplot is imported; without pyplot a bare Figure shows as text.
+        ``_repr_png_`` (used only when no such formatter is registered) renders with Agg.
+        """
+
+        def _repr_png_(self) -> bytes:
+            import io
+
+            buf = io.BytesIO()
+            self.savefig(buf, format="png")
+            return buf.getvalue()
+
+    return GraddbgFigure
+
+
+def _make_locator_class() -> type:
+    from matplotlib.ticker import LogLocator
+
+    class DecadeLocator(LogLocator):
+        """Powers of ten; 1-2-5 steps as well when the axis spans under three decades."""
+
+        def tick_values(self, vmin: float, vmax: float) -> Any:
+            lo, hi = min(vmin, vmax), max(vmin, vmax)
+            narrow = lo > 0 and math.isfinite(hi) and math.log10(hi / lo) < 3
+            self.set_params(subs=(1.0, 2.0, 5.0) if narrow else (1.0,))
+            return super().tick_values(vmin, vmax)
+
+    return DecadeLocator
+
+
+_LAZY_CLASSES = {"GraddbgFigure": _make_figure_class, "DecadeLocator": _make_locator_class}
+
+
+def __getattr__(name: str) -> Any:
+    # These classes subclass matplotlib's, so they are made on first use (importing
+    # graddbg.plots must not import matplotlib); as module attributes they stay picklable.
+    if name in _LAZY_CLASSES:
+        cls = _LAZY_CLASSES[name]()
+        cls.__module__ = __name__
+        cls.__qualname__ = name
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _order(names: Iterable[str]) -> List[str]:
@@ -206,18 +259,9 @@ def _log_axis(axis: Any) -> None:
     """Plain-text major labels, at most ten, and no minor ticks on a log axis
     (``ax.xaxis``/``ax.yaxis``): each tick is an artist to lay out, and gradient values
     span tens of decades."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
+    from matplotlib.ticker import FuncFormatter, NullFormatter, NullLocator
 
-    class Decades(LogLocator):
-        """Powers of ten; 1-2-5 steps as well when the axis spans under three decades."""
-
-        def tick_values(self, vmin: float, vmax: float) -> Any:
-            lo, hi = min(vmin, vmax), max(vmin, vmax)
-            narrow = lo > 0 and math.isfinite(hi) and math.log10(hi / lo) < 3
-            self.set_params(subs=(1.0, 2.0, 5.0) if narrow else (1.0,))
-            return super().tick_values(vmin, vmax)
-
-    axis.set_major_locator(Decades(base=10.0, numticks=10))
+    axis.set_major_locator(_lazy_class("DecadeLocator")(base=10.0, numticks=10))
     axis.set_major_formatter(FuncFormatter(_pow10))
     axis.set_minor_locator(NullLocator())
     axis.set_minor_formatter(NullFormatter())

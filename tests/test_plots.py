@@ -477,3 +477,39 @@ def test_norms_groups_one_level_deeper_inside_a_single_container():
     for group, line in series.items():
         sub = st[(st.group == group) & (st.step == 2)]
         assert line.get_ydata()[1] == pytest.approx(math.sqrt((sub.norm ** 2).sum()))
+
+
+def test_figures_show_png_and_pickle_without_pyplot(frames):
+    import pickle
+
+    from matplotlib.figure import Figure
+
+    for kind in ("flow", "norms", "heatmap", "update", "hist"):
+        fig = plots.plot(kind, frames["stats"], frames["steps"], frames["anomalies"],
+                         frames["histograms"])
+        assert isinstance(fig, Figure)
+        if kind == "flow":
+            assert fig._repr_png_().startswith(b"\x89PNG\r\n\x1a\n")
+        back = pickle.loads(pickle.dumps(fig))
+        assert type(back) is type(fig) and back.axes[0].get_title() == fig.axes[0].get_title()
+
+
+@pytest.mark.slow  # starts a Jupyter kernel (about 5 s)
+def test_figures_display_inline_in_jupyter_without_pyplot():
+    import nbclient
+    import nbformat
+
+    code = ("import pandas as pd, sys\n"
+            "from graddbg import plots\n"
+            "stats = pd.DataFrame({'step': [1, 1], 'name': ['w', 'b'], 'module': ['', ''],\n"
+            "    'numel': [3, 1], 'norm': [0.5, float('nan')], 'absmax': [0.4, float('nan')],\n"
+            "    'nonfinite': [0, 1]})\n"
+            "fig = plots.flow(stats)\n"
+            "print('pyplot' in ' '.join(sys.modules))\n"
+            "fig")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    outputs = nb.cells[0].outputs
+    assert outputs[0]["text"].strip() == "False"  # pyplot never imported
+    result = [o for o in outputs if o["output_type"] == "execute_result"][0]
+    assert "image/png" in result["data"]
