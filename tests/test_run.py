@@ -243,6 +243,22 @@ def test_to_tensorboard_writes_scalars_histograms_and_text(run, tmp_path):
     assert "graddbg/anomalies/text_summary" in texts
 
 
+def test_to_tensorboard_all_nan_and_negative_inf(tmp_path):
+    names = [p[0] for p in PARAMS]
+    r = make_run(n_steps=3, nan=[(s, n) for s in (1, 2, 3) for n in names])
+    r.steps["global_norm"] = math.nan
+    r.steps.loc[r.steps.step == 2, "lr"] = -math.inf
+    r.to_tensorboard(tmp_path)
+    ea = _events(tmp_path)
+    scalars = set(ea.Tags()["scalars"])
+    assert not any(t.startswith(("graddbg/norm/", "graddbg/absmax/")) for t in scalars)
+    assert "graddbg/global_norm" not in scalars
+    assert [e.step for e in ea.Scalars("graddbg/lr")] == [1, 3]
+    assert [e.value for e in ea.Scalars("graddbg/nonfinite/head.weight")] == [16, 16, 16]
+    # every entry was NaN: the bins are empty, so no histogram is written for them
+    assert ea.Tags()["histograms"] == []
+
+
 def test_to_tensorboard_accepts_a_log_directory(run, tmp_path):
     run.to_tensorboard(tmp_path / "logs")
     ea = _events(tmp_path / "logs")
