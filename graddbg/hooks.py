@@ -147,6 +147,11 @@ class Watch:
                  activations: bool = False, histograms: Union[None, bool, int] = None,
                  scaler: Any = None, history: int = 10_000, ddp_check_every: Optional[int] = None,
                  update_every: Optional[int] = 50, localize: bool = True) -> None:
+        self._closed = True  # until attached: repr() and __del__ work on a half-built watch
+        self._hooks = HookSet()
+        self._names: List[str] = []
+        self._step = 0
+        self.anomalies: List[Anomaly] = []
         # ---- validation, once, at the entry point
         if isinstance(model, type) and issubclass(model, nn.Module):
             raise TypeError(f"model= got the class {model.__name__}, expected an nn.Module instance; "
@@ -196,9 +201,7 @@ class Watch:
         self._plan = StatPlan(self._params, self.stats_asked)
         self._history = History(self._names, self._plan.columns, history)
         self._hist_edges: Optional[Tensor] = None
-        self.anomalies: List[Anomaly] = []
         self.host_syncs = 0  #: host synchronisations made by the watch (read-backs)
-        self._step = 0
         self._closed = False
         self._cb_queued = False
         self._pending: Optional[_Pending] = None
@@ -234,7 +237,6 @@ class Watch:
         except Exception:
             pass
 
-        self._hooks = HookSet()
         try:
             self._attach()
         except BaseException:
