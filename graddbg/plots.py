@@ -19,6 +19,7 @@ matplotlib, numpy and pandas are imported inside the functions.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover - type names only, nothing imported at run time
@@ -793,7 +794,7 @@ def hist(histograms: "pandas.DataFrame", at: Optional[Sequence[int]] = None,
             idx = sorted(set(np.linspace(0, len(recorded) - 1, 4).round().astype(int)))
             chosen_steps = [recorded[i] for i in idx]
     else:
-        chosen_steps = [int(s) for s in ([at] if isinstance(at, int) else at)]
+        chosen_steps = [int(s) for s in ([at] if isinstance(at, numbers.Integral) else at)]
         missing = [s for s in chosen_steps if s not in set(recorded)]
         if missing:
             raise ValueError(f"at: steps {missing} have no histogram; recorded histogram "

@@ -207,7 +207,7 @@ def _frame_table(frame: "pandas.DataFrame", *, max_rows: int, bad_col: Optional[
     shown = frame.iloc[:max_rows]
     bad = None
     if bad_col is not None and bad_col in shown.columns:
-        bad = [bool(v) and v == v for v in (shown[bad_col] > 0)]
+        bad = [bool(v) for v in (shown[bad_col].fillna(0) > 0)]
     rows = [list(r) for r in shown.itertuples(index=False, name=None)]
     text = _table(rows, [str(c) for c in shown.columns], bad_rows=bad, cls=cls)
     if n > max_rows:

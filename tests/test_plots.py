@@ -406,6 +406,8 @@ def test_hist_default_steps_names_and_errors(frames):
     assert [p.get_label() for p in ax.patches if isinstance(p, StepPatch)] == \
         ["step 1", "step 3", "step 6", "step 8"]
     assert len(fig.axes) == 1
+    one = plots.hist(h, at=np.int64(3), names="head.weight").axes[0]
+    assert [p.get_label() for p in one.patches if isinstance(p, StepPatch)] == ["step 3"]
     fig = plots.hist(h, max_panels=2)
     assert len([a for a in fig.axes if a.get_visible()]) == 2
     assert "(2 of 7 parameters)" in fig.get_suptitle()
