@@ -84,6 +84,7 @@ _COLUMNS = 1024                 # width of the 2-D view the positional hashes us
 _PRIME = 2_147_483_647          # 2**31 - 1: the positional hashes are taken modulo this
 _MULT = 1_103_515_245           # weight of position i is (i + 1) * _MULT mod _PRIME
 _MAX_DETAIL_TENSORS = 16        # details=True gathers at most this many differing tensors
+_DETAIL_BYTES = 1 << 25         # ... in slices of at most this many bytes over all ranks
 _MAX_STR_ROWS = 10              # str(report) shows at most this many rows
 _BITWISE_K = 4                  # present, word sum, column hash, row hash
 _TOLERANCE_K = 7                # present, nan, +inf, -inf, sum, sum of squares, sum of |x|
@@ -634,40 +635,50 @@ def _verdict(table: torch.Tensor, names: List[str], meta: List[tuple], mode: str
 
 
 def _wire(t: Optional[torch.Tensor], shape: Tuple[int, ...], dtype: str,
-          device: torch.device) -> torch.Tensor:
-    """What a rank sends of one tensor for details=True (zeros where it has none)."""
+          device: torch.device) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+    """What a rank sends of one tensor for details=True: flat float64 (zeros where it has
+    none), and the shape its flat index refers to (complex tensors as their real view)."""
+    real_shape = tuple(shape) + ((2,) if dtype.startswith("complex") else ())
     if t is None:
-        return torch.zeros(shape, dtype=torch.float64, device=device)
-    t = t.detach()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.to(device=device, dtype=torch.float64).contiguous()
+        numel = 1
+        for s in real_shape:
+            numel *= s
+        return torch.zeros(numel, dtype=torch.float64, device=device), real_shape
+    return _flat(t).to(device=device, dtype=torch.float64), real_shape
 
 
 def _details(found: List[Tuple[int, int, int, str]], tensors: List[Optional[torch.Tensor]],
              meta: List[tuple], group: Any, device: torch.device) -> dict:
-    """Gather the offending tensors (at most _MAX_DETAIL_TENSORS) and measure differences."""
+    """Gather the offending tensors (at most _MAX_DETAIL_TENSORS, in bounded slices) and
+    measure, for each differing rank, the largest difference from its reference rank."""
     params = list(dict.fromkeys(p for p, _, _, _ in found))[:_MAX_DETAIL_TENSORS]
+    world = dist.get_world_size(group)
+    chunk = max(16, _DETAIL_BYTES // (8 * world))
     result = {}
     for p in params:
-        gathered = _all_gather(_wire(tensors[p], meta[p][1], meta[p][2], device), group).cpu()
-        for q, r, ref, _ in found:
-            if q != p:
-                continue
-            a, b = gathered[r], gathered[ref]
-            same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-            diff = torch.where(same, torch.zeros_like(a), (a - b).abs()).nan_to_num(nan=float("inf"))
-            n_diff = int((~same).sum())
-            if diff.numel() == 0:
+        x, shape = _wire(tensors[p], meta[p][1], meta[p][2], device)
+        pairs = [(r, ref) for q, r, ref, _ in found if q == p]
+        best = {r: [-1.0, 0, -1, float("nan"), float("nan")] for r, _ in pairs}
+        for start in range(0, x.numel(), chunk):
+            gathered = _all_gather(x[start:start + chunk], group).cpu()
+            for r, ref in pairs:
+                a, b = gathered[r], gathered[ref]
+                same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+                diff = torch.where(same, torch.zeros_like(a), (a - b).abs()).nan_to_num(
+                    nan=float("inf"))
+                at = int(diff.argmax())
+                entry = best[r]
+                entry[1] += int((~same).sum())
+                if float(diff[at]) > entry[0]:
+                    entry[0], entry[2] = float(diff[at]), start + at
+                    entry[3], entry[4] = float(a[at]), float(b[at])
+        for r, (worst, n_diff, at, value, ref_value) in best.items():
+            if at < 0:
                 result[(p, r)] = (0.0, 0, None, None, None)
                 continue
-            flat = int(diff.reshape(-1).argmax())
-            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)) \
-                if diff.dim() else ()
-            result[(p, r)] = (float(diff.reshape(-1)[flat]), n_diff, index,
-                              float(a.reshape(-1)[flat]), float(b.reshape(-1)[flat]))
+            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(at), shape)) \
+                if shape else ()
+            result[(p, r)] = (worst, n_diff, index, value, ref_value)
     return result
 
 

@@ -86,6 +86,7 @@ def _summ(report: Any) -> Dict[str, Any]:
             "mode": report.mode, "kind": report.kind, "max_abs_diff": report.max_abs_diff,
             "rows": [[m.name, m.rank, m.reference_rank, m.reason, m.max_abs_diff, m.n_diff]
                      for m in report.rows],
+            "where": [[m.index, m.value, m.reference_value] for m in report.rows],
             "df_columns": list(report.mismatches.columns), "df_len": len(report.mismatches),
             "text": str(report)}
 
@@ -205,7 +206,14 @@ def drift(rank, world, dev):
     if rank == 1:
         with torch.no_grad():
             model.module[2].weight[1, 3] += 1e-3
-    return {"before": _summ(before), "after": _summ(v.check_parameters(model, details=True)),
+    after = _summ(v.check_parameters(model, details=True))
+    old, v._DETAIL_BYTES = v._DETAIL_BYTES, 8 * world * 16   # slices of 16 elements
+    try:
+        sliced = _summ(v.check_parameters(model, details=True))
+    finally:
+        v._DETAIL_BYTES = old
+    return {"before": _summ(before), "after": after, "sliced": sliced,
+            "reference": model.module[2].weight[1, 3].item(),
             "after_tol": _summ(v.check_parameters(model, rtol=1e-5))}
 
 

@@ -305,6 +305,7 @@ def test_comm_hook_corrupting_rank_1_is_reported_on_every_rank(world, n, request
         assert not rep["ok"] and rep["names"] == [expected] and rep["ranks"] == [1]
         (name, rank, ref, reason, max_abs_diff, n_diff), = rep["rows"]
         assert (rank, ref, reason, n_diff) == (1, 0, "bits differ", 1)
+        assert rep["where"][0][1] - rep["where"][0][2] == pytest.approx(1.0, rel=1e-5)
         assert max_abs_diff == pytest.approx(1.0, rel=1e-5) == rep["max_abs_diff"]
         assert rep["df_len"] == 1 and expected in rep["text"]
     for rec in records:
@@ -327,7 +328,12 @@ def test_weights_drifted_on_rank_1_are_named_by_check_parameters(two):
         after = rec["after"]
         assert after["names"] == ["2.weight"] and after["ranks"] == [1]
         assert after["rows"][0][4] == pytest.approx(1e-3, rel=1e-3)
+        assert after["rows"][0][5] == 1 and after["where"][0][0] == [1, 3]
+        assert rec["sliced"]["rows"] == after["rows"] and rec["sliced"]["where"] == after["where"]
         assert not rec["after_tol"]["ok"] and rec["after_tol"]["names"] == ["2.weight"]
+    rank0, rank1 = _scenario(two, "drift", 2)
+    assert rank0["after"]["where"][0][2] == rank0["reference"]          # rank 0's value
+    assert rank0["after"]["where"][0][1] == rank1["reference"]          # rank 1's drifted value
 
 
 @distributed
