@@ -531,7 +531,8 @@ class Watch:
         # ---- detectors
         found: List[Tuple[Anomaly, Any]] = []
         if bad_now.any() and self._nonfinite is not None:
-            found.append((self._nonfinite_anomaly(first_bad_step, bad_now, counts, act_fwd, got), self._nonfinite.policy))
+            found.append((self._nonfinite_anomaly(first_bad_step, bad_now, counts, act_fwd, got, act_bwd,
+                                                  got.get("act_bwd")), self._nonfinite.policy))
         if vals is not None and self._explode_state is not None and not bad_now.any():
             a = self._explode_state.check(step, gn, norms, self._names, self._modules)
             if a is not None:
@@ -608,7 +609,8 @@ class Watch:
             return math.nan
 
     # ------------------------------------------------------------------ anomalies
-    def _nonfinite_anomaly(self, step: int, bad: Any, counts: Any, act_fwd: Any, got: Dict[str, Any]) -> Anomaly:
+    def _nonfinite_anomaly(self, step: int, bad: Any, counts: Any, act_fwd: Any, got: Dict[str, Any],
+                           act_bwd: Any = (), act_bwd_vals: Any = None) -> Anomaly:
         import numpy as np
 
         idx = np.nonzero(bad)[0]
@@ -620,12 +622,18 @@ class Watch:
         op = source = None
         how = "parameter gradients"
         act = got.get("act_fwd")
+        forward_found = False
         if act is not None and len(act_fwd):
             act = act.reshape(-1, 2)
             for (mi, _, _), (in_b, out_b) in zip(act_fwd, act):
                 if out_b and not in_b:
                     module, how = self._leaf_modules[mi][0], "forward activations"
+                    forward_found = True
                     break
+        if not forward_found and act_bwd_vals is not None and len(act_bwd):
+            found = self._backward_producer(act_fwd, act_bwd, act_bwd_vals, set(names))
+            if found is not None:
+                module, how = found, "gradients at module outputs"
         cap = self._capture
         replay = self._replay(cap) if (self._localize and cap is not None and step == self._step) else None
         if replay is not None:
@@ -653,6 +661,30 @@ class Watch:
         return Anomaly(step=step, kind="nonfinite", name=name, module=module, op=op,
                        value=float("nan"), threshold=None, source=source, message=msg, rank=rank,
                        params=tuple(names))
+
+    def _backward_producer(self, act_fwd: Any, act_bwd: Any, vals: Any, bad_names: set) -> Optional[str]:
+        """The leaf module whose output gradient was finite while the gradient it passed on
+        (the output gradient of the leaf before it in forward order) or its own parameter
+        gradients were not. Exact for chains of modules; a good guess for other graphs."""
+        import numpy as np
+
+        finite: Dict[int, bool] = {}
+        for (mi, _), v in zip(act_bwd, vals):
+            finite[mi] = finite.get(mi, True) and bool(np.isfinite(v))
+        order: List[int] = []
+        for mi, _, _ in act_fwd:  # forward order of the leaf modules that ran
+            if self._act_leaf[mi] and mi in finite and mi not in order:
+                order.append(mi)
+        for k in range(len(order) - 1, -1, -1):
+            mi = order[k]
+            if not finite[mi]:
+                continue
+            name = self._leaf_modules[mi][0]
+            own_bad = any(n.startswith(name + ".") for n in bad_names)
+            passed_bad = k > 0 and not finite[order[k - 1]]
+            if own_bad or passed_bad:
+                return name
+        return None
 
     def _replay(self, cap: _Capture) -> Optional[Anomaly]:
         """Run the captured forward pass again, and backward with the captured output

@@ -67,6 +67,19 @@ def test_sqrt_at_zero_blames_culprit_module_and_sqrt_op():
     assert w.stats.loc[w.stats.name == "post.weight", "nonfinite"].item() == 0
 
 
+def test_backward_producer_from_activation_gradients_without_replay():
+    torch.manual_seed(0)
+    model = PreCulpritPost()
+    with pytest.raises(graddbg.NonFiniteError) as info:
+        with graddbg.watch(model, activations=True, localize=False) as w:
+            model(torch.randn(8, 4)).sum().backward()
+    a = info.value.anomaly
+    assert a.module == "culprit" and a.op is None
+    assert "gradients at module outputs" in a.message
+    act = w.activations.set_index("module")["grad_norm"]
+    assert np.isnan(act["pre"]) and np.isfinite(act["culprit"]) and np.isfinite(act["post"])
+
+
 def test_error_message_text_for_a_real_case():
     torch.manual_seed(0)
     model = PreCulpritPost()
