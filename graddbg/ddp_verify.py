@@ -595,44 +595,55 @@ def _fp_text(row: torch.Tensor, mode: str) -> str:
             f"+inf={int(row[2])} -inf={int(row[3])}")
 
 
+def _close_matrix(rows: torch.Tensor, numel: int, atol: float, rtol: float) -> torch.Tensor:
+    """[W, W] bool: could ranks i and j hold tensors with ``|a - b| <= atol + rtol |b|``?
+
+    ``rows`` are the [W, 7] tolerance fingerprints of one tensor. Presence and NaN/Inf
+    counts must be equal; the float64 sums may differ by what the elementwise tolerance
+    allows, plus a margin for the rounding of float64 sums over ``numel`` elements.
+    """
+    counts_equal = (rows[:, None, :4] == rows[None, :, :4]).all(dim=2)
+    f = rows[:, 4:].contiguous().view(torch.float64)                   # [W, 3]
+    s, q, l1 = f[:, 0], f[:, 1], f[:, 2]
+    big_l = torch.maximum(l1[:, None], l1[None, :])
+    big_q = torch.maximum(q[:, None], q[None, :])
+    slack = (numel + 64) * 2.3e-16 * (big_l + big_q) + 1e-300
+    ok = ((s[:, None] - s[None, :]).abs() <= atol * numel + rtol * big_l + slack) \
+        & ((l1[:, None] - l1[None, :]).abs() <= atol * numel + rtol * big_l + slack) \
+        & ((q[:, None] - q[None, :]).abs() <= atol * atol * numel + 2 * atol * (1 + rtol) * big_l
+           + rtol * (2 + rtol) * big_q + slack)
+    absent = (rows[:, 0] == 0)
+    return counts_equal & (ok | (absent[:, None] & absent[None, :]))
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, numel: int, atol: float, rtol: float) -> bool:
     """Could two tolerance fingerprints come from tensors with |a - b| <= atol + rtol |b|?"""
-    if not torch.equal(a[:4], b[:4]):
-        return False
-    if not int(a[0]):
-        return True
-    sa, qa, la = a[4:].view(torch.float64).tolist()
-    sb, qb, lb = b[4:].view(torch.float64).tolist()
-    big_l, big_q = max(la, lb), max(qa, qb)
-    slack = 1e-12 * (big_l + big_q) + 1e-300
-    n = numel
-    return (abs(sa - sb) <= atol * n + rtol * big_l + slack
-            and abs(la - lb) <= atol * n + rtol * big_l + slack
-            and abs(qa - qb) <= atol * atol * n + 2 * atol * (1 + rtol) * big_l
-            + rtol * (2 + rtol) * big_q + slack)
+    return bool(_close_matrix(torch.stack([a, b]), numel, atol, rtol)[0, 1])
 
 
 def _verdict(table: torch.Tensor, names: List[str], meta: List[tuple], mode: str,
              atol: float, rtol: float) -> List[Tuple[int, int, int, str]]:
-    """(param index, rank, reference rank, reason) for every entry that disagrees."""
+    """(param index, rank, reference rank, reason) for every entry that disagrees.
+
+    The reference of a tensor is the rank that agrees with the most ranks (ties: the lowest
+    rank); every rank that does not agree with it is reported.
+    """
     world = table.shape[0]
     equal = (table == table[0:1]).all(dim=2).all(dim=0)
     out: List[Tuple[int, int, int, str]] = []
     for p in (~equal).nonzero().flatten().tolist():
         rows = table[:, p, :]
         if mode == "bitwise":
-            same = [[bool(torch.equal(rows[i], rows[j])) for j in range(world)] for i in range(world)]
+            _, label = torch.unique(rows, dim=0, return_inverse=True)
+            same = label[:, None] == label[None, :]
         else:
             numel = 1
-            for s in meta[p][1]:
-                numel *= s
-            same = [[_close(rows[i], rows[j], numel, atol, rtol) for j in range(world)]
-                    for i in range(world)]
-        support = [sum(row) for row in same]
+            for size in meta[p][1]:
+                numel *= size
+            same = _close_matrix(rows, numel, atol, rtol)
+        support = same.sum(dim=1).tolist()
         ref = max(range(world), key=lambda r: (support[r], -r))
-        for r in range(world):
-            if same[r][ref]:
-                continue
+        for r in (~same[:, ref]).nonzero().flatten().tolist():
             if int(rows[r, 0]) != int(rows[ref, 0]):
                 reason = ("no gradient on this rank" if not int(rows[r, 0])
                           else "has a gradient, the reference rank has none")
