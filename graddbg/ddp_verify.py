@@ -839,6 +839,9 @@ def check_buffers(model: nn.Module, *, group: Any = None, atol: float = 0.0, rto
     """Check that every buffer (BatchNorm statistics, for instance) is the same on every rank.
 
     Buffers drift apart under ``DistributedDataParallel(..., broadcast_buffers=False)``.
+    With ``broadcast_buffers=True`` DDP copies rank 0's buffers at the start of every
+    forward, so a training forward on different data leaves them different until the next
+    one: check before the forward (or after an eval-mode forward) to test the broadcast.
     See :func:`check_gradients` for the arguments.
 
     >>> import torch.distributed as dist
