@@ -107,18 +107,24 @@ def run_case(name: str, repeats: int, render_repeats: int, render_tv: bool) -> d
         with trace_modules(model) as tr:
             return loss_fn(model(x), y), tr
 
-    forward(), forward_traced()  # warm-up
+    loss, (loss_tr, tr) = forward(), forward_traced()  # warm-up
+    first, _unused = _timed(lambda: torchviz.make_dot(loss, params=params).source)
+    inner = max(1, int(0.05 / max(first, 1e-6)))  # small graphs: average a few runs per sample
     t_fwd, t_fwd_tr, t_tv, t_ours = [], [], [], []
     for _ in range(repeats):
         t, loss = _timed(forward)
         t_fwd.append(t)
         t, (loss_tr, tr) = _timed(forward_traced)
         t_fwd_tr.append(t)
-        t, dot_tv = _timed(lambda: torchviz.make_dot(loss, params=params))
-        t_src, src_tv = _timed(lambda: dot_tv.source)
-        t_tv.append(t + t_src)
-        t, src = _timed(lambda: to_dot(extract(loss_tr, model=tr, max_nodes=None)))
-        t_ours.append(t)
+        t = time.perf_counter()
+        for _unused in range(inner):
+            dot_tv = torchviz.make_dot(loss, params=params)
+            src_tv = dot_tv.source
+        t_tv.append((time.perf_counter() - t) / inner)
+        t = time.perf_counter()
+        for _unused in range(inner):
+            src = to_dot(extract(loss_tr, model=tr, max_nodes=None))
+        t_ours.append((time.perf_counter() - t) / inner)
     g = extract(loss_tr, model=tr, max_nodes=None)
     g2 = collapse(g, 2)
     src2 = to_dot(g2)
@@ -146,7 +152,9 @@ def run_case(name: str, repeats: int, render_repeats: int, render_tv: bool) -> d
     return {
         "name": name, "nodes_tv": n_tv, "nodes_ours": len(g.nodes), "nodes_d2": len(g2.nodes),
         "clusters": src.count("subgraph cluster_"),
-        "fwd": med(t_fwd), "fwd_traced": med(t_fwd_tr), "extract_tv": med(t_tv),
+        "fwd": med(t_fwd), "fwd_traced": med(t_fwd_tr),
+        "trace_overhead": med([b - a for a, b in zip(t_fwd, t_fwd_tr)]),  # paired differences
+        "extract_tv": med(t_tv),
         "extract_ours": med(t_ours),
         "render_tv": med(r_tv), "render_full": med(r_full),
         "render_d2": med(r_d2), "render_d1": med(r_d1), "svg_d1": _svg_nodes(svg_d1),
@@ -205,9 +213,9 @@ def main() -> None:
         print(f"   extract+DOT  torchviz {r['extract_tv'] * 1e3:8.1f} ms   graddbg {r['extract_ours'] * 1e3:8.1f} ms"
               f"   ratio graddbg/torchviz {r['extract_ours'] / r['extract_tv']:.2f}x (target <= 2)"
               f"   {r['extract_ours'] / max(r['nodes_ours'], 1) * 1e6:.1f} us/node")
-        over = r["fwd_traced"] - r["fwd"]
+        over = r["trace_overhead"]
         print(f"   forward      plain {r['fwd'] * 1e3:8.1f} ms   with trace_modules {r['fwd_traced'] * 1e3:8.1f} ms"
-              f"   (+{over * 1e3:.1f} ms);  extract+DOT+trace overhead vs torchviz: "
+              f"   (median paired difference {over * 1e3:+.1f} ms);  extract+DOT+that vs torchviz: "
               f"{(r['extract_ours'] + over) / r['extract_tv']:.2f}x")
         if not r["svg_tv"]:
             continue
@@ -237,6 +245,16 @@ def main() -> None:
 
 if __name__ == "__main__":
     threading.stack_size(512 * 1024 * 1024)  # torchviz's recursion on deep graphs
-    t = threading.Thread(target=main)
+    failed = []
+
+    def target() -> None:
+        try:
+            main()
+        except BaseException as exc:  # report, and exit non-zero from the main thread
+            failed.append(exc)
+            raise
+
+    t = threading.Thread(target=target)
     t.start()
     t.join()
+    sys.exit(1 if failed else 0)

@@ -440,7 +440,7 @@ def _extract(named_roots: List[Tuple[str, torch.Tensor]], names: Dict[int, str],
     fns: Dict[str, Any] = {}        # node id -> fn (for grads=True)
     queue: deque = deque()
     module_types: Dict[ModulePath, str] = {}
-    if module is not None:
+    if module is not None and trace is None:
         for qualname, m in module.named_modules():
             if qualname:
                 module_types[tuple(qualname.split("."))] = type(m).__name__
