@@ -233,11 +233,11 @@ def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
 
     def pre_hook(module: nn.Module, args: Any) -> None:
         path = paths.get(id(module))
-        if path is not None:
+        if path is not None and threading.get_ident() == trace._thread:
             trace._enter(module, path)
 
     def post_hook(module: nn.Module, args: Any, output: Any) -> None:
-        if id(module) in paths:
+        if id(module) in paths and threading.get_ident() == trace._thread:
             trace._exit(module)
 
     handles: List[Any] = []
@@ -378,8 +378,12 @@ def extract(
             g = _extract_torchviz(named_roots, names, show_saved)
         else:
             g = _extract(named_roots, names, trace, module, show_saved, max_nodes)
-    if grads:
-        _annotate_grads(g, named_roots)
+    try:
+        if grads:
+            _annotate_grads(g, named_roots)
+    finally:
+        # the plain graph keeps no autograd nodes or tensors (they would pin activations)
+        g._fns, g._leaves = {}, []  # type: ignore[attr-defined]
     return g
 
 

@@ -78,6 +78,38 @@ def test_extract_restores_gc_state():
         gc.enable()
 
 
+class _Marker:
+    pass
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, marker):
+        ctx.marker = marker  # lives exactly as long as the autograd node
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+def test_graph_keeps_no_autograd_nodes_or_tensors():
+    import gc
+    import weakref
+    x = torch.randn(3, requires_grad=True)
+    marker = _Marker()
+    ref = weakref.ref(marker)
+    y = _Double.apply(x, marker).sum()
+    del marker
+    g = graph(y, grads=True)
+    assert ref() is not None  # y still holds the graph
+    del y
+    gc.collect()
+    assert ref() is None, "the Graph keeps the autograd graph alive"
+    assert [n.name for n in g.nodes] == ["output", "SumBackward0", "_DoubleBackward", "input"]
+    assert g.nodes[2].grad_norm == pytest.approx(2 * 3 ** 0.5)
+
+
 def test_extract_small_graph_structure():
     x = torch.ones(3, requires_grad=True)
     w = torch.ones(3, requires_grad=True)
