@@ -1176,8 +1176,10 @@ def graph(
     :func:`trace_modules` of ``model`` so that every op lands in its module's cluster.
     ``model``: an ``nn.Module`` (names parameters; with precomputed roots only parameters
     and the ops that use them are clustered) or a :class:`ModuleTrace`.
-    ``grads=True`` runs a backward pass (keeping the graph, leaving ``.grad`` alone) and
-    colours nodes by the norm of the gradient they produced; non-finite ones are red.
+    ``grads=True`` runs a backward pass (keeping the graph, leaving ``.grad`` alone; roots
+    that are not scalars get a gradient of ones) and colours each node by the norm of the
+    gradient it produced, on a log scale with a legend; non-finite ones are red (the node
+    that turned finite gradients non-finite is marked "origin"), zero ones grey.
     ``depth=d`` collapses modules deeper than ``d`` into single nodes. ``max_nodes`` (None:
     no limit) truncates big graphs with a note. ``watch`` adds the latest statistics of a
     Watch to parameter nodes. ``style="torchviz"`` gives torchviz.make_dot's nodes and edges.

@@ -246,6 +246,29 @@ def test_every_node_of_two_module_model_lands_in_its_cluster():
     assert dec < dec0
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1, bias=False)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut = nn.Identity()
+
+    def forward(self, x):
+        out = self.conv(x)
+        out += self.shortcut(x)
+        return self.relu(out)
+
+
+def test_inplace_ops_are_attributed_to_the_module_that_ran_them():
+    model = nn.Sequential(_Block(), _Block())
+    g = graph(lambda: model(torch.randn(1, 2, 4, 4)).sum(), model=model)
+    ops = sorted((n.name, n.module) for n in g.extracted.by_kind("op"))
+    assert ops == sorted([("SumBackward0", ())] + [
+        (op, path) for b in ("0", "1") for op, path in (
+            ("ConvolutionBackward0", (b, "conv")), ("AddBackward0", (b,)),
+            ("ReluBackward0", (b, "relu")))])
+
+
 def test_trace_modules_removes_hooks_and_leaves_model_unchanged():
     from torch.nn.modules import module as module_mod
     model = TwoModules()
