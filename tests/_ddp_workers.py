@@ -334,8 +334,15 @@ def side_group(rank, world, dev):
     side = ddp_verify._barrier_group(None, timedelta(seconds=20), force_side=True)
     again = ddp_verify._barrier_group(None, timedelta(seconds=20), force_side=True)
     dist.monitored_barrier(side, timeout=timedelta(seconds=20))
-    return {"cached": side is again, "side_world": dist.get_world_size(side),
-            "check": _summ(ddp_verify.check_parameters(_mlp(dev)))}
+    out = {"cached": side is again, "side_world": dist.get_world_size(side),
+           "check": _summ(ddp_verify.check_parameters(_mlp(dev)))}
+    # From here on, this world pretends its groups are not gloo groups (as under NCCL):
+    # the checks go through gloo side groups (the one above for the default group), and
+    # the later scenarios (a subgroup, a rank that skips) test that path.
+    ddp_verify._backend = lambda group: "fake"
+    out["side_check"] = _summ(ddp_verify.check_parameters(_mlp(dev)))
+    out["side_groups"] = len(ddp_verify._SIDE_GROUPS)
+    return out
 
 
 def subgroup(rank, world, dev):
@@ -343,6 +350,7 @@ def subgroup(rank, world, dev):
     sub = dist.new_group([0, 1], backend="gloo")
     if rank in (0, 1):
         result = _summ(v.check_parameters(_mlp(dev), group=sub))
+        result["side_groups"] = len(v._SIDE_GROUPS)
     else:
         result = {"skipped": True}
     dist.barrier()

@@ -420,6 +420,7 @@ def test_bad_arguments_raise_before_any_collective(two):
 
 
 @distributed
+# "two" goes through the gloo group itself, "three" through a gloo side group (as under NCCL)
 @pytest.mark.parametrize("world,n,skipper", [("two", 2, 1), ("three", 3, 2)])
 def test_a_rank_that_skips_the_check_makes_the_others_raise_within_the_timeout(world, n, skipper, request):
     records = _scenario(request.getfixturevalue(world), "skip", n)
@@ -439,6 +440,7 @@ def test_a_rank_that_skips_the_check_makes_the_others_raise_within_the_timeout(w
 def test_side_group_is_created_once_and_works(three):
     for rec in _scenario(three, "side_group", 3):
         assert rec["cached"] and rec["side_world"] == 3 and rec["check"]["ok"]
+        assert rec["side_check"]["ok"] and rec["side_groups"] == 1
 
 
 @distributed
@@ -447,6 +449,7 @@ def test_checks_run_on_a_subgroup(three):
     assert records[2] == {"skipped": True}
     for rec in records[:2]:
         assert rec["ok"] and rec["world_size"] == 2
+        assert rec["side_groups"] == 2     # a side group of ranks 0 and 1 only, made by them
 
 
 @requires_cuda
