@@ -791,6 +791,8 @@ def collapse(g: AutogradGraph, depth: int) -> AutogradGraph:
             if n.grad_norm is not None and n.kind == "op":
                 m.nonfinite = m.nonfinite or n.nonfinite
                 m.nonfinite_origin = m.nonfinite_origin or n.nonfinite_origin
+                if not n.nonfinite:  # a module node shows the largest gradient inside it
+                    m.grad_norm = max(m.grad_norm or 0.0, n.grad_norm)
             rep[n.id] = m.id
         else:
             rep[n.id] = n.id
@@ -845,7 +847,7 @@ def _fmt_num(v: float) -> str:
 _RED = "#e41a1c"
 _GREY = "#d9d9d9"
 _NOGRAD = "white"
-_PALETTE = ["#f7fbff", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c"]
+_PALETTE = ["#eff5fb", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c"]
 _KIND_COLOR = {"param": "lightblue", "input": "lightblue", "output": "darkolivegreen1",
                "saved": "orange", "module": "#fff2cc", "op": "lightgrey", "note": "#ffffcc"}
 _CLUSTER_STYLE = ('style="rounded,filled"', 'color="#9e9e9e"', 'fillcolor="#f8f8f8"',
@@ -929,6 +931,11 @@ def _node_line(n: GraphNode, style: str, scale: Optional[Tuple[float, float]], h
         fill = _RED
         attrs["fontcolor"] = "white"
         lines.append("non-finite inside")
+    elif n.kind == "module" and n.grad_norm is not None:
+        fill = _grad_color(n.grad_norm, scale) if scale and n.grad_norm > 0 else _GREY
+        if fill in _PALETTE[-2:]:
+            attrs["fontcolor"] = "white"
+        lines.append(f"max |g|={_fmt_num(n.grad_norm)}")
     attrs["fillcolor"] = n.attrs.get("fillcolor", fill)
     if "fontcolor" in n.attrs:
         attrs["fontcolor"] = n.attrs["fontcolor"]

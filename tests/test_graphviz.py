@@ -365,6 +365,15 @@ def test_grad_norms_match_reference_and_leave_grad_alone():
     assert model.dec[0].weight.grad is not None
 
 
+def test_collapsed_module_shows_largest_gradient_inside():
+    _, full = two_modules_graph(grads=True)
+    _, g = two_modules_graph(grads=True, depth=0)
+    enc = [n for n in g.nodes if n.name == "enc"][0]
+    inside = [n.grad_norm for n in full.nodes if n.kind == "op" and n.module == ("enc",)]
+    assert len(inside) == 2 and enc.grad_norm == max(inside)
+    assert f"max |g|={enc.grad_norm:.3g}" in g.source
+
+
 def test_zero_gradient_is_grey():
     x = torch.randn(3, requires_grad=True)
     y = (x * 0).sum()
