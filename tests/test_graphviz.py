@@ -19,8 +19,7 @@ from torch import nn
 
 import graddbg
 from graddbg._errors import DotNotFoundError, GraddbgError
-from graddbg.graphviz import (AutogradGraph, Graph, collapse, escape, extract, graph, to_dot,
-                              trace_modules)
+from graddbg.graphviz import escape, extract, graph, trace_modules
 
 GOLDENS = pathlib.Path(__file__).parent / "goldens" / "graph"
 UPDATE = os.environ.get("GRADDBG_UPDATE_GOLDENS") == "1"
@@ -458,10 +457,6 @@ def test_import_graphviz_module_does_not_import_heavy_packages():
 
 
 # ---------------------------------------------------------------- torchviz compatibility
-
-
-def _canonical(nodes_by_key: dict, edges: list) -> tuple:
-    return nodes_by_key, collections.Counter(edges)
 
 
 def _torchviz_structure(dot):
