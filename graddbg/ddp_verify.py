@@ -7,10 +7,12 @@ program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
    integer reductions per tensor, no host synchronisation), stacked into a small
    ``[tensors x k]`` integer table, and a digest of that table (two hashes modulo primes
    near 2**31);
-2. a monitored barrier with a timeout (on the group itself when it is a gloo group, on a
-   gloo side group otherwise, created once per group and cached, see :func:`prepare`), so
-   that a rank which never arrives makes the others raise :class:`DDPTimeoutError` naming
-   it, instead of hanging;
+2. meanwhile, in a helper thread, a monitored barrier with a timeout (on the group itself
+   when it is a gloo group, on a gloo side group otherwise, created once per group and
+   cached, see :func:`prepare`), so that a rank which never arrives makes the others raise
+   :class:`DDPTimeoutError` naming it, instead of hanging. No other collective starts
+   before the barrier has passed; a rank whose fingerprinting fails tells the others in
+   the header below, so that every rank raises;
 3. one all-gather of a 6-integer header: a hash of the names, shapes and dtypes of the
    tensors, a hash of what was asked, and the digest. Ranks whose models differ raise
    :class:`DDPInconsistencyError` naming the first difference (only then are the names
@@ -61,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import threading
 from datetime import timedelta
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -506,6 +509,13 @@ def _barrier(fn: str, group: Any, timeout: timedelta) -> None:
         raise error from err
 
 
+def _barrier_into(fn: str, group: Any, timeout: timedelta, errors: List[BaseException]) -> None:
+    try:
+        _barrier(fn, group, timeout)
+    except BaseException as err:  # re-raised by the calling thread
+        errors.append(err)
+
+
 def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
@@ -746,16 +756,36 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
     call = (f"{fn}(mode={mode}, atol={float(atol)!r}, rtol={float(rtol)!r}, "
             f"details={bool(details)})")
 
-    # Local work first: a rank that arrives early computes while it would wait anyway.
-    if mode == "bitwise":
-        local = fingerprints(tensors, mode=mode, device=device)
-    else:
-        local = _tolerance_quick_table(tensors, device)
-    header = torch.cat([torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), world],
-                                     dtype=torch.int64).to(device), _digest(local)])
-
-    _barrier(fn, group, timeout)
+    # The monitored barrier runs in a helper thread while this one computes the local
+    # fingerprints: the barrier's waiting (for the last rank to arrive) overlaps the work.
+    # Only then does this rank take part in any other collective, so a missing rank is
+    # still named before anything could hang.
+    _barrier_group(group, timeout)              # created here, in the calling thread
+    barrier_errors: List[BaseException] = []
+    helper = threading.Thread(target=_barrier_into, args=(fn, group, timeout, barrier_errors),
+                              name="graddbg-ddp-barrier", daemon=True)
+    helper.start()
+    local_error: Optional[BaseException] = None
+    try:
+        if mode == "bitwise":
+            local = fingerprints(tensors, mode=mode, device=device)
+        else:
+            local = _tolerance_quick_table(tensors, device)
+        header = torch.cat([torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), world],
+                                         dtype=torch.int64).to(device), _digest(local)])
+    except Exception as err:   # tell the other ranks, so that every rank raises, none hangs
+        local_error = err
+        header = torch.full((6,), -1, dtype=torch.int64, device=device)
+    helper.join()
+    if barrier_errors:
+        raise barrier_errors[0]
     headers = _all_gather(header, group).cpu()                           # the one exchange
+    failed = (headers[:, :4] == -1).all(dim=1).nonzero().flatten().tolist()
+    if failed:
+        raise DDPInconsistencyError(
+            f"{fn}: rank(s) {failed} could not compute their fingerprints"
+            + (f" ({type(local_error).__name__}: {local_error})" if local_error else
+               "; see the error on those ranks")) from local_error
     if not bool((headers[:, :4] == headers[0, :4]).all()):
         _structure_error(fn, kind, call, meta, group)  # raises on every rank
     if bool((headers[:, 4:] == headers[0, 4:]).all()):

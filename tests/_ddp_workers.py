@@ -366,6 +366,24 @@ def bad_args(rank, world, dev):
             "after": _summ(v.check_parameters(model))}
 
 
+def local_failure(rank, world, dev):
+    """Fingerprinting raises on rank 1 (out of memory, say): every rank raises, none hangs."""
+    v = _check()
+    model = _mlp(dev)
+    original = v.fingerprints
+
+    def broken(*args, **kw):
+        raise RuntimeError("simulated failure while fingerprinting")
+    if rank == 1:
+        v.fingerprints = broken
+    try:
+        result = _raises(lambda: v.check_parameters(model, timeout=timedelta(seconds=20)))
+    finally:
+        v.fingerprints = original
+    result["after"] = _summ(v.check_parameters(model))
+    return result
+
+
 def _skipper(skip_rank: int):
     def scenario(rank, world, dev):
         v = _check()
@@ -398,6 +416,7 @@ WORLDS: Dict[str, List] = {
             ("no_sync", no_sync), ("missing_grad", missing_grad), ("batchnorm", batchnorm),
             ("tolerance", tolerance), ("hand_allreduce", hand_allreduce),
             ("architecture", architecture), ("bad_args", bad_args),
+            ("local_failure", local_failure),
             ("skip", _skipper(1))],
     "three": [("healthy", healthy), ("comm_hook", comm_hook_corrupt),
               ("comm_hook_rank0", comm_hook_corrupt_rank0), ("side_group", side_group),

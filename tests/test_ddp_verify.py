@@ -420,6 +420,16 @@ def test_bad_arguments_raise_before_any_collective(two):
 
 
 @distributed
+@distributed
+def test_a_rank_that_fails_to_fingerprint_makes_every_rank_raise(two):
+    records = _scenario(two, "local_failure", 2)
+    for rank, rec in enumerate(records):
+        assert rec["error"] == "DDPInconsistencyError"
+        assert "rank(s) [1] could not compute their fingerprints" in rec["message"]
+        assert rec["after"]["ok"]       # and the group still works
+    assert "simulated failure while fingerprinting" in records[1]["message"]
+
+
 # "two" goes through the gloo group itself, "three" through a gloo side group (as under NCCL)
 @pytest.mark.parametrize("world,n,skipper", [("two", 2, 1), ("three", 3, 2)])
 def test_a_rank_that_skips_the_check_makes_the_others_raise_within_the_timeout(world, n, skipper, request):
