@@ -59,10 +59,14 @@ HIST_EDGES = tuple(10.0 ** (e / 2) for e in range(-24, 9))
 
 
 def validate_stats(stats: Union[str, Iterable[str]]) -> Tuple[str, ...]:
-    """Check a ``stats=`` argument; return it as a tuple (always with the defaults).
+    """Check a ``stats=`` argument; return it as a tuple in canonical order. ``norm`` and
+    ``nonfinite`` are always computed (the detectors need them); ``absmax`` costs a second
+    pass over the gradients and is left out (NaN) when not asked for.
 
-    >>> validate_stats(["norm", "mean"])
+    >>> validate_stats(["absmax", "mean"])
     ('norm', 'absmax', 'nonfinite', 'mean')
+    >>> validate_stats(["norm"])
+    ('norm', 'nonfinite')
     """
     if isinstance(stats, str):
         stats = (stats,)
@@ -74,7 +78,7 @@ def validate_stats(stats: Union[str, Iterable[str]]) -> Tuple[str, ...]:
     unknown = [s for s in asked if s not in STAT_NAMES]
     if unknown:
         raise ValueError(f"stats= got unknown statistic(s) {unknown}; accepted: {', '.join(STAT_NAMES)}")
-    return tuple(dict.fromkeys(DEFAULT_STATS + asked))
+    return tuple(s for s in STAT_NAMES if s in asked or s in ("norm", "nonfinite"))
 
 
 def clean_name(name: str) -> str:
@@ -129,51 +133,108 @@ class StatPlan:
     """How to reduce a fixed list of parameters' gradients, decided once.
 
     Large float32/float64 tensors are reduced one by one (``dot`` and ``aminmax``, each a
-    single fast pass); the many small ones together with foreach kernels. The results are
-    stacked into one ``[P, K]`` float64 tensor on the gradients' device: columns ``norm``,
-    ``absmax`` and then the extra statistics asked for (``mean``, ``std``, ``zero_frac``).
-    Missing gradients give NaN rows. Norms are accumulated in the gradient's dtype and the
-    rare ones that overflow are recomputed in float64 by :meth:`fixup` after read-back.
+    single fast pass). Small tensors of the same size and dtype are stacked into one
+    ``[k, n]`` matrix and reduced along rows, so a model of many small layers costs a
+    handful of kernel launches, not a few per parameter. The results come back as one
+    ``[P, K]`` float64 tensor on the gradients' device: columns ``norm``, ``absmax`` and
+    then the extra statistics asked for (``mean``, ``std``, ``zero_frac``). Missing
+    gradients give NaN rows. Norms are accumulated in the gradient's dtype and the rare
+    ones that overflow are recomputed in float64 by :meth:`fixup` after read-back.
     """
 
     def __init__(self, params: Sequence[Tensor], stats: Sequence[str] = DEFAULT_STATS) -> None:
         self.numel = [p.numel() for p in params]
         self.extras = tuple(s for s in ("mean", "std", "zero_frac") if s in stats)
+        self.want_absmax = "absmax" in stats
         self.columns = ("norm", "absmax") + self.extras
-        self._large = [i for i, p in enumerate(params)
-                       if p.numel() >= _LARGE or p.dtype not in _FAST_DTYPES]
+        groups: Dict[Tuple[int, torch.dtype, torch.device], List[int]] = {}
+        self._single: List[int] = []
+        for i, p in enumerate(params):
+            if p.numel() >= _LARGE or p.dtype not in _FAST_DTYPES or p.numel() == 0:
+                self._single.append(i)
+            else:
+                groups.setdefault((p.numel(), p.dtype, p.device), []).append(i)
+        self._groups: List[List[int]] = []
+        for members in groups.values():
+            if len(members) == 1:
+                self._single.append(members[0])
+            else:
+                self._groups.append(members)
+        self._perm_cache: Dict[Tuple[int, ...], Tensor] = {}
 
-    def _reduce(self, grads: Sequence[Optional[Tensor]], absmax_only: bool) -> List[Tuple[int, Tensor]]:
-        """(column, [P] tensor) for each statistic, in parameter order."""
-        n = len(grads)
-        norms: List[Optional[Tensor]] = [None] * n
-        maxes: List[Optional[Tensor]] = [None] * n
-        large = set(self._large)
-        small_idx = [i for i, g in enumerate(grads) if g is not None and i not in large and g.numel() > 0]
-        if small_idx:
-            small = [grads[i] for i in small_idx]
-            if not absmax_only:
-                for i, v in zip(small_idx, torch._foreach_norm(small)):
-                    norms[i] = v
-            for i, v in zip(small_idx, torch._foreach_max(torch._foreach_abs(small))):
-                maxes[i] = v
-        for i in self._large:
-            g = grads[i]
-            if g is None or g.numel() == 0:
+    def _reduce(self, grads: Sequence[Optional[Tensor]], want_norm: bool,
+                want_max: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """``([P] norms, [P] absmax)``, float64, in parameter order (None when not wanted)."""
+        order: List[int] = []
+        norms: List[Tensor] = []
+        maxes: List[Tensor] = []
+        for members in self._groups:
+            present = [i for i in members if grads[i] is not None]
+            if not present:
                 continue
-            v = g.reshape(-1)
-            if v.dtype not in _FAST_DTYPES:
-                v = v.float()
-            if not absmax_only:
-                norms[i] = torch.dot(v, v).sqrt()
+            if len(present) == 1:
+                self._reduce_one(present[0], grads[present[0]], want_norm, want_max, order, norms, maxes)
+                continue
+            m = torch.stack([grads[i].reshape(-1) for i in present])  # [k, n], one copy
+            if want_norm:
+                norms.append(torch.linalg.vector_norm(m, dim=1))
+            if want_max:  # (aminmax along a dim is slower than the two)
+                maxes.append(torch.maximum(m.amax(1), -m.amin(1)))
+            order.extend(present)
+        for i in self._single:
+            g = grads[i]
+            if g is not None:
+                self._reduce_one(i, g, want_norm, want_max, order, norms, maxes)
+        P = len(grads)
+        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        if not order:
+            nan = torch.full((P,), float("nan"), dtype=torch.float64, device=device)
+            return (nan if want_norm else None), (nan if want_max else None)
+        perm = self._perm(tuple(order), P, device)
+
+        def place(parts: List[Tensor]) -> Tensor:
+            flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts])
+            if len(order) < P:  # missing gradients: NaN rows
+                flat = torch.cat([flat, torch.full((1,), float("nan"), dtype=torch.float64, device=device)])
+            return flat[perm]
+
+        return (place(norms) if want_norm else None), (place(maxes) if want_max else None)
+
+    @staticmethod
+    def _reduce_one(i: int, g: Tensor, want_norm: bool, want_max: bool, order: List[int],
+                    norms: List[Tensor], maxes: List[Tensor]) -> None:
+        if g.numel() == 0:
+            return
+        v = g.reshape(-1)
+        if v.dtype not in _FAST_DTYPES:
+            v = v.float()
+        if want_norm:
+            norms.append(torch.dot(v, v).sqrt())
+        if want_max:
             lo, hi = torch.aminmax(v)
-            maxes[i] = torch.maximum(hi, -lo)
-        return [(0, norms), (1, maxes)] if not absmax_only else [(1, maxes)]  # type: ignore[list-item]
+            maxes.append(torch.maximum(hi, -lo))
+        order.append(i)
+
+    def _perm(self, order: Tuple[int, ...], P: int, device: torch.device) -> Tensor:
+        """Index that puts results computed in ``order`` back into parameter order (the
+        missing ones pointing at a trailing NaN)."""
+        key = order
+        perm = self._perm_cache.get(key)
+        if perm is None or perm.device != device:
+            pos = {i: k for k, i in enumerate(order)}
+            perm = torch.tensor([pos.get(i, len(order)) for i in range(P)], dtype=torch.int64, device=device)
+            if len(self._perm_cache) > 64:
+                self._perm_cache.clear()
+            self._perm_cache[key] = perm
+        return perm
 
     def compute(self, grads: Sequence[Optional[Tensor]]) -> Tensor:
         """``[P, K]`` float64 statistics of ``grads`` on their device (no host sync)."""
         device = next((g.device for g in grads if g is not None), torch.device("cpu"))
-        cols = [_stack(vals, device) for _, vals in self._reduce(grads, absmax_only=False)]
+        norms, maxes = self._reduce(grads, True, self.want_absmax)
+        if maxes is None:
+            maxes = torch.full_like(norms, float("nan"))
+        cols = [norms, maxes]
         if self.extras:
             cols += self._extras(grads, device)
         return torch.stack(cols, 1)
@@ -181,8 +242,7 @@ class StatPlan:
     def absmax(self, grads: Sequence[Optional[Tensor]]) -> Tensor:
         """``[P]`` float64 max |g| (NaN if any entry is NaN, inf if any is inf): the cheap
         exact non-finite check."""
-        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
-        return _stack(self._reduce(grads, absmax_only=True)[0][1], device)
+        return self._reduce(grads, False, True)[1]
 
     def _extras(self, grads: Sequence[Optional[Tensor]], device: torch.device) -> List[Tensor]:
         sums: List[Optional[Tensor]] = []
@@ -219,7 +279,7 @@ class StatPlan:
         import numpy as np
 
         counts = np.zeros(len(grads), dtype=np.int64)
-        bad = np.nonzero(~np.isfinite(values[:, 0]) | ~np.isfinite(values[:, 1]))[0]
+        bad = np.nonzero(~np.isfinite(values[:, 0]))[0]  # a NaN/Inf entry makes the norm one
         for i in bad:
             g = grads[i]
             if g is None:
@@ -413,20 +473,24 @@ def summarize(stats, by: str = "param"):
         raise ValueError(f"by= must be 'param' or 'module', got {by!r}")
     df = stats
     if by == "module":
-        sq = df.assign(_sq=df["norm"] ** 2)
+        # a parameter without a gradient adds nothing; a NaN/Inf norm makes the module's
+        # norm non-finite too (never quietly smaller)
+        has = df["has_grad"].to_numpy(dtype=bool) if "has_grad" in df else np.ones(len(df), bool)
+        sq = df.assign(_sq=np.where(has, df["norm"].to_numpy(dtype=np.float64) ** 2, 0.0), _has=has)
         g = sq.groupby(["step", "module"], sort=False)
-        per = g.agg(_sq=("_sq", lambda s: s.sum(min_count=1)), numel=("numel", "sum"),
-                    params=("name", "nunique"), nonfinite=("nonfinite", "sum")).reset_index()
-        per["norm"] = np.sqrt(per["_sq"])
+        per = g.agg(_sq=("_sq", lambda s: s.sum(skipna=False)), _has=("_has", "any"),
+                    numel=("numel", "sum"), params=("name", "nunique"),
+                    nonfinite=("nonfinite", "sum")).reset_index()
+        per["norm"] = np.where(per["_has"], np.sqrt(per["_sq"]), np.nan)
         out = per.groupby("module", sort=False).agg(
             params=("params", "max"), numel=("numel", "max"), steps=("step", "nunique"),
-            norm_mean=("norm", "mean"), norm_max=("norm", _nanmax), norm_last=("norm", "last"),
+            norm_mean=("norm", "mean"), norm_max=("norm", _nanmax), norm_last=("norm", _last),
             nonfinite_total=("nonfinite", "sum")).reset_index()
         return out[["module", "params", "numel", "steps", "norm_mean", "norm_max", "norm_last",
                     "nonfinite_total"]]
     g = df.groupby("name", sort=False)
     out = g.agg(module=("module", "first"), numel=("numel", "first"), steps=("step", "nunique"),
-                norm_mean=("norm", "mean"), norm_max=("norm", _nanmax), norm_last=("norm", "last"),
+                norm_mean=("norm", "mean"), norm_max=("norm", _nanmax), norm_last=("norm", _last),
                 absmax_max=("absmax", _nanmax), nonfinite_steps=("nonfinite", lambda s: int((s > 0).sum())),
                 nonfinite_total=("nonfinite", "sum"), update_ratio_mean=("update_ratio", "mean"),
                 has_grad_frac=("has_grad", "mean")).reset_index()
@@ -442,3 +506,8 @@ def _nanmax(s):
         return np.inf
     v = v[~np.isnan(v)]
     return float(v.max()) if v.size else np.nan
+
+
+def _last(s):
+    """The last value as recorded (NaN included, unlike pandas' "last")."""
+    return s.iloc[-1] if len(s) else float("nan")
