@@ -120,3 +120,13 @@ def test_run_leaves_no_global_hooks(tmp_path):
     after = (len(module_mod._global_forward_hooks), len(module_mod._global_forward_pre_hooks),
              len(optim_mod._global_optimizer_pre_hooks))
     assert before == after
+
+
+def test_quickstart_example_prints_the_summary_table():
+    res = subprocess.run([sys.executable, str(SCRIPTS.parent.parent / "examples" / "quickstart.py")],
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].split()[:3] == ["name", "numel", "norm_mean"]
+    assert [line.split()[0] for line in lines[1:7]] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    assert "100 steps" in res.stdout and "anomalies: 0" in res.stdout
