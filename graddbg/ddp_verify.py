@@ -449,8 +449,7 @@ _SIDE_GROUPS: dict = {}
 
 
 def _barrier_group(group: Any, timeout: timedelta, force_side: bool = False) -> Any:
-    if not force_side and "gloo" in _backend(group) and ("cpu:" not in _backend(group)
-                                      or "cpu:gloo" in _backend(group)):
+    if not force_side and _backend(group) == "gloo":   # monitored_barrier takes pure gloo only
         return group
     key = id(group if group is not None else dist.group.WORLD)
     entry = _SIDE_GROUPS.get(key)
@@ -776,7 +775,10 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
     except Exception as err:   # tell the other ranks, so that every rank raises, none hangs
         local_error = err
         header = torch.full((6,), -1, dtype=torch.int64, device=device)
-    helper.join()
+    helper.join(timeout.total_seconds() + 60.0)   # the barrier has its own timeout
+    if helper.is_alive():
+        raise DDPTimeoutError(f"{fn}: the monitored barrier did not return within {timeout} "
+                              f"(+60 s); the process group is not usable")
     if barrier_errors:
         raise barrier_errors[0]
     headers = _all_gather(header, group).cpu()                           # the one exchange
