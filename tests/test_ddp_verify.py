@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import _ddp_workers as workers
 from conftest import requires_cuda
-from graddbg import DDPInconsistencyError, GraddbgError, ddp_verify
+from graddbg import DDPInconsistencyError, DDPTimeoutError, GraddbgError, ddp_verify
 from graddbg.ddp_verify import _COLUMNS, _MULT, _PRIME
 
 # --------------------------------------------------------------------------- references
@@ -309,7 +309,7 @@ def test_comm_hook_corrupting_rank_1_is_reported_on_every_rank(world, n, request
         assert max_abs_diff == pytest.approx(1.0, rel=1e-5) == rep["max_abs_diff"]
         assert rep["df_len"] == 1 and expected in rep["text"]
     for rec in records:
-        assert rec["raised"]["error"] == "DDPInconsistencyError"
+        assert rec["raised"]["error"] == DDPInconsistencyError.__name__
         assert rec["raised"]["names"] == [expected]
 
 
@@ -400,7 +400,7 @@ def test_hand_all_reduced_plain_model(two):
 def test_different_architectures_raise_a_clear_error_on_every_rank(two):
     for rec in _scenario(two, "architecture", 2):
         width = rec["width"]
-        assert width["error"] == "DDPInconsistencyError"
+        assert width["error"] == DDPInconsistencyError.__name__
         assert "rank 0 has '0.weight' shape (16, 8) float32, rank 1 has '0.weight' shape (12, 8)" \
             in width["message"]
         assert "Ranks that differ from rank 0: [1]" in width["message"]
@@ -424,7 +424,7 @@ def test_bad_arguments_raise_before_any_collective(two):
 def test_a_rank_that_fails_to_fingerprint_makes_every_rank_raise(two):
     records = _scenario(two, "local_failure", 2)
     for rank, rec in enumerate(records):
-        assert rec["error"] == "DDPInconsistencyError"
+        assert rec["error"] == DDPInconsistencyError.__name__
         assert "rank(s) [1] could not compute their fingerprints" in rec["message"]
         assert rec["after"]["ok"]       # and the group still works
     assert "simulated failure while fingerprinting" in records[1]["message"]
@@ -438,7 +438,7 @@ def test_a_rank_that_skips_the_check_makes_the_others_raise_within_the_timeout(w
     for rank, rec in enumerate(records):
         if rank == skipper:
             continue
-        assert rec["error"] == "DDPTimeoutError", rec
+        assert rec["error"] == DDPTimeoutError.__name__, rec
         assert rec["elapsed"] < 2.0 + 3.0
         if rank == 0:
             assert f"rank(s) [{skipper}]" in rec["message"]
