@@ -617,8 +617,8 @@ class Watch:
         names = [self._names[i] for i in idx]
         # default blame: the affected parameter nearest the output (the first the backward
         # pass reached), refined below by activations and by a replay of the forward pass
-        name = names[-1]
         module = self._modules[idx[-1]]
+        name = next(n for n, i in zip(names, idx) if self._modules[i] == module)
         op = source = None
         how = "parameter gradients"
         act = got.get("act_fwd")

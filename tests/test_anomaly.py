@@ -59,7 +59,7 @@ def test_sqrt_at_zero_blames_culprit_module_and_sqrt_op():
     assert a.module == "culprit"  # not 'pre', whose gradients are NaN too
     assert "Sqrt" in a.op
     assert a.source == f"{THIS_FILE}:{_line_of('d2.sqrt()')}"
-    assert set(a.params) == {"pre.weight", "pre.bias"}
+    assert set(a.params) == {"pre.weight", "pre.bias"} and a.name == "pre.weight"
     # the error is raised before the optimizer moves: weights unchanged, and nothing lost
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert w.anomalies == [a]
