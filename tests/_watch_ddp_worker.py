@@ -60,6 +60,21 @@ def main(rank: int, world: int, port: int, out: str) -> None:
             nn.functional.mse_loss(model2(x), y).backward()
             opt2.step()
         record["mismatch"] = [(a.kind, a.name) for a in w2.anomalies]
+
+        # 3. a NaN in rank 1's batch only: after the all-reduce every rank sees it, every
+        #    rank skips the step alike, and the weights stay finite and equal
+        model3 = DDP(_model())
+        opt3 = torch.optim.SGD(model3.parameters(), lr=0.1)
+        with graddbg.watch(model3, opt3, nonfinite="skip") as w3:
+            for step in range(3):
+                xb = x.clone()
+                if rank == 1 and step == 1:
+                    xb[0, 0] = float("nan")
+                nn.functional.mse_loss(model3(xb), y).backward()
+                opt3.step()
+                opt3.zero_grad()
+        record["skip_steps"] = [a.step for a in w3.anomalies]
+        record["weights"] = [p.detach().flatten().tolist() for p in model3.module.parameters()]
     except Exception:
         record["error"] = traceback.format_exc()
     finally:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 
 import pytest
@@ -59,3 +60,11 @@ def test_ddp_check_every_records_a_mismatch_on_every_rank(ddp_results):
     for r in (0, 1):
         kinds = [k for k, _ in ddp_results[r]["mismatch"]]
         assert kinds == ["ddp_mismatch"], ddp_results[r]["mismatch"]
+
+
+@pytest.mark.timeout(240)
+def test_skip_policy_decides_alike_on_every_rank(ddp_results):
+    r0, r1 = ddp_results[0], ddp_results[1]
+    assert r0["skip_steps"] == r1["skip_steps"] == [1]
+    assert r0["weights"] == r1["weights"]
+    assert all(math.isfinite(v) for p in r0["weights"] for v in p)
