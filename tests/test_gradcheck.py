@@ -382,8 +382,16 @@ def test_complex_is_a_clear_not_implemented_error():
     z = torch.randn(3, dtype=torch.complex128, requires_grad=True)
     with pytest.raises(NotImplementedError, match="input0 is complex.*view_as_real"):
         gradcheck(torch.sin, z)
-    with pytest.raises(NotImplementedError, match="output is complex.*view_as_real"):
-        gradcheck(lambda t: torch.view_as_complex(t), x64(3, 2))
+
+
+
+def test_complex_output_checked_as_real_and_imaginary_parts():
+    x = x64(3, 2)
+    r = gradcheck(lambda t: torch.view_as_complex(t) * (1 + 2j), x)
+    assert r.ok and r.n_compared == 36
+    x = (x64(4).detach().abs() + 0.1).requires_grad_()     # polar needs abs >= 0
+    r = gradcheck(lambda t: torch.polar(t, t).exp(), x)
+    assert r.ok
 
 
 def test_bad_strings_and_options():
