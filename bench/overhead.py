@@ -121,11 +121,14 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", default=list(_models.MODELS), choices=list(_models.MODELS))
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--variants", nargs="+", default=["bare", "floor", "watch", "watch/10", "item", "anomaly"])
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's own; 1 is steadier on a shared machine)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "overhead.json"))
     args = ap.parse_args(argv)
     if args.repeats < 7:
         print(f"note: {args.repeats} repeats (the target is measured with >= 7)")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")  # detect_anomaly announces itself
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, "
           f"variants interleaved in shuffled order")
