@@ -20,7 +20,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from graddbg._errors import (
+from graddbg._errors import __all__ as _errors_all
+from graddbg._errors import (  # noqa: F401 (re-exported)
     CompileWarning,
     CoverageWarning,
     DDPInconsistencyError,
@@ -59,22 +60,7 @@ _LAZY = {
 _SUBMODULES = ("stats", "anomaly", "hooks", "gradcheck", "graphviz", "plots", "report",
                "ddp_verify", "cli", "run", "pytest_plugin")
 
-__all__ = [
-    *_LAZY,
-    *_SUBMODULES,
-    "GraddbgError",
-    "GradientAnomalyError",
-    "NonFiniteError",
-    "GradientMismatchError",
-    "DDPInconsistencyError",
-    "DDPTimeoutError",
-    "DotNotFoundError",
-    "GraddbgWarning",
-    "PrecisionWarning",
-    "CoverageWarning",
-    "CompileWarning",
-    "__version__",
-]
+__all__ = [*_LAZY, *_SUBMODULES, *_errors_all, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
