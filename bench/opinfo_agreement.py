@@ -122,6 +122,7 @@ def main(argv=None) -> None:
     passes = dict.fromkeys(names, 0)
     disagree = {n: [] for n in names if n.startswith("graddbg")}
     torch_failed, skipped, corpus = [], [], 0
+    per_op = []
     t_start = time.perf_counter()
     for i, (name, op, sample) in enumerate(_samples(args.limit, set(args.ops or ()))):
         try:
@@ -142,6 +143,7 @@ def main(argv=None) -> None:
         k = i % len(rest)
         for n in rest[k:] + rest[:k]:                    # rotate the order
             results[n] = _timed(checkers[n], fn, gargs, nd)
+        per_op.append((name, {n: r[2] for n, r in results.items()}))
         for n, (ok_n, why_n, dt_n) in results.items():
             totals[n] += dt_n
             passes[n] += ok_n
@@ -160,6 +162,23 @@ def main(argv=None) -> None:
     print(f"  speed: graddbg full is {totals['torch slow'] / max(totals['graddbg full'], 1e-9):.2f}x "
           f"torch slow;  graddbg fast is {totals['torch fast'] / max(totals['graddbg fast'], 1e-9):.2f}x "
           f"torch fast  (>1 means graddbg is faster)")
+    if per_op:
+        import math
+        import statistics
+
+        def gmean(a, b):
+            return math.exp(statistics.fmean(math.log(t[a] / t[b]) for _, t in per_op))
+
+        big = [name for name, t in per_op if t["torch slow"] > 5.0]
+        small = [t for name, t in per_op if name not in big]
+        print(f"  per-op geometric mean: graddbg full {gmean('torch slow', 'graddbg full'):.2f}x "
+              f"faster than torch slow; graddbg fast {gmean('torch fast', 'graddbg fast'):.2f}x "
+              f"torch fast")
+        print(f"  the {len(big)} ops where torch slow takes > 5 s ({', '.join(big)}) take "
+              f"{sum(t['torch slow'] for n, t in per_op if n in big):.1f}s torch slow, "
+              f"{sum(t['graddbg full'] for n, t in per_op if n in big):.1f}s graddbg full; "
+              f"the other {len(small)}: {sum(t['torch slow'] for t in small):.1f}s vs "
+              f"{sum(t['graddbg full'] for t in small):.1f}s")
     for n, rows in disagree.items():
         if rows:
             print(f"\n{n}: {len(rows)} disagreement(s)")
