@@ -53,8 +53,6 @@ STEPS_COLUMNS = ("step", "global_norm", "clipped_norm", "nonfinite", "overflow",
 # go through the foreach kernels, where the cost is the launch, not the data
 _LARGE = 1 << 16
 _FAST_DTYPES = (torch.float32, torch.float64)
-# same-shape small tensors are stacked and reduced by rows up to this many elements in all
-_STACK_LIMIT = 1 << 14
 
 #: fixed log-spaced bin edges of |grad| for histograms: [0, 1e-12), [1e-12, ...), ..., [1e4, inf)
 HIST_EDGES = tuple(10.0 ** (e / 2) for e in range(-24, 9))
@@ -135,9 +133,9 @@ class StatPlan:
     """How to reduce a fixed list of parameters' gradients, decided once.
 
     Large float32/float64 tensors are reduced one by one (``dot`` and ``aminmax``, each a
-    single fast pass). Small tensors of the same shape and dtype go through foreach
-    kernels together, and tiny ones (biases, norms' weights) are stacked into one ``[k, n]``
-    matrix and reduced along rows, so a model of many small layers costs few launches. The results come back as one
+    single fast pass). Small tensors of the same shape and dtype are stacked into one
+    ``[k, n]`` matrix and reduced along rows, so a model of many small layers costs a few
+    launches, not a few per parameter. The results come back as one
     ``[P, K]`` float64 tensor on the gradients' device: columns ``norm``, ``absmax`` and
     then the extra statistics asked for (``mean``, ``std``, ``zero_frac``). Missing
     gradients give NaN rows. Norms are accumulated in the gradient's dtype and the rare
@@ -178,20 +176,12 @@ class StatPlan:
                 self._reduce_one(present[0], grads[present[0]], want_norm, want_max, order, norms, maxes)
                 continue
             ts = [grads[i] for i in present]
-            if len(ts) * ts[0].numel() <= _STACK_LIMIT:
-                # tiny tensors: one stacked copy and a few row reductions beat a launch each
-                m = torch.stack(ts).reshape(len(ts), -1)
-                if want_norm:
-                    norms.append(torch.linalg.vector_norm(m, dim=1))
-                if want_max:  # (aminmax along a dim is slower than the two)
-                    maxes.append(torch.maximum(m.amax(1), -m.amin(1)))
-            else:
-                # foreach kernels: one launch per tensor, each below the size at which CPU
-                # kernels go multi-threaded (which is fragile on a busy machine)
-                if want_norm:
-                    norms.append(torch.stack(torch._foreach_norm(ts)))
-                if want_max:
-                    maxes.append(torch.stack(torch._foreach_max(torch._foreach_abs(ts))))
+            # one stacked copy and a few row reductions beat a few launches per tensor
+            m = torch.stack(ts).reshape(len(ts), -1)
+            if want_norm:
+                norms.append(torch.linalg.vector_norm(m, dim=1))
+            if want_max:  # (aminmax along a dim is slower than the two)
+                maxes.append(torch.maximum(m.amax(1), -m.amin(1)))
             order.extend(present)
         for i in self._single:
             g = grads[i]
@@ -220,8 +210,8 @@ class StatPlan:
         v = g.reshape(-1)
         if v.dtype not in _FAST_DTYPES:
             v = v.float()
-        if want_norm:
-            norms.append(torch.dot(v, v).sqrt())
+        if want_norm:  # (vector_norm, not BLAS dot: it stays fast on a busy machine)
+            norms.append(torch.linalg.vector_norm(v))
         if want_max:
             lo, hi = torch.aminmax(v)
             maxes.append(torch.maximum(hi, -lo))
