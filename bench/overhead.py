@@ -7,6 +7,8 @@ shuffled order each repeat, each with its own copy of the model (same initial we
 - floor:     bare + one torch._foreach_norm over all gradients (one read of them)
 - watch:     bare under graddbg.watch(model, opt) with the defaults (every step: norm,
              absmax, non-finite check; explode detector)
+- watch:norm: graddbg.watch(stats=("norm",)): the non-finite check and norms, no absmax
+             (absmax needs a second reduction pass over the gradients)
 - watch/10:  graddbg.watch(every=10, nonfinite=NonFinite(every=10)): 9 steps in 10 make no
              host synchronisation
 - item:      the usual hand-written recipe: a post-accumulate-grad hook per parameter
@@ -54,6 +56,8 @@ class Variant:
         params = [p for p in model.parameters() if p.requires_grad]
         if name == "watch":
             self.ctx = graddbg.watch(model, self.opt)
+        elif name == "watch:norm":
+            self.ctx = graddbg.watch(model, self.opt, stats=("norm",))
         elif name == "watch/10":
             self.ctx = graddbg.watch(model, self.opt, every=10, nonfinite=graddbg.NonFinite(every=10))
         elif name == "item":
@@ -120,7 +124,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(_models.MODELS), choices=list(_models.MODELS))
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--variants", nargs="+", default=["bare", "floor", "watch", "watch/10", "item", "anomaly"])
+    ap.add_argument("--variants", nargs="+",
+                    default=["bare", "floor", "watch", "watch:norm", "watch/10", "item", "anomaly"])
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's own; 1 is steadier on a shared machine)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "overhead.json"))
