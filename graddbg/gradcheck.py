@@ -512,25 +512,6 @@ def _chunk(total: int, width: int) -> int:
 # --------------------------------------------------------------------------- full mode
 
 
-def _numerical_jacobian(t: _Target, eps: float, cols: Optional[range] = None) -> torch.Tensor:
-    """Central-difference Jacobian (M, N) (or the columns in ``cols``)."""
-    x0 = t.xs[0]
-    cols = range(t.n) if cols is None else cols
-    out = x0.new_empty(t.m, len(cols))
-    step = _chunk(len(cols), 2 * (t.n + t.m))
-    for c0 in range(0, len(cols), step):
-        c1 = min(len(cols), c0 + step)
-        k = c1 - c0
-        d = x0.new_zeros(2 * k, t.n)
-        idx = torch.arange(k, device=x0.device)
-        col = torch.as_tensor(list(cols[c0:c1]), device=x0.device)
-        d[idx, col] = eps
-        d[idx + k, col] = -eps
-        f = _eval_directions(t, d)
-        out[:, c0:c1] = ((f[:k] - f[k:]) / (2 * eps)).T
-    return out
-
-
 def _screened_columns(t: _Target, opts: _Options, ana: torch.Tensor, c0: int, c1: int,
                       f0: torch.Tensor, widen: Optional[float]) -> torch.Tensor:
     """Numerical Jacobian columns c0..c1 (M, k): forward differences (one evaluation per
