@@ -960,6 +960,9 @@ def _merge_second(first: GradcheckResult, second: GradcheckResult) -> GradcheckR
     first.nondeterministic |= second.nondeterministic
     first.nondet_spread = max(first.nondet_spread, second.nondet_spread)
     first.kinks += [f"(second order) {k}" for k in second.kinks]
+    if second.localised:
+        first.localised = ", ".join(filter(None, [first.localised,
+                                                   f"second order: {second.localised}"]))
     first.notes += [f"second order: {n}" for n in second.notes]
     if not second.ok:
         first.notes.append(f"second-order check (gradients of gradients) FAILED: "
