@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -200,7 +201,7 @@ class _ExplodeState:
         if det.absolute is not None:
             threshold = det.absolute
         if det.factor is not None and len(self.level) >= det.warmup:
-            med = float(np.median(self.level))
+            med = statistics.median(self.level)  # (numpy's costs ~100 us on 50 numbers)
             threshold = min(threshold, det.factor * med)
         if global_norm > threshold:
             if self.in_episode:  # one anomaly per episode of consecutive exploded steps

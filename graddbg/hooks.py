@@ -12,6 +12,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np  # (torch imports numpy itself)
 import torch
 from torch import Tensor, nn
 
@@ -212,7 +213,7 @@ class Watch:
         self._update_dev: Optional[Tuple[StepRecord, Tensor]] = None
         self._acc_bad: Optional[Tensor] = None  # device flags between non-finite checks
         self._acc_first: Optional[Tensor] = None
-        self._ever_grad = [False] * len(self._params)
+        self._ever_grad = np.zeros(len(self._params), dtype=bool)
         self._explode_state = self._explode.new_state() if self._explode else None
         self._vanish_state = self._vanish.new_state(len(self._params)) if self._vanish else None
         self._leaf_modules: List[Tuple[str, nn.Module]] = []  # all modules, with activations=True
@@ -408,22 +409,24 @@ class Watch:
         """One step boundary: read statistics (one host sync at most), detect, apply policies."""
         step = self._step
         due_stats, due_nf = self._due(step)
-        grads = [p.grad for p in self._params]
         pending, self._pending = self._pending, None
         scale = math.nan
         div: Optional[float] = None
         clipped = False
         values = absmax = None
         if pending is not None and pending.step == step:
-            changed = any((g is not pg) or (g is not None and g._version != v)
-                          for g, pg, v in zip(grads, pending.grads, pending.versions))
+            # the gradients of the last backward pass: changed in place since (a clip) or not
+            grads = pending.grads
+            changed = [g._version if g is not None else -1 for g in grads] != pending.versions
             values, absmax = pending.values, pending.absmax
             if pending.scale is not None:
                 scale, div = pending.scale, pending.scale  # computed on scaled gradients
             clipped = changed
-        elif self._scaler is not None:
-            scale = float(self._scaler.get_scale())
-            self.host_syncs += 1
+        else:
+            grads = [p.grad for p in self._params]
+            if self._scaler is not None:
+                scale = float(self._scaler.get_scale())
+                self.host_syncs += 1
         if due_stats and values is None:
             values, div = self._plan.compute(grads), None
         if not due_stats and absmax is None and self._nonfinite is not None:
@@ -480,10 +483,8 @@ class Watch:
         import numpy as np
 
         P = len(self._params)
-        has_grad = np.array([g is not None for g in grads], dtype=bool)
-        for i, g in enumerate(grads):
-            if g is not None:
-                self._ever_grad[i] = True
+        has_grad = np.fromiter((g is not None for g in grads), dtype=bool, count=P)
+        self._ever_grad |= has_grad
 
         vals = got.get("values")
         if vals is not None:
@@ -495,9 +496,8 @@ class Watch:
                         vals[:, 2 + j] /= div
             counts = StatPlan.fixup(vals, grads)
             norms = vals[:, 0]
-            gn = float(np.sqrt(np.nansum(norms ** 2))) if not np.isnan(norms[has_grad]).any() else math.nan
-            if np.isinf(norms).any():
-                gn = math.inf
+            present = norms[has_grad]
+            gn = math.sqrt(float(np.dot(present, present)))  # NaN or inf when a norm is
         else:
             counts = None
             norms = None
@@ -589,9 +589,7 @@ class Watch:
 
     def _record_overflow(self, pending: _Pending) -> None:
         """The scaler skipped the optimizer step: record it as an overflow step."""
-        for i, g in enumerate(pending.grads):
-            if g is not None:
-                self._ever_grad[i] = True
+        self._ever_grad |= [g is not None for g in pending.grads]
         rec = StepRecord(pending.step, None, None, None, math.nan, math.nan, True,
                          float(pending.scale or math.nan), self._lr())
         self._history.append(rec)
@@ -951,7 +949,7 @@ def _readback(parts: List[Tensor], layout: List[Tuple[str, Tuple[int, ...]]]) ->
     if len(devices) == 1:
         flat = torch.cat(parts).cpu().numpy()
     else:  # model spread over devices: one read-back per device
-        flat = __import__("numpy").concatenate([p.cpu().numpy() for p in parts])
+        flat = np.concatenate([p.cpu().numpy() for p in parts])
     out: Dict[str, Any] = {}
     offset = 0
     for (name, shape), p in zip(layout, parts):

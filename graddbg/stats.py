@@ -281,7 +281,10 @@ class StatPlan:
         import numpy as np
 
         counts = np.zeros(len(grads), dtype=np.int64)
-        bad = np.nonzero(~np.isfinite(values[:, 0]))[0]  # a NaN/Inf entry makes the norm one
+        finite = np.isfinite(values[:, 0])  # a NaN/Inf entry makes the norm one
+        if finite.all():
+            return counts
+        bad = np.nonzero(~finite)[0]
         for i in bad:
             g = grads[i]
             if g is None:
