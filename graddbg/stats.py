@@ -53,6 +53,8 @@ STEPS_COLUMNS = ("step", "global_norm", "clipped_norm", "nonfinite", "overflow",
 # go through the foreach kernels, where the cost is the launch, not the data
 _LARGE = 1 << 16
 _FAST_DTYPES = (torch.float32, torch.float64)
+# same-shape tensors up to this size are stacked and reduced by rows
+_STACK_NUMEL = 2048
 
 #: fixed log-spaced bin edges of |grad| for histograms: [0, 1e-12), [1e-12, ...), ..., [1e4, inf)
 HIST_EDGES = tuple(10.0 ** (e / 2) for e in range(-24, 9))
@@ -133,9 +135,9 @@ class StatPlan:
     """How to reduce a fixed list of parameters' gradients, decided once.
 
     Large float32/float64 tensors are reduced one by one (``dot`` and ``aminmax``, each a
-    single fast pass). Small tensors of the same shape and dtype are stacked into one
-    ``[k, n]`` matrix and reduced along rows, so a model of many small layers costs a few
-    launches, not a few per parameter. The results come back as one
+    single fast pass). Small tensors of the same shape and dtype go through one foreach
+    norm, and tiny ones (biases, norms' weights) are stacked into one ``[k, n]`` matrix and
+    reduced along rows, so a model of many small layers costs few launches. The results come back as one
     ``[P, K]`` float64 tensor on the gradients' device: columns ``norm``, ``absmax`` and
     then the extra statistics asked for (``mean``, ``std``, ``zero_frac``). Missing
     gradients give NaN rows. Norms are accumulated in the gradient's dtype and the rare
@@ -176,12 +178,20 @@ class StatPlan:
                 self._reduce_one(present[0], grads[present[0]], want_norm, want_max, order, norms, maxes)
                 continue
             ts = [grads[i] for i in present]
-            # one stacked copy and a few row reductions beat a few launches per tensor
-            m = torch.stack(ts).reshape(len(ts), -1)
-            if want_norm:
-                norms.append(torch.linalg.vector_norm(m, dim=1))
-            if want_max:  # (aminmax along a dim is slower than the two)
-                maxes.append(torch.maximum(m.amax(1), -m.amin(1)))
+            if ts[0].numel() <= _STACK_NUMEL:
+                # tiny tensors (biases, norms): one stacked copy and row reductions beat
+                # a launch per tensor
+                m = torch.stack(ts).reshape(len(ts), -1)
+                if want_norm:
+                    norms.append(torch.linalg.vector_norm(m, dim=1))
+                if want_max:  # (aminmax along a dim is slower than the two)
+                    maxes.append(torch.maximum(m.amax(1), -m.amin(1)))
+            else:  # larger ones: no copy; a foreach norm and one aminmax pass each
+                if want_norm:
+                    norms.append(torch.stack(torch._foreach_norm(ts)))
+                if want_max:
+                    mm = [torch.aminmax(t) for t in ts]
+                    maxes.append(torch.maximum(torch.stack([x.max for x in mm]), -torch.stack([x.min for x in mm])))
             order.extend(present)
         for i in self._single:
             g = grads[i]
