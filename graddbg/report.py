@@ -130,8 +130,8 @@ def render_report(run: Any, *, graph: Any = None, title: Optional[str] = None) -
     sections.append(("summary", "Run summary", _summary_html(stats, steps, anomalies, meta)))
     sections.append(("anomalies", f"Anomalies ({len(anomalies)})", _anomalies_html(anomalies)))
     sections.append(("plots", "Plots", _plots_html(stats, steps, anomalies, histograms)))
-    sections.append(("parameters", "Per-parameter summary", _param_summary_html(run, stats)))
-    sections.append(("modules", "Per-module summary", _module_summary_html(run, stats)))
+    sections.append(("parameters", "Per-parameter summary", _summary_table_html(run, stats, "param")))
+    sections.append(("modules", "Per-module summary", _summary_table_html(run, stats, "module")))
     if activations is not None and len(activations):
         sections.append(("activations", "Activation gradients (per module)",
                          _activations_html(activations)))
@@ -404,26 +404,17 @@ def _call_summary(run: Any, stats: "pandas.DataFrame", by: str) -> "pandas.DataF
     return summarize(stats, by=by)
 
 
-def _param_summary_html(run: Any, stats: "pandas.DataFrame") -> str:
+def _summary_table_html(run: Any, stats: "pandas.DataFrame", by: str) -> str:
+    """The per-parameter (``by="param"``) or per-module summary table."""
     if len(stats) == 0:
         return '<p class="note">No step was recorded.</p>'
+    what = "per-parameter" if by == "param" else "per-module"
     try:
-        frame = _call_summary(run, stats, "param")
+        frame = _call_summary(run, stats, by)
     except Exception as e:
-        return _error("the per-parameter summary", e)
+        return _error(f"the {what} summary", e)
     return _frame_table(frame, max_rows=MAX_SUMMARY_ROWS, bad_col="nonfinite_total",
-                        cls="param-summary")
-
-
-def _module_summary_html(run: Any, stats: "pandas.DataFrame") -> str:
-    if len(stats) == 0:
-        return '<p class="note">No step was recorded.</p>'
-    try:
-        frame = _call_summary(run, stats, "module")
-    except Exception as e:
-        return _error("the per-module summary", e)
-    return _frame_table(frame, max_rows=MAX_SUMMARY_ROWS, bad_col="nonfinite_total",
-                        cls="module-summary")
+                        cls=f"{by}-summary")
 
 
 def _activations_html(activations: "pandas.DataFrame") -> str:
