@@ -18,7 +18,6 @@ import argparse
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from graddbg._errors import GradientAnomalyError, GraddbgWarning, NonFiniteError

@@ -6,7 +6,6 @@ Exit codes: 0 healthy, 1 anomalies found (see ``--fail-on``) or the script faile
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import runpy
 import sys
@@ -264,7 +263,7 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", ev
     for k, v in kwargs.items():  # validate the options before running anything
         if k != "every" and v is not None:
             graddbg.anomaly.check_policy(v, f"--{k}")
-    old_argv, old_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    old_argv = sys.argv[:]
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     status, failure = 0, None

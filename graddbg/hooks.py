@@ -10,7 +10,7 @@ import dataclasses
 import math
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np  # (torch imports numpy itself)
 import torch

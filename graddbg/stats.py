@@ -482,7 +482,6 @@ def summarize(stats, by: str = "param"):
     NaN-aware means skip NaN.
     """
     import numpy as np
-    import pandas as pd
 
     if by not in ("param", "module"):
         raise ValueError(f"by= must be 'param' or 'module', got {by!r}")

@@ -243,7 +243,6 @@ def nan_rank1(rank, world, dev):
 def _accumulate(model, opt, rank, dev, accum, buggy):
     """4 micro-batches per step. The bug: the no_sync condition is off by one."""
     v = _check()
-    grads_ok = []
     for i in range(accum):
         x = _batch(rank * 50 + i, dev)
         skip_sync = (i % accum != 0) if buggy else ((i + 1) % accum != 0)

@@ -484,7 +484,6 @@ def test_activation_gradient_norm_matches_reference_and_module_reuse_adds_up():
 
     model = Twice()
     x = torch.randn(2, 3)
-    outs = []
     with graddbg.watch(model, activations=True) as w:
         h1 = model.lin(x)
         h1.retain_grad()

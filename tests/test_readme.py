@@ -5,7 +5,6 @@ one does); ```bash blocks are the commands, exercised by tests/test_cli.py and C
 """
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 

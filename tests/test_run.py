@@ -14,7 +14,6 @@ import torch
 import graddbg
 from graddbg import GraddbgError
 from graddbg._errors import CoverageWarning
-from graddbg.anomaly import Anomaly
 from graddbg.run import FORMAT_VERSION, Run, load
 from test_plots import PARAMS, make_frames
 
