@@ -220,8 +220,9 @@ class StatPlan:
         v = g.reshape(-1)
         if v.dtype not in _FAST_DTYPES:
             v = v.float()
-        if want_norm:  # (vector_norm, not BLAS dot: it stays fast on a busy machine)
-            norms.append(torch.linalg.vector_norm(v))
+        if want_norm:
+            # BLAS dot runs on every intra-op thread (vector_norm runs on one on CPU)
+            norms.append(torch.dot(v, v).sqrt() if v.device.type == "cpu" else torch.linalg.vector_norm(v))
         if want_max:
             lo, hi = torch.aminmax(v)
             maxes.append(torch.maximum(hi, -lo))
