@@ -205,6 +205,7 @@ class Watch:
         self.host_syncs = 0  #: host synchronisations made by the watch (read-backs)
         self._closed = False
         self._cb_queued = False
+        self._bwd_since_fwd = True
         self._pending: Optional[_Pending] = None
         self._capture: Optional[_Capture] = None
         self._replaying = False
@@ -276,10 +277,23 @@ class Watch:
 
     # ------------------------------------------------------------------ hook bodies
     def _on_root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._replaying or not self._localize or not torch.is_grad_enabled() or _in_backward():
+        if self._replaying or not torch.is_grad_enabled() or _in_backward():
             return None
-        self._rng = torch.get_rng_state()
+        if not self._bwd_since_fwd:
+            # the previous forward pass was never backpropagated (an evaluation loop with
+            # grad enabled, say): drop what it registered, so nothing piles up
+            self._drop_forward_state()
+        self._bwd_since_fwd = False
+        if self._localize:
+            self._rng = torch.get_rng_state()
         return None
+
+    def _drop_forward_state(self) -> None:
+        handles, self._temp_handles = self._temp_handles, []
+        for h in handles:
+            h.remove()
+        self._act_fwd = []
+        self._act_bwd = []
 
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._replaying or not torch.is_grad_enabled() or _in_backward():
@@ -301,6 +315,7 @@ class Watch:
             w = wself()
             if w is None or w._closed or w._replaying:
                 return
+            w._bwd_since_fwd = True
             if cap is not None:
                 cap.grad = grad
                 w._capture = cap
@@ -565,6 +580,7 @@ class Watch:
     def _finish_step(self) -> None:
         self._step += 1
         self._capture = None
+        self._bwd_since_fwd = True
         handles, self._temp_handles = self._temp_handles, []
         for h in handles:
             h.remove()

@@ -582,3 +582,17 @@ def test_bad_detector_arguments():
         graddbg.Explode(factor=0.5)
     with pytest.raises(ValueError, match=r"Vanish\(below=\) must be > 0"):
         graddbg.Vanish(below=0)
+
+
+def test_forwards_without_backward_do_not_pile_up():
+    model = PROBLEMS["resnetlike"].make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = PROBLEMS["resnetlike"].make_batch(torch.device("cpu"))
+    with graddbg.watch(model, opt, activations=True) as w:
+        for _ in range(50):  # an evaluation loop that forgot torch.no_grad()
+            model(x)
+        assert len(w._temp_handles) <= 20 and len(w._act_fwd) <= 20
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert len(w.stats) == 8 and w.activations["step"].unique().tolist() == [0]
+    assert len(w.activations) == len(w.activations["module"].unique())  # one forward counted
