@@ -32,13 +32,8 @@ class Cube(torch.autograd.Function):
         return 3 * x * x * g
 
 
-class CubeOneWrong(torch.autograd.Function):
+class CubeOneWrong(Cube):
     """x**3 whose derivative at flat element 7 is doubled: one wrong Jacobian entry."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x ** 3
 
     @staticmethod
     def backward(ctx, g):
