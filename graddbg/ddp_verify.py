@@ -3,10 +3,10 @@
 Every check is *collective*: every rank of the group calls it at the same point of the
 program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
 
-1. local fingerprints of every tensor, computed on the tensors' own device (two streaming
-   integer reductions per tensor, no host synchronisation), stacked into a small
-   ``[tensors x k]`` integer table, and a digest of that table (two hashes modulo primes
-   near 2**31);
+1. local fingerprints of every tensor, computed on the tensors' own device (one streaming
+   integer reduction per tensor that reads it once, no host synchronisation), stacked
+   into a small ``[tensors x k]`` integer table, and a digest of that table (two hashes
+   modulo primes near 2**31);
 2. meanwhile, in a helper thread, a monitored barrier with a timeout (on the group itself
    when it is a gloo group, on a gloo side group otherwise, created once per group and
    cached, see :func:`prepare`), so that a rank which never arrives makes the others raise
@@ -23,10 +23,11 @@ program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
    never travel otherwise.
 
 Two modes. With ``atol == rtol == 0`` (the default) the comparison is *bitwise*: a
-fingerprint is three integer hashes of the raw bits (a sum of the words, and two sums
-weighted by the position of the word in its column and in its row of a
-``[n / 1024, 1024]`` view), so any change of a single element is always caught, any other
-change with overwhelming probability, and the same NaN on every rank is consistent. With a
+fingerprint is a word sum and two position-weighted hashes of the raw bits, exact integer
+arithmetic (see :func:`fingerprints` for what is guaranteed): any change of a single
+element is always caught, a swap of two elements in different blocks of 1024 words
+with overwhelming probability, a reordering inside one block never; the same NaN on every
+rank is consistent. With a
 tolerance, the fingerprint is the float64 sum, sum of squares and sum of absolute values
 of the finite elements and the counts of NaN, +Inf and -Inf; two ranks disagree when a
 count differs or a sum differs by more than elementwise ``|a - b| <= atol + rtol * |b|``
@@ -83,66 +84,115 @@ __all__ = [
     "prepare",
 ]
 
-_COLUMNS = 1024                 # width of the 2-D view the positional hashes use
-_BLOCK_ROWS = 64                # CPU: rows of that view reduced per block (256 KiB of words)
-_PRIME = 2_147_483_647          # 2**31 - 1: the positional hashes are taken modulo this
-_MULT = 1_103_515_245           # weight of position i is (i + 1) * _MULT mod _PRIME
+_BLOCK = 1024                   # words per block: the bitwise fingerprint sums each block once
+_WEIGHT_MULTS = (0x5BD1E995, 0x27D4EB2F)        # odd multipliers: one per hash (_cell_plan)
+_PRIME = 2_147_483_647          # 2**31 - 1: the digest of a whole table uses primes below 2**31
+_MULT = 1_103_515_245           # digest weight of position i is (i + 1) * _MULT mod the prime
 _MAX_DETAIL_TENSORS = 16        # details=True gathers at most this many differing tensors
 _DETAIL_BYTES = 1 << 25         # ... in slices of at most this many bytes over all ranks
 _MAX_STR_ROWS = 10              # str(report) shows at most this many rows
-_BITWISE_K = 4                  # present, word sum, column hash, row hash
+_BITWISE_K = 4                  # present, word sum, two block hashes
 _TOLERANCE_K = 7                # present, nan, +inf, -inf, sum, sum of squares, sum of |x|
 
 Timeout = Union[timedelta, float, int]
 
 
 # --------------------------------------------------------------------------- fingerprints
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of ``t`` as a 1-D integer tensor (int32, int16 or uint8 words)."""
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a flat tensor in row-major order (dense; complex as its real view)."""
     t = t.detach()
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.is_complex():
         t = torch.view_as_real(t)
-    flat = t.reshape(-1)
+    return t.reshape(-1)
+
+
+def _words(t: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The bytes of ``t`` as words: (body, last).
+
+    8-byte elements: int64 words, one per element, ``last`` is None. Otherwise int32 words
+    (little-endian; 1- and 2-byte elements packed 4 or 2 to a word); when the byte count
+    is not a multiple of 4, ``last`` is one more int32 word holding the 1 to 3 bytes left
+    over, zero-padded. No copy unless ``t`` is not contiguous (or its start is not aligned
+    to a word).
+    """
+    flat = _flat(t)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
     size = flat.element_size()
-    if size in (4, 8):
-        return flat.view(torch.int32)
-    if size == 2:
-        return flat.view(torch.int16)
-    return flat.view(torch.uint8)
+    if size == 8:
+        return flat.view(torch.int64), None
+    if size == 4:
+        return flat.view(torch.int32), None
+    per = 4 // size
+    n = flat.numel()
+    m = n - n % per
+    body = flat[:m]
+    try:
+        words = body.view(torch.int32)
+    except RuntimeError:                 # a view that does not start on a word boundary
+        words = body.clone().view(torch.int32)
+    last = None
+    if m < n:
+        rest = flat[m:].view(torch.uint8)
+        padded = torch.zeros(4, dtype=torch.uint8, device=flat.device)
+        padded[: rest.numel()] = rest
+        last = padded.view(torch.int32)
+    return words, last
 
 
-def _bitwise_parts(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Column sums ``[_COLUMNS]`` and row sums ``[rows + 1]`` (int32, wrapping) of t's words."""
-    w = _words(t)
-    n = w.numel()
-    rows = n // _COLUMNS
-    body = w[: rows * _COLUMNS].view(rows, _COLUMNS)
-    tail = w[rows * _COLUMNS:]
-    if body.device.type == "cpu" and rows > _BLOCK_ROWS:
-        # On CPU, block by block, so that the second reduction reads the block from cache:
-        # one trip through memory instead of two. (Wrapping integer sums do not depend on
-        # the order of summation, so the result is the same.)
-        row_parts, col = [], torch.zeros(_COLUMNS, dtype=torch.int32)
-        for block in body.split(_BLOCK_ROWS):
-            row_parts.append(block.sum(1, dtype=torch.int32))
-            col += block.sum(0, dtype=torch.int32)
-        row_sums = torch.cat(row_parts)
-    else:
-        col = body.sum(0, dtype=torch.int32)
-        row_sums = body.sum(1, dtype=torch.int32)
-    col[: tail.numel()] += tail
-    row = torch.cat([row_sums, tail.sum(dtype=torch.int32).reshape(1)])
-    return col, row
+def _cells(t: torch.Tensor) -> Tuple[List[torch.Tensor], bool]:
+    """The block sums of ``t``'s words, in one read of ``t``: "cells", in one or two pieces.
+
+    int32 words: one cell per block of ``_BLOCK`` words, its sum modulo 2**32 (a signed
+    int32 value). int64 words (8-byte elements): each block's sum modulo 2**64 gives two
+    cells, its low and its high 32 bits. Returns (cells, wide) with wide for int64 words.
+    """
+    words, last = _words(t)
+    wide = words.dtype == torch.int64
+    n = words.numel()
+    full = n // _BLOCK
+    parts = []
+    if full:                # wrapping integer sums: one streaming pass, no cast, no copy
+        parts.append(words[: full * _BLOCK].view(full, _BLOCK).sum(1, dtype=words.dtype))
+    if n > full * _BLOCK or last is not None or not full:
+        rest = words[full * _BLOCK:].sum(dtype=words.dtype).reshape(1)
+        if last is not None:
+            rest = rest.to(torch.int64) + last.to(torch.int64)   # taken modulo 2**32 later
+        parts.append(rest)
+    if wide:
+        parts = [p.view(torch.int32) for p in parts]             # (low, high) per block
+    return parts, wide
 
 
-# Constant index tensors, by (what, size or lengths, device): the same model asks for the
+def _cell_plan(layout: Tuple[Tuple[int, bool], ...], device: torch.device) -> Tuple[torch.Tensor, ...]:
+    """For the cells of several tensors laid end to end: where each tensor's cells end
+    (offsets, with a leading 0), the present flags, the shift that puts each cell in place
+    in the word sum (0, or 32 for the high half of a 64-bit block sum) and the [2, cells]
+    odd weights of the two hashes (the weight of the cell at position i of its tensor is
+    2 * ((i * mult) mod 2**31) + 1: odd, and distinct for i < 2**31)."""
+    def build() -> Tuple[torch.Tensor, ...]:
+        counts = torch.tensor([c for c, _ in layout], dtype=torch.int64)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        position = torch.cat([torch.arange(c, dtype=torch.int64) for c, _ in layout]) \
+            if layout else torch.zeros(0, dtype=torch.int64)
+        wide = torch.repeat_interleave(torch.tensor([w for _, w in layout], dtype=torch.bool),
+                                       counts)
+        shift = torch.where(wide & (position % 2 == 1), 32, 0).to(torch.int64)
+        weights = torch.stack([(position * m).bitwise_and_((1 << 31) - 1).mul_(2).add_(1)
+                               for m in _WEIGHT_MULTS])
+        present = torch.tensor([c > 0 for c, _ in layout], dtype=torch.int64)
+        return tuple(x.to(device) for x in (offsets, present, shift, weights))
+    return _constant(("cells", layout, str(device)), build)
+
+
+# Constant index tensors, by (what, size or layout, device): the same model asks for the
 # same ones at every check, so they are built once. Bounded; cleared when full.
 _CONSTANTS: dict = {}
 
 
-def _constant(key: tuple, build: Any) -> torch.Tensor:
+def _constant(key: tuple, build: Any) -> Any:
     value = _CONSTANTS.get(key)
     if value is None:
         if len(_CONSTANTS) > 64:
@@ -151,44 +201,33 @@ def _constant(key: tuple, build: Any) -> torch.Tensor:
     return value
 
 
+def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
+                          device: torch.device) -> torch.Tensor:
+    cells, layout = [], []
+    for t in tensors:
+        if t is None:
+            layout.append((0, False))
+            continue
+        parts, wide = _cells(t)
+        cells += [p.to(device, non_blocking=True) for p in parts]
+        layout.append((sum(p.numel() for p in parts), wide))
+    offsets, present, shift, weights = _cell_plan(tuple(layout), device)
+    u = torch.cat(cells).to(torch.int64) if cells else \
+        torch.zeros(0, dtype=torch.int64, device=device)         # signed 32-bit values
+    placed = torch.bitwise_left_shift(u, shift) if any(w for _, w in layout) else u
+    # Word sum and the two hashes of every tensor, all modulo 2**64 (int64 arithmetic wraps):
+    # running sums over all cells, differenced at the tensors' boundaries.
+    terms = torch.cat([placed.unsqueeze(0), u * weights])          # [3, cells]
+    running = torch.cat([torch.zeros(3, 1, dtype=torch.int64, device=device),
+                         terms.cumsum(1)], dim=1)
+    sums = running[:, offsets[1:]] - running[:, offsets[:-1]]      # [3, tensors]
+    return torch.cat([present.unsqueeze(0), sums]).t().contiguous()
+
+
 def _position_weights(n: int, device: torch.device, prime: int = _PRIME) -> torch.Tensor:
     """Weight of position i: (i + 1) * _MULT mod prime, distinct for every i < prime."""
     return _constant(("weights", n, str(device), prime), lambda: torch.arange(
         1, n + 1, device=device, dtype=torch.int64).mul_(_MULT).remainder_(prime))
-
-
-def _row_plan(lengths: Tuple[int, ...], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """For rows of several tensors laid end to end: the tensor of each row, and its weight."""
-    def build() -> Tuple[torch.Tensor, torch.Tensor]:
-        segment = torch.repeat_interleave(torch.arange(len(lengths)),
-                                          torch.tensor(lengths)).to(device)
-        weights = torch.cat([_position_weights(n, torch.device("cpu")) for n in lengths])
-        return segment, weights.to(device)
-    return _constant(("rows", lengths, str(device)), build)
-
-
-def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
-                          device: torch.device) -> torch.Tensor:
-    cols, rows, present = [], [], []
-    for t in tensors:
-        if t is None:
-            cols.append(torch.zeros(_COLUMNS, dtype=torch.int32, device=device))
-            rows.append(torch.zeros(1, dtype=torch.int32, device=device))
-            present.append(0)
-            continue
-        c, r = _bitwise_parts(t)
-        cols.append(c.to(device, non_blocking=True))
-        rows.append(r.to(device, non_blocking=True))
-        present.append(1)
-    col = torch.stack(cols).to(torch.int64)                               # [P, C]
-    word_sum = col.sum(1)
-    col_hash = col.remainder_(_PRIME).mul_(_position_weights(_COLUMNS, device)) \
-                  .remainder_(_PRIME).sum(1)
-    segment, weights = _row_plan(tuple(r.numel() for r in rows), device)
-    contrib = torch.cat(rows).to(torch.int64).remainder_(_PRIME).mul_(weights).remainder_(_PRIME)
-    row_hash = torch.zeros(len(rows), dtype=torch.int64, device=device).index_add_(0, segment, contrib)
-    flag = torch.tensor(present, dtype=torch.int64).to(device, non_blocking=True)
-    return torch.stack([flag, word_sum, col_hash, row_hash], dim=1)
 
 
 _DIGEST_PRIMES = (2_147_483_647, 2_147_483_629)   # two primes below 2**31
@@ -210,22 +249,17 @@ def _digest(table: torch.Tensor) -> torch.Tensor:
 _CHUNK = 1 << 16     # CPU float64 sums go chunk by chunk, each chunk cast while in cache
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.reshape(-1)
-
-
 def _float_sums(x: torch.Tensor) -> torch.Tensor:
     """float64 [sum, sum of squares, sum of |x|] of a flat tensor (NaN/Inf propagate)."""
     pieces = x.split(_CHUNK) if x.device.type == "cpu" and x.numel() > _CHUNK else (x,)
     out = []
     for piece in pieces:
-        d = piece.to(torch.float64)
-        out.append(torch.stack([d.sum(), torch.dot(d, d), torch.linalg.vector_norm(d, 1)]))
+        if piece.dtype == torch.float64 and piece.numel() > _CHUNK:   # no copy: three reads
+            out.append(torch.stack([piece.sum(), torch.dot(piece, piece),
+                                    torch.linalg.vector_norm(piece, 1)]))
+            continue
+        d = piece.to(torch.float64, copy=True)     # on CPU a chunk, cast while in cache
+        out.append(torch.stack([d.sum(), torch.dot(d, d), d.abs_().sum()]))
     return out[0] if len(out) == 1 else torch.stack(out).sum(0)
 
 
@@ -260,8 +294,33 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitw
                  device: Optional[torch.device] = None) -> torch.Tensor:
     """Per-tensor fingerprints, computed locally (no communication), as an int64 ``[n, k]`` table.
 
-    ``mode="bitwise"``: columns ``present, word_sum, column_hash, row_hash`` (hashes of
-    the raw bits). ``mode="tolerance"``: ``present, nan, posinf, neginf`` and the float64
+    ``mode="bitwise"``: columns ``present, word_sum, hash_a, hash_b``, computed from the raw
+    bits with integer arithmetic only, so they are exact and the same on every machine
+    and device (any summation order gives the same result). The bytes of a tensor (dense,
+    row-major; complex as its real view) are read as little-endian int32 words, the last
+    one zero-padded (int64 words for 8-byte element types); each block of ``_BLOCK``
+    (1024) words is summed modulo 2**32 (2**64) in one streaming pass, which reads every
+    tensor once. Those block sums (two 32-bit cells per block for int64 words) give
+    ``word_sum``, their sum modulo 2**64, and two hashes ``sum(w_i * cell_i) mod 2**64``
+    with odd weights ``w_i`` distinct for every block (two different weight sequences).
+    Guaranteed:
+
+    * a change of any single element (any of its bits) is always detected, and so is any
+      change confined to one block that changes that block's word sum modulo 2**32
+      (2**64 for 8-byte types);
+    * a change confined to two blocks: for a given change of one block's sum, at most one
+      change of the other's escapes each hash. In particular exchanging two 32-bit words
+      that lie in different blocks (two float32 elements, say) goes unseen by a hash only
+      if the two words differ by one of at most two values fixed by the pair of blocks,
+      and it must escape both hashes;
+    * not detected: any reordering of the words inside one block (a block sum does not
+      depend on their order).
+
+    Other changes are caught unless they cancel in the word sum and in both hashes at
+    once (for changes that are not constructed to, about 1 in 2**64). NaNs compare by
+    their bits: the same NaN is consistent, ``-0.0`` differs from ``0.0``.
+
+    ``mode="tolerance"``: ``present, nan, posinf, neginf`` and the float64
     ``sum, sum_of_squares, sum_abs`` of the finite elements, stored bit for bit in int64
     (``table[:, 4:].view(torch.float64)``). ``None`` entries get ``present == 0``.
     The table lands on ``device`` (default: the first tensor's device).

@@ -18,31 +18,49 @@ import torch.distributed as dist
 import _ddp_workers as workers
 from conftest import requires_cuda
 from graddbg import DDPInconsistencyError, DDPTimeoutError, GraddbgError, ddp_verify
-from graddbg.ddp_verify import _COLUMNS, _MULT, _PRIME
 
 # --------------------------------------------------------------------------- references
 
+_M64 = 1 << 64
 
-def _wrap32(v: int) -> int:
-    v &= 0xFFFFFFFF
-    return v - (1 << 32) if v >= 1 << 31 else v
+
+def _signed(v: int, bits: int) -> int:
+    v &= (1 << bits) - 1
+    return v - (1 << bits) if v >= 1 << (bits - 1) else v
 
 
 def naive_bitwise(t: torch.Tensor) -> list:
-    """The bitwise fingerprint written out with Python integers, one word at a time."""
-    words = [int(w) for w in ddp_verify._words(t).tolist()]
-    n = len(words)
-    cols = [0] * _COLUMNS
-    rows = [0] * (n // _COLUMNS + 1)
-    for i, w in enumerate(words):
-        cols[i % _COLUMNS] += w
-        rows[i // _COLUMNS] += w
-    cols = [_wrap32(c) for c in cols]
-    rows = [_wrap32(r) for r in rows]
-    word_sum = sum(cols)
-    col_hash = sum((c % _PRIME) * ((i + 1) * _MULT % _PRIME) % _PRIME for i, c in enumerate(cols))
-    row_hash = sum((r % _PRIME) * ((i + 1) * _MULT % _PRIME) % _PRIME for i, r in enumerate(rows))
-    return [1, word_sum, col_hash, row_hash]
+    """The bitwise fingerprint written out with Python integers, from the tensor's bytes.
+
+    Words: little-endian int32 (int64 for 8-byte elements), the last one zero-padded; the
+    sum of each block of ddp_verify._BLOCK words modulo 2**32 (2**64) gives one cell (two
+    cells, low and high 32 bits); word sum and two weighted hashes of the cells mod 2**64.
+    """
+    flat = t.detach()
+    if flat.layout != torch.strided:
+        flat = flat.to_dense()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    flat = flat.reshape(-1).contiguous()
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    raw = bytes(flat.view(torch.uint8).tolist())
+    wide = flat.element_size() == 8
+    size = 8 if wide else 4
+    raw += bytes(-len(raw) % size)
+    words = [int.from_bytes(raw[i:i + size], "little", signed=True) for i in range(0, len(raw), size)]
+    block = ddp_verify._BLOCK
+    sums = [sum(words[i:i + block]) for i in range(0, len(words), block)] or [0]
+    if wide:
+        cells = []
+        for b in sums:
+            cells += [_signed(b, 32), _signed(b >> 32, 32)]
+    else:
+        cells = [_signed(b, 32) for b in sums]
+    word_sum = sum(c << (32 if wide and k % 2 else 0) for k, c in enumerate(cells))
+    hashes = [sum((2 * ((k * m) % (1 << 31)) + 1) * c for k, c in enumerate(cells))
+              for m in ddp_verify._WEIGHT_MULTS]
+    return [1] + [_signed(v % _M64, 64) for v in [word_sum] + hashes]
 
 
 def naive_tolerance(t: torch.Tensor) -> list:
@@ -52,15 +70,37 @@ def naive_tolerance(t: torch.Tensor) -> list:
             math.fsum(finite), math.fsum(v * v for v in finite), math.fsum(abs(v) for v in finite)]
 
 
-SHAPES = [(), (7,), (3, 5), (1024,), (2, 1024), (2500,), (3, 1100), (67, 1031)]
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.uint8]
+SHAPES = [(), (7,), (3, 5), (1024,), (2, 1024), (2500,), (3, 1100), (4097,)]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.uint8,
+          torch.int8, torch.bool]
 
 
 def _tensor(shape, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
         return (torch.randn(shape, generator=g) * 3).to(dtype)
-    return torch.randint(0, 200, shape, generator=g).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    return torch.randint(-100 if dtype.is_signed else 0, 200 if dtype != torch.int8 else 100,
+                         shape, generator=g).to(dtype)
+
+
+def _fp(t: torch.Tensor) -> list:
+    return ddp_verify.fingerprints([t])[0].tolist()
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _flip(t: torch.Tensor, index: tuple, bit: int) -> torch.Tensor:
+    """A copy of ``t`` (same strides) with one bit of one element flipped."""
+    u = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    u.copy_(t)
+    bits = u.view(_INT_OF_SIZE[t.element_size()])
+    old = int(bits[index])
+    bits[index] = _signed(old ^ (1 << bit), 8 * t.element_size()) \
+        if bits.dtype.is_signed else (old ^ (1 << bit))
+    return u
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -70,46 +110,100 @@ def _tensor(shape, dtype, seed=0):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_bitwise_fingerprint_matches_naive_reference(shape, dtype):
     t = _tensor(shape, dtype)
-    assert ddp_verify.fingerprints([t])[0].tolist() == naive_bitwise(t)
+    assert _fp(t) == naive_bitwise(t)
 
 
 def test_bitwise_fingerprint_batches_like_one_at_a_time():
-    ts = [_tensor(s, torch.float32, seed=i) for i, s in enumerate(SHAPES)]
-    table = ddp_verify.fingerprints(ts + [None])
-    assert table.shape == (len(ts) + 1, 4)
-    for i, t in enumerate(ts):
-        assert table[i].tolist() == ddp_verify.fingerprints([t])[0].tolist()
-    assert table[-1].tolist() == [0, 0, 0, 0]
+    ts = [_tensor(s, d, seed=i) for i, (s, d) in enumerate(zip(SHAPES, DTYPES))]
+    table = ddp_verify.fingerprints(ts + [None] + ts[:2])
+    assert table.shape == (len(ts) + 3, 4)
+    for i, t in enumerate(ts + [None] + ts[:2]):
+        assert table[i].tolist() == (_fp(t) if t is not None else [0, 0, 0, 0])
 
 
-def test_every_single_bit_flip_changes_the_bitwise_fingerprint():
-    t = _tensor((3, 1100), torch.float32)
-    base = ddp_verify.fingerprints([t])[0]
-    words = t.view(torch.int32).reshape(-1)
-    rng = random.Random(0)
-    for _ in range(200):
-        i, bit = rng.randrange(words.numel()), rng.randrange(32)
+# Every position, last element included: tensors with full blocks and a partial one, an odd
+# count of 2-byte elements (a zero-padded last word), 8-byte elements, bytes, a transposed view.
+SINGLE_CHANGE_CASES = {
+    "float32": lambda: _tensor((2500,), torch.float32),
+    "float16-odd": lambda: _tensor((2049,), torch.float16),
+    "bfloat16": lambda: _tensor((3, 700), torch.bfloat16),
+    "float64": lambda: _tensor((1030,), torch.float64),
+    "uint8-odd": lambda: _tensor((4099,), torch.uint8),
+    "non-contiguous": lambda: _tensor((70, 40), torch.float32).t(),
+}
+
+
+@pytest.mark.parametrize("case", list(SINGLE_CHANGE_CASES))
+def test_a_change_of_any_single_element_is_always_detected(case):
+    t = SINGLE_CHANGE_CASES[case]()
+    base = _fp(t)
+    rng = random.Random(case)
+    bits = 8 * t.element_size()
+    positions = list(range(t.numel()))
+    assert positions[-1] == t.numel() - 1
+    for flat_index in positions:
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), t.shape))
+        bit = rng.randrange(bits)
+        assert _fp(_flip(t, index, bit)) != base, (flat_index, bit)
+
+
+def test_an_8_byte_element_whose_32_bit_halves_change_in_opposite_ways_is_detected():
+    """The low word +1, the high word -1: a sum of 32-bit words would not see it."""
+    t = _tensor((2000,), torch.float64)
+    for k in (0, 999, 1999):
         u = t.clone()
-        w = u.view(torch.int32).reshape(-1)
-        w[i] = _wrap32(int(words[i]) ^ (1 << bit))
-        assert not torch.equal(ddp_verify.fingerprints([u])[0], base), (i, bit)
+        halves = u.view(torch.int32)
+        halves[2 * k] += 1
+        halves[2 * k + 1] -= 1
+        assert _fp(u) != _fp(t), k
 
 
-@pytest.mark.parametrize("j", [1, _COLUMNS, 2 * _COLUMNS + 5], ids=["same-row", "same-column", "both-differ"])
-def test_swapping_two_elements_changes_the_bitwise_fingerprint(j):
-    t = _tensor((3, 1100), torch.float32)
-    u = t.clone().reshape(-1)
-    u[0], u[j] = t.reshape(-1)[j].item(), t.reshape(-1)[0].item()
-    assert not torch.equal(ddp_verify.fingerprints([u.reshape(t.shape)])[0],
-                           ddp_verify.fingerprints([t])[0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+def test_two_elements_swapped_across_blocks_are_detected(dtype):
+    size = torch.empty(0, dtype=dtype).element_size()
+    per_block = ddp_verify._BLOCK * max(1, 4 // size)                 # elements per block
+    t = _tensor((3 * per_block + 100,), dtype)
+    base = _fp(t)
+    rng = random.Random(1)
+    pairs = [(0, t.numel() - 1), (per_block - 1, per_block)]       # first/last, across a boundary
+    pairs += [(rng.randrange(t.numel()), rng.randrange(t.numel())) for _ in range(300)]
+    checked = 0
+    for i, j in pairs:
+        if i // per_block == j // per_block or torch.equal(t[i:i + 1].view(torch.uint8),
+                                                             t[j:j + 1].view(torch.uint8)):
+            continue
+        u = t.clone()
+        u[i], u[j] = t[j], t[i]
+        assert _fp(u) != base, (i, j)
+        checked += 1
+    assert checked > 150
+    # x and -x swapped (the words differ in the sign bit only)
+    far = 2 * per_block + 7
+    u = t.clone()
+    u[far] = -u[10]
+    swapped = u.clone()
+    swapped[10], swapped[far] = u[far], u[10]
+    assert _fp(swapped) != _fp(u)
 
 
-def test_same_nan_is_consistent_but_signed_zero_is_not_bitwise():
-    a = torch.tensor([1.0, float("nan"), float("inf"), 0.0])
+def test_swaps_inside_one_block_are_not_seen_as_documented():
+    """Block sums do not depend on the order of the words inside a block."""
+    t = _tensor((3000,), torch.float32)
+    u = t.clone()
+    u[5], u[900] = t[900], t[5]
+    assert _fp(u) == _fp(t)
+
+
+def test_same_nan_is_consistent_but_signed_zero_and_nan_payloads_are_not_bitwise():
+    a = torch.tensor([1.0, float("nan"), float("inf"), 0.0] * 700)
     b = a.clone()
     assert torch.equal(ddp_verify.fingerprints([a]), ddp_verify.fingerprints([b]))
-    b[3] = -0.0
+    b[-1] = -0.0
     assert not torch.equal(ddp_verify.fingerprints([a]), ddp_verify.fingerprints([b]))
+    other_nan = a.clone()
+    other_nan.view(torch.int32)[1] |= 1              # a NaN with another payload
+    assert math.isnan(other_nan[1].item())
+    assert _fp(other_nan) != _fp(a)
     # the tolerance fingerprint treats -0.0 and 0.0 alike
     assert torch.equal(ddp_verify.fingerprints([a], mode="tolerance"),
                        ddp_verify.fingerprints([b], mode="tolerance"))
@@ -122,10 +216,13 @@ def test_fingerprints_of_other_layouts_and_dtypes():
     assert torch.equal(ddp_verify.fingerprints([noncontig]),
                        ddp_verify.fingerprints([noncontig.contiguous()]))
     z = torch.randn(5, dtype=torch.complex64)
-    assert ddp_verify.fingerprints([z])[0].tolist() == naive_bitwise(torch.view_as_real(z))
-    assert ddp_verify.fingerprints([torch.tensor([True, False, True])])[0, 1].item() == 2
-    assert ddp_verify.fingerprints([torch.empty(0)])[0].tolist() == [1, 0, 0, 0]
+    assert _fp(z) == naive_bitwise(torch.view_as_real(z))
+    assert _fp(torch.tensor([True, False, True]))[1] == 0x00010001   # bytes 1 0 1, zero-padded
+    assert _fp(torch.empty(0)) == [1, 0, 0, 0]
     assert ddp_verify.fingerprints([]).shape == (0, 4)
+    # a half-precision view that does not start on a 4-byte boundary: same as a fresh copy
+    h = _tensor((101,), torch.float16)
+    assert _fp(h[1:]) == _fp(h[1:].clone()) == naive_bitwise(h[1:])
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2500,)], ids=str)
