@@ -25,6 +25,9 @@ GOLDENS = pathlib.Path(__file__).parent / "goldens" / "graph"
 UPDATE = os.environ.get("GRADDBG_UPDATE_GOLDENS") == "1"
 HAS_DOT = shutil.which("dot") is not None
 needs_dot = pytest.mark.skipif(not HAS_DOT, reason="needs the graphviz dot program")
+HAS_GVC = graddbg.graphviz._gvc() is not None
+needs_gvc = pytest.mark.skipif(not (HAS_DOT and HAS_GVC),
+                               reason="needs Graphviz's C library (libgvc) and dot")
 
 
 def check_golden(name: str, text: str) -> None:
@@ -214,8 +217,10 @@ def test_bad_arguments_name_themselves():
     y = torch.ones(2, requires_grad=True).exp().sum()
     with pytest.raises(ValueError, match=r"max_nodes=.*positive int.*got 0"):
         graph(y, max_nodes=0)
-    with pytest.raises(ValueError, match=r"depth=.*non-negative.*got -1"):
+    with pytest.raises(ValueError, match=r"depth=.*positive int.*got -1"):
         graph(y, depth=-1)
+    with pytest.raises(ValueError, match=r"depth=.*positive int.*got 0"):
+        graph(y, depth=0)
     with pytest.raises(TypeError, match=r"model=.*nn.Module.*got str"):
         graph(y, model="resnet")
     with pytest.raises(ValueError, match=r"format=.*svg.*got 'jpg'"):
@@ -314,19 +319,46 @@ def test_precomputed_roots_cluster_parameters_by_ownership():
 
 def test_depth_collapses_deeper_modules_into_counted_nodes():
     _, full = two_modules_graph()
-    _, g = two_modules_graph(depth=0)
+    _, g = two_modules_graph(depth=1)  # the root's children are depth 1
     modules = {n.name: n.ops for n in g.extracted.by_kind("module")}
     assert modules == {"enc": 2, "dec": 3}  # Addmm+T ; Addmm+T+Tanh
     assert 'label="dec\\nSequential\\n3 ops"' in g.source
     assert not g.extracted.by_kind("param")
-    _, g1 = two_modules_graph(depth=1)
-    assert {n.name for n in g1.extracted.by_kind("module")} == {"dec.0", "dec.1"}
+    assert "subgraph cluster_" not in g.source
     # collapsing keeps connectivity: enc -> relu -> dec
     ids = {n.name: n.id for n in g.nodes}
     relu = [n.id for n in g.nodes if n.name == "ReluBackward0"][0]
     edges = {(e.src, e.dst) for e in g.edges}
     assert (ids["enc"], relu) in edges and (relu, ids["dec"]) in edges
     assert len(g.nodes) < len(full.nodes)
+
+
+def test_depth_d_draws_every_module_at_depth_d_as_one_node_leaf_or_not():
+    _, full = two_modules_graph()
+    _, g = two_modules_graph(depth=2)
+    # dec.0 (Linear) and dec.1 (Tanh) are at depth 2: one node each, params absorbed
+    assert {n.name: n.ops for n in g.extracted.by_kind("module")} == {"dec.0": 2, "dec.1": 1}
+    assert {n.name: n.module for n in g.extracted.by_kind("module")} == {
+        "dec.0": ("dec",), "dec.1": ("dec",)}
+    assert 'label="dec.1\\nTanh\\nTanhBackward0"' in g.source  # a single op is named
+    assert 'label="dec.0\\nLinear\\n2 ops"' in g.source
+    # enc is a leaf shallower than 2: still a cluster of its ops and parameters
+    enc = sorted(n.name for n in g.nodes if n.module == ("enc",))
+    assert enc == sorted(n.name for n in full.nodes if n.module == ("enc",))
+    assert enc == ["AddmmBackward0", "TBackward0", "enc.bias", "enc.weight"]
+    assert sorted(n.name for n in g.extracted.by_kind("param")) == ["enc.bias", "enc.weight"]
+    assert g.source.count("subgraph cluster_") == 2  # enc and dec
+    # nothing deeper than the graph's modules: same as no collapsing at all
+    _, g3 = two_modules_graph(depth=3)
+    assert g3.source == full.source
+    # every module at depth d, leaf or not, against a naive reference on a deeper model
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.ReLU())),
+                          nn.Linear(2, 1))
+    g = graph(lambda: model(torch.randn(3, 2)).sum(), model=model, depth=2)
+    depth2 = {name for name, _ in model.named_modules() if name.count(".") == 1}
+    assert {n.name for n in g.extracted.by_kind("module")} == depth2 == {"0.0", "0.1"}
+    assert {n.name: n.ops for n in g.extracted.by_kind("module")} == {"0.0": 2, "0.1": 3}
+    assert sorted(n.name for n in g.extracted.by_kind("param")) == ["1.bias", "1.weight"]
 
 
 # ---------------------------------------------------------------- grads
@@ -366,7 +398,7 @@ def test_grad_norms_match_reference_and_leave_grad_alone():
 
 def test_collapsed_module_shows_largest_gradient_inside():
     _, full = two_modules_graph(grads=True)
-    _, g = two_modules_graph(grads=True, depth=0)
+    _, g = two_modules_graph(grads=True, depth=1)
     enc = [n for n in g.nodes if n.name == "enc"][0]
     inside = [n.grad_norm for n in full.nodes if n.kind == "op" and n.module == ("enc",)]
     assert len(inside) == 2 and enc.grad_norm == max(inside)
@@ -417,9 +449,14 @@ def test_golden_two_modules_grads():
     check_golden("two_modules_grads", g.source)
 
 
-def test_golden_depth0():
-    _, g = two_modules_graph(depth=0)
-    check_golden("two_modules_depth0", g.source)
+def test_golden_depth1():
+    _, g = two_modules_graph(depth=1)
+    check_golden("two_modules_depth1", g.source)
+
+
+def test_golden_depth2():
+    _, g = two_modules_graph(depth=2)
+    check_golden("two_modules_depth2", g.source)
 
 
 def test_golden_saved_tensors():
@@ -537,29 +574,177 @@ def test_hostile_module_names_give_valid_svg():
 
 
 @needs_dot
+@pytest.mark.parametrize("method", ["inprocess", "subprocess"])
 @pytest.mark.parametrize("fmt,magic", [("svg", b"<?xml"), ("png", b"\x89PNG"), ("pdf", b"%PDF")])
-def test_render_formats(tmp_path, fmt, magic):
+def test_render_formats(tmp_path, monkeypatch, fmt, magic, method):
+    if method == "inprocess" and not HAS_GVC:
+        pytest.skip("needs Graphviz's C library (libgvc)")
+    monkeypatch.setenv("GRADDBG_RENDER", method)
     _, g = two_modules_graph(grads=True)
     out = g.render(tmp_path / f"g.{fmt}", format=fmt)
     assert out.read_bytes().startswith(magic)
 
 
-@needs_dot
-def test_notebook_svg_scales_to_fit():
+def svg_titles(svg: bytes) -> list:
+    """(class, title) of every node, edge and cluster group of an SVG from dot."""
+    root = ET.fromstring(svg)
+    ns = "{http://www.w3.org/2000/svg}"
+    return [(el.get("class"), el.find(ns + "title").text) for el in root.iter(ns + "g")
+            if el.get("class") in ("node", "edge", "cluster")]
+
+
+@needs_gvc
+def test_inprocess_output_equals_dot_subprocess_output():
+    from graddbg.graphviz import render_source
+    _, g = two_modules_graph(grads=True, depth=2)
+    src = g.source
+    inproc = render_source(src, "svg", method="inprocess")
+    sub = render_source(src, "svg", method="subprocess")
+    titles = svg_titles(inproc)
+    assert titles == svg_titles(sub)
+    assert ("node", "m1") in titles and ("edge", "m1->m0") in titles and ("cluster", "cluster_1") in titles
+    legend = re.findall(r"^\s*legend\d+ \[", src, re.M)
+    assert len([t for t in titles if t[0] == "node"]) == len(g.nodes) + len(legend) > len(g.nodes)
+    assert inproc == sub  # byte for byte, the graph's title included
+    assert render_source(src, "svg", method="inprocess") == inproc  # stable in a long-lived process
+    assert render_source(src, "png", method="inprocess") == render_source(src, "png", method="subprocess")
+    assert b"<title>graddbg</title>" in inproc
+
+
+@needs_gvc
+def test_small_graph_renders_without_starting_dot(monkeypatch):
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError("dot subprocess started")
+    monkeypatch.delenv("GRADDBG_RENDER", raising=False)
+    monkeypatch.setattr(graddbg.graphviz.subprocess, "run", no_subprocess)
     _, g = two_modules_graph()
-    bundle = g._repr_mimebundle_()
-    svg = bundle["image/svg+xml"]
-    assert 'style="max-width: 100%; height: auto;"' in svg and "viewBox" in svg
-    ET.fromstring(svg)
+    assert g.svg().startswith("<?xml")
+    with pytest.raises(AssertionError, match="dot subprocess started"):
+        graddbg.graphviz.render_source(g.source, "svg", method="subprocess")
+
+
+@needs_gvc
+def test_big_graph_and_timeout_go_to_dot_subprocess(monkeypatch):
+    from graddbg.graphviz import render_source
+    calls = []
+    real_run = graddbg.graphviz.subprocess.run
+
+    def counting_run(*args, **kwargs):
+        calls.append(args[0])
+        return real_run(*args, **kwargs)
+    monkeypatch.delenv("GRADDBG_RENDER", raising=False)
+    monkeypatch.setattr(graddbg.graphviz.subprocess, "run", counting_run)
+    src = "digraph { a -> b; b -> c }"
+    small = render_source(src)
+    assert calls == []
+    render_source(src, timeout=30)
+    assert len(calls) == 1
+    monkeypatch.setattr(graddbg.graphviz, "INPROCESS_MAX_NODES", 2)  # 3 nodes: too big now
+    big = render_source(src)
+    assert len(calls) == 2 and calls[-1][1] == "-Tsvg"
+    assert big == small
+
+
+@needs_gvc
+def test_inprocess_failures_raise_graddbg_error_and_leave_the_library_usable():
+    from graddbg.graphviz import render_source
+    bad = "digraph { a -> "
+    with pytest.raises(GraddbgError, match=r"could not parse the DOT text: .*syntax error in line 1"):
+        render_source(bad, method="inprocess")
+    with pytest.raises(GraddbgError, match=r"dot -Tsvg failed.*syntax error"):  # auto: dot's message
+        render_source(bad)
+    lib = graddbg.graphviz._gvc()
+    with pytest.raises(GraddbgError, match=r"could not render bogus: .*renderer for bogus is unavailable"):
+        lib.render(b'digraph "g" { a }', "bogus", None)
+    ok = render_source("digraph { a -> b }", method="inprocess")
+    assert svg_titles(ok) == [("node", "a"), ("node", "b"), ("edge", "a->b")]
+
+
+@needs_gvc
+def test_inprocess_render_is_thread_safe():
+    import concurrent.futures
+    from graddbg.graphviz import render_source
+    sources = [f"digraph {{ subgraph cluster_{i} {{ a{i} -> b{i} }} b{i} -> c }}" for i in range(4)]
+    want = [render_source(s, method="subprocess") for s in sources]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda i: render_source(sources[i % 4], method="inprocess"), range(32)))
+    assert all(got[i] == want[i % 4] for i in range(32))
+
+
+def test_render_method_is_validated(monkeypatch):
+    from graddbg.graphviz import render_source
+    monkeypatch.setenv("GRADDBG_RENDER", "fast")
+    with pytest.raises(GraddbgError, match=r"GRADDBG_RENDER must be one of .*inprocess.*got 'fast'"):
+        render_source("digraph { a }")
+    with pytest.raises(ValueError, match=r"method=.*got 'fast'"):
+        render_source("digraph { a }", method="fast")
+
+
+def test_unloadable_library_falls_back_to_none(monkeypatch):
+    import ctypes
+    import ctypes.util
+    with pytest.raises(OSError, match="cannot load Graphviz's libnosuchlib_graddbg"):
+        graddbg.graphviz._Gvc._load(ctypes, "nosuchlib_graddbg")
+
+    class Broken:
+        def __init__(self):
+            raise OSError("no libgvc here")
+    monkeypatch.setattr(graddbg.graphviz, "_gvc_cache", [])
+    monkeypatch.setattr(graddbg.graphviz, "_Gvc", Broken)
+    assert graddbg.graphviz._gvc() is None
+    assert graddbg.graphviz._gvc_cache == [None]  # tried once, remembered
+
+
+@needs_dot
+def test_without_library_dot_subprocess_renders(monkeypatch):
+    monkeypatch.delenv("GRADDBG_RENDER", raising=False)
+    monkeypatch.setattr(graddbg.graphviz, "_gvc", lambda: None)
+    _, g = two_modules_graph()
+    assert ("edge", "n12->n11") in svg_titles(g.svg().encode())
+
+
+def _no_dot_on_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no dot anywhere
+
+
+INSTALL_RE = r"apt-get install graphviz.*brew install graphviz.*conda install -c conda-forge graphviz"
 
 
 def test_missing_dot_gives_install_hint_and_source_still_works(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no dot anywhere
+    # neither the library nor the dot program
+    _no_dot_on_path(monkeypatch, tmp_path)
+    monkeypatch.delenv("GRADDBG_RENDER", raising=False)
+    monkeypatch.setattr(graddbg.graphviz, "_gvc", lambda: None)
     _, g = two_modules_graph()
     assert g.source.startswith("digraph {") and g.to_dot() == g.source
-    with pytest.raises(DotNotFoundError, match=r"apt-get install graphviz.*brew install graphviz"
-                                               r".*conda install -c conda-forge graphviz"):
+    with pytest.raises(DotNotFoundError, match=INSTALL_RE):
         g.render(tmp_path / "g.svg")
     assert isinstance(DotNotFoundError("x"), GraddbgError)
     bundle = g._repr_mimebundle_()
     assert "image/svg+xml" not in bundle and "apt-get install graphviz" in bundle["text/plain"]
+
+
+@pytest.mark.parametrize("method", ["auto", "subprocess"])
+def test_no_dot_program_gives_install_hint_even_with_the_library(monkeypatch, tmp_path, method):
+    # auto renders in-process only where Graphviz is installed, dot included
+    _no_dot_on_path(monkeypatch, tmp_path)
+    monkeypatch.setenv("GRADDBG_RENDER", method)
+    _, g = two_modules_graph()
+    with pytest.raises(DotNotFoundError, match=INSTALL_RE):
+        g.render(tmp_path / "g.svg")
+
+
+def test_forced_inprocess_without_library_gives_install_hint(monkeypatch):
+    monkeypatch.setenv("GRADDBG_RENDER", "inprocess")
+    monkeypatch.setattr(graddbg.graphviz, "_gvc", lambda: None)
+    _, g = two_modules_graph()
+    with pytest.raises(DotNotFoundError, match=r"'inprocess' needs Graphviz's C library.*" + INSTALL_RE):
+        g.svg()
+
+
+@pytest.mark.skipif(not HAS_GVC, reason="needs Graphviz's C library (libgvc)")
+def test_forced_inprocess_needs_no_dot_program(monkeypatch, tmp_path):
+    _no_dot_on_path(monkeypatch, tmp_path)
+    monkeypatch.setenv("GRADDBG_RENDER", "inprocess")
+    _, g = two_modules_graph()
+    assert svg_titles(g.svg().encode())[0] == ("cluster", "cluster_0")
