@@ -2,9 +2,15 @@
 
 For each model: node counts; time of extraction + DOT text (graddbg with module
 attribution, torchviz.make_dot + .source); the forward-pass cost of recording modules
-(trace_modules); and `dot -Tsvg` time for torchviz's full graph, graddbg's full graph with
-clusters, and graddbg collapsed to depth 2. Timings are medians over interleaved repeats
-(A, B, A, B, ...) so that machine noise hits both sides alike. Ratios are printed.
+(trace_modules); and the time to render SVG: torchviz's full graph through the graphviz
+Python package (a dot subprocess, what torchviz users get), and graddbg's full graph with
+clusters, collapsed to depth 2 and to depth 3, each both through a dot subprocess and
+in-process through Graphviz's C library (what graddbg's render_source does for graphs of at
+most INPROCESS_MAX_NODES nodes), so that the report says where a speed-up comes from: fewer
+nodes to lay out, or no dot start-up. Depth d draws every module at depth d as one node
+(the model's children are depth 1). Timings are medians over interleaved repeats
+(A, B, A, B, ...) so that machine noise hits both sides alike; renders under 20 ms are
+averaged over several calls per sample. Ratios are printed.
 
 Targets (issue 5): extraction + DOT within 2x of make_dot and linear in node count (a
 20,000-node chain included); depth 2 gives >= 10x fewer SVG nodes and renders >= 5x faster
@@ -32,7 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from graddbg.graphviz import collapse, extract, render_source, to_dot, trace_modules  # noqa: E402
+from typing import Dict  # noqa: E402
+
+from graddbg.graphviz import INPROCESS_MAX_NODES, _named, collapse, find_dot, extract, render_source, to_dot, trace_modules  # noqa: E402
+
+INPROCESS_BENCH_MAX_NODES = 2000  # in-process timings up to this size (render_source's own limit is lower)
 
 
 class _Step(nn.Module):
@@ -72,15 +82,16 @@ def _timed(fn):
 
 def _dot_svg(source: str) -> bytes:
     """dot -Tsvg with a memory cap and a time limit (dot can need gigabytes on graphs
-    with thousands of clusters); the same program graddbg's render_source runs."""
+    with thousands of clusters); the same program and text as graddbg's
+    render_source(method="subprocess")."""
     import resource
     import subprocess
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
-    render_source("digraph {}", "svg")  # fails with graddbg's install hint if dot is missing
-    proc = subprocess.run(["dot", "-Tsvg"], input=source.encode(), capture_output=True,
+    dot = find_dot()  # fails with graddbg's install hint if dot is missing
+    proc = subprocess.run([dot, "-Tsvg"], input=_named(source).encode(), capture_output=True,
                           preexec_fn=limit, timeout=600, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"dot failed: {proc.stderr[:500]!r}")
@@ -119,48 +130,64 @@ def run_case(name: str, repeats: int, render_repeats: int, render_tv: bool) -> d
         t = time.perf_counter()
         for _unused in range(inner):
             dot_tv = torchviz.make_dot(loss, params=params)
-            src_tv = dot_tv.source
+            dot_tv.source  # the DOT text is part of make_dot's work for its users
         t_tv.append((time.perf_counter() - t) / inner)
         t = time.perf_counter()
         for _unused in range(inner):
             src = to_dot(extract(loss_tr, model=tr, max_nodes=None))
         t_ours.append((time.perf_counter() - t) / inner)
     g = extract(loss_tr, model=tr, max_nodes=None)
-    g2 = collapse(g, 2)
-    src2 = to_dot(g2)
-    g1 = collapse(g, 1)
-    src1 = to_dot(g1)
+    srcs = {"full": src, "d2": to_dot(collapse(g, 2)), "d3": to_dot(collapse(g, 3))}
+    nodes = {"full": len(g.nodes), "d2": len(collapse(g, 2).nodes), "d3": len(collapse(g, 3).nodes)}
     n_tv = sum(1 for line in dot_tv.body if " -> " not in line and "[label=" in line)
 
-    r_tv, r_full, r_d2, r_d1, r_empty = [], [], [], [], []
-    svg_tv = svg_full = svg_d2 = svg_d1 = b""
+    # renderers, timed interleaved: torchviz's graph through the graphviz package (a dot
+    # subprocess: what torchviz users get); graddbg's graphs through a dot subprocess and
+    # in-process through libgvc (render_source's default for graphs of <= INPROCESS_MAX_NODES)
+    jobs = {"tv": lambda: dot_tv.pipe(format="svg"), "empty": lambda: _dot_svg("digraph {}")}
+    for k, text in srcs.items():
+        jobs[f"{k}_sub"] = (lambda t=text: _dot_svg(t))
+        if nodes[k] <= INPROCESS_BENCH_MAX_NODES:
+            jobs[f"{k}_in"] = (lambda t=text: render_source(t, "svg", method="inprocess"))
+    times: Dict[str, list] = {k: [] for k in jobs}
+    svgs: Dict[str, bytes] = {}
+    inner = {k: 1 for k in jobs}
+    once = set()  # renders over a second: the warm-up run is the measurement
+    for k, fn in jobs.items():  # warm-up (loads the library once), and how many calls per sample
+        t, svgs[k] = _timed(fn) if render_tv else (float("nan"), b"")
+        if t < 0.02:
+            inner[k] = max(1, min(50, int(0.02 / max(t, 1e-5))))
+        elif t > 1.0:
+            times[k].append(t)
+            once.add(k)
     for _ in range(render_repeats if render_tv else 0):
-        t, _unused = _timed(lambda: _dot_svg("digraph {}"))
-        r_empty.append(t)
-        if render_tv:
-            t, svg_tv = _timed(lambda: _dot_svg(src_tv))
-            r_tv.append(t)
-        t, svg_full = _timed(lambda: _dot_svg(src))
-        r_full.append(t)
-        t, svg_d2 = _timed(lambda: _dot_svg(src2))
-        r_d2.append(t)
-        t, svg_d1 = _timed(lambda: _dot_svg(src1))
-        r_d1.append(t)
+        for k, fn in jobs.items():
+            if k in once:
+                continue
+            t = time.perf_counter()
+            for _unused in range(inner[k]):
+                fn()
+            times[k].append((time.perf_counter() - t) / inner[k])
+    for k in srcs:  # the two ways of rendering draw the same picture
+        if f"{k}_in" in svgs and render_tv:
+            assert svgs[f"{k}_in"] == svgs[f"{k}_sub"], f"{name} {k}: in-process SVG differs from dot's"
+
     def med(xs: list) -> float:
         return statistics.median(xs) if xs else float("nan")
 
-    return {
-        "name": name, "nodes_tv": n_tv, "nodes_ours": len(g.nodes), "nodes_d2": len(g2.nodes),
-        "clusters": src.count("subgraph cluster_"),
+    out = {
+        "name": name, "nodes_tv": n_tv, "nodes_ours": nodes["full"], "nodes_d2": nodes["d2"],
+        "nodes_d3": nodes["d3"], "nodes_full": nodes["full"], "clusters": src.count("subgraph cluster_"),
         "fwd": med(t_fwd), "fwd_traced": med(t_fwd_tr),
         "trace_overhead": med([b - a for a, b in zip(t_fwd, t_fwd_tr)]),  # paired differences
-        "extract_tv": med(t_tv),
-        "extract_ours": med(t_ours),
-        "render_tv": med(r_tv), "render_full": med(r_full),
-        "render_d2": med(r_d2), "render_d1": med(r_d1), "svg_d1": _svg_nodes(svg_d1),
-        "render_empty": med(r_empty), "svg_tv": _svg_nodes(svg_tv), "svg_full": _svg_nodes(svg_full),
-        "svg_d2": _svg_nodes(svg_d2),
+        "extract_tv": med(t_tv), "extract_ours": med(t_ours),
+        "svg_tv": _svg_nodes(svgs.get("tv", b"")),
     }
+    for k in jobs:
+        out[f"render_{k}"] = med(times[k])
+    for k in srcs:
+        out[f"svg_{k}"] = _svg_nodes(svgs.get(f"{k}_sub", b""))
+    return out
 
 
 def torchviz_recursion_check(nodes: int) -> str:
@@ -209,7 +236,7 @@ def main() -> None:
                              render_repeats=1 if big else 5, render_tv=not name.startswith("chain")))
         r = rows[-1]
         print(f"\n== {name}: nodes torchviz {r['nodes_tv']}, graddbg {r['nodes_ours']} "
-              f"({r['clusters']} clusters), depth 2: {r['nodes_d2']}")
+              f"({r['clusters']} clusters), depth 2: {r['nodes_d2']}, depth 3: {r['nodes_d3']}")
         print(f"   extract+DOT  torchviz {r['extract_tv'] * 1e3:8.1f} ms   graddbg {r['extract_ours'] * 1e3:8.1f} ms"
               f"   ratio graddbg/torchviz {r['extract_ours'] / r['extract_tv']:.2f}x (target <= 2)"
               f"   {r['extract_ours'] / max(r['nodes_ours'], 1) * 1e6:.1f} us/node")
@@ -219,18 +246,23 @@ def main() -> None:
               f"{(r['extract_ours'] + over) / r['extract_tv']:.2f}x")
         if not r["svg_tv"]:
             continue
-        print(f"   dot -Tsvg    torchviz full {r['render_tv']:7.2f} s ({r['svg_tv']} nodes)"
-              f"   graddbg full+clusters {r['render_full']:7.2f} s ({r['svg_full']} nodes)"
-              f"   graddbg depth 2 {r['render_d2']:7.3f} s ({r['svg_d2']} nodes)")
-        if r["svg_tv"]:
-            e = r["render_empty"]
-            print(f"   dot start-up (empty graph) {e * 1e3:.1f} ms;  depth 1: {r['svg_d1']} nodes, {r['render_d1']:.3f} s")
-            for d in ("d2", "d1"):
-                layout = r[f"render_{d}"] - e
-                net = (f"{(r['render_tv'] - e) / layout:.1f}x net of dot start-up" if layout > 0.2 * e
-                       else "its time is dot's start-up, within noise")
-                print(f"   depth {d[1]} vs torchviz full: {r['svg_tv'] / max(r['svg_' + d], 1):.1f}x fewer SVG nodes (target >= 10),"
-                      f" renders {r['render_tv'] / r['render_' + d]:.1f}x faster (target >= 5); {net}")
+
+        def ms(key: str) -> str:
+            v = r.get(f"render_{key}", float("nan"))
+            return "       n/a" if v != v else f"{v * 1e3:8.1f} ms"
+        print(f"   render svg   torchviz full (graphviz package, dot subprocess) {ms('tv')}"
+              f"   ({r['svg_tv']} SVG nodes);  dot start-up (empty graph) {ms('empty')}")
+        for k, label in (("full", "full+clusters"), ("d2", "depth 2"), ("d3", "depth 3")):
+            auto = "in-process" if r[f"nodes_{k}"] <= INPROCESS_MAX_NODES else "subprocess"
+            print(f"   graddbg {label:<13} ({r['svg_' + k]:5d} SVG nodes)   in-process {ms(k + '_in')}"
+                  f"   dot subprocess {ms(k + '_sub')}   (render_source uses the {auto})")
+        for k in ("d2", "d3"):
+            fewer = r["svg_tv"] / max(r["svg_" + k], 1)
+            best = r[f"render_{k}_in"] if r[f"nodes_{k}"] <= INPROCESS_MAX_NODES else r[f"render_{k}_sub"]
+            target = "  TARGET" if k == "d2" else "  (one level more)"
+            print(f"   depth {k[1]} vs torchviz full:{target}: {fewer:5.1f}x fewer SVG nodes (target >= 10);"
+                  f" renders {r['render_tv'] / best:6.1f}x faster (target >= 5)"
+                  f" [{r['render_tv'] / r[f'render_{k}_sub']:.1f}x with a dot subprocess too]")
         sys.stdout.flush()
     chains = [r for r in rows if r["name"].startswith("chain")]
     if len(chains) >= 2:
