@@ -3,20 +3,25 @@
 Every check is *collective*: every rank of the group calls it at the same point of the
 program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
 
-1. local fingerprints of every tensor, computed on the tensors' own device (one streaming
+1. a check-in: this rank adds one to its own counter of checks entered, in the process
+   group's store (one round trip; nothing waits on it);
+2. local fingerprints of every tensor, computed on the tensors' own device (one streaming
    integer reduction per tensor that reads it once, no host synchronisation), stacked
    into a small ``[tensors x k]`` integer table, and a digest of that table (two hashes
    modulo primes near 2**31);
-2. meanwhile, in a helper thread, a monitored barrier with a timeout (on the group itself
-   when it is a gloo group, on a gloo side group otherwise, created once per group and
-   cached, see :func:`prepare`), so that a rank which never arrives makes the others raise
-   :class:`DDPTimeoutError` naming it, instead of hanging. No other collective starts
-   before the barrier has passed; a rank whose fingerprinting fails tells the others in
-   the header below, so that every rank raises;
-3. one all-gather of a 6-integer header: a hash of the names, shapes and dtypes of the
-   tensors, a hash of what was asked, and the digest. Ranks whose models differ raise
+3. one all-gather of a 6-integer header, on a gloo group (the group itself when it is a
+   gloo group, a gloo side group otherwise, created once per group and cached, see
+   :func:`prepare`), waited for at most ``timeout``: a hash of the names, shapes and
+   dtypes of the tensors, a hash of what was asked, and the digest. It is also the
+   rendezvous: when some rank never arrives, the others' wait times out and every rank
+   that did arrive raises :class:`DDPTimeoutError` naming the ranks whose counters are
+   behind its own, instead of hanging. A rank whose fingerprinting fails says so in its
+   header, so that every rank raises. Ranks whose models differ raise
    :class:`DDPInconsistencyError` naming the first difference (only then are the names
    themselves exchanged). When every digest is equal the check is over: consistent.
+   (Where the store cannot be reached, a monitored barrier on that gloo group, run in a
+   helper thread during step 2, names the missing ranks instead, and the header goes
+   over the group itself.)
 4. Only when the digests differ, one all-gather of the fingerprint tables, to find which
    tensors differ on which ranks; with ``details=True``, then, the differing tensors
    themselves (and only those) to report the largest difference per rank. Whole tensors
@@ -529,7 +534,7 @@ def _barrier_group(group: Any, timeout: timedelta, force_side: bool = False) -> 
 
 
 def prepare(group: Any = None, *, timeout: Timeout = timedelta(seconds=300)) -> None:
-    """Create (once, cached) the gloo group the checks use to detect missing ranks.
+    """Create (once, cached) the gloo group the checks exchange on (and detect missing ranks with).
 
     Needed only for groups of another backend than gloo (NCCL, for instance), and even then
     optional: the first check creates it. Creating a group is collective, so call this
@@ -572,6 +577,59 @@ def _barrier_into(fn: str, group: Any, timeout: timedelta, errors: List[BaseExce
         _barrier(fn, group, timeout)
     except BaseException as err:  # re-raised by the calling thread
         errors.append(err)
+
+
+def _store() -> Any:
+    """The default process group's store, or None where it cannot be reached."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:   # a private function: absent or failing, checks use a monitored barrier
+        return None
+
+
+def _counter_key(group: Any, global_rank: int) -> str:
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return f"graddbg/ddp_verify/checks/{','.join(map(str, ranks))}/{global_rank}"
+
+
+def _check_in(group: Any) -> Optional[int]:
+    """Count this rank into a check on ``group``: how many checks it has entered so far."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        return int(store.add(_counter_key(group, dist.get_rank()), 1))
+    except Exception:
+        return None
+
+
+def _exchange_header(fn: str, header: torch.Tensor, group: Any, exchange_group: Any,
+                     timeout: timedelta, arrived: int) -> torch.Tensor:
+    """All-gather the headers over the gloo ``exchange_group``, waiting at most ``timeout``;
+    on a timeout, name the ranks that have entered fewer checks than this one."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = [torch.empty_like(header) for _ in range(world)]
+    work = dist.all_gather(out, header, group=exchange_group, async_op=True)
+    try:
+        work.wait(timeout=timeout)
+    except RuntimeError as err:
+        store = _store()
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        counts = [int(store.add(_counter_key(group, g), 0)) for g in ranks]
+        missing = [r for r, c in enumerate(counts) if c < arrived]
+        secs = timeout.total_seconds()
+        if missing:
+            message = (f"{fn}: rank(s) {missing} of the group (world size {world}) did not "
+                       f"enter the check within {secs:g} s (seen from rank {rank}). Every rank "
+                       f"must call {fn} at the same point of the program.")
+        else:
+            message = (f"{fn}: every rank of the group entered the check, but the exchange "
+                       f"did not complete within {secs:g} s (seen from rank {rank}).")
+        error = DDPTimeoutError(f"{message} After this error the process group may not be "
+                                f"usable. (torch.distributed said: {str(err).strip()[:200]})")
+        error.missing_ranks = missing  # type: ignore[attr-defined]
+        raise error from err
+    return torch.stack(out)
 
 
 def _hash64(text: str) -> int:
@@ -814,15 +872,18 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
     call = (f"{fn}(mode={mode}, atol={float(atol)!r}, rtol={float(rtol)!r}, "
             f"details={bool(details)})")
 
-    # The monitored barrier runs in a helper thread while this one computes the local
-    # fingerprints: the barrier's waiting (for the last rank to arrive) overlaps the work.
-    # Only then does this rank take part in any other collective, so a missing rank is
-    # still named before anything could hang.
-    _barrier_group(group, timeout)              # created here, in the calling thread
-    barrier_errors: List[BaseException] = []
-    helper = threading.Thread(target=_barrier_into, args=(fn, group, timeout, barrier_errors),
-                              name="graddbg-ddp-barrier", daemon=True)
-    helper.start()
+    # Check-in: a counter per rank in the process group's store (one round trip), then the
+    # header exchange itself, on a gloo group, waited for at most `timeout`. A rank that
+    # does not arrive makes the others' wait time out; the counters then name it. Without
+    # a store to count in, a monitored barrier (in a helper thread, overlapping the local
+    # work) comes first instead.
+    exchange_group = _barrier_group(group, timeout)     # created here, in the calling thread
+    arrived = _check_in(group)
+    helper, barrier_errors = None, []
+    if arrived is None:
+        helper = threading.Thread(target=_barrier_into, args=(fn, group, timeout, barrier_errors),
+                                  name="graddbg-ddp-barrier", daemon=True)
+        helper.start()
     local_error: Optional[BaseException] = None
     try:
         if mode == "bitwise":
@@ -830,17 +891,20 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
         else:
             local = _tolerance_quick_table(tensors, device)
         header = torch.cat([torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), world],
-                                         dtype=torch.int64).to(device), _digest(local)])
+                                         dtype=torch.int64), _digest(local).cpu()])
     except Exception as err:   # tell the other ranks, so that every rank raises, none hangs
         local_error = err
-        header = torch.full((6,), -1, dtype=torch.int64, device=device)
-    helper.join(timeout.total_seconds() + 60.0)   # the barrier has its own timeout
-    if helper.is_alive():
-        raise DDPTimeoutError(f"{fn}: the monitored barrier did not return within {timeout} "
-                              f"(+60 s); the process group is not usable")
-    if barrier_errors:
-        raise barrier_errors[0]
-    headers = _all_gather(header, group).cpu()                           # the one exchange
+        header = torch.full((6,), -1, dtype=torch.int64)
+    if helper is not None:
+        helper.join(timeout.total_seconds() + 60.0)   # the barrier has its own timeout
+        if helper.is_alive():
+            raise DDPTimeoutError(f"{fn}: the monitored barrier did not return within {timeout} "
+                                  f"(+60 s); the process group is not usable")
+        if barrier_errors:
+            raise barrier_errors[0]
+        headers = _all_gather(header.to(device), group).cpu()
+    else:
+        headers = _exchange_header(fn, header, group, exchange_group, timeout, arrived)
     failed = (headers[:, :4] == -1).all(dim=1).nonzero().flatten().tolist()
     if failed:
         raise DDPInconsistencyError(

@@ -382,6 +382,23 @@ def local_failure(rank, world, dev):
     return result
 
 
+def no_store(rank, world, dev):
+    """Without a store to count check-ins in, the checks fall back to a monitored barrier."""
+    v = _check()
+    original = v._store
+    v._store = lambda: None
+    try:
+        model = DDP(_mlp(dev))
+        model(_batch(rank, dev)).sum().backward()
+        healthy = _summ(v.check_gradients(model))
+        if rank == 1:
+            model.module[0].bias.grad[3] = float("nan")
+        bad = _summ(v.check_gradients(model))
+    finally:
+        v._store = original
+    return {"healthy": healthy, "bad": bad, "after": _summ(v.check_gradients(model))}
+
+
 def _skipper(skip_rank: int):
     def scenario(rank, world, dev):
         v = _check()
@@ -416,7 +433,7 @@ WORLDS: Dict[str, List] = {
             ("no_sync", no_sync), ("missing_grad", missing_grad), ("batchnorm", batchnorm),
             ("tolerance", tolerance), ("hand_allreduce", hand_allreduce),
             ("architecture", architecture), ("bad_args", bad_args),
-            ("local_failure", local_failure),
+            ("local_failure", local_failure), ("no_store", no_store),
             ("skip", _skipper(1))],
     "three": [("healthy", healthy), ("comm_hook", comm_hook_corrupt),
               ("comm_hook_rank0", comm_hook_corrupt_rank0), ("side_group", side_group),
