@@ -8,6 +8,8 @@ Three steps, each usable (and tested) on its own:
 2. :func:`to_dot` turns that plain graph into DOT text; pure string building, no binary.
 3. :func:`render_source` lays out and renders with Graphviz (in-process through its C
    library for small graphs, else the ``dot`` program); the only step that needs it.
+   The environment variable ``GRADDBG_RENDER`` (``auto``, ``inprocess``, ``subprocess``)
+   forces one way.
 
 :func:`graph` does all three lazily and returns a :class:`Graph` (``.source``,
 ``.digraph``, ``.render()``, notebook display).
@@ -1147,7 +1149,8 @@ class _Gvc:
         strings, and subgraphs are laid out in id order, so in a long-lived process (where
         the heap is never in the same state twice) clusters would come in a different
         order, and the layout would change, from one render to the next. Sequential ids
-        give one layout, that of a fresh ``dot`` (which allocates in creation order).
+        give one layout, byte for byte that of a fresh ``dot`` process on the graphs
+        tested (a fresh process allocates the names in creation order).
         Odd ids, like cgraph's anonymous ones, are never freed as strings."""
         ctypes = self.ctypes
         vp = ctypes.c_void_p
@@ -1163,7 +1166,7 @@ class _Gvc:
             _fields_ = [("mem", vp), ("id", vp), ("io", vp)]
 
         map_type = ctypes.CFUNCTYPE(ctypes.c_long, vp, ctypes.c_int, ctypes.c_char_p,
-                                    ctypes.POINTER(ctypes.c_ulong), ctypes.c_int)
+                                    ctypes.POINTER(ctypes.c_uint64), ctypes.c_int)  # IDTYPE: uint64
         read_type = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, ctypes.c_int)
         self._next_id = 1
         self._input = b""
@@ -1269,8 +1272,8 @@ def _gvc() -> Optional[_Gvc]:
             if not _gvc_cache:
                 try:
                     _gvc_cache.append(_Gvc())
-                except (OSError, AttributeError):  # no library, or one without these symbols
-                    _gvc_cache.append(None)
+                except Exception:  # no library, one without these symbols (ValueError), ...
+                    _gvc_cache.append(None)  # ... the dot program it is
     return _gvc_cache[0]
 
 

@@ -680,7 +680,8 @@ def test_render_method_is_validated(monkeypatch):
         render_source("digraph { a }", method="fast")
 
 
-def test_unloadable_library_falls_back_to_none(monkeypatch):
+@pytest.mark.parametrize("error", [OSError, ValueError])
+def test_unloadable_library_falls_back_to_none(monkeypatch, error):
     import ctypes
     import ctypes.util
     with pytest.raises(OSError, match="cannot load Graphviz's libnosuchlib_graddbg"):
@@ -688,7 +689,7 @@ def test_unloadable_library_falls_back_to_none(monkeypatch):
 
     class Broken:
         def __init__(self):
-            raise OSError("no libgvc here")
+            raise error("no libgvc here")
     monkeypatch.setattr(graddbg.graphviz, "_gvc_cache", [])
     monkeypatch.setattr(graddbg.graphviz, "_Gvc", Broken)
     assert graddbg.graphviz._gvc() is None
@@ -748,3 +749,20 @@ def test_forced_inprocess_needs_no_dot_program(monkeypatch, tmp_path):
     monkeypatch.setenv("GRADDBG_RENDER", "inprocess")
     _, g = two_modules_graph()
     assert svg_titles(g.svg().encode())[0] == ("cluster", "cluster_0")
+
+
+@needs_gvc
+def test_inprocess_layout_does_not_depend_on_the_process_state():
+    # Graphviz 2.43 orders clusters by the addresses of their names by default: in a
+    # long-lived process the layout of a clustered graph would change between renders
+    from graddbg.graphviz import render_source
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(6)])
+    g = graph(lambda: model(torch.randn(2, 4)).sum(), model=model)
+    want = render_source(g.source, method="subprocess")
+    other = two_modules_graph()[1].source
+    got = set()
+    for _ in range(8):
+        got.add(render_source(g.source, method="inprocess"))
+        render_source(other, method="inprocess")
+    assert got == {want}
