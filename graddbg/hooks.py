@@ -200,6 +200,8 @@ class Watch:
         self._model = model
         self._optimizer = optimizer
         self._plan = StatPlan(self._params, self.stats_asked)
+        P = len(self._params)
+        self._version_idx = sorted({0, P // 3, (2 * P) // 3, P - 1}) if P else []
         self._history = History(self._names, self._plan.columns, history)
         self._hist_edges: Optional[Tensor] = None
         self.host_syncs = 0  #: host synchronisations made by the watch (read-backs)
@@ -215,6 +217,8 @@ class Watch:
         self._acc_bad: Optional[Tensor] = None  # device flags between non-finite checks
         self._acc_first: Optional[Tensor] = None
         self._ever_grad = np.zeros(len(self._params), dtype=bool)
+        self._all_true = np.ones(len(self._params), dtype=bool)
+        self._all_true.setflags(write=False)
         self._explode_state = self._explode.new_state() if self._explode else None
         self._vanish_state = self._vanish.new_state(len(self._params)) if self._vanish else None
         self._leaf_modules: List[Tuple[str, nn.Module]] = []  # all modules, with activations=True
@@ -357,7 +361,14 @@ class Watch:
         values = self._plan.compute(grads) if due_stats else None
         absmax = self._plan.absmax(grads) if (not due_stats and self._nonfinite is not None) else None
         self._pending = _Pending(step, values, absmax, grads,
-                                 [g._version if g is not None else -1 for g in grads], scale)
+                                 self._versions(grads), scale)
+
+    def _versions(self, grads: Sequence[Optional[Tensor]]) -> List[int]:
+        """In-place version counters of a few gradients spread over the model (the first,
+        the last and two between): clipping (``clip_grad_norm_``, ``clip_grad_value_``)
+        and AMP's ``unscale_`` change every gradient, and reading all the counters costs
+        about a microsecond per parameter."""
+        return [-1 if grads[i] is None else grads[i]._version for i in self._version_idx]
 
     def _on_opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         if not self._closed:
@@ -432,7 +443,7 @@ class Watch:
         if pending is not None and pending.step == step:
             # the gradients of the last backward pass: changed in place since (a clip) or not
             grads = pending.grads
-            changed = [g._version if g is not None else -1 for g in grads] != pending.versions
+            changed = self._versions(grads) != pending.versions
             values, absmax = pending.values, pending.absmax
             if pending.scale is not None:
                 scale, div = pending.scale, pending.scale  # computed on scaled gradients
@@ -498,8 +509,12 @@ class Watch:
         import numpy as np
 
         P = len(self._params)
-        has_grad = np.fromiter((g is not None for g in grads), dtype=bool, count=P)
-        self._ever_grad |= has_grad
+        if None in grads:
+            has_grad = np.fromiter((g is not None for g in grads), dtype=bool, count=P)
+            self._ever_grad |= has_grad
+        else:  # the common case: every parameter got a gradient
+            has_grad = self._all_true
+            self._ever_grad.fill(True)
 
         vals = got.get("values")
         if vals is not None:
@@ -509,7 +524,7 @@ class Watch:
                 for j, c in enumerate(self._plan.extras):
                     if c in ("mean", "std"):
                         vals[:, 2 + j] /= div
-            counts = StatPlan.fixup(vals, grads)
+            counts = self._plan.fixup(vals, grads, div)
             norms = vals[:, 0]
             present = norms[has_grad]
             gn = math.sqrt(float(np.dot(present, present)))  # NaN or inf when a norm is
@@ -962,7 +977,9 @@ def _readback(parts: List[Tensor], layout: List[Tuple[str, Tuple[int, ...]]]) ->
     if not parts:
         return {}
     devices = {p.device for p in parts}
-    if len(devices) == 1:
+    if len(parts) == 1:
+        flat = parts[0].cpu().numpy()
+    elif len(devices) == 1:
         flat = torch.cat(parts).cpu().numpy()
     else:  # model spread over devices: one read-back per device
         flat = np.concatenate([p.cpu().numpy() for p in parts])

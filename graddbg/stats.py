@@ -54,7 +54,13 @@ STEPS_COLUMNS = ("step", "global_norm", "clipped_norm", "nonfinite", "overflow",
 _LARGE = 1 << 16
 _FAST_DTYPES = (torch.float32, torch.float64)
 # same-shape tensors up to this size are stacked and reduced by rows
-_STACK_NUMEL = 2048
+_STACK_NUMEL = 16384
+# at most this many elements of scratch space kept between steps for the stacked copies
+_SCRATCH_NUMEL = 1 << 24
+# squares below the dtype's smallest normal number are lost: a norm under
+# sqrt(numel) * this (about sqrt(tiny / (2 eps))) may be off by more than rounding, and is
+# recomputed exactly (float16 and bfloat16 are reduced in float32)
+_UNDERFLOW = {torch.float32: 2.3e-16, torch.float16: 2.3e-16, torch.bfloat16: 2.3e-16, torch.float64: 7.1e-147}
 
 #: fixed log-spaced bin edges of |grad| for histograms: [0, 1e-12), [1e-12, ...), ..., [1e4, inf)
 HIST_EDGES = tuple(10.0 ** (e / 2) for e in range(-24, 9))
@@ -163,6 +169,24 @@ class StatPlan:
             else:
                 self._groups.append(members)
         self._perm_cache: Dict[Tuple[int, ...], Tensor] = {}
+        self._scratch: Dict[int, Tensor] = {}
+        self._scratch_numel = 0
+        #: parameters whose norms come from the scaled stacked path (exact over the whole
+        #: range); the others are checked for overflow and underflow by :meth:`fixup`
+        self.scaled = [False] * len(self.numel)
+        for members in self._groups:
+            if self.numel[members[0]] <= _STACK_NUMEL:
+                for i in members:
+                    self.scaled[i] = True
+        # below these norms an unscaled one may have lost squares to underflow (0 for the
+        # scaled ones); None when every norm is scaled
+        self._tiny = None
+        if not all(self.scaled):
+            import numpy as np
+
+            idx = np.array([i for i, sc in enumerate(self.scaled) if not sc], dtype=np.int64)
+            self._tiny = (idx, np.array([_UNDERFLOW.get(params[i].dtype, 0.0) * math.sqrt(self.numel[i])
+                                         for i in idx]))
 
     def _reduce(self, grads: Sequence[Optional[Tensor]], want_norm: bool,
                 want_max: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
@@ -170,22 +194,24 @@ class StatPlan:
         order: List[int] = []
         norms: List[Tensor] = []
         maxes: List[Tensor] = []
-        for members in self._groups:
-            present = [i for i in members if grads[i] is not None]
+        complete = None not in grads
+        for gi, members in enumerate(self._groups):
+            present = members if complete else [i for i in members if grads[i] is not None]
             if not present:
                 continue
-            if len(present) == 1:
-                self._reduce_one(present[0], grads[present[0]], want_norm, want_max, order, norms, maxes)
-                continue
             ts = [grads[i] for i in present]
+            if len(ts) == 1 and ts[0].numel() > _STACK_NUMEL:
+                self._reduce_one(present[0], ts[0], want_norm, want_max, order, norms, maxes)
+                continue
             if ts[0].numel() <= _STACK_NUMEL:
-                # tiny tensors (biases, norms): one stacked copy and row reductions beat
-                # a launch per tensor
-                m = torch.stack(ts).reshape(len(ts), -1)
+                # small tensors (biases, norms, the layers of a narrow deep net): one
+                # stacked copy and row reductions beat a launch per tensor
+                m = self._stacked(gi, ts)
+                amax = torch.maximum(m.amax(1), m.amin(1).neg_())  # (aminmax along a dim is slower)
+                if want_max:
+                    maxes.append(amax)
                 if want_norm:
-                    norms.append(torch.linalg.vector_norm(m, dim=1))
-                if want_max:  # (aminmax along a dim is slower than the two)
-                    maxes.append(torch.maximum(m.amax(1), -m.amin(1)))
+                    norms.append(_scaled_row_norms(m, amax))
             else:  # larger ones: no copy; a foreach norm and one aminmax pass each
                 if want_norm:
                     norms.append(torch.stack(torch._foreach_norm(ts)))
@@ -211,6 +237,20 @@ class StatPlan:
             return flat[perm]
 
         return (place(norms) if want_norm else None), (place(maxes) if want_max else None)
+
+    def _stacked(self, gi: int, ts: List[Tensor]) -> Tensor:
+        """``[k, n]`` copy of the k same-shape tensors ``ts`` (group ``gi``), written into a
+        scratch matrix kept between steps when the group is complete: a fresh megabyte
+        each step costs more in page faults on CPU than the copy itself."""
+        k, n = len(ts), ts[0].numel()
+        buf = self._scratch.get(gi)
+        if k != len(self._groups[gi]) or (buf is None and self._scratch_numel + k * n > _SCRATCH_NUMEL):
+            return torch.stack(ts).reshape(k, n)
+        if buf is None or buf.device != ts[0].device or buf.dtype != ts[0].dtype:
+            buf = self._scratch[gi] = torch.empty((k, n), dtype=ts[0].dtype, device=ts[0].device)
+            self._scratch_numel += k * n
+        torch.stack(ts, out=buf.view(k, *ts[0].shape))
+        return buf
 
     @staticmethod
     def _reduce_one(i: int, g: Tensor, want_norm: bool, want_max: bool, order: List[int],
@@ -284,26 +324,57 @@ class StatPlan:
                 out.append(_stack(zeros, device) / numel)
         return out
 
-    @staticmethod
-    def fixup(values: "Any", grads: Sequence[Optional[Tensor]]) -> "Any":
-        """After read-back: exact non-finite counts and float64 norms where the fast norm
-        overflowed. ``values`` is the numpy ``[P, K]`` array from :meth:`compute`; returns
-        the ``[P]`` numpy array of non-finite counts (and fixes ``values`` in place)."""
+    def fixup(self, values: "Any", grads: Sequence[Optional[Tensor]], div: Optional[float] = None) -> "Any":
+        """After read-back: exact non-finite counts, and float64 norms where the fast norm
+        of a gradient left out of the scaled path overflowed (every entry 1e20) or may
+        have underflowed (entries below about 1e-19 in float32 have squares below the
+        smallest normal float32). ``values`` is the numpy ``[P, K]`` array from
+        :meth:`compute` (already divided by ``div``, a loss scale, when given); returns the
+        ``[P]`` numpy array of non-finite counts and fixes ``values`` in place. The
+        recomputation reads the gradient again (one more host read), only on the steps and
+        parameters where it is needed."""
         import numpy as np
 
         counts = np.zeros(len(grads), dtype=np.int64)
-        finite = np.isfinite(values[:, 0])  # a NaN/Inf entry makes the norm one
-        if finite.all():
+        norms = values[:, 0]
+        finite = np.isfinite(norms)
+        suspect = ~finite
+        if self._tiny is not None:
+            idx, tiny = self._tiny
+            if div is not None:
+                tiny = tiny / div
+            # a zero absmax means a zero gradient: nothing to recompute
+            sub = values[idx]
+            suspect[idx] |= (sub[:, 0] < tiny) & ~(sub[:, 1] == 0)
+        if not suspect.any():
             return counts
-        bad = np.nonzero(~finite)[0]
-        for i in bad:
+        for i in np.nonzero(suspect)[0]:
             g = grads[i]
             if g is None:
                 continue
-            counts[i] = int((~torch.isfinite(g)).sum())  # rare path: an anomaly
-            if counts[i] == 0:  # finite entries whose norm overflowed in the fast dtype
-                values[i, 0] = float(torch.linalg.vector_norm(g.double()))
+            if not finite[i]:
+                counts[i] = int((~torch.isfinite(g)).sum())  # rare path: an anomaly
+                if counts[i]:
+                    continue
+            # finite entries whose norm overflowed or underflowed in the fast dtype
+            values[i, 0] = float(torch.linalg.vector_norm(g.detach().double())) / (div or 1.0)
         return counts
+
+
+def _scaled_row_norms(m: Tensor, amax: Tensor) -> Tensor:
+    """Float64 L2 norms of the rows of ``m`` (a scratch copy: divided in place), exact over
+    the whole range of the dtype: each row is first divided by its largest magnitude
+    ``amax``, so the squares neither underflow (a vanishing gradient of 1e-26 has squares
+    below float32's smallest number: its plain norm is 0, and slow to compute) nor
+    overflow (1e20). Rows holding NaN or Inf keep their non-finite norm.
+
+    >>> m = torch.full((3, 3), 1e-26); m[1] = 1e20; m[2] = 0.0
+    >>> [f"{v:.4g}" for v in _scaled_row_norms(m.clone(), m.abs().amax(1)).tolist()]
+    ['1.732e-26', '1.732e+20', '0']
+    """
+    s = torch.where(amax < math.inf, amax, 1.0).clamp_(min=torch.finfo(m.dtype).tiny)
+    m.div_(s.unsqueeze(1))
+    return torch.linalg.vector_norm(m, dim=1).to(torch.float64) * s
 
 
 def _stack(values: Sequence[Optional[Tensor]], device: torch.device) -> Tensor:
@@ -349,7 +420,7 @@ def grad_stats(model_or_named_params: Any, stats: Sequence[str] = STAT_NAMES):
     grads = [p.grad for p in params]
     plan = StatPlan(params, stats)
     values = plan.compute(grads).cpu().numpy() if params else None
-    counts = plan.fixup(values, grads) if params else []
+    counts = plan.fixup(values, grads) if params else []  # (reads an overflowed norm again)
     rows = []
     for i, (name, p) in enumerate(named):
         row = {"name": name, "module": module_of(name), "numel": p.numel(),

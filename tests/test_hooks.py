@@ -91,6 +91,30 @@ def test_huge_finite_gradients_give_exact_finite_norm():
     assert not w.anomalies
 
 
+@pytest.mark.parametrize("stats", [("norm", "absmax"), ("norm",)])
+def test_vanishing_gradients_keep_their_exact_norm(stats):
+    # squares of 1e-26 are below float32's smallest number: a plain float32 norm is 0.
+    # Covers the stacked path (small same-shape tensors), a lone small tensor and a large
+    # tensor (recomputed in float64 after read-back), and gradients that really are 0.
+    model = nn.Module()
+    model.a = nn.Parameter(torch.zeros(8, 8))
+    model.b = nn.Parameter(torch.zeros(8, 8))
+    model.c = nn.Parameter(torch.zeros(30))
+    model.big = nn.Parameter(torch.zeros(1 << 17))
+    model.zero = nn.Parameter(torch.zeros(1 << 17))
+    torch.manual_seed(0)
+    with graddbg.watch(model, stats=stats) as w:
+        for p in (model.a, model.b, model.c, model.big):
+            p.grad = torch.randn(p.shape) * 1e-26
+        model.zero.grad = torch.zeros(1 << 17)
+        w.step()
+    got = w.stats.set_index("name")["norm"]
+    for name, p in model.named_parameters():
+        ref = float(torch.linalg.vector_norm(p.grad.double()))
+        assert got[name] == pytest.approx(ref, rel=1e-5), name
+    assert got["a"] > 0 and got["zero"] == 0.0
+
+
 def test_gradient_accumulation_gives_one_record_equal_to_accumulated_gradient():
     torch.manual_seed(0)
     model = PROBLEMS["mlp"].make_model()
