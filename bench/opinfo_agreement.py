@@ -179,6 +179,14 @@ def main(argv=None) -> None:
               f"{sum(t['graddbg full'] for n, t in per_op if n in big):.1f}s graddbg full; "
               f"the other {len(small)}: {sum(t['torch slow'] for t in small):.1f}s vs "
               f"{sum(t['graddbg full'] for t in small):.1f}s")
+        for a, b in (("torch slow", "graddbg full"), ("torch fast", "graddbg fast")):
+            for who in (a, b):
+                top = sorted(per_op, key=lambda p: -p[1][who])[:10]
+                share = sum(t[who] for _, t in top) / max(totals[who], 1e-9)
+                print(f"\n  top 10 ops by {who} time ({100 * share:.0f}% of its total):")
+                for name, t in top:
+                    print(f"    {name:44s} {a} {t[a]:7.3f}s  {b} {t[b]:7.3f}s  "
+                          f"ratio {t[a] / max(t[b], 1e-9):6.2f}x")
     for n, rows in disagree.items():
         if rows:
             print(f"\n{n}: {len(rows)} disagreement(s)")

@@ -452,3 +452,178 @@ def test_runs_on_the_inputs_device(device, mode):
     lin = nn.Linear(4, 2).to(device)
     assert check_module(lin, torch.randn(5, 4, device=device), mode=mode).ok
     assert lin.weight.device.type == device.type and lin.weight.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- compressed full mode
+
+
+class SortValues(torch.autograd.Function):
+    """Sorted values with a hand-written backward that scatters ``g`` through the sort's
+    permutation. ``bug``: None (correct), "entry" (the entry of output 5 doubled),
+    "swap" (the permutation with outputs 10 and 11 exchanged), "inverse" (a gather
+    instead of the scatter: the inverse permutation)."""
+
+    @staticmethod
+    def forward(ctx, x, bug):
+        values, perm = x.sort()
+        ctx.save_for_backward(perm)
+        ctx.bug = bug
+        return values
+
+    @staticmethod
+    def backward(ctx, g):
+        (perm,) = ctx.saved_tensors
+        gi = torch.zeros_like(g)
+        if ctx.bug == "inverse":
+            gi = g[perm]
+        elif ctx.bug == "swap":
+            p = perm.clone()
+            p[[10, 11]] = p[[11, 10]]
+            gi[p] = g
+        else:
+            gi[perm] = g
+        if ctx.bug == "entry":
+            gi[perm[5]] = 2 * g[5]
+        return gi, None
+
+
+class ShiftMissingTerm(torch.autograd.Function):
+    """y = x + x[0] / 2 whose backward forgets the x[0] term: a whole column of the
+    Jacobian the analytic pattern does not have (rows without a column of its colour)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x + 0.5 * x[:1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def spaced(n, seed=0):
+    """A shuffled grid with gaps of 0.01 (>> eps): sort has no near-ties, so no kinks."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randperm(n, generator=g).to(torch.float64) * 0.01).requires_grad_()
+
+
+def _entries(result):
+    return {(r["index"], r["output_index"]): (r["analytic"], r["numerical"])
+            for r in result.rows}
+
+
+def test_compressed_sort_finds_single_wrong_entry_first_in_table():
+    x = spaced(2000)
+    r = gradcheck(SortValues.apply, x, "entry")
+    assert r.colours is not None and r.colours == 1          # the compressed path ran
+    assert r.n_evaluations < 200                              # per column: >= 2000
+    assert not r.ok and r.n_mismatched == 1
+    perm = x.detach().sort().indices
+    first = r.table.iloc[0]
+    assert first["index"] == (int(perm[5]),) and first["output_index"] == (5,)
+    assert first["analytic"] == pytest.approx(2.0, rel=1e-12)
+    assert first["numerical"] == pytest.approx(1.0, rel=1e-6)
+    assert "compressed into 1 colour group" in str(r)
+    assert r.n_compared == 2000 * 2000
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compressed_catches_two_swapped_rows_of_a_permutation(seed):
+    x = spaced(1000, seed)
+    r = gradcheck(SortValues.apply, x, "swap", seed=seed)
+    assert r.colours == 1 and not r.ok
+    perm = x.detach().sort().indices.tolist()
+    expected = {((perm[11],), (10,)): (1.0, 0.0), ((perm[10],), (11,)): (1.0, 0.0),
+                ((perm[10],), (10,)): (0.0, 1.0), ((perm[11],), (11,)): (0.0, 1.0)}
+    got = _entries(r)
+    assert set(got) == set(expected) and r.n_mismatched == 4
+    for key, (a, n) in expected.items():
+        assert got[key] == pytest.approx((a, n), abs=1e-6)
+
+
+def test_compressed_catches_wrong_permutation_exactly_like_uncompressed():
+    x = spaced(400, seed=3)
+    r = gradcheck(SortValues.apply, x, "inverse")
+    ref = gradcheck(SortValues.apply, x, "inverse", compress=False)
+    assert r.colours == 1 and ref.colours is None
+    perm = x.detach().sort().indices.tolist()
+    analytic = {(j, perm[j]) for j in range(400)}            # (input, output) of the gather
+    true = {(perm[i], i) for i in range(400)}
+    assert not r.ok and r.n_mismatched == len(analytic ^ true) == ref.n_mismatched
+    assert set(_entries(r)) == set(_entries(ref)) == {((j,), (i,)) for j, i in analytic ^ true}
+
+
+def test_compressed_finds_a_column_missing_from_the_analytic_pattern():
+    x = x64(300)
+    r = gradcheck(ShiftMissingTerm.apply, x)
+    ref = gradcheck(ShiftMissingTerm.apply, x, compress=False)
+    assert r.colours == 1 and not r.ok
+    assert r.n_mismatched == ref.n_mismatched == 300
+    assert set(_entries(r)) == set(_entries(ref)) == {((0,), (i,)) for i in range(300)}
+    for key, (a, n) in _entries(r).items():
+        ra, rn = _entries(ref)[key]
+        assert a == ra and n == pytest.approx(rn, abs=1e-9)
+
+
+def test_dense_jacobian_takes_the_per_column_path():
+    w = torch.randn(20, 300, dtype=torch.float64)
+    x = x64(300)
+    r = gradcheck(lambda t: (w @ t).tanh(), x)
+    assert r.ok and r.colours is None
+    assert r.n_evaluations >= 300
+    assert "compressed" not in str(r)
+
+
+def _blockwise(t):
+    return t.view(16, 40).logsumexp(1)                 # 40 colours of 16 columns
+
+
+def _banded(t):
+    w = torch.tensor([[[0.5, -1.0, 2.0, 1.0, 0.25]]], dtype=t.dtype)
+    return torch.nn.functional.conv1d(t.view(1, 1, -1), w, padding=2).sin()
+
+
+SPARSE_FUNCTIONS = {
+    "sort": (lambda t: t.sort().values, lambda: spaced(600)),
+    "elementwise": (lambda t: t.sin() * t, lambda: x64(500)),
+    "blockwise": (_blockwise, lambda: x64(640)),
+    "banded (general colouring)": (_banded, lambda: x64(400)),
+    "slice_scatter": (lambda t: torch.slice_scatter(t, t[:, :3] ** 2, 1, 0, 3),
+                      lambda: x64(40, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(SPARSE_FUNCTIONS))
+def test_compressed_agrees_with_per_column_on_correct_functions(name):
+    fn, make = SPARSE_FUNCTIONS[name]
+    x = make()
+    r = gradcheck(fn, x)
+    ref = gradcheck(fn, x, compress=False)
+    assert r.ok and ref.ok, (str(r), str(ref))
+    assert r.colours is not None and ref.colours is None
+    assert r.n_compared == ref.n_compared == x.numel() * fn(x).numel()
+    assert r.n_evaluations * 4 <= ref.n_evaluations
+    assert r.max_abs_err < 1e-5 and ref.max_abs_err < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_column_colouring_is_valid(seed):
+    mod = sys.modules["graddbg.gradcheck"]      # the module (the package attribute is callable)
+    g = torch.Generator().manual_seed(seed)
+    m, n = 60, 300
+    pattern = torch.rand(m, n, generator=g) < 0.02
+    pattern[:, ::7] |= torch.rand(m, 1, generator=g) < 0.3    # some columns in many rows
+    rows, cols = pattern.nonzero().unbind(1)
+    colour, count = mod._colour_columns(rows, cols, m, n, n, torch.Generator().manual_seed(1))
+    assert colour.shape == (n,) and int(colour.max()) < count
+    per_row = pattern.double() @ torch.nn.functional.one_hot(colour, count).double()
+    assert per_row.max() <= 1                                 # no row sees a colour twice
+    assert count >= int(pattern.sum(1).max())                 # a lower bound on any colouring
+    assert count <= int(pattern.sum(1).max()) * 4 + 8         # and not far above it
+    # every column in at most one row: the rank in its row, optimal
+    single = torch.zeros(m, n, dtype=torch.bool)
+    single[torch.randint(0, m, (n,), generator=g), torch.arange(n)] = True
+    rows, cols = single.nonzero().unbind(1)
+    colour, count = mod._colour_columns(rows, cols, m, n, n, torch.Generator())
+    assert count == int(single.sum(1).max())
+    per_row = single.double() @ torch.nn.functional.one_hot(colour, count).double()
+    assert per_row.max() <= 1
