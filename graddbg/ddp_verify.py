@@ -113,6 +113,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; asynchronous only towards an accelerator (a non-blocking copy
+    to the host could be read before it has landed)."""
+    return t.to(device, non_blocking=device.type != "cpu")
+
+
 def _words(t: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The bytes of ``t`` as words: (body, last).
 
@@ -214,7 +220,7 @@ def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
             layout.append((0, False))
             continue
         parts, wide = _cells(t)
-        cells += [p.to(device, non_blocking=True) for p in parts]
+        cells += [_to(p, device) for p in parts]
         layout.append((sum(p.numel() for p in parts), wide))
     offsets, present, shift, weights = _cell_plan(tuple(layout), device)
     u = torch.cat(cells).to(torch.int64) if cells else \
@@ -272,7 +278,7 @@ def _tolerance_quick(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """[present, sum, sumsq, sumabs]: the cheap first round of tolerance mode."""
     x = _flat(t)
     one = torch.ones(1, dtype=torch.int64, device=x.device)
-    return torch.cat([one, _float_sums(x).view(torch.int64)]).to(device, non_blocking=True)
+    return _to(torch.cat([one, _float_sums(x).view(torch.int64)]), device)
 
 
 def _tolerance_row(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -285,7 +291,7 @@ def _tolerance_row(t: torch.Tensor, device: torch.device) -> torch.Tensor:
                               (x == float("-inf")).sum()])
         x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
     one = torch.ones(1, dtype=torch.int64, device=x.device)
-    return torch.cat([one, counts, _float_sums(x).view(torch.int64)]).to(device, non_blocking=True)
+    return _to(torch.cat([one, counts, _float_sums(x).view(torch.int64)]), device)
 
 
 def _tolerance_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
