@@ -524,7 +524,9 @@ class Watch:
                 for j, c in enumerate(self._plan.extras):
                     if c in ("mean", "std"):
                         vals[:, 2 + j] /= div
+            reads = self._plan.extra_reads
             counts = self._plan.fixup(vals, grads, div)
+            self.host_syncs += self._plan.extra_reads - reads  # overflowed/underflowed norms only
             norms = vals[:, 0]
             present = norms[has_grad]
             gn = math.sqrt(float(np.dot(present, present)))  # NaN or inf when a norm is

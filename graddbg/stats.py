@@ -53,6 +53,9 @@ STEPS_COLUMNS = ("step", "global_norm", "clipped_norm", "nonfinite", "overflow",
 # go through the foreach kernels, where the cost is the launch, not the data
 _LARGE = 1 << 16
 _FAST_DTYPES = (torch.float32, torch.float64)
+# large CPU gradients are reduced in chunks of this many elements (1 MB of float32: the
+# second pass over a chunk finds it in the cache)
+_CHUNK = 1 << 18
 # same-shape tensors up to this size are stacked and reduced by rows
 _STACK_NUMEL = 16384
 # at most this many elements of scratch space kept between steps for the stacked copies
@@ -169,6 +172,8 @@ class StatPlan:
             else:
                 self._groups.append(members)
         self._perm_cache: Dict[Tuple[int, ...], Tensor] = {}
+        #: read-backs made by :meth:`fixup` (steps with overflowed or underflowed norms)
+        self.extra_reads = 0
         self._scratch: Dict[int, Tensor] = {}
         self._scratch_numel = 0
         #: parameters whose norms come from the scaled stacked path (exact over the whole
@@ -260,6 +265,19 @@ class StatPlan:
         v = g.reshape(-1)
         if v.dtype not in _FAST_DTYPES:
             v = v.float()
+        if want_norm and want_max and v.device.type == "cpu" and v.numel() >= 2 * _CHUNK:
+            # both statistics chunk by chunk, so that the second pass over each chunk reads
+            # it from the cache, not from memory (a gradient of 8M float32 is 32 MB)
+            sq, hi, lo = [], [], []
+            for c in v.split(_CHUNK):
+                sq.append(torch.dot(c, c))
+                mm = torch.aminmax(c)
+                lo.append(mm.min)
+                hi.append(mm.max)
+            norms.append(torch.stack(sq).to(torch.float64).sum().sqrt())
+            maxes.append(torch.maximum(torch.stack(hi).amax(), torch.stack(lo).amin().neg()))
+            order.append(i)
+            return
         if want_norm:
             # BLAS dot runs on every intra-op thread (vector_norm runs on one on CPU)
             norms.append(torch.dot(v, v).sqrt() if v.device.type == "cpu" else torch.linalg.vector_norm(v))
@@ -331,8 +349,9 @@ class StatPlan:
         smallest normal float32). ``values`` is the numpy ``[P, K]`` array from
         :meth:`compute` (already divided by ``div``, a loss scale, when given); returns the
         ``[P]`` numpy array of non-finite counts and fixes ``values`` in place. The
-        recomputation reads the gradient again (one more host read), only on the steps and
-        parameters where it is needed."""
+        recomputation reads those gradients again, on the device, with one more read-back
+        for all of them, counted in :attr:`extra_reads`; steps where nothing is suspect
+        cost nothing more."""
         import numpy as np
 
         counts = np.zeros(len(grads), dtype=np.int64)
@@ -348,16 +367,18 @@ class StatPlan:
             suspect[idx] |= (sub[:, 0] < tiny) & ~(sub[:, 1] == 0)
         if not suspect.any():
             return counts
-        for i in np.nonzero(suspect)[0]:
-            g = grads[i]
-            if g is None:
-                continue
-            if not finite[i]:
-                counts[i] = int((~torch.isfinite(g)).sum())  # rare path: an anomaly
-                if counts[i]:
-                    continue
-            # finite entries whose norm overflowed or underflowed in the fast dtype
-            values[i, 0] = float(torch.linalg.vector_norm(g.detach().double())) / (div or 1.0)
+        sus = [int(i) for i in np.nonzero(suspect)[0] if grads[i] is not None]
+        if not sus:
+            return counts
+        with torch.no_grad():
+            got = torch.stack([torch.stack([(~torch.isfinite(grads[i])).sum().to(torch.float64),
+                                            torch.linalg.vector_norm(grads[i].detach().to(torch.float64))])
+                               for i in sus]).cpu().numpy()
+        self.extra_reads += 1
+        for (bad, n64), i in zip(got, sus):
+            counts[i] = int(bad)
+            if not bad:  # finite entries whose norm overflowed or underflowed in the fast dtype
+                values[i, 0] = n64 / (div or 1.0)
         return counts
 
 

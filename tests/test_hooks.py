@@ -113,6 +113,32 @@ def test_vanishing_gradients_keep_their_exact_norm(stats):
         ref = float(torch.linalg.vector_norm(p.grad.double()))
         assert got[name] == pytest.approx(ref, rel=1e-5), name
     assert got["a"] > 0 and got["zero"] == 0.0
+    assert w.host_syncs == 2  # the step's read-back, and one more for the recomputed norms
+
+
+def test_large_gradients_reduced_in_chunks_match_reference():
+    # above two chunks (graddbg.stats._CHUNK) a CPU gradient is reduced chunk by chunk
+    n = 2 * graddbg.stats._CHUNK + 12345
+    model = nn.Module()
+    for name in ("plain", "huge", "nan_last", "inf_first"):
+        setattr(model, name, nn.Parameter(torch.zeros(n)))
+    torch.manual_seed(0)
+    with graddbg.watch(model, nonfinite="record") as w:
+        model.plain.grad = torch.randn(n)
+        model.huge.grad = torch.full((n,), 1e20)
+        model.nan_last.grad = torch.randn(n)
+        model.nan_last.grad[-1] = float("nan")
+        model.inf_first.grad = torch.randn(n)
+        model.inf_first.grad[0] = -float("inf")
+        w.step()
+    df = w.stats.set_index("name")
+    ref = model.plain.grad.double()
+    assert df.loc["plain", "norm"] == pytest.approx(float(ref.norm()), rel=1e-6)
+    assert df.loc["plain", "absmax"] == float(ref.abs().max())
+    assert df.loc["huge", "norm"] == pytest.approx(1e20 * math.sqrt(n), rel=1e-6)
+    assert df.loc["huge", "nonfinite"] == 0
+    assert math.isnan(df.loc["nan_last", "norm"]) and df.loc["nan_last", "nonfinite"] == 1
+    assert df.loc["inf_first", "absmax"] == math.inf and df.loc["inf_first", "nonfinite"] == 1
 
 
 def test_gradient_accumulation_gives_one_record_equal_to_accumulated_gradient():
