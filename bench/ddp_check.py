@@ -98,11 +98,13 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
             check(**check_kw)
         opt.step()
 
-    def block(check_kw=None) -> float:
+    def block(key, check_kw=None) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
+            t1 = time.perf_counter()
             step(check_kw)
+            single[key].append(time.perf_counter() - t1)
         return time.perf_counter() - t0
 
     for _ in range(3):
@@ -111,9 +113,10 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
     # Every step: interleaved blocks of K plain and K checked steps.
     kinds = (("plain", None), ("bitwise", {}), ("plain_tol", None), ("tolerance", {"rtol": 1e-6}))
     blocks = {k: [] for k, _ in kinds}
+    single = {k: [] for k, _ in kinds}          # every step's own time, for robust medians
     for _ in range(repeats):
         for key, kw in kinds:
-            blocks[key].append(block(kw))
+            blocks[key].append(block(key, kw))
 
     # Standalone: one check right after a step, and its parts.
     grads = [p.grad for p in model.parameters()]
@@ -136,7 +139,7 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
             dist.all_reduce(g.clone())
     grad_bytes = a.bytes
     if rank == 0:
-        queue.put({"blocks": blocks} | {k: statistics.median(v) for k, v in times.items()} | {
+        queue.put({"blocks": blocks, "single": single} | {k: statistics.median(v) for k, v in times.items()} | {
             f"min_{k}": min(v) for k, v in times.items()} | {
             "check_bytes": check_bytes, "check_calls": check_calls, "grad_bytes": grad_bytes,
             "params": sum(p.numel() for p in model.parameters()),
@@ -171,6 +174,9 @@ def main() -> None:
               f"{statistics.median(extra_ms):6.2f} ms/step = {statistics.median(ratios):5.2f}% "
               f"of a step{target}")
         print(f"  {'':20s} spread of the per-repeat ratios in %: {_spread(ratios)}")
+        p_med, c_med = (statistics.median(r["single"][key]) for key in (plain, checked))
+        print(f"  {'':20s} median single step: plain {p_med * 1e3:.2f} ms, checked "
+              f"{c_med * 1e3:.2f} ms: {100 * (c_med - p_med) / p_med:.2f}%")
     print(f"standalone (median of {max(5, 2 * args.repeats)}, each right after a barrier):")
     print(f"  DDP step (fwd + bwd + all-reduce + SGD):  {r['step'] * 1e3:8.2f} ms")
     print(f"  check_gradients, bitwise:                 {r['check'] * 1e3:8.2f} ms  "
