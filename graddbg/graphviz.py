@@ -1476,8 +1476,8 @@ def graph(
     ``stem.0 / Conv2d / ConvolutionBackward0``); modules shallower than ``d`` are clusters
     (a leaf module shallower than ``d`` is a cluster of its ops and parameters); ops of the
     root module or outside the model stay top-level. ``depth=None`` (default): every
-    module is a cluster. ``max_nodes`` (None: no limit) truncates big graphs with a note. ``watch`` adds the latest statistics of a
-    Watch to parameter nodes. ``style="torchviz"`` gives torchviz.make_dot's nodes and edges.
+    module is a cluster. ``max_nodes`` (None: no limit) truncates big graphs with a note.
+    ``watch`` adds the latest statistics of a Watch to parameter nodes. ``style="torchviz"`` gives torchviz.make_dot's nodes and edges.
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU())
     >>> g = graph(lambda: model(torch.randn(4, 3)).sum(), model=model)
@@ -1485,6 +1485,9 @@ def graph(
     ['', '0', '1']
     >>> g.source.startswith("digraph {")
     True
+    >>> g1 = graph(lambda: model(torch.randn(4, 3)).sum(), model=model, depth=1)
+    >>> [(n.name, n.ops) for n in g1.nodes if n.kind == "module"]
+    [('1', 1), ('0', 2)]
     >>> g.render("graph.svg")  # doctest: +SKIP
     """
     if style not in _STYLES:
