@@ -9,14 +9,15 @@ program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
    integer reduction per tensor that reads it once, no host synchronisation), stacked
    into a small ``[tensors x k]`` integer table, and a digest of that table (two hashes
    modulo primes near 2**31);
-3. one all-gather of a 6-integer header, on a gloo group (the group itself when it is a
+3. one all-gather of a 7-integer header, on a gloo group (the group itself when it is a
    gloo group, a gloo side group otherwise, created once per group and cached, see
    :func:`prepare`), waited for at most ``timeout``: a hash of the names, shapes and
-   dtypes of the tensors, a hash of what was asked, and the digest. It is also the
-   rendezvous: when some rank never arrives, the others' wait times out and every rank
-   that did arrive raises :class:`DDPTimeoutError` naming the ranks whose counters are
-   behind its own, instead of hanging. A rank whose fingerprinting fails says so in its
-   header, so that every rank raises. Ranks whose models differ raise
+   dtypes of the tensors, a hash of what was asked, the digest, and the time the rank
+   started waiting. It is also the rendezvous: when some rank never arrives, the others'
+   wait times out and every rank that did arrive raises :class:`DDPTimeoutError` naming
+   the ranks whose counters are behind its own, instead of hanging; a rank that arrives
+   after the others gave up sees from their times that it is late, and raises too. A
+   rank whose fingerprinting fails says so in its header, so that every rank raises. Ranks whose models differ raise
    :class:`DDPInconsistencyError` naming the first difference (only then are the names
    themselves exchanged). When every digest is equal the check is over: consistent.
    (Where the store cannot be reached, a monitored barrier on that gloo group, run in a
@@ -70,6 +71,7 @@ import dataclasses
 import hashlib
 import re
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -638,6 +640,24 @@ def _exchange_header(fn: str, header: torch.Tensor, group: Any, exchange_group: 
     return torch.stack(out)
 
 
+def _late_ranks_error(fn: str, starts: torch.Tensor, timeout: timedelta, rank: int) -> None:
+    """Raise on every rank when some rank started the exchange so late that the ranks that
+    were waiting may have given up (their pending exchange then completes for the late
+    rank, which must not carry on as if the check had passed). ``starts``: every rank's
+    wall-clock time (µs) when it started waiting; clocks are assumed to agree to within
+    the margin, min(1 s, timeout / 10)."""
+    secs = timeout.total_seconds()
+    limit = (secs - min(1.0, secs / 10)) * 1e6
+    late = ((starts - starts.min()) > limit).nonzero().flatten().tolist()
+    if late:
+        error = DDPTimeoutError(
+            f"{fn}: rank(s) {late} entered the check more than {secs:g} s after the first rank "
+            f"(seen from rank {rank}); the ranks that were waiting have given up (raised "
+            f"DDPTimeoutError). Every rank must call {fn} at the same point of the program.")
+        error.missing_ranks = late  # type: ignore[attr-defined]
+        raise error
+
+
 def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
@@ -897,10 +917,12 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
         else:
             local = _tolerance_quick_table(tensors, device)
         header = torch.cat([torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), world],
-                                         dtype=torch.int64), _digest(local).cpu()])
+                                         dtype=torch.int64), _digest(local).cpu(),
+                            torch.zeros(1, dtype=torch.int64)])
     except Exception as err:   # tell the other ranks, so that every rank raises, none hangs
         local_error = err
-        header = torch.full((6,), -1, dtype=torch.int64)
+        header = torch.full((7,), -1, dtype=torch.int64)
+    header[6] = int(time.time() * 1e6)            # when this rank starts waiting, in µs
     if helper is not None:
         helper.join(timeout.total_seconds() + 60.0)   # the barrier has its own timeout
         if helper.is_alive():
@@ -911,6 +933,7 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
         headers = _all_gather(header.to(device), group).cpu()
     else:
         headers = _exchange_header(fn, header, group, exchange_group, timeout, arrived)
+    _late_ranks_error(fn, headers[:, 6], timeout, rank)
     failed = (headers[:, :4] == -1).all(dim=1).nonzero().flatten().tolist()
     if failed:
         raise DDPInconsistencyError(
@@ -919,7 +942,7 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
                "; see the error on those ranks")) from local_error
     if not bool((headers[:, :4] == headers[0, :4]).all()):
         _structure_error(fn, kind, call, meta, group)  # raises on every rank
-    if bool((headers[:, 4:] == headers[0, 4:]).all()):
+    if bool((headers[:, 4:6] == headers[0, 4:6]).all()):
         first = local.cpu().unsqueeze(0).expand(world, *local.shape)     # all tables equal
     else:
         first = _all_gather(local, group).cpu()                          # find who differs

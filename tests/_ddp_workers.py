@@ -399,6 +399,20 @@ def no_store(rank, world, dev):
     return {"healthy": healthy, "bad": bad, "after": _summ(v.check_gradients(model))}
 
 
+def late(rank, world, dev):
+    """Rank 1 enters the check 3 s late, the others wait 2 s: every rank raises, and the
+    group still works afterwards (the waiting ranks' exchange completed when rank 1 came)."""
+    v = _check()
+    model = _mlp(dev)
+    if rank == 1:
+        time.sleep(3.0)
+    start = time.monotonic()
+    result = _raises(lambda: v.check_parameters(model, timeout=timedelta(seconds=2)))
+    result["elapsed"] = time.monotonic() - start
+    result["after"] = _summ(v.check_parameters(model))
+    return result
+
+
 def _skipper(skip_rank: int):
     def scenario(rank, world, dev):
         v = _check()
@@ -434,7 +448,7 @@ WORLDS: Dict[str, List] = {
             ("tolerance", tolerance), ("hand_allreduce", hand_allreduce),
             ("architecture", architecture), ("bad_args", bad_args),
             ("local_failure", local_failure), ("no_store", no_store),
-            ("skip", _skipper(1))],
+            ("late", late), ("skip", _skipper(1))],
     "three": [("healthy", healthy), ("comm_hook", comm_hook_corrupt),
               ("comm_hook_rank0", comm_hook_corrupt_rank0), ("side_group", side_group),
               ("subgroup", subgroup), ("skip", _skipper(2))],

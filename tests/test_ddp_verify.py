@@ -546,6 +546,17 @@ def test_a_rank_that_skips_the_check_makes_the_others_raise_within_the_timeout(w
 
 
 @distributed
+def test_a_rank_arriving_after_the_others_gave_up_raises_too(two):
+    rank0, rank1 = _scenario(two, "late", 2)
+    assert rank0["error"] == rank1["error"] == DDPTimeoutError.__name__
+    assert 2.0 <= rank0["elapsed"] < 2.0 + 3.0
+    assert "rank(s) [1] of the group (world size 2) did not enter the check" in rank0["message"]
+    assert rank1["elapsed"] < 2.0     # it finds out at once
+    assert "rank(s) [1] entered the check more than 2 s after the first rank" in rank1["message"]
+    assert rank0["after"]["ok"] and rank1["after"]["ok"]
+
+
+@distributed
 def test_side_group_is_created_once_and_works(three):
     for rec in _scenario(three, "side_group", 3):
         assert rec["cached"] and rec["side_world"] == 3 and rec["check"]["ok"]
