@@ -155,14 +155,13 @@ def _words(t: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     return words, last
 
 
-def _cells(t: torch.Tensor) -> Tuple[List[torch.Tensor], bool]:
-    """The block sums of ``t``'s words, in one read of ``t``: "cells", in one or two pieces.
+def _cells(words: torch.Tensor, last: Optional[torch.Tensor]) -> Tuple[List[torch.Tensor], bool]:
+    """The block sums of one tensor's words (see :func:`_words`), in one read: "cells".
 
     int32 words: one cell per block of ``_BLOCK`` words, its sum modulo 2**32 (a signed
     int32 value). int64 words (8-byte elements): each block's sum modulo 2**64 gives two
-    cells, its low and its high 32 bits. Returns (cells, wide) with wide for int64 words.
+    cells, its low and its high 32 bits. Returns (pieces, wide) with wide for int64 words.
     """
-    words, last = _words(t)
     wide = words.dtype == torch.int64
     n = words.numel()
     full = n // _BLOCK
@@ -179,24 +178,45 @@ def _cells(t: torch.Tensor) -> Tuple[List[torch.Tensor], bool]:
     return parts, wide
 
 
-def _cell_plan(layout: Tuple[Tuple[int, bool], ...], device: torch.device) -> Tuple[torch.Tensor, ...]:
-    """For the cells of several tensors laid end to end: where each tensor's cells end
-    (offsets, with a leading 0), the present flags, the shift that puts each cell in place
-    in the word sum (0, or 32 for the high half of a 64-bit block sum) and the [2, cells]
-    odd weights of the two hashes (the weight of the cell at position i of its tensor is
+def _small_cells(pieces: List[torch.Tensor], counts: List[int]) -> torch.Tensor:
+    """One cell each for several tensors of fewer than ``_BLOCK`` int32 words, in a few
+    kernels for all of them: ``pieces`` are their words laid end to end, ``counts`` how
+    many words each has. Each cell is the sum of its words modulo 2**32 (signed)."""
+    running = torch.cat([torch.zeros(1, dtype=torch.int64, device=pieces[0].device),
+                         torch.cat(pieces).to(torch.int64).cumsum(0)])
+    ends = _constant(("ends", tuple(counts), str(running.device)), lambda: torch.tensor(
+        counts, dtype=torch.int64).cumsum(0).to(running.device))
+    starts = ends - torch.tensor(counts, dtype=torch.int64).to(running.device)
+    return (running[ends] - running[starts]).to(torch.int32)      # wraps modulo 2**32
+
+
+def _cell_plan(layout: Tuple[Tuple[int, bool, bool], ...],
+               device: torch.device) -> Tuple[torch.Tensor, ...]:
+    """For the cells of several tensors laid end to end (those of the large tensors in
+    order, then one cell per small tensor, see _small_cells): where each tensor's cells
+    start and end, the present flags, the shift that puts each cell in place in the word
+    sum (0, or 32 for the high half of a 64-bit block sum) and the [2, cells] odd weights
+    of the two hashes (the weight of the cell at position i of its tensor is
     2 * ((i * mult) mod 2**31) + 1: odd, and distinct for i < 2**31)."""
     def build() -> Tuple[torch.Tensor, ...]:
-        counts = torch.tensor([c for c, _ in layout], dtype=torch.int64)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-        position = torch.cat([torch.arange(c, dtype=torch.int64) for c, _ in layout]) \
-            if layout else torch.zeros(0, dtype=torch.int64)
-        wide = torch.repeat_interleave(torch.tensor([w for _, w in layout], dtype=torch.bool),
-                                       counts)
+        order = [i for i, (_, _, small) in enumerate(layout) if not small] + \
+                [i for i, (_, _, small) in enumerate(layout) if small]
+        counts = [layout[i][0] for i in order]
+        ends_in_order = torch.tensor(counts, dtype=torch.int64).cumsum(0) if counts else \
+            torch.zeros(0, dtype=torch.int64)
+        ends = torch.zeros(len(layout), dtype=torch.int64)
+        ends[torch.tensor(order, dtype=torch.int64)] = ends_in_order
+        starts = ends - torch.tensor([c for c, _, _ in layout], dtype=torch.int64)
+        position = torch.cat([torch.arange(c, dtype=torch.int64) for c in counts]) \
+            if counts else torch.zeros(0, dtype=torch.int64)
+        wide = torch.repeat_interleave(torch.tensor([layout[i][1] for i in order],
+                                                    dtype=torch.bool),
+                                       torch.tensor(counts, dtype=torch.int64))
         shift = torch.where(wide & (position % 2 == 1), 32, 0).to(torch.int64)
         weights = torch.stack([(position * m).bitwise_and_((1 << 31) - 1).mul_(2).add_(1)
                                for m in _WEIGHT_MULTS])
-        present = torch.tensor([c > 0 for c, _ in layout], dtype=torch.int64)
-        return tuple(x.to(device) for x in (offsets, present, shift, weights))
+        present = torch.tensor([c > 0 for c, _, _ in layout], dtype=torch.int64)
+        return tuple(x.to(device) for x in (starts, ends, present, shift, weights))
     return _constant(("cells", layout, str(device)), build)
 
 
@@ -217,23 +237,36 @@ def _constant(key: tuple, build: Any) -> Any:
 def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
                           device: torch.device) -> torch.Tensor:
     cells, layout = [], []
+    small_pieces: List[torch.Tensor] = []
+    small_counts: List[int] = []
+    small_device = None
     for t in tensors:
         if t is None:
-            layout.append((0, False))
+            layout.append((0, False, False))
             continue
-        parts, wide = _cells(t)
+        words, last = _words(t)
+        if words.dtype == torch.int32 and words.numel() < _BLOCK and \
+                (small_device is None or words.device == small_device):
+            small_device = words.device             # batched: one cell, summed with the others
+            small_pieces += [words] if last is None else [words, last]
+            small_counts.append(words.numel() + (last is not None))
+            layout.append((1, False, True))
+            continue
+        parts, wide = _cells(words, last)
         cells += [_to(p, device) for p in parts]
-        layout.append((sum(p.numel() for p in parts), wide))
-    offsets, present, shift, weights = _cell_plan(tuple(layout), device)
+        layout.append((sum(p.numel() for p in parts), wide, False))
+    if small_counts:
+        cells.append(_to(_small_cells(small_pieces, small_counts), device))
+    starts, ends, present, shift, weights = _cell_plan(tuple(layout), device)
     u = torch.cat(cells).to(torch.int64) if cells else \
         torch.zeros(0, dtype=torch.int64, device=device)         # signed 32-bit values
-    placed = torch.bitwise_left_shift(u, shift) if any(w for _, w in layout) else u
+    placed = torch.bitwise_left_shift(u, shift) if any(w for _, w, _ in layout) else u
     # Word sum and the two hashes of every tensor, all modulo 2**64 (int64 arithmetic wraps):
     # running sums over all cells, differenced at the tensors' boundaries.
     terms = torch.cat([placed.unsqueeze(0), u * weights])          # [3, cells]
     running = torch.cat([torch.zeros(3, 1, dtype=torch.int64, device=device),
                          terms.cumsum(1)], dim=1)
-    sums = running[:, offsets[1:]] - running[:, offsets[:-1]]      # [3, tensors]
+    sums = running[:, ends] - running[:, starts]                   # [3, tensors]
     return torch.cat([present.unsqueeze(0), sums]).t().contiguous()
 
 
