@@ -17,9 +17,10 @@ program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
    wait times out and every rank that did arrive raises :class:`DDPTimeoutError` naming
    the ranks whose counters are behind its own, instead of hanging; a rank that arrives
    after the others gave up sees from their times that it is late, and raises too. A
-   rank whose fingerprinting fails says so in its header, so that every rank raises. Ranks whose models differ raise
-   :class:`DDPInconsistencyError` naming the first difference (only then are the names
-   themselves exchanged). When every digest is equal the check is over: consistent.
+   rank whose fingerprinting fails says so in its header, so that every rank raises.
+   Ranks whose models differ raise :class:`DDPInconsistencyError` naming the first
+   difference (only then are the names themselves exchanged). When every digest is
+   equal the check is over: consistent.
    (Where the store cannot be reached, a monitored barrier on that gloo group, run in a
    helper thread during step 2, names the missing ranks instead, and the header goes
    over the group itself.)
@@ -33,14 +34,13 @@ fingerprint is a word sum and two position-weighted hashes of the raw bits, exac
 arithmetic (see :func:`fingerprints` for what is guaranteed): any change of a single
 element is always caught, a swap of two elements in different blocks of 1024 words
 with overwhelming probability, a reordering inside one block never; the same NaN on every
-rank is consistent. With a
-tolerance, the fingerprint is the float64 sum, sum of squares and sum of absolute values
-of the finite elements and the counts of NaN, +Inf and -Inf; two ranks disagree when a
-count differs or a sum differs by more than elementwise ``|a - b| <= atol + rtol * |b|``
-allows. A tolerance mismatch is therefore certain; a pass means the sums agree within
-those bounds. Tolerance mode exchanges the sums first and the counts only for tensors
-whose sums are not finite on some rank. It casts every element to float64: prefer the
-bitwise mode for checks on every step.
+rank is consistent. With a tolerance, the fingerprint is the float64 sum, sum of squares
+and sum of absolute values of the finite elements and the counts of NaN, +Inf and -Inf;
+two ranks disagree when a count differs or a sum differs by more than elementwise
+``|a - b| <= atol + rtol * |b|`` allows. A tolerance mismatch is therefore certain; a
+pass means the sums agree within those bounds. Tolerance mode exchanges the sums first
+and the counts only for tensors whose sums are not finite on some rank. It casts every
+element to float64: prefer the bitwise mode for checks on every step.
 
 When several ranks disagree, the reference is the largest group of ranks that agree
 (ties go to the group holding the lowest rank), and every other rank is reported.
@@ -354,16 +354,16 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitw
     * a change of any single element (any of its bits) is always detected, and so is any
       change confined to one block that changes that block's word sum modulo 2**32
       (2**64 for 8-byte types);
-    * a change confined to two blocks: for a given change of one block's sum, at most one
-      change of the other's escapes each hash. In particular exchanging two 32-bit words
-      that lie in different blocks (two float32 elements, say) goes unseen by a hash only
-      if the two words differ by one of at most two values fixed by the pair of blocks,
-      and it must escape both hashes;
+    * a change confined to two blocks of 32-bit words: whatever the change of one block's
+      sum, at most one change of the other's escapes each hash. In particular exchanging
+      two 32-bit words that lie in different blocks (two float32 elements, say) escapes
+      a hash only when the difference of the two words is one of at most six values
+      determined by the two blocks (their weights and sums), and it must escape both;
     * not detected: any reordering of the words inside one block (a block sum does not
       depend on their order).
 
     Other changes are caught unless they cancel in the word sum and in both hashes at
-    once (for changes that are not constructed to, about 1 in 2**64). NaNs compare by
+    once (heuristically, for changes not built to cancel, about 1 in 2**64). NaNs compare by
     their bits: the same NaN is consistent, ``-0.0`` differs from ``0.0``.
 
     ``mode="tolerance"``: ``present, nan, posinf, neginf`` and the float64
