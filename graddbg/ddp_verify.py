@@ -127,10 +127,10 @@ def _words(t: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     8-byte elements: int64 words, one per element, ``last`` is None. Otherwise int32 words
     (little-endian; 1- and 2-byte elements packed 4 or 2 to a word); when the byte count
     is not a multiple of 4, ``last`` is one more int32 word holding the 1 to 3 bytes left
-    over, zero-padded. No copy unless ``t`` is not contiguous (or its start is not aligned
-    to a word).
+    over, zero-padded. No copy unless ``t`` is not contiguous (or, for 1- and 2-byte
+    elements, its start is not aligned to a word).
     """
-    flat = _flat(t)
+    flat = _flat(t).contiguous()       # a no-op unless t is a strided 1-D view
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     size = flat.element_size()
@@ -170,8 +170,8 @@ def _cells(words: torch.Tensor, last: Optional[torch.Tensor]) -> Tuple[List[torc
         parts.append(words[: full * _BLOCK].view(full, _BLOCK).sum(1, dtype=words.dtype))
     if n > full * _BLOCK or last is not None or not full:
         rest = words[full * _BLOCK:].sum(dtype=words.dtype).reshape(1)
-        if last is not None:
-            rest = rest.to(torch.int64) + last.to(torch.int64)   # taken modulo 2**32 later
+        if last is not None:                                     # add it modulo 2**32
+            rest = (rest.to(torch.int64) + last.to(torch.int64)).to(torch.int32)
         parts.append(rest)
     if wide:
         parts = [p.view(torch.int32) for p in parts]             # (low, high) per block

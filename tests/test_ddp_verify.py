@@ -70,7 +70,7 @@ def naive_tolerance(t: torch.Tensor) -> list:
             math.fsum(finite), math.fsum(v * v for v in finite), math.fsum(abs(v) for v in finite)]
 
 
-SHAPES = [(), (7,), (3, 5), (1024,), (2, 1024), (2500,), (3, 1100), (4097,)]
+SHAPES = [(), (7,), (3, 5), (1024,), (2, 1024), (2500,), (3, 1100), (4097,), (4201,)]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.uint8,
           torch.int8, torch.bool]
 
@@ -100,6 +100,16 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def test_bitwise_fingerprint_matches_naive_reference(shape, dtype):
     t = _tensor(shape, dtype)
     assert _fp(t) == naive_bitwise(t)
+
+
+def test_bitwise_fingerprint_wraps_a_partial_block_and_its_padded_last_word():
+    """Last block: words whose sum is just under 2**31 plus a zero-padded last word: the
+    cell is their sum modulo 2**32, as in the reference."""
+    h = torch.zeros(2101, dtype=torch.float16)          # 1024 + 26 words and a half word
+    halves = h.view(torch.int16)
+    halves[2048], halves[2049] = -16, 0x7FFF             # word 1024 = 0x7FFFFFF0
+    halves[2100] = 0x7FFF                                # the last, padded word: 0x00007FFF
+    assert _fp(h) == naive_bitwise(h)
 
 
 def test_bitwise_fingerprint_batches_like_one_at_a_time():
@@ -215,9 +225,11 @@ def test_fingerprints_of_other_layouts_and_dtypes():
     assert _fp(torch.tensor([True, False, True]))[1] == 0x00010001   # bytes 1 0 1, zero-padded
     assert _fp(torch.empty(0)) == [1, 0, 0, 0]
     assert ddp_verify.fingerprints([]).shape == (0, 4)
-    # a half-precision view that does not start on a 4-byte boundary: same as a fresh copy
-    h = _tensor((101,), torch.float16)
-    assert _fp(h[1:]) == _fp(h[1:].clone()) == naive_bitwise(h[1:])
+    # a half-precision view that does not start on a 4-byte boundary, strided 1-D views:
+    # the same as fresh copies
+    h = _tensor((2101,), torch.float16)
+    for view in (h[1:], h[::2], _tensor((3000,), torch.float32)[1::2]):
+        assert _fp(view) == _fp(view.clone()) == naive_bitwise(view)
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2500,)], ids=str)
