@@ -627,3 +627,12 @@ def test_column_colouring_is_valid(seed):
     assert count == int(single.sum(1).max())
     per_row = single.double() @ torch.nn.functional.one_hot(colour, count).double()
     assert per_row.max() <= 1
+
+
+def test_compressed_runs_on_the_inputs_device(device):
+    x = spaced(300).detach().to(device).requires_grad_()
+    r = gradcheck(SortValues.apply, x, "entry")
+    assert r.colours == 1 and not r.ok and r.n_mismatched == 1
+    perm = x.detach().sort().indices
+    assert r.table.iloc[0]["index"] == (int(perm[5]),)
+    assert gradcheck(SortValues.apply, x, None).ok
