@@ -297,16 +297,22 @@ _CHUNK = 1 << 16     # CPU float64 sums go chunk by chunk, each chunk cast while
 
 def _float_sums(x: torch.Tensor) -> torch.Tensor:
     """float64 [sum, sum of squares, sum of |x|] of a flat tensor (NaN/Inf propagate)."""
-    pieces = x.split(_CHUNK) if x.device.type == "cpu" and x.numel() > _CHUNK else (x,)
-    out = []
-    for piece in pieces:
-        if piece.dtype == torch.float64 and piece.numel() > _CHUNK:   # no copy: three reads
-            out.append(torch.stack([piece.sum(), torch.dot(piece, piece),
-                                    torch.linalg.vector_norm(piece, 1)]))
-            continue
-        d = piece.to(torch.float64, copy=True)     # on CPU a chunk, cast while in cache
-        out.append(torch.stack([d.sum(), torch.dot(d, d), d.abs_().sum()]))
-    return out[0] if len(out) == 1 else torch.stack(out).sum(0)
+    if x.device.type != "cpu" or x.numel() <= _CHUNK:
+        if x.dtype == torch.float64 and x.numel() > _CHUNK:       # no copy: three reads
+            return torch.stack([x.sum(), torch.dot(x, x), torch.linalg.vector_norm(x, 1)])
+        d = x.to(torch.float64, copy=True)
+        return torch.stack([d.sum(), torch.dot(d, d), d.abs_().sum()])
+    # CPU: chunk by chunk, each cast into one float64 buffer that stays in cache
+    pieces = x.split(_CHUNK)
+    acc = torch.empty(len(pieces), 3, dtype=torch.float64)
+    buf = torch.empty(_CHUNK, dtype=torch.float64)
+    for i, piece in enumerate(pieces):
+        d = buf[: piece.numel()]
+        d.copy_(piece)
+        torch.sum(d, dim=0, out=acc[i, 0])
+        torch.dot(d, d, out=acc[i, 1])
+        torch.sum(d.abs_(), dim=0, out=acc[i, 2])
+    return acc.sum(0)
 
 
 def _tolerance_quick(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -232,15 +232,25 @@ def test_fingerprints_of_other_layouts_and_dtypes():
         assert _fp(view) == _fp(view.clone()) == naive_bitwise(view)
 
 
-@pytest.mark.parametrize("shape", [(7,), (3, 5), (2500,)], ids=str)
-def test_tolerance_fingerprint_matches_naive_reference(shape):
-    t = _tensor(shape, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2500,), (3, 50000)], ids=str)   # last: chunked
+def test_tolerance_fingerprint_matches_naive_reference(shape, dtype):
+    t = _tensor(shape, dtype)
     t.reshape(-1)[0] = float("nan")
     t.reshape(-1)[-1] = float("-inf")
     row = ddp_verify.fingerprints([t], mode="tolerance")[0]
     ref = naive_tolerance(t)
     assert row[:4].tolist() == ref[:4]
     got = row[4:].view(torch.float64).tolist()
+    # and the quick first round (sums of everything): NaN propagates
+    quick = ddp_verify._tolerance_quick_table([t], torch.device("cpu"))[0]
+    assert quick[0] == 1 and all(math.isnan(v) for v in quick[1:].view(torch.float64).tolist())
+    finite = t.clone()
+    finite.reshape(-1)[0] = 1.0
+    finite.reshape(-1)[-1] = -2.0
+    quick = ddp_verify._tolerance_quick_table([finite], torch.device("cpu"))[0]
+    assert quick[1:].view(torch.float64).tolist() == pytest.approx(naive_tolerance(finite)[4:],
+                                                                     rel=1e-12)
     assert got == pytest.approx(ref[4:], rel=1e-12)
 
 
