@@ -15,6 +15,12 @@ bytes the check hands to collectives against those of an all_reduce of every gra
 in this process only.
 
     .venv/bin/python bench/ddp_check.py [--repeats 8] [--steps 10] [--threads 1]
+
+``--fingerprints`` instead times the local fingerprint candidates on 32 MB of float32 in
+this process (no distributed run), interleaved, against one read of the same data
+(torch._foreach_norm), the floor for anything that reads every element once.
+
+    .venv/bin/python bench/ddp_check.py --fingerprints [--repeats 8] [--threads 1]
 """
 from __future__ import annotations
 
@@ -150,12 +156,57 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
     dist.destroy_process_group()
 
 
+def _fingerprint_candidates(repeats: int, threads: int) -> None:
+    """Local fingerprint kernels on 32 MB of float32, interleaved, as multiples of one read."""
+    from graddbg import ddp_verify
+
+    torch.set_num_threads(threads)
+    x = torch.randn(8 * 1024 * 1024)
+    w = x.view(torch.int32)
+
+    def old_two_sums() -> None:      # the previous fingerprint: row and column sums, blocked
+        col = torch.zeros(1024, dtype=torch.int32)
+        for block in w.view(-1, 1024).split(64):
+            block.sum(1, dtype=torch.int32)
+            col += block.sum(0, dtype=torch.int32)
+
+    candidates = {
+        "one read: torch._foreach_norm": lambda: torch._foreach_norm([x]),
+        "fingerprints(bitwise), as shipped": lambda: ddp_verify.fingerprints([x]),
+        "  its kernel: int32 block sums (1024 words)": lambda: w.view(-1, 1024).sum(
+            1, dtype=torch.int32),
+        "int32 block sums accumulated in int64": lambda: w.view(-1, 1024).sum(
+            1, dtype=torch.int64),
+        "previous: row + column sums, blocked": old_two_sums,
+        "tolerance float64 sums, as shipped": lambda: ddp_verify._float_sums(x),
+    }
+    times = {k: [] for k in candidates}
+    for fn in candidates.values():
+        fn()
+    for _ in range(max(5, repeats)):
+        for key, fn in candidates.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    floor = statistics.median(times["one read: torch._foreach_norm"])
+    print(f"local fingerprints of 32 MB float32, {threads} thread(s), median of "
+          f"{max(5, repeats)} interleaved repeats:")
+    for key, v in times.items():
+        med = statistics.median(v)
+        print(f"  {key:46s} {med * 1e3:8.2f} ms = {med / floor:5.2f}x one read")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=8, help="interleaved block pairs")
     parser.add_argument("--steps", type=int, default=10, help="DDP steps per block (K)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--fingerprints", action="store_true",
+                        help="time the local fingerprint candidates only (one process)")
     args = parser.parse_args()
+    if args.fingerprints:
+        _fingerprint_candidates(args.repeats, args.threads)
+        return
     world, port = 2, _free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
