@@ -961,7 +961,6 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
     except Exception as err:   # tell the other ranks, so that every rank raises, none hangs
         local_error = err
         header = torch.full((7,), -1, dtype=torch.int64)
-    header[6] = int(time.time() * 1e6)            # when this rank starts waiting, in µs
     if helper is not None:
         helper.join(timeout.total_seconds() + 60.0)   # the barrier has its own timeout
         if helper.is_alive():
@@ -969,8 +968,10 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
                                   f"(+60 s); the process group is not usable")
         if barrier_errors:
             raise barrier_errors[0]
+        header[6] = int(time.time() * 1e6)
         headers = _all_gather(header.to(device), group).cpu()
     else:
+        header[6] = int(time.time() * 1e6)        # when this rank starts waiting, in µs
         headers = _exchange_header(fn, header, group, exchange_group, timeout, arrived)
     _late_ranks_error(fn, headers[:, 6], timeout, rank)
     failed = (headers[:, :4] == -1).all(dim=1).nonzero().flatten().tolist()
