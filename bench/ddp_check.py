@@ -127,11 +127,16 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
     # Standalone: one check right after a step, and its parts.
     grads = [p.grad for p in model.parameters()]
     times = {"step": [], "check": [], "check_tol": [], "fingerprints": [], "read": [],
-             "barrier": []}
+             "barrier": [], "store": [], "gather": []}
+    store = dist.distributed_c10d._get_default_store()
+    header = torch.zeros(7, dtype=torch.int64)
+    gathered = [torch.zeros_like(header) for _ in range(world)]
     parts = (("step", step), ("check", check), ("check_tol", lambda: check(rtol=1e-6)),
              ("fingerprints", lambda: ddp_verify.fingerprints(grads)),
              ("read", lambda: torch._foreach_norm(grads)),
-             ("barrier", lambda: dist.monitored_barrier(timeout=timedelta(seconds=60))))
+             ("barrier", lambda: dist.monitored_barrier(timeout=timedelta(seconds=60))),
+             ("store", lambda: store.add(f"bench/{rank}", 1)),
+             ("gather", lambda: dist.all_gather(gathered, header)))
     for _ in range(max(5, 2 * repeats)):
         for key, fn in parts:
             dist.barrier()
@@ -237,8 +242,9 @@ def main() -> None:
     print(f"    of which local fingerprints (no communication) {r['fingerprints'] * 1e3:.2f} ms "
           f"= {100 * r['fingerprints'] / r['step']:.2f}%, {r['fingerprints'] / r['read']:.2f}x "
           f"one read of the gradients (torch._foreach_norm, {r['read'] * 1e3:.2f} ms)")
-    print(f"    for comparison, one monitored barrier alone {r['barrier'] * 1e3:.2f} ms "
-          f"(the check no longer runs one)")
+    print(f"    the check's communication alone: one store.add {r['store'] * 1e3:.2f} ms, one "
+          f"all_gather of 56 B {r['gather'] * 1e3:.2f} ms (for comparison, one monitored "
+          f"barrier {r['barrier'] * 1e3:.2f} ms: the check no longer runs one)")
     print(f"    least-disturbed repeats (minimum of each): step {r['min_step'] * 1e3:.2f} ms, "
           f"check {r['min_check'] * 1e3:.2f} ms = {100 * r['min_check'] / r['min_step']:.2f}%")
     print(f"  check_gradients, tolerance (rtol=1e-6):   {r['check_tol'] * 1e3:8.2f} ms  "
