@@ -555,7 +555,7 @@ def _jvp_cols(t: _Target, u: torch.Tensor) -> torch.Tensor:
                     lambda row: _flat(torch.func.jvp(lambda *a: tuple(t.call(list(a))), tuple(xs),
                                                      tuple(_split1(t, row)))[1], 1)[0])(u)
             t.jvp_batch_ok = True
-            return out
+            return out.detach()           # a module's parameters make the tangents require grad
         except Exception:  # noqa: BLE001 - fall back to dual numbers in a loop
             if t.jvp_batch_ok:
                 raise

@@ -636,3 +636,12 @@ def test_compressed_runs_on_the_inputs_device(device):
     perm = x.detach().sort().indices
     assert r.table.iloc[0]["index"] == (int(perm[5]),)
     assert gradcheck(SortValues.apply, x, None).ok
+
+
+def test_forward_ad_on_a_module_warns_nothing():
+    import warnings
+
+    lin = nn.Linear(6, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_module(lin, torch.randn(4, 6), forward_ad=True).ok
