@@ -188,14 +188,16 @@ def _fingerprint_candidates(repeats: int, threads: int) -> None:
     times = {k: [] for k in candidates}
     for fn in candidates.values():
         fn()
-    for _ in range(max(5, repeats)):
+    other = torch.randn(16 * 1024 * 1024)    # read before each candidate: x starts cold,
+    for _ in range(max(5, repeats)):         # as the gradients do after a training step
         for key, fn in candidates.items():
+            torch._foreach_norm([other])
             t0 = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - t0)
     floor = statistics.median(times["one read: torch._foreach_norm"])
-    print(f"local fingerprints of 32 MB float32, {threads} thread(s), median of "
-          f"{max(5, repeats)} interleaved repeats:")
+    print(f"local fingerprints of 32 MB float32 (cold: 64 MB read in between), {threads} "
+          f"thread(s), median of {max(5, repeats)} interleaved repeats:")
     for key, v in times.items():
         med = statistics.median(v)
         print(f"  {key:46s} {med * 1e3:8.2f} ms = {med / floor:5.2f}x one read")
