@@ -11,8 +11,9 @@ wrapper). On the samples where ``torch.autograd.gradcheck(fast_mode=False)`` pas
     graddbg fast graddbg.gradcheck(mode="fast")
 
 interleaved per sample (the order rotates), and print the agreement (graddbg passes where
-torch passes; target >= 99%), the samples where it does not with the reason, and the
-total time of each checker with the ratios. Needs the dev extras expecttest, hypothesis.
+torch passes; target >= 99%), the samples where it does not with the reason, the total
+time of each checker with the ratios, and the 10 most expensive ops of each checker next
+to the other checker of the same kind (full with torch slow, fast with torch fast). Needs the dev extras expecttest, hypothesis.
 
     python bench/opinfo_agreement.py            # the whole corpus
     python bench/opinfo_agreement.py --limit 50 # the first 50 ops
