@@ -509,7 +509,7 @@ class Watch:
         import numpy as np
 
         P = len(self._params)
-        if None in grads:
+        if any(g is None for g in grads):  # (not `None in`: that calls Tensor.__eq__)
             has_grad = np.fromiter((g is not None for g in grads), dtype=bool, count=P)
             self._ever_grad |= has_grad
         else:  # the common case: every parameter got a gradient

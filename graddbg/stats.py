@@ -199,7 +199,7 @@ class StatPlan:
         order: List[int] = []
         norms: List[Tensor] = []
         maxes: List[Tensor] = []
-        complete = None not in grads
+        complete = all(g is not None for g in grads)  # (not `None in`: that calls Tensor.__eq__)
         for gi, members in enumerate(self._groups):
             present = members if complete else [i for i in members if grads[i] is not None]
             if not present:
@@ -212,7 +212,7 @@ class StatPlan:
                 # small tensors (biases, norms, the layers of a narrow deep net): one
                 # stacked copy and row reductions beat a launch per tensor
                 m = self._stacked(gi, ts)
-                amax = torch.maximum(m.amax(1), m.amin(1).neg_())  # (aminmax along a dim is slower)
+                amax = m.abs_().amax(1)  # (our copy: fewer launches than amax, amin, maximum)
                 if want_max:
                     maxes.append(amax)
                 if want_norm:
@@ -236,7 +236,12 @@ class StatPlan:
         perm = self._perm(tuple(order), P, device)
 
         def place(parts: List[Tensor]) -> Tensor:
-            flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts])
+            # (torch.cat promotes float32 parts to float64; Python checks cost less than
+            # launches that change nothing)
+            flat = [t if t.dim() == 1 else t.reshape(-1) for t in parts]
+            flat = flat[0] if len(flat) == 1 else torch.cat(flat)
+            if flat.dtype != torch.float64:
+                flat = flat.to(torch.float64)
             if len(order) < P:  # missing gradients: NaN rows
                 flat = torch.cat([flat, torch.full((1,), float("nan"), dtype=torch.float64, device=device)])
             return flat[perm]
@@ -265,6 +270,13 @@ class StatPlan:
         v = g.reshape(-1)
         if v.dtype not in _FAST_DTYPES:
             v = v.float()
+        if v.numel() <= _STACK_NUMEL:  # a lone small tensor: two launches
+            if want_norm:
+                norms.append(torch.linalg.vector_norm(v))
+            if want_max:
+                maxes.append(torch.linalg.vector_norm(v, math.inf))
+            order.append(i)
+            return
         if want_norm and want_max and v.device.type == "cpu" and v.numel() >= 2 * _CHUNK:
             # both statistics chunk by chunk, so that the second pass over each chunk reads
             # it from the cache, not from memory (a gradient of 8M float32 is 32 MB)
@@ -383,8 +395,8 @@ class StatPlan:
 
 
 def _scaled_row_norms(m: Tensor, amax: Tensor) -> Tensor:
-    """Float64 L2 norms of the rows of ``m`` (a scratch copy: divided in place), exact over
-    the whole range of the dtype: each row is first divided by its largest magnitude
+    """L2 norms of the rows of ``m`` (a scratch copy: divided in place), exact over the
+    whole range of the dtype: each row is first divided by its largest magnitude
     ``amax``, so the squares neither underflow (a vanishing gradient of 1e-26 has squares
     below float32's smallest number: its plain norm is 0, and slow to compute) nor
     overflow (1e20). Rows holding NaN or Inf keep their non-finite norm.
@@ -393,9 +405,11 @@ def _scaled_row_norms(m: Tensor, amax: Tensor) -> Tensor:
     >>> [f"{v:.4g}" for v in _scaled_row_norms(m.clone(), m.abs().amax(1)).tolist()]
     ['1.732e-26', '1.732e+20', '0']
     """
-    s = torch.where(amax < math.inf, amax, 1.0).clamp_(min=torch.finfo(m.dtype).tiny)
+    fi = torch.finfo(m.dtype)
+    s = amax.clamp(fi.tiny, fi.max)  # zero rows: 0 / tiny; Inf rows: Inf / max stays Inf
     m.div_(s.unsqueeze(1))
-    return torch.linalg.vector_norm(m, dim=1).to(torch.float64) * s
+    # (a norm beyond the dtype's range comes out Inf: fixup() recomputes it in float64)
+    return torch.linalg.vector_norm(m, dim=1).mul_(s)
 
 
 def _stack(values: Sequence[Optional[Tensor]], device: torch.device) -> Tensor:
