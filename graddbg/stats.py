@@ -53,9 +53,6 @@ STEPS_COLUMNS = ("step", "global_norm", "clipped_norm", "nonfinite", "overflow",
 # go through the foreach kernels, where the cost is the launch, not the data
 _LARGE = 1 << 16
 _FAST_DTYPES = (torch.float32, torch.float64)
-# large CPU gradients are reduced in chunks of this many elements (1 MB of float32: the
-# second pass over a chunk finds it in the cache)
-_CHUNK = 1 << 18
 # same-shape tensors up to this size are stacked and reduced by rows
 _STACK_NUMEL = 16384
 # at most this many elements of scratch space kept between steps for the stacked copies
@@ -275,19 +272,6 @@ class StatPlan:
                 norms.append(torch.linalg.vector_norm(v))
             if want_max:
                 maxes.append(torch.linalg.vector_norm(v, math.inf))
-            order.append(i)
-            return
-        if want_norm and want_max and v.device.type == "cpu" and v.numel() >= 2 * _CHUNK:
-            # both statistics chunk by chunk, so that the second pass over each chunk reads
-            # it from the cache, not from memory (a gradient of 8M float32 is 32 MB)
-            sq, hi, lo = [], [], []
-            for c in v.split(_CHUNK):
-                sq.append(torch.dot(c, c))
-                mm = torch.aminmax(c)
-                lo.append(mm.min)
-                hi.append(mm.max)
-            norms.append(torch.stack(sq).to(torch.float64).sum().sqrt())
-            maxes.append(torch.maximum(torch.stack(hi).amax(), torch.stack(lo).amin().neg()))
             order.append(i)
             return
         if want_norm:
