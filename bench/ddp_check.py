@@ -205,7 +205,7 @@ def _fingerprint_candidates(repeats: int, threads: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=8, help="interleaved block pairs")
+    parser.add_argument("--repeats", type=int, default=20, help="interleaved block pairs")
     parser.add_argument("--steps", type=int, default=10, help="DDP steps per block (K)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--fingerprints", action="store_true",
