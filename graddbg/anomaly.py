@@ -5,6 +5,7 @@ records, and applies the policy they return.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import statistics
@@ -184,7 +185,8 @@ def as_detector(value: Any, kind: str) -> Any:
 class _ExplodeState:
     def __init__(self, det: Explode) -> None:
         self.det = det
-        self.level: List[float] = []
+        self.level: List[float] = []  # the window's global norms, oldest first
+        self._sorted: List[float] = []  # the same, sorted (finite values only)
         self.prev_norms: Any = None
         self.in_episode = False
 
@@ -201,7 +203,7 @@ class _ExplodeState:
         if det.absolute is not None:
             threshold = det.absolute
         if det.factor is not None and len(self.level) >= det.warmup:
-            med = statistics.median(self.level)  # (numpy's costs ~100 us on 50 numbers)
+            med = statistics.median(self._sorted)  # (kept sorted: no sort per step)
             threshold = min(threshold, det.factor * med)
         if global_norm > threshold:
             if self.in_episode:  # one anomaly per episode of consecutive exploded steps
@@ -231,7 +233,9 @@ class _ExplodeState:
                            message=msg, params=tuple(jumped))
         self.in_episode = False
         self.level.append(global_norm)
+        bisect.insort(self._sorted, global_norm)
         if len(self.level) > det.window:
+            del self._sorted[bisect.bisect_left(self._sorted, self.level[0])]
             del self.level[0]
         return None
 

@@ -219,6 +219,9 @@ class Watch:
         self._ever_grad = np.zeros(len(self._params), dtype=bool)
         self._all_true = np.ones(len(self._params), dtype=bool)
         self._all_true.setflags(write=False)
+        self._ever_all = False  # every parameter has had a gradient at some step
+        self._no_bad = np.zeros(len(self._params), dtype=bool)
+        self._no_bad.setflags(write=False)
         self._explode_state = self._explode.new_state() if self._explode else None
         self._vanish_state = self._vanish.new_state(len(self._params)) if self._vanish else None
         self._leaf_modules: List[Tuple[str, nn.Module]] = []  # all modules, with activations=True
@@ -483,9 +486,13 @@ class Watch:
         layout: List[Tuple[str, Tuple[int, ...]]] = []
 
         def put(name: str, t: Optional[Tensor]) -> None:
+            # (our own tensors, computed from gradients that do not require grad: no
+            # detach; each launch saved counts at every step)
             if t is not None:
-                parts.append(t.detach().reshape(-1).to(torch.float64))
                 layout.append((name, tuple(t.shape)))
+                if t.dtype != torch.float64:
+                    t = t.to(torch.float64)
+                parts.append(t if t.dim() == 1 else t.reshape(-1))
 
         put("values", values)
         put("absmax", absmax)
@@ -509,12 +516,17 @@ class Watch:
         import numpy as np
 
         P = len(self._params)
-        if any(g is None for g in grads):  # (not `None in`: that calls Tensor.__eq__)
+        # the statistics kernel has just looked at these gradients: reuse its answer
+        complete = (self._plan.last_complete if (values is not None or absmax is not None)
+                    else all(g is not None for g in grads))  # (not `None in`: Tensor.__eq__)
+        if not complete:
             has_grad = np.fromiter((g is not None for g in grads), dtype=bool, count=P)
             self._ever_grad |= has_grad
         else:  # the common case: every parameter got a gradient
             has_grad = self._all_true
-            self._ever_grad.fill(True)
+            if not self._ever_all:
+                self._ever_grad.fill(True)
+                self._ever_all = True
 
         vals = got.get("values")
         if vals is not None:
@@ -528,19 +540,21 @@ class Watch:
             counts = self._plan.fixup(vals, grads, div)
             self.host_syncs += self._plan.extra_reads - reads  # overflowed/underflowed norms only
             norms = vals[:, 0]
-            present = norms[has_grad]
+            present = norms if complete else norms[has_grad]
             gn = math.sqrt(float(np.dot(present, present)))  # NaN or inf when a norm is
         else:
             counts = None
             norms = None
             gn = math.nan
         am = got.get("absmax")
-        bad_now = np.zeros(P, dtype=bool)
         if counts is not None:
-            bad_now = counts > 0
+            # fixup() hands back one shared array of zeros on steps without a bad entry
+            bad_now = self._no_bad if counts is self._plan.zeros else counts > 0
         elif am is not None:
             bad_now = ~np.isfinite(am) & has_grad
             counts = None
+        else:
+            bad_now = self._no_bad
         first_bad_step = step
         acc_bad = got.get("acc_bad")
         if acc_bad is not None and acc_bad.any():
@@ -562,10 +576,11 @@ class Watch:
 
         # ---- detectors
         found: List[Tuple[Anomaly, Any]] = []
-        if bad_now.any() and self._nonfinite is not None:
+        any_bad = bad_now is not self._no_bad and bool(bad_now.any())
+        if any_bad and self._nonfinite is not None:
             found.append((self._nonfinite_anomaly(first_bad_step, bad_now, counts, act_fwd, got, act_bwd,
                                                   got.get("act_bwd")), self._nonfinite.policy))
-        if vals is not None and self._explode_state is not None and not bad_now.any():
+        if vals is not None and self._explode_state is not None and not any_bad:
             a = self._explode_state.check(step, gn, norms, self._names, self._modules)
             if a is not None:
                 found.append((a, self._explode.policy))

@@ -172,6 +172,10 @@ class StatPlan:
         #: read-backs made by :meth:`fixup` (steps with overflowed or underflowed norms)
         self.extra_reads = 0
         self._scratch: Dict[int, Tensor] = {}
+        #: the shared read-only zeros that :meth:`fixup` returns on steps without a bad entry
+        self.zeros: Any = None
+        #: whether every gradient was present at the last reduction
+        self.last_complete = True
         self._scratch_numel = 0
         #: parameters whose norms come from the scaled stacked path (exact over the whole
         #: range); the others are checked for overflow and underflow by :meth:`fixup`
@@ -186,9 +190,9 @@ class StatPlan:
         if not all(self.scaled):
             import numpy as np
 
-            idx = np.array([i for i, sc in enumerate(self.scaled) if not sc], dtype=np.int64)
-            self._tiny = (idx, np.array([_UNDERFLOW.get(params[i].dtype, 0.0) * math.sqrt(self.numel[i])
-                                         for i in idx]))
+            idx = [i for i, sc in enumerate(self.scaled) if not sc]
+            tiny = [_UNDERFLOW.get(params[i].dtype, 0.0) * math.sqrt(self.numel[i]) for i in idx]
+            self._tiny = (np.array(idx, dtype=np.int64), np.array(tiny), idx, tiny)
 
     def _reduce(self, grads: Sequence[Optional[Tensor]], want_norm: bool,
                 want_max: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
@@ -196,7 +200,7 @@ class StatPlan:
         order: List[int] = []
         norms: List[Tensor] = []
         maxes: List[Tensor] = []
-        complete = all(g is not None for g in grads)  # (not `None in`: that calls Tensor.__eq__)
+        complete = self.last_complete = all(g is not None for g in grads)  # (not `None in`: Tensor.__eq__)
         for gi, members in enumerate(self._groups):
             present = members if complete else [i for i in members if grads[i] is not None]
             if not present:
@@ -350,19 +354,34 @@ class StatPlan:
         cost nothing more."""
         import numpy as np
 
-        counts = np.zeros(len(grads), dtype=np.int64)
         norms = values[:, 0]
-        finite = np.isfinite(norms)
-        suspect = ~finite
+        under = None
+        any_under = False
         if self._tiny is not None:
-            idx, tiny = self._tiny
+            idx, tiny, idx_l, tiny_l = self._tiny
             if div is not None:
                 tiny = tiny / div
-            # a zero absmax means a zero gradient: nothing to recompute
+                tiny_l = [t / div for t in tiny_l]
+            # a zero absmax means a zero gradient: nothing to recompute. (Right after a
+            # training step numpy's fancy indexing costs tens of microseconds, cold: a few
+            # scalar reads are cheaper.)
+            if len(idx) <= 8:
+                any_under = any(values[i, 0] < t and values[i, 1] != 0 for i, t in zip(idx_l, tiny_l))
+            else:
+                sub = values[idx]
+                under = (sub[:, 0] < tiny) & (sub[:, 1] != 0)
+                any_under = bool(under.any())
+        if math.isfinite(float(norms.sum())) and not any_under:
+            if self.zeros is None or len(self.zeros) != len(grads):
+                self.zeros = np.zeros(len(grads), dtype=np.int64)
+                self.zeros.setflags(write=False)
+            return self.zeros  # the common step: shared, read-only
+        counts = np.zeros(len(grads), dtype=np.int64)
+        finite = np.isfinite(norms)
+        suspect = ~finite
+        if any_under:
             sub = values[idx]
-            suspect[idx] |= (sub[:, 0] < tiny) & ~(sub[:, 1] == 0)
-        if not suspect.any():
-            return counts
+            suspect[idx] |= (sub[:, 0] < tiny) & (sub[:, 1] != 0)
         sus = [int(i) for i in np.nonzero(suspect)[0] if grads[i] is not None]
         if not sus:
             return counts
