@@ -386,10 +386,9 @@ class Watch:
         if rec is None:
             return
         with torch.no_grad():
-            params = [p.detach() for p in self._params]
-            diff = torch._foreach_sub(params, snap)
-            dn = torch.stack(torch._foreach_norm(diff)).double()
             wn = torch.stack(torch._foreach_norm(snap)).double()
+            torch._foreach_sub_(snap, self._params)  # our copy becomes old - new: no allocation
+            dn = torch.stack(torch._foreach_norm(snap)).double()
             ratio = torch.where(wn > 0, dn / wn, torch.where(dn > 0, torch.full_like(dn, math.inf), torch.zeros_like(dn)))
         self._update_dev = (rec, ratio)  # read back with the next read-back, not now
 
@@ -596,7 +595,7 @@ class Watch:
         # ---- update ratio snapshot (after the step's decisions, before the optimizer moves)
         if (self._update_every is not None and vals is not None and step % self._update_every == 0):
             with torch.no_grad():
-                self._snapshot = [p.detach().clone() for p in self._params]
+                self._snapshot = [p.clone() for p in self._params]
 
         to_raise: Optional[BaseException] = None
         for anomaly, policy in found:
