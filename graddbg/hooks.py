@@ -946,6 +946,7 @@ class Watch:
             self._pending = None
             self._capture = None
             self._snapshot = None
+            self._plan.release()  # its scratch memory
             self._params_ref_drop()
 
     def _params_ref_drop(self) -> None:

@@ -56,7 +56,8 @@ _FAST_DTYPES = (torch.float32, torch.float64)
 # same-shape tensors up to this size are stacked and reduced by rows
 _STACK_NUMEL = 16384
 # at most this many elements of scratch space kept between steps for the stacked copies
-_SCRATCH_NUMEL = 1 << 24
+# (16 MB of float32); groups beyond it get a fresh copy each step
+_SCRATCH_NUMEL = 1 << 22
 # squares below the dtype's smallest normal number are lost: a norm under
 # sqrt(numel) * this (about sqrt(tiny / (2 eps))) may be off by more than rounding, and is
 # recomputed exactly (float16 and bfloat16 are reduced in float32)
@@ -248,6 +249,11 @@ class StatPlan:
             return flat[perm]
 
         return (place(norms) if want_norm else None), (place(maxes) if want_max else None)
+
+    def release(self) -> None:
+        """Free the scratch matrices kept between steps (the plan still works after)."""
+        self._scratch.clear()
+        self._scratch_numel = 0
 
     def _stacked(self, gi: int, ts: List[Tensor]) -> Tensor:
         """``[k, n]`` copy of the k same-shape tensors ``ts`` (group ``gi``), written into a

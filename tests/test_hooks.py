@@ -116,6 +116,23 @@ def test_vanishing_gradients_keep_their_exact_norm(stats):
     assert w.host_syncs == 2  # the step's read-back, and one more for the recomputed norms
 
 
+def test_scratch_memory_is_kept_between_steps_and_freed_on_exit():
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddbg.watch(model, opt) as w:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(3, 16)).sum().backward()
+            opt.step()
+        kept = dict(w._plan._scratch)
+        assert kept and all(t.shape[0] == 4 for t in kept.values())  # weights, biases
+    assert not w._plan._scratch
+    # the per-step statistics equal a naive reference
+    last = w.stats[w.stats.step == 1].set_index("name")["norm"]
+    for name, p in model.named_parameters():
+        assert last[name] == pytest.approx(float(p.grad.double().norm()), rel=1e-6)
+
+
 def test_large_gradients_match_reference():
     # large gradients take the one-by-one path (BLAS dot and aminmax on CPU)
     n = (1 << 19) + 12345
