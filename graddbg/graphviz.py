@@ -1139,6 +1139,17 @@ class _Gvc:
         self.ctx = self.gvc.gvContext()
         if not self.ctx:
             raise OSError("gvContext() returned NULL")
+        # the discipline structures above follow Graphviz 2.x's headers (later versions
+        # dropped the memory discipline and changed the id discipline): anything else is
+        # left to the dot program rather than risk a crash in this process
+        self.gvc.gvcVersion.restype = cp
+        self.gvc.gvcVersion.argtypes = [vp]
+        version = (self.gvc.gvcVersion(self.ctx) or b"?").decode("ascii", "replace")
+        if not _supported_version(version):
+            self.gvc.gvFreeContext.argtypes = [vp]
+            self.gvc.gvFreeContext(self.ctx)
+            raise OSError(f"in-process rendering supports Graphviz 2.x; this library is {version}")
+        self.version = version
 
     def _discipline(self) -> Any:
         """An ``Agdisc_t`` for ``agread``: Graphviz's memory discipline; its id discipline
@@ -1259,6 +1270,15 @@ class _Gvc:
     def _said(self, default: str) -> str:
         text = "".join(self.messages).strip()
         return text[:2000] if text else default
+
+
+def _supported_version(version: str) -> bool:
+    """Whether in-process rendering may bind this Graphviz library version.
+
+    >>> _supported_version("2.43.0"), _supported_version("12.2.1"), _supported_version("?")
+    (True, False, False)
+    """
+    return version.startswith("2.")
 
 
 _GVC_LOCK = threading.Lock()
