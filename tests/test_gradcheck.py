@@ -68,13 +68,22 @@ class SquareBadDouble(torch.autograd.Function):
         return _TimesTwoWrongBackward.apply(x) * g
 
 
-class NoisyBackward(torch.autograd.Function):
-    """sin with a backward that adds fresh noise each time it runs."""
+class Sin(torch.autograd.Function):
+    """sin with a hand-written backward (correct); subclasses plant bugs in the backward."""
 
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
         return x.sin()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return x.cos() * g
+
+
+class NoisyBackward(Sin):
+    """sin with a backward that adds fresh noise each time it runs."""
 
     @staticmethod
     def backward(ctx, g):
@@ -241,12 +250,7 @@ def test_nondeterminism_within_nondet_tol_passes_and_is_reported():
 
 
 def test_fast_mode_catches_one_percent_scale_that_torch_fast_mode_misses():
-    class Scaled(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x.sin()
-
+    class Scaled(Sin):
         @staticmethod
         def backward(ctx, g):
             (x,) = ctx.saved_tensors
