@@ -214,8 +214,9 @@ class Watch:
         self._temp_handles: List[Any] = []
         self._snapshot: Optional[List[Tensor]] = None
         self._update_dev: Optional[Tuple[StepRecord, Tensor]] = None
-        self._acc_bad: Optional[Tensor] = None  # device flags between non-finite checks
-        self._acc_first: Optional[Tensor] = None
+        # flags between non-finite checks: on the device (numpy when computed on the host)
+        self._acc_bad: Any = None
+        self._acc_first: Any = None
         self._ever_grad = np.zeros(len(self._params), dtype=bool)
         self._all_true = np.ones(len(self._params), dtype=bool)
         self._all_true.setflags(write=False)
@@ -483,11 +484,14 @@ class Watch:
         # ---- the one read-back of this step
         parts: List[Tensor] = []
         layout: List[Tuple[str, Tuple[int, ...]]] = []
+        on_host: Dict[str, Any] = {}
 
         def put(name: str, t: Optional[Tensor]) -> None:
             # (our own tensors, computed from gradients that do not require grad: no
             # detach; each launch saved counts at every step)
-            if t is not None:
+            if isinstance(t, np.ndarray):  # computed on the host already (CPU, BLAS)
+                on_host[name] = t.reshape(-1)
+            elif t is not None:
                 layout.append((name, tuple(t.shape)))
                 if t.dtype != torch.float64:
                     t = t.to(torch.float64)
@@ -507,12 +511,12 @@ class Watch:
         if act_bwd:
             put("act_bwd", torch.stack([v for _, v in act_bwd]))
         got = _readback(parts, layout)
-        self.host_syncs += 1
+        got.update(on_host)
+        self.host_syncs += 1  # (counted on the CPU too: the same code path as on a GPU)
 
         if self._update_dev is not None:
             self._update_dev[0].update = got["update"]
             self._update_dev = None
-        import numpy as np
 
         P = len(self._params)
         # the statistics kernel has just looked at these gradients: reuse its answer
@@ -616,7 +620,20 @@ class Watch:
         for h in handles:
             h.remove()
 
-    def _accumulate_flags(self, step: int, absmax: Tensor) -> None:
+    def _accumulate_flags(self, step: int, absmax: Any) -> None:
+        if isinstance(absmax, np.ndarray) and not isinstance(self._acc_bad, Tensor):
+            # computed on the host (CPU gradients through BLAS): flags in numpy, no launches
+            bad = ~np.isfinite(absmax)
+            if self._acc_bad is None:
+                self._acc_bad = np.zeros(bad.shape, dtype=bool)
+                self._acc_first = np.full(bad.shape, -1, dtype=np.int64)
+            self._acc_first[bad & ~self._acc_bad] = step
+            self._acc_bad |= bad
+            return
+        if isinstance(absmax, np.ndarray):
+            absmax = torch.from_numpy(absmax)
+        elif isinstance(self._acc_bad, np.ndarray):  # (the host path stopped: a gradient it cannot read)
+            self._acc_bad, self._acc_first = torch.from_numpy(self._acc_bad), torch.from_numpy(self._acc_first)
         bad = ~torch.isfinite(absmax)
         if self._acc_bad is None:
             self._acc_bad = torch.zeros_like(bad)

@@ -170,6 +170,19 @@ class StatPlan:
             else:
                 self._groups.append(members)
         self._perm_cache: Dict[Tuple[int, ...], Tensor] = {}
+        # CPU float gradients are read through BLAS (see _reduce_host) when it is there
+        self._empty = any(n == 0 for n in self.numel)
+        self._blas = None
+        if params and all(p.device.type == "cpu" and p.dtype in _FAST_DTYPES for p in params):
+            from graddbg._blas import blas
+
+            self._blas = blas()
+            self._blas_layout = self._blas.layout(params) if self._blas is not None else None
+            if self._blas_layout is None:
+                self._blas = None
+        #: whether the last reduction's norms are exact over the whole range (the BLAS
+        #: path): fixup() then looks for overflow only
+        self.last_exact = False
         #: read-backs made by :meth:`fixup` (steps with overflowed or underflowed norms)
         self.extra_reads = 0
         self._scratch: Dict[int, Tensor] = {}
@@ -196,12 +209,19 @@ class StatPlan:
             self._tiny = (np.array(idx, dtype=np.int64), np.array(tiny), idx, tiny)
 
     def _reduce(self, grads: Sequence[Optional[Tensor]], want_norm: bool,
-                want_max: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-        """``([P] norms, [P] absmax)``, float64, in parameter order (None when not wanted)."""
+                want_max: bool, missing: float = math.nan) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """``([P] norms, [P] absmax)``, float64, in parameter order (None when not wanted);
+        ``missing`` for a gradient that is absent or empty."""
         order: List[int] = []
         norms: List[Tensor] = []
         maxes: List[Tensor] = []
         complete = self.last_complete = all(g is not None for g in grads)  # (not `None in`: Tensor.__eq__)
+        self.last_exact = False
+        if self._blas is not None:
+            got = self._reduce_host(grads)
+            if got is not None:
+                self.last_exact = True
+                return (got[0] if want_norm else None), (got[1] if want_max else None)
         for gi, members in enumerate(self._groups):
             present = members if complete else [i for i in members if grads[i] is not None]
             if not present:
@@ -233,7 +253,7 @@ class StatPlan:
         P = len(grads)
         device = next((g.device for g in grads if g is not None), torch.device("cpu"))
         if not order:
-            nan = torch.full((P,), float("nan"), dtype=torch.float64, device=device)
+            nan = torch.full((P,), missing, dtype=torch.float64, device=device)
             return (nan if want_norm else None), (nan if want_max else None)
         perm = self._perm(tuple(order), P, device)
 
@@ -244,11 +264,22 @@ class StatPlan:
             flat = flat[0] if len(flat) == 1 else torch.cat(flat)
             if flat.dtype != torch.float64:
                 flat = flat.to(torch.float64)
-            if len(order) < P:  # missing gradients: NaN rows
-                flat = torch.cat([flat, torch.full((1,), float("nan"), dtype=torch.float64, device=device)])
+            if len(order) < P:  # missing gradients: NaN rows (or `missing`)
+                flat = torch.cat([flat, torch.full((1,), missing, dtype=torch.float64, device=device)])
             return flat[perm]
 
         return (place(norms) if want_norm else None), (place(maxes) if want_max else None)
+
+    def _reduce_host(self, grads: Sequence[Optional[Tensor]]) -> Optional[Tuple[Tensor, Tensor]]:
+        """Norms and largest magnitudes of CPU gradients through the BLAS that torch
+        carries (:mod:`graddbg._blas`): each gradient read once per statistic with no
+        dispatcher in between, exact over the dtype's whole range. None (use the torch
+        kernels) as soon as one gradient is not a plain contiguous float32/float64 CPU
+        tensor."""
+        got = self._blas.reduce_all(grads, self._blas_layout)
+        if got is None:
+            return None
+        return (torch.tensor(got[0], dtype=torch.float64), torch.tensor(got[1], dtype=torch.float64))
 
     def release(self) -> None:
         """Free the scratch matrices kept between steps (the plan still works after)."""
@@ -305,8 +336,23 @@ class StatPlan:
             self._perm_cache[key] = perm
         return perm
 
-    def compute(self, grads: Sequence[Optional[Tensor]]) -> Tensor:
-        """``[P, K]`` float64 statistics of ``grads`` on their device (no host sync)."""
+    def compute(self, grads: Sequence[Optional[Tensor]]) -> "Union[Tensor, Any]":
+        """``[P, K]`` float64 statistics of ``grads`` on their device (no host sync): a
+        tensor, or a numpy array when they were computed on the host already (CPU
+        gradients through BLAS, without extra statistics)."""
+        if self._blas is not None and not self.extras:
+            self.last_complete = all(g is not None for g in grads)  # (not `None in`: Tensor.__eq__)
+            got = self._blas.reduce_all(grads, self._blas_layout)
+            if got is not None:
+                import numpy as np
+
+                self.last_exact = True
+                out = np.empty((len(grads), 2))
+                out[:, 0] = got[0]
+                out[:, 1] = got[1]
+                if not self.want_absmax:
+                    out[:, 1] = np.nan
+                return out
         device = next((g.device for g in grads if g is not None), torch.device("cpu"))
         norms, maxes = self._reduce(grads, True, self.want_absmax)
         if maxes is None:
@@ -316,10 +362,24 @@ class StatPlan:
             cols += self._extras(grads, device)
         return torch.stack(cols, 1)
 
-    def absmax(self, grads: Sequence[Optional[Tensor]]) -> Tensor:
+    def absmax(self, grads: Sequence[Optional[Tensor]]) -> "Union[Tensor, Any]":
         """``[P]`` float64 max |g| (NaN if any entry is NaN, inf if any is inf): the cheap
-        exact non-finite check."""
-        return self._reduce(grads, False, True)[1]
+        exact non-finite check; 0 for a missing or empty gradient. A numpy array when
+        computed on the host (CPU, BLAS)."""
+        if self._blas is not None:
+            got = self._blas.reduce_all(grads, self._blas_layout)
+            if got is not None:
+                import numpy as np
+
+                out = np.array(got[1])
+                self.last_complete = all(g is not None for g in grads)
+                if not self.last_complete or self._empty:
+                    for i, g in enumerate(grads):
+                        if g is None or g.numel() == 0:
+                            out[i] = 0.0
+                return out
+        # (0, not NaN, for a parameter without a gradient: nothing in it is non-finite)
+        return self._reduce(grads, False, True, missing=0.0)[1]
 
     def _extras(self, grads: Sequence[Optional[Tensor]], device: torch.device) -> List[Tensor]:
         sums: List[Optional[Tensor]] = []
@@ -363,7 +423,7 @@ class StatPlan:
         norms = values[:, 0]
         under = None
         any_under = False
-        if self._tiny is not None:
+        if self._tiny is not None and not self.last_exact:
             idx, tiny, idx_l, tiny_l = self._tiny
             if div is not None:
                 tiny = tiny / div
@@ -463,7 +523,9 @@ def grad_stats(model_or_named_params: Any, stats: Sequence[str] = STAT_NAMES):
     params = [p for _, p in named]
     grads = [p.grad for p in params]
     plan = StatPlan(params, stats)
-    values = plan.compute(grads).cpu().numpy() if params else None
+    values = plan.compute(grads) if params else None
+    if isinstance(values, Tensor):
+        values = values.cpu().numpy()
     counts = plan.fixup(values, grads) if params else []  # (reads an overflowed norm again)
     rows = []
     for i, (name, p) in enumerate(named):

@@ -18,6 +18,7 @@ ALLOWED = {
     "_source": set(),
     "__init__": {"_errors"},
     "__main__": {"cli"},
+    "_blas": set(),
     "stats": {"_errors"},
     "anomaly": {"_errors", "_source"},
     "_forensics": {"_errors", "_source"},
@@ -34,6 +35,7 @@ ALLOWED = {
 # imports inside functions may also reach these (lazily, to keep imports light)
 LAZY = {
     "__init__": None,
+    "stats": {"_blas"},
     "anomaly": {"_forensics"},
     "_forensics": {"anomaly"},
     "hooks": {"run", "ddp_verify", "_forensics", "stats", "plots", "report"},

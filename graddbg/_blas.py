@@ -1,0 +1,221 @@
+"""The norm and the largest magnitude of a CPU gradient, each in one BLAS call.
+
+PyTorch's x86 wheels carry Intel's MKL inside ``libtorch_cpu``; its ``snrm2`` / ``dnrm2``
+(a scaled L2 norm: exact from 1e-26 to 1e20 in float32, and NaN or Inf when an entry is)
+and ``isamax`` / ``idamax`` (the index of the largest magnitude) each read a vector once
+at memory speed. PyTorch exposes neither: its ``aminmax`` and ``vector_norm`` are 1.7-2×
+slower on the same data, and each call through the dispatcher costs more than the work on
+a small tensor. Calling them through ``ctypes`` reads a watched model's gradients at the
+cost of one ``torch._foreach_norm``, and hands back plain floats: on the CPU there is
+nothing to synchronise.
+
+The functions are found by name (MKL's, then the Fortran BLAS names) in the libraries
+that torch itself loaded, and checked against torch on known vectors (sizes, signs, the
+whole float range, NaN and Inf) the first time they are asked for. Anything missing or
+wrong, and the callers use torch's own kernels instead. ``GRADDBG_BLAS=0`` turns this off.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import math
+import os
+import sys
+import threading
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["Blas", "Layout", "blas"]
+
+# symbol names per library flavour: (snrm2, isamax, dnrm2, idamax), Fortran calling
+# convention (every argument by pointer)
+_NAMES = (
+    ("mkl_blas_snrm2", "mkl_blas_isamax", "mkl_blas_dnrm2", "mkl_blas_idamax"),
+    ("snrm2_", "isamax_", "dnrm2_", "idamax_"),
+)
+# the BLAS integer may be 32 bits wide (LP64): pass lengths below 2**31 only
+_CHUNK = (1 << 31) - 1
+
+_lock = threading.Lock()
+_state: List[Any] = []  # [] before the first look, then [Blas or None]
+
+
+class Blas:
+    """Bound ``nrm2`` and ``iamax`` for float32 and float64 (see the module docstring)."""
+
+    def __init__(self, snrm2: Any, isamax: Any, dnrm2: Any, idamax: Any, where: str) -> None:
+        snrm2.restype, dnrm2.restype = ctypes.c_float, ctypes.c_double
+        isamax.restype = idamax.restype = ctypes.c_int64
+        # dtype -> (nrm2, iamax, element ctype, element size)
+        self._fns = {torch.float32: (snrm2, isamax, ctypes.c_float, 4),
+                     torch.float64: (dnrm2, idamax, ctypes.c_double, 8)}
+        self._one = ctypes.byref(ctypes.c_int64(1))
+        self.where = where
+
+    def __reduce__(self) -> Any:
+        # (a watched model deep-copies and pickles with whatever its hooks reach: the
+        # ctypes functions do not, the process's one binding does)
+        return blas, ()
+
+    def layout(self, params: Sequence[Tensor]) -> Optional["Layout"]:
+        """What :meth:`reduce_all` needs per parameter, worked out once; None unless every
+        parameter is a float32/float64 CPU tensor."""
+        if any(p.dtype not in self._fns or p.device.type != "cpu" for p in params):
+            return None
+        # (a gradient has its parameter's size, dtype and device: torch checks that)
+        return Layout([(p.dtype, p.numel()) for p in params])
+
+    def reduce_all(self, grads: Sequence[Optional[Tensor]],
+                   layout: "Layout") -> Optional[Tuple[List[float], List[float]]]:
+        """``(norms, largest magnitudes)`` of the gradients of the parameters that
+        :meth:`layout` described, NaN for a missing or empty one; None when one is not
+        :meth:`eligible` (the caller then uses torch). The loop of :meth:`norm_absmax`,
+        written out: on a model of many small layers the Python around each call is
+        most of the cost."""
+        norms: List[float] = []
+        maxes: List[float] = []
+        one, nan, voidp, strided = self._one, math.nan, ctypes.c_void_p, torch.strided
+        for g, (dtype, n, pn, nrm2, iamax, ctype, size) in zip(grads, layout):
+            if g is None or n == 0:
+                norms.append(nan)
+                maxes.append(nan)
+                continue
+            if type(g) is not Tensor or g.layout is not strided or g.dtype is not dtype or not g.is_contiguous():
+                return None
+            if pn is None:  # beyond a 32-bit BLAS length
+                a, b = self.norm_absmax(g)
+                norms.append(a)
+                maxes.append(b)
+                continue
+            ptr = g.data_ptr()
+            vp = voidp(ptr)  # (one object per call: the calls let other threads run)
+            norm = nrm2(pn, vp, one)
+            if norm == norm and norm != math.inf:  # finite: isamax's index is the one
+                i = (iamax(pn, vp, one) & 0xFFFFFFFF) - 1
+                amax = ctype.from_address(ptr + size * i).value
+                maxes.append(amax if amax >= 0 else -amax)
+            else:  # isamax may step over a NaN; only torch's max is sure to see it (rare)
+                maxes.append(float(g.detach().abs().max()))
+            norms.append(norm)
+        return norms, maxes
+
+    def eligible(self, t: Tensor) -> bool:
+        """Whether ``t`` can be read here: a plain dense contiguous CPU float32/float64
+        tensor (not a subclass such as a fake or distributed tensor)."""
+        return (type(t) is Tensor and t.is_cpu and t.dtype in self._fns and t.layout == torch.strided
+                and t.is_contiguous())
+
+    def norm_absmax(self, t: Tensor) -> Tuple[float, float]:
+        """``(L2 norm, max |t|)`` of an :meth:`eligible` tensor with at least one element.
+        NaN norm when an entry is NaN, Inf when an entry is Inf (or the norm is beyond the
+        dtype's range); the largest magnitude is then torch's (NaN-propagating) one."""
+        nrm2, iamax, ctype, size = self._fns[t.dtype]
+        n = t.numel()
+        ptr = t.data_ptr()
+        if n <= _CHUNK:
+            pn = ctypes.byref(ctypes.c_int64(n))
+            norm = nrm2(pn, ctypes.c_void_p(ptr), self._one)
+            i = (iamax(pn, ctypes.c_void_p(ptr), self._one) & 0xFFFFFFFF) - 1
+            amax = abs(ctype.from_address(ptr + size * i).value)
+        else:  # beyond a 32-bit BLAS length: in pieces
+            norm = amax = 0.0
+            for start in range(0, n, _CHUNK):
+                k = min(_CHUNK, n - start)
+                p = ptr + size * start
+                pk = ctypes.byref(ctypes.c_int64(k))
+                norm = math.hypot(norm, nrm2(pk, ctypes.c_void_p(p), self._one))
+                i = (iamax(pk, ctypes.c_void_p(p), self._one) & 0xFFFFFFFF) - 1
+                amax = max(amax, abs(ctype.from_address(p + size * i).value))
+        if not math.isfinite(norm):
+            # isamax may step over a NaN; only torch's max is sure to see it (rare steps)
+            amax = float(t.detach().abs().max())
+        return norm, amax
+
+
+class Layout(list):
+    """Per parameter: dtype, numel, a pointer to the numel for BLAS, and the functions.
+    Pickles and deep-copies as the (dtype, numel) pairs it was built from (the ctypes
+    objects do neither, and a watched model's hooks reach it)."""
+
+    def __init__(self, specs: List[Tuple[torch.dtype, int]]) -> None:
+        b = blas()
+        assert b is not None
+        super().__init__((dtype, n, ctypes.byref(ctypes.c_int64(n)) if n <= _CHUNK else None) + b._fns[dtype]
+                         for dtype, n in specs)
+        self.specs = list(specs)
+
+    def __reduce__(self) -> Any:
+        return Layout, (self.specs,)
+
+
+def _libraries() -> List[str]:
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    found = sorted(glob.glob(os.path.join(lib, "libtorch_cpu.*")))
+    for d in (lib, os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "torch.libs")):
+        found += sorted(glob.glob(os.path.join(d, "lib*blas*.so*")))
+    return found
+
+
+def _bind() -> Optional[Blas]:
+    if os.environ.get("GRADDBG_BLAS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if sys.byteorder != "little":  # lengths are passed as 64-bit integers to a maybe-32-bit BLAS
+        return None
+    for path in _libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for names in _NAMES:
+            try:
+                fns = [getattr(lib, n) for n in names]
+            except AttributeError:
+                continue
+            cand = Blas(*fns, where=f"{os.path.basename(path)}:{names[0]}")
+            try:
+                ok = _self_test(cand)
+            except Exception:
+                ok = False
+            if ok:
+                return cand
+    return None
+
+
+def _self_test(b: Blas) -> bool:
+    """Compare with torch on vectors that catch a wrong calling convention or width, an
+    unscaled norm, a sign error, an off-by-one index and a NaN stepped over."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        for n in (1, 5, 1000, 70001):
+            x = torch.randn(n, generator=g, dtype=dtype)
+            k = (n * 2) // 3
+            x[k] = -7.5 if n > 1 else x[k]
+            norm, amax = b.norm_absmax(x)
+            ref = torch.linalg.vector_norm(x.double()).item()
+            if abs(norm - ref) > 1e-5 * ref or amax != float(x.abs().max()):
+                return False
+        for v in (1e-26, 1e20):
+            x = torch.full((1000,), v, dtype=dtype)
+            norm, amax = b.norm_absmax(x)
+            if abs(norm - v * math.sqrt(1000)) > 1e-5 * v * math.sqrt(1000) or amax != float(x[0]):
+                return False
+        for bad in (math.nan, math.inf, -math.inf):
+            for pos in (0, 500, 999):
+                x = torch.ones(1000, dtype=dtype)
+                x[pos] = bad
+                norm, amax = b.norm_absmax(x)
+                if math.isfinite(norm) or math.isnan(norm) != math.isnan(bad) or not (
+                        math.isnan(amax) if math.isnan(bad) else amax == math.inf):
+                    return False
+    return True
+
+
+def blas() -> Optional[Blas]:
+    """The checked BLAS functions, or None where there are none (looked up once)."""
+    if not _state:
+        with _lock:
+            if not _state:
+                _state.append(_bind())
+    return _state[0]

@@ -1,0 +1,155 @@
+"""graddbg._blas: the BLAS norm and largest magnitude that CPU statistics are read with."""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import graddbg
+from graddbg import _blas
+
+MKL = "mkl" in torch.__config__.show().lower() and sys.platform.startswith("linux")
+
+
+@pytest.fixture
+def b():
+    got = _blas.blas()
+    if got is None:
+        assert not MKL, "this torch carries MKL, whose snrm2/isamax graddbg should have bound"
+        pytest.skip("this torch build carries no BLAS with nrm2/iamax that graddbg can bind")
+    return got
+
+
+def test_binds_mkl_where_torch_carries_it():
+    if not MKL:
+        pytest.skip("a torch build without MKL")
+    assert _blas.blas() is not None and "mkl_blas" in _blas.blas().where
+
+
+def _reference(t):
+    t64 = t.double()
+    return float(torch.linalg.vector_norm(t64)), float(t64.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 2, 17, 1000, 4096, 70001, 1 << 20])
+def test_norm_and_absmax_equal_torch(b, dtype, n):
+    x = torch.randn(n, dtype=dtype)
+    x[(2 * n) // 3] = -50.0  # the largest magnitude, negative, away from the ends
+    norm, amax = b.norm_absmax(x)
+    ref_norm, ref_max = _reference(x)
+    assert norm == pytest.approx(ref_norm, rel=1e-5 if dtype == torch.float32 else 1e-12)
+    assert amax == ref_max == 50.0 if n > 1 else amax == ref_max
+    norms, maxes = b.reduce_all([x, None, x[:0]], b.layout([x, x, x[:0]]))
+    assert norms[0] == norm and maxes[0] == amax
+    assert math.isnan(norms[1]) and math.isnan(maxes[1])  # no gradient
+    assert math.isnan(norms[2])  # empty
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("value", [1e-26, 1e20, 3e-39])  # vanishing, huge, subnormal
+def test_exact_over_the_whole_range(b, dtype, value):
+    x = torch.full((3000,), value, dtype=dtype)
+    x[7] = -value
+    norm, amax = b.norm_absmax(x)
+    v = float(x[0])  # (the value as stored in the dtype)
+    assert norm == pytest.approx(abs(v) * math.sqrt(3000), rel=1e-5)
+    assert amax == abs(v)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("pos", [0, 1, 2047, 4999])
+def test_nonfinite_entries_give_nonfinite_norm_and_absmax(b, bad, pos):
+    x = torch.randn(5000)
+    x[pos] = bad
+    if math.isnan(bad):
+        x[100] = math.inf  # NaN wins over Inf, as in torch
+    norm, amax = b.norm_absmax(x)
+    (norms,), (maxes,) = b.reduce_all([x], b.layout([x]))
+    for got in (norm, norms):
+        assert math.isnan(got) if math.isnan(bad) else got == math.inf
+    for got in (amax, maxes):
+        assert math.isnan(got) if math.isnan(bad) else got == math.inf
+
+
+def test_finite_entries_whose_norm_overflows(b):
+    x = torch.full((100,), 3e38)
+    norm, amax = b.norm_absmax(x)
+    assert norm == math.inf  # beyond float32: the caller recomputes it in float64
+    assert amax == pytest.approx(3e38, rel=1e-7)
+
+
+def test_lengths_beyond_the_chunk_are_split(b, monkeypatch):
+    monkeypatch.setattr(_blas, "_CHUNK", 1000)
+    x = torch.randn(4321)
+    x[3500] = 99.0
+    norm, amax = b.norm_absmax(x)
+    assert norm == pytest.approx(_reference(x)[0], rel=1e-6) and amax == 99.0
+    lay = _blas.Layout([(torch.float32, 4321)])
+    assert lay[0][2] is None  # (reduce_all hands these to norm_absmax)
+    assert b.reduce_all([x], lay) == ([norm], [amax])
+
+
+def test_tensors_it_cannot_read_are_refused(b):
+    x = torch.randn(8, 8)
+    lay = b.layout([x])
+    assert b.reduce_all([x.t()], lay) is None  # not contiguous
+    assert b.reduce_all([x.to_sparse()], lay) is None
+    assert b.reduce_all([x.double()], lay) is None  # not the parameter's dtype
+    assert b.layout([x.half()]) is None and b.layout([torch.randn(3, device="meta")]) is None
+    assert not b.eligible(x.t()) and b.eligible(x) and not b.eligible(nn.Parameter(x))
+
+
+def test_watch_falls_back_to_torch_kernels_for_such_gradients(b):
+    model = nn.Module()
+    model.a = nn.Parameter(torch.zeros(6, 4))
+    model.b = nn.Parameter(torch.zeros(5))
+    with graddbg.watch(model) as w:
+        model.a.grad = torch.randn(4, 6).t()  # a transposed view: not contiguous
+        model.b.grad = torch.randn(5)
+        w.step()
+        assert not w._plan.last_exact
+        model.a.grad = model.a.grad.contiguous()
+        w.step()
+        assert w._plan.last_exact
+    for step in (0, 1):
+        got = w.stats[w.stats.step == step].set_index("name")
+        for name, p in model.named_parameters():
+            assert got.loc[name, "norm"] == pytest.approx(float(p.grad.double().norm()), rel=1e-6)
+            assert got.loc[name, "absmax"] == float(p.grad.abs().max())
+
+
+def test_a_wrong_binding_fails_the_self_test(b):
+    import ctypes
+
+    assert _blas._self_test(b)
+    path, name = b.where.split(":")
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path))  # its own function objects
+    names = next(ns for ns in _blas._NAMES if ns[0] == name)
+    s_nrm2, s_amax, d_nrm2, d_amax = (getattr(lib, n) for n in names)
+    swapped = _blas.Blas(d_nrm2, s_amax, s_nrm2, d_amax, where="float32 and float64 norms swapped")
+    assert not _blas._self_test(swapped)
+
+
+def test_binding_pickles_and_deep_copies_as_the_process_one(b):
+    assert copy.deepcopy(b) is b and pickle.loads(pickle.dumps(b)) is b
+    lay = b.layout([torch.zeros(3), torch.zeros(2, dtype=torch.float64)])
+    for other in (copy.deepcopy(lay), pickle.loads(pickle.dumps(lay))):
+        assert other.specs == lay.specs and len(other) == 2
+        assert b.reduce_all([torch.ones(3), torch.ones(2, dtype=torch.float64)], other)[0] == pytest.approx(
+            [math.sqrt(3), math.sqrt(2)])
+
+
+def test_environment_variable_turns_it_off():
+    code = "from graddbg import _blas; print(_blas.blas() is None)"
+    env = dict(os.environ, GRADDBG_BLAS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
