@@ -9,6 +9,8 @@ shuffled order each repeat, each with its own copy of the model (same initial we
              absmax, non-finite check; explode detector)
 - watch:norm: graddbg.watch(stats=("norm",)): the non-finite check and norms, no absmax
              (absmax needs a second reduction pass over the gradients)
+- watch:noloc: the defaults with localize=False (no per-forward capture of the inputs,
+             RNG state and output gradient for replaying a non-finite step)
 - watch/10:  graddbg.watch(every=10, nonfinite=NonFinite(every=10)): 9 steps in 10 make no
              host synchronisation
 - item:      the usual hand-written recipe: a post-accumulate-grad hook per parameter
@@ -56,6 +58,8 @@ class Variant:
         params = [p for p in model.parameters() if p.requires_grad]
         if name == "watch":
             self.ctx = graddbg.watch(model, self.opt)
+        elif name == "watch:noloc":
+            self.ctx = graddbg.watch(model, self.opt, localize=False)
         elif name == "watch:norm":
             self.ctx = graddbg.watch(model, self.opt, stats=("norm",))
         elif name == "watch/10":
