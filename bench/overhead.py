@@ -17,8 +17,11 @@ shuffled order each repeat, each with its own copy of the model (same initial we
              doing grad.norm().item()
 - anomaly:   bare under torch.autograd.detect_anomaly()
 
-Prints medians and spread (IQR) of the time per step, the ratio to bare, the overhead as
-a multiple of the floor's overhead, and host synchronisations per step; writes JSON.
+Prints medians and spread (IQR) of the time per step, the ratio of the medians to bare's,
+the paired ratio (the median over repeats of each repeat's time over the bare time of the
+same repeat, which cancels the machine's slow drifts in load) with its IQR, the overhead
+as a multiple of the floor's overhead (paired), and host synchronisations per step;
+writes JSON.
 
     python bench/overhead.py                 # all four models, 7 repeats
     python bench/overhead.py --models launchbound --repeats 9
@@ -90,11 +93,11 @@ class Variant:
             h.remove()
 
 
-def bench_model(name, repeats, variants):
+def bench_model(name, repeats, variants, steps=None):
     torch.manual_seed(0)
     model, make_batch, loss_fn = _models.MODELS[name]()
     vs = [Variant(v, copy.deepcopy(model), make_batch, loss_fn) for v in variants]
-    n = STEPS[name]
+    n = steps or STEPS[name]
     for v in vs:  # warm-up
         for _ in range(2):
             v.step()
@@ -117,10 +120,15 @@ def bench_model(name, repeats, variants):
         result[v.name] = {"median_s": med, "q1_s": q[0], "q3_s": q[2], "syncs_per_step": syncs}
         v.close()
     bare = result["bare"]["median_s"]
-    floor_over = result["floor"]["median_s"] - bare if "floor" in result else float("nan")
+    bare_times = next(v.times for v in vs if v.name == "bare")
+    for v in vs:  # paired: each repeat's time over the bare time of the same repeat
+        paired = [t / b for t, b in zip(v.times, bare_times)]
+        q = statistics.quantiles(paired, n=4) if len(paired) >= 2 else [paired[0]] * 3
+        result[v.name].update(paired_ratio=statistics.median(paired), paired_q1=q[0], paired_q3=q[2])
+    floor_over = result["floor"]["paired_ratio"] - 1 if "floor" in result else float("nan")
     for r in result.values():
         r["ratio"] = r["median_s"] / bare
-        r["over_floor"] = (r["median_s"] - bare) / floor_over if floor_over > 0 else float("nan")
+        r["over_floor"] = (r["paired_ratio"] - 1) / floor_over if floor_over > 0 else float("nan")
     return result
 
 
@@ -130,6 +138,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--variants", nargs="+",
                     default=["bare", "floor", "watch", "watch:norm", "watch/10", "item", "anomaly"])
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per timing (default per model: " + ", ".join(f"{k} {v}" for k, v in STEPS.items())
+                    + "); fewer steps and more repeats give more pairs for the paired ratio")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's own; 1 is steadier on a shared machine)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "overhead.json"))
@@ -143,19 +154,21 @@ def main(argv=None):
           f"variants interleaved in shuffled order")
     all_results = {}
     for name in args.models:
-        res = bench_model(name, args.repeats, args.variants)
+        res = bench_model(name, args.repeats, args.variants, args.steps)
         all_results[name] = res
-        print(f"\n{name} ({STEPS[name]} steps per timing)")
-        print(f"  {'variant':10s} {'ms/step':>9s} {'IQR ms':>15s} {'ratio':>7s} {'x floor':>8s} {'syncs/step':>10s}")
+        print(f"\n{name} ({args.steps or STEPS[name]} steps per timing)")
+        print(f"  {'variant':11s} {'ms/step':>8s} {'IQR ms':>13s} {'ratio':>6s} {'paired ratio, IQR':>20s} "
+              f"{'x floor':>7s} {'syncs/step':>10s}")
         for v in args.variants:
             r = res[v]
             syncs = "" if r["syncs_per_step"] is None else f"{r['syncs_per_step']:.2f}"
-            print(f"  {v:10s} {r['median_s'] * 1e3:9.2f} {r['q1_s'] * 1e3:7.2f}-{r['q3_s'] * 1e3:<7.2f} "
-                  f"{r['ratio']:7.3f} {r['over_floor']:8.2f} {syncs:>10s}")
+            print(f"  {v:11s} {r['median_s'] * 1e3:8.2f} {r['q1_s'] * 1e3:6.2f}-{r['q3_s'] * 1e3:<6.2f} "
+                  f"{r['ratio']:6.3f} {r['paired_ratio']:8.3f} {r['paired_q1']:5.3f}-{r['paired_q3']:<5.3f} "
+                  f"{r['over_floor']:7.2f} {syncs:>10s}")
         if "item" in res and "watch" in res:
-            wo = res["watch"]["median_s"] - res["bare"]["median_s"]
-            io = res["item"]["median_s"] - res["bare"]["median_s"]
-            print(f"  watch overhead / item-recipe overhead: {wo / io:.2f}" if io > 0 else "")
+            wo = res["watch"]["paired_ratio"] - 1
+            io = res["item"]["paired_ratio"] - 1
+            print(f"  watch overhead / item-recipe overhead (paired): {wo / io:.2f}" if io > 0 else "")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(all_results, f, indent=1)

@@ -65,29 +65,41 @@ class Blas:
         if any(p.dtype not in self._fns or p.device.type != "cpu" for p in params):
             return None
         # (a gradient has its parameter's size, dtype and device: torch checks that)
-        return Layout([(p.dtype, p.numel()) for p in params])
+        return Layout([(p.dtype, tuple(p.shape)) for p in params])
 
-    def reduce_all(self, grads: Sequence[Optional[Tensor]],
-                   layout: "Layout") -> Optional[Tuple[List[float], List[float]]]:
-        """``(norms, largest magnitudes)`` of the gradients of the parameters that
-        :meth:`layout` described, NaN for a missing or empty one; None when one is not
+    def reduce_all(self, grads: Sequence[Any], layout: "Layout", of_params: bool = False
+                   ) -> Tuple[Optional[List[float]], Optional[List[float]], List[Optional[Tensor]]]:
+        """``(norms, largest magnitudes, gradients)`` of the gradients of the parameters
+        that :meth:`layout` described, NaN for a missing or empty one. ``grads`` are the
+        gradients, or the parameters themselves with ``of_params=True`` (their ``.grad``
+        is read in the same loop). The first two are None when one gradient is not
         :meth:`eligible` (the caller then uses torch). The loop of :meth:`norm_absmax`,
         written out: on a model of many small layers the Python around each call is
-        most of the cost."""
-        norms: List[float] = []
-        maxes: List[float] = []
-        one, nan, voidp, strided = self._one, math.nan, ctypes.c_void_p, torch.strided
-        for g, (dtype, n, pn, nrm2, iamax, ctype, size) in zip(grads, layout):
+        most of the cost. (Stacking tiny tensors of one shape for a few torch kernels
+        instead was measured slower inside a training step, where each launch is cold.)"""
+        nan = math.nan
+        P = len(layout)
+        norms: List[float] = [nan] * P
+        maxes: List[float] = [nan] * P
+        seen: List[Optional[Tensor]] = []
+        # read by the caller right after: whether every norm was finite, and the sum of
+        # their squares (in double precision)
+        self.last_finite = True
+        sq = 0.0
+        one, voidp, strided = self._one, ctypes.c_void_p, torch.strided
+        for k, (x, (dtype, n, pn, nrm2, iamax, ctype, size)) in enumerate(zip(grads, layout)):
+            g = x.grad if of_params else x
+            seen.append(g)
             if g is None or n == 0:
-                norms.append(nan)
-                maxes.append(nan)
                 continue
             if type(g) is not Tensor or g.layout is not strided or g.dtype is not dtype or not g.is_contiguous():
-                return None
+                rest = grads[len(seen):]
+                return None, None, seen + ([p.grad for p in rest] if of_params else list(rest))
             if pn is None:  # beyond a 32-bit BLAS length
                 a, b = self.norm_absmax(g)
-                norms.append(a)
-                maxes.append(b)
+                norms[k], maxes[k] = a, b
+                self.last_finite = self.last_finite and math.isfinite(a)
+                sq += a * a
                 continue
             ptr = g.data_ptr()
             vp = voidp(ptr)  # (one object per call: the calls let other threads run)
@@ -95,11 +107,14 @@ class Blas:
             if norm == norm and norm != math.inf:  # finite: isamax's index is the one
                 i = (iamax(pn, vp, one) & 0xFFFFFFFF) - 1
                 amax = ctype.from_address(ptr + size * i).value
-                maxes.append(amax if amax >= 0 else -amax)
+                maxes[k] = amax if amax >= 0 else -amax
             else:  # isamax may step over a NaN; only torch's max is sure to see it (rare)
-                maxes.append(float(g.detach().abs().max()))
-            norms.append(norm)
-        return norms, maxes
+                maxes[k] = float(g.detach().abs().max())
+                self.last_finite = False
+            norms[k] = norm
+            sq += norm * norm
+        self.last_sumsq = sq
+        return norms, maxes, seen
 
     def eligible(self, t: Tensor) -> bool:
         """Whether ``t`` can be read here: a plain dense contiguous CPU float32/float64
@@ -136,15 +151,18 @@ class Blas:
 
 class Layout(list):
     """Per parameter: dtype, numel, a pointer to the numel for BLAS, and the functions.
-    Pickles and deep-copies as the (dtype, numel) pairs it was built from (the ctypes
+    Pickles and deep-copies as the (dtype, shape) pairs it was built from (the ctypes
     objects do neither, and a watched model's hooks reach it)."""
 
-    def __init__(self, specs: List[Tuple[torch.dtype, int]]) -> None:
+    def __init__(self, specs: List[Tuple[torch.dtype, Tuple[int, ...]]]) -> None:
         b = blas()
         assert b is not None
-        super().__init__((dtype, n, ctypes.byref(ctypes.c_int64(n)) if n <= _CHUNK else None) + b._fns[dtype]
-                         for dtype, n in specs)
-        self.specs = list(specs)
+        self.specs = [(dtype, tuple(shape)) for dtype, shape in specs]
+        rows = []
+        for dtype, shape in self.specs:
+            n = math.prod(shape)
+            rows.append((dtype, n, ctypes.byref(ctypes.c_int64(n)) if n <= _CHUNK else None) + b._fns[dtype])
+        super().__init__(rows)
 
     def __reduce__(self) -> Any:
         return Layout, (self.specs,)

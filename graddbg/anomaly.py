@@ -8,7 +8,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -203,7 +202,9 @@ class _ExplodeState:
         if det.absolute is not None:
             threshold = det.absolute
         if det.factor is not None and len(self.level) >= det.warmup:
-            med = statistics.median(self._sorted)  # (kept sorted: no sort per step)
+            srt = self._sorted  # (kept sorted: no sort per step)
+            half = len(srt) // 2
+            med = srt[half] if len(srt) % 2 else (srt[half - 1] + srt[half]) / 2
             threshold = min(threshold, det.factor * med)
         if global_norm > threshold:
             if self.in_episode:  # one anomaly per episode of consecutive exploded steps

@@ -312,19 +312,29 @@ class Watch:
                 cap = None
                 if self._localize:
                     cap = _Capture(args, kwargs, getattr(self, "_rng", None), i)
-                self._temp_handles.append(t.register_hook(self._make_output_hook(cap)))
+                fn = t.grad_fn
+                if fn is not None:  # (a pre-hook on its node costs less than a tensor hook)
+                    handle = fn.register_prehook(self._make_output_hook(cap, t.output_nr))
+                else:
+                    handle = t.register_hook(self._make_output_hook(cap, None))
+                self._temp_handles.append(handle)
                 break
         return None
 
-    def _make_output_hook(self, cap: Optional[_Capture]) -> Callable[[Tensor], None]:
+    def _make_output_hook(self, cap: Optional[_Capture], output_nr: Optional[int]) -> Callable[[Any], None]:
+        """The hook that sees the gradient of the model's output: a tensor hook
+        (``output_nr`` None) or a pre-hook on the output's autograd node, which receives
+        the gradients of all of that node's outputs."""
         wself = weakref.ref(self)
 
-        def hook(grad: Tensor) -> None:
+        def hook(grad: Any) -> None:
             w = wself()
             if w is None or w._closed or w._replaying:
                 return
             w._bwd_since_fwd = True
-            if cap is not None:
+            if output_nr is not None:
+                grad = grad[output_nr]
+            if cap is not None and grad is not None:
                 cap.grad = grad
                 w._capture = cap
             w._queue_end_of_backward()
@@ -361,9 +371,13 @@ class Watch:
                 self._record_overflow(self._pending)
         step = self._step
         due_stats, due_nf = self._due(step)
-        grads = [p.grad for p in self._params]
-        values = self._plan.compute(grads) if due_stats else None
-        absmax = self._plan.absmax(grads) if (not due_stats and self._nonfinite is not None) else None
+        values = absmax = None
+        if due_stats:
+            grads, values = self._plan.compute_params(self._params)
+        elif self._nonfinite is not None:
+            grads, absmax = self._plan.absmax_params(self._params)
+        else:
+            grads = [p.grad for p in self._params]
         self._pending = _Pending(step, values, absmax, grads,
                                  self._versions(grads), scale)
 
@@ -543,8 +557,12 @@ class Watch:
             counts = self._plan.fixup(vals, grads, div)
             self.host_syncs += self._plan.extra_reads - reads  # overflowed/underflowed norms only
             norms = vals[:, 0]
-            present = norms if complete else norms[has_grad]
-            gn = math.sqrt(float(np.dot(present, present)))  # NaN or inf when a norm is
+            sq = self._plan.global_sumsq()
+            if sq is not None:  # summed while they were computed
+                gn = math.sqrt(sq) / (div or 1.0)
+            else:
+                present = norms if complete else norms[has_grad]
+                gn = math.sqrt(float(np.dot(present, present)))  # NaN or inf when a norm is
         else:
             counts = None
             norms = None

@@ -183,6 +183,8 @@ class StatPlan:
         #: whether the last reduction's norms are exact over the whole range (the BLAS
         #: path): fixup() then looks for overflow only
         self.last_exact = False
+        self._last_finite = False
+        self._last_sumsq = math.nan
         #: read-backs made by :meth:`fixup` (steps with overflowed or underflowed norms)
         self.extra_reads = 0
         self._scratch: Dict[int, Tensor] = {}
@@ -221,6 +223,8 @@ class StatPlan:
             got = self._reduce_host(grads)
             if got is not None:
                 self.last_exact = True
+                self._last_finite = self._blas.last_finite
+                self._last_sumsq = self._blas.last_sumsq
                 return (got[0] if want_norm else None), (got[1] if want_max else None)
         for gi, members in enumerate(self._groups):
             present = members if complete else [i for i in members if grads[i] is not None]
@@ -276,10 +280,10 @@ class StatPlan:
         dispatcher in between, exact over the dtype's whole range. None (use the torch
         kernels) as soon as one gradient is not a plain contiguous float32/float64 CPU
         tensor."""
-        got = self._blas.reduce_all(grads, self._blas_layout)
-        if got is None:
+        norms, maxes, _ = self._blas.reduce_all(grads, self._blas_layout)
+        if norms is None:
             return None
-        return (torch.tensor(got[0], dtype=torch.float64), torch.tensor(got[1], dtype=torch.float64))
+        return (torch.tensor(norms, dtype=torch.float64), torch.tensor(maxes, dtype=torch.float64))
 
     def release(self) -> None:
         """Free the scratch matrices kept between steps (the plan still works after)."""
@@ -340,46 +344,69 @@ class StatPlan:
         """``[P, K]`` float64 statistics of ``grads`` on their device (no host sync): a
         tensor, or a numpy array when they were computed on the host already (CPU
         gradients through BLAS, without extra statistics)."""
+        return self._compute(grads, False)[1]
+
+    def compute_params(self, params: Sequence[Tensor]) -> "Tuple[List[Optional[Tensor]], Union[Tensor, Any]]":
+        """``(gradients, statistics)``: :meth:`compute` of the ``.grad`` of ``params``
+        (the plan's parameters), read in the same loop as the statistics."""
+        return self._compute(params, True)
+
+    def _compute(self, items: Sequence[Any], of_params: bool) -> Tuple[List[Optional[Tensor]], "Union[Tensor, Any]"]:
+        grads: List[Optional[Tensor]]
         if self._blas is not None and not self.extras:
+            norms, maxes, grads = self._blas.reduce_all(items, self._blas_layout, of_params)
             self.last_complete = all(g is not None for g in grads)  # (not `None in`: Tensor.__eq__)
-            got = self._blas.reduce_all(grads, self._blas_layout)
-            if got is not None:
+            if norms is not None:
                 import numpy as np
 
                 self.last_exact = True
+                self._last_finite = self._blas.last_finite
+                self._last_sumsq = self._blas.last_sumsq
                 out = np.empty((len(grads), 2))
-                out[:, 0] = got[0]
-                out[:, 1] = got[1]
+                out[:, 0] = norms
+                out[:, 1] = maxes
                 if not self.want_absmax:
                     out[:, 1] = np.nan
-                return out
+                return grads, out
+        else:
+            grads = [p.grad for p in items] if of_params else list(items)
         device = next((g.device for g in grads if g is not None), torch.device("cpu"))
-        norms, maxes = self._reduce(grads, True, self.want_absmax)
-        if maxes is None:
-            maxes = torch.full_like(norms, float("nan"))
-        cols = [norms, maxes]
+        norms_t, maxes_t = self._reduce(grads, True, self.want_absmax)
+        if maxes_t is None:
+            maxes_t = torch.full_like(norms_t, float("nan"))
+        cols = [norms_t, maxes_t]
         if self.extras:
             cols += self._extras(grads, device)
-        return torch.stack(cols, 1)
+        return grads, torch.stack(cols, 1)
 
     def absmax(self, grads: Sequence[Optional[Tensor]]) -> "Union[Tensor, Any]":
         """``[P]`` float64 max |g| (NaN if any entry is NaN, inf if any is inf): the cheap
         exact non-finite check; 0 for a missing or empty gradient. A numpy array when
         computed on the host (CPU, BLAS)."""
+        return self._absmax(grads, False)[1]
+
+    def absmax_params(self, params: Sequence[Tensor]) -> "Tuple[List[Optional[Tensor]], Union[Tensor, Any]]":
+        """``(gradients, absmax)`` of the ``.grad`` of ``params``, as :meth:`compute_params`."""
+        return self._absmax(params, True)
+
+    def _absmax(self, items: Sequence[Any], of_params: bool) -> Tuple[List[Optional[Tensor]], "Union[Tensor, Any]"]:
+        grads: List[Optional[Tensor]]
         if self._blas is not None:
-            got = self._blas.reduce_all(grads, self._blas_layout)
-            if got is not None:
+            _, maxes, grads = self._blas.reduce_all(items, self._blas_layout, of_params)
+            self.last_complete = all(g is not None for g in grads)
+            if maxes is not None:
                 import numpy as np
 
-                out = np.array(got[1])
-                self.last_complete = all(g is not None for g in grads)
+                out = np.array(maxes)
                 if not self.last_complete or self._empty:
                     for i, g in enumerate(grads):
                         if g is None or g.numel() == 0:
                             out[i] = 0.0
-                return out
+                return grads, out
+        else:
+            grads = [p.grad for p in items] if of_params else list(items)
         # (0, not NaN, for a parameter without a gradient: nothing in it is non-finite)
-        return self._reduce(grads, False, True, missing=0.0)[1]
+        return grads, self._reduce(grads, False, True, missing=0.0)[1]
 
     def _extras(self, grads: Sequence[Optional[Tensor]], device: torch.device) -> List[Tensor]:
         sums: List[Optional[Tensor]] = []
@@ -408,6 +435,19 @@ class StatPlan:
                 out.append(_stack(zeros, device) / numel)
         return out
 
+    def global_sumsq(self) -> Optional[float]:
+        """The sum of the squared norms of the last :meth:`compute`, when its norms are
+        final (the BLAS path, every norm finite): no pass over them needed. Else None."""
+        return self._last_sumsq if (self.last_exact and self._last_finite) else None
+
+    def _zeros(self, n: int) -> Any:
+        if self.zeros is None or len(self.zeros) != n:
+            import numpy as np
+
+            self.zeros = np.zeros(n, dtype=np.int64)
+            self.zeros.setflags(write=False)
+        return self.zeros
+
     def fixup(self, values: "Any", grads: Sequence[Optional[Tensor]], div: Optional[float] = None) -> "Any":
         """After read-back: exact non-finite counts, and float64 norms where the fast norm
         of a gradient left out of the scaled path overflowed (every entry 1e20) or may
@@ -420,6 +460,9 @@ class StatPlan:
         cost nothing more."""
         import numpy as np
 
+        if self.last_exact and self._last_finite:
+            # (the BLAS path saw every norm finite, and its norms need no rescue)
+            return self._zeros(len(grads))
         norms = values[:, 0]
         under = None
         any_under = False
@@ -438,10 +481,7 @@ class StatPlan:
                 under = (sub[:, 0] < tiny) & (sub[:, 1] != 0)
                 any_under = bool(under.any())
         if math.isfinite(float(norms.sum())) and not any_under:
-            if self.zeros is None or len(self.zeros) != len(grads):
-                self.zeros = np.zeros(len(grads), dtype=np.int64)
-                self.zeros.setflags(write=False)
-            return self.zeros  # the common step: shared, read-only
+            return self._zeros(len(grads))  # the common step: shared, read-only
         counts = np.zeros(len(grads), dtype=np.int64)
         finite = np.isfinite(norms)
         suspect = ~finite

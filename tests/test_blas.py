@@ -47,7 +47,8 @@ def test_norm_and_absmax_equal_torch(b, dtype, n):
     ref_norm, ref_max = _reference(x)
     assert norm == pytest.approx(ref_norm, rel=1e-5 if dtype == torch.float32 else 1e-12)
     assert amax == ref_max == 50.0 if n > 1 else amax == ref_max
-    norms, maxes = b.reduce_all([x, None, x[:0]], b.layout([x, x, x[:0]]))
+    norms, maxes, grads = b.reduce_all([x, None, x[:0]], b.layout([x, x, x[:0]]))
+    assert grads[0] is x and grads[1] is None
     assert norms[0] == norm and maxes[0] == amax
     assert math.isnan(norms[1]) and math.isnan(maxes[1])  # no gradient
     assert math.isnan(norms[2])  # empty
@@ -72,7 +73,7 @@ def test_nonfinite_entries_give_nonfinite_norm_and_absmax(b, bad, pos):
     if math.isnan(bad):
         x[100] = math.inf  # NaN wins over Inf, as in torch
     norm, amax = b.norm_absmax(x)
-    (norms,), (maxes,) = b.reduce_all([x], b.layout([x]))
+    (norms,), (maxes,), _ = b.reduce_all([x], b.layout([x]))
     for got in (norm, norms):
         assert math.isnan(got) if math.isnan(bad) else got == math.inf
     for got in (amax, maxes):
@@ -92,17 +93,25 @@ def test_lengths_beyond_the_chunk_are_split(b, monkeypatch):
     x[3500] = 99.0
     norm, amax = b.norm_absmax(x)
     assert norm == pytest.approx(_reference(x)[0], rel=1e-6) and amax == 99.0
-    lay = _blas.Layout([(torch.float32, 4321)])
+    lay = _blas.Layout([(torch.float32, (4321,))])
     assert lay[0][2] is None  # (reduce_all hands these to norm_absmax)
-    assert b.reduce_all([x], lay) == ([norm], [amax])
+    assert b.reduce_all([x], lay)[:2] == ([norm], [amax])
 
 
 def test_tensors_it_cannot_read_are_refused(b):
     x = torch.randn(8, 8)
     lay = b.layout([x])
-    assert b.reduce_all([x.t()], lay) is None  # not contiguous
-    assert b.reduce_all([x.to_sparse()], lay) is None
-    assert b.reduce_all([x.double()], lay) is None  # not the parameter's dtype
+    for bad in (x.t(), x.to_sparse(), x.double()):  # not contiguous, sparse, not the parameter's dtype
+        norms, maxes, grads = b.reduce_all([bad, x], b.layout([x, x]))
+        assert norms is None and maxes is None and grads[0] is bad and grads[1] is x
+    # reading the parameters' .grad in the same loop, refused midway: every gradient still comes back
+    p, q = nn.Parameter(x.clone()), nn.Parameter(x.clone())
+    p.grad, q.grad = torch.ones(8, 8).t(), torch.ones(8, 8)
+    norms, _, grads = b.reduce_all([p, q], b.layout([p, q]), of_params=True)
+    assert norms is None and grads[0] is p.grad and grads[1] is q.grad
+    p.grad = p.grad.contiguous()
+    norms, _, grads = b.reduce_all([p, q], b.layout([p, q]), of_params=True)
+    assert norms == [8.0, 8.0] and grads[0] is p.grad and grads[1] is q.grad
     assert b.layout([x.half()]) is None and b.layout([torch.randn(3, device="meta")]) is None
     assert not b.eligible(x.t()) and b.eligible(x) and not b.eligible(nn.Parameter(x))
 
@@ -153,3 +162,4 @@ def test_environment_variable_turns_it_off():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
