@@ -234,8 +234,15 @@ def _constant(key: tuple, build: Any) -> Any:
     return value
 
 
+# CPU fingerprints finish on the host in numpy (see _bitwise_fingerprints); False makes
+# them take the torch path that accelerators take (the tests compare the two)
+_HOST_FINISH = True
+
+
 def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
                           device: torch.device) -> torch.Tensor:
+    if _HOST_FINISH and device.type == "cpu" and all(t is None or t.device.type == "cpu" for t in tensors):
+        return _bitwise_fingerprints_host(tensors)
     cells, layout = [], []
     small_pieces: List[torch.Tensor] = []
     small_counts: List[int] = []
@@ -268,6 +275,46 @@ def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
                          terms.cumsum(1)], dim=1)
     sums = running[:, ends] - running[:, starts]                   # [3, tensors]
     return torch.cat([present.unsqueeze(0), sums]).t().contiguous()
+
+
+def _bitwise_fingerprints_host(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """:func:`_bitwise_fingerprints` of CPU tensors, bit for bit the same table: the block
+    sums (the one pass over the data) in torch, the rest (a few thousand cells: shifts,
+    weights, running sums) in numpy, whose integer arithmetic wraps modulo 2**64 as
+    torch's does. Inside a training step each torch launch on those few cells costs tens
+    of microseconds, cold; numpy's loops cost a few."""
+    import numpy as np
+
+    cells: List[Any] = []
+    layout: List[Tuple[int, bool, bool]] = []
+    small: List[int] = []
+    for t in tensors:
+        if t is None:
+            layout.append((0, False, False))
+            continue
+        words, last = _words(t)
+        if words.dtype == torch.int32 and words.numel() < _BLOCK:
+            total = int(words.numpy().sum(dtype=np.int64)) + (0 if last is None else int(last.numpy()[0]))
+            small.append((total + (1 << 31)) % (1 << 32) - (1 << 31))   # modulo 2**32, signed
+            layout.append((1, False, True))
+            continue
+        parts, wide = _cells(words, last)
+        cells += [p.numpy() for p in parts]
+        layout.append((sum(p.numel() for p in parts), wide, False))
+    if small:
+        cells.append(np.array(small, dtype=np.int64))
+    starts, ends, present, shift, weights = _constant(
+        ("cells-np", tuple(layout)), lambda: tuple(x.numpy() for x in _cell_plan(tuple(layout), torch.device("cpu"))))
+    u = np.concatenate(cells).astype(np.int64) if cells else np.zeros(0, dtype=np.int64)
+    running = np.zeros((3, u.size + 1), dtype=np.int64)
+    running[0, 1:] = np.left_shift(u, shift) if any(w for _, w, _ in layout) else u
+    np.multiply(u, weights, out=running[1:, 1:])
+    np.cumsum(running, axis=1, out=running)              # wraps modulo 2**64, as torch's
+    sums = running[:, ends] - running[:, starts]
+    table = np.empty((len(layout), _BITWISE_K), dtype=np.int64)
+    table[:, 0] = present
+    table[:, 1:] = sums.T
+    return torch.from_numpy(table)
 
 
 def _position_weights(n: int, device: torch.device, prime: int = _PRIME) -> torch.Tensor:
@@ -679,7 +726,7 @@ def _exchange_header(fn: str, header: torch.Tensor, group: Any, exchange_group: 
     return torch.stack(out)
 
 
-def _late_ranks_error(fn: str, starts: torch.Tensor, timeout: timedelta, rank: int) -> None:
+def _late_ranks_error(fn: str, starts: Sequence[int], timeout: timedelta, rank: int) -> None:
     """Raise on every rank when some rank started the exchange so late that the ranks that
     were waiting may have given up (their pending exchange then completes for the late
     rank, which must not carry on as if the check had passed). ``starts``: every rank's
@@ -687,7 +734,8 @@ def _late_ranks_error(fn: str, starts: torch.Tensor, timeout: timedelta, rank: i
     the margin, min(1 s, timeout / 10)."""
     secs = timeout.total_seconds()
     limit = (secs - min(1.0, secs / 10)) * 1e6
-    late = ((starts - starts.min()) > limit).nonzero().flatten().tolist()
+    first = min(starts)
+    late = [r for r, t in enumerate(starts) if t - first > limit]
     if late:
         error = DDPTimeoutError(
             f"{fn}: rank(s) {late} entered the check more than {secs:g} s after the first rank "
@@ -955,9 +1003,8 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
             local = fingerprints(tensors, mode=mode, device=device)
         else:
             local = _tolerance_quick_table(tensors, device)
-        header = torch.cat([torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), world],
-                                         dtype=torch.int64), _digest(local).cpu(),
-                            torch.zeros(1, dtype=torch.int64)])
+        header = torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), world]
+                              + _digest(local).cpu().tolist() + [0], dtype=torch.int64)
     except Exception as err:   # tell the other ranks, so that every rank raises, none hangs
         local_error = err
         header = torch.full((7,), -1, dtype=torch.int64)
@@ -973,16 +1020,17 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
     else:
         header[6] = int(time.time() * 1e6)        # when this rank starts waiting, in µs
         headers = _exchange_header(fn, header, group, exchange_group, timeout, arrived)
-    _late_ranks_error(fn, headers[:, 6], timeout, rank)
-    failed = (headers[:, :4] == -1).all(dim=1).nonzero().flatten().tolist()
+    rows = headers.tolist()   # (a few Python comparisons: no launches inside the step)
+    _late_ranks_error(fn, [r[6] for r in rows], timeout, rank)
+    failed = [r for r, row in enumerate(rows) if all(v == -1 for v in row[:4])]
     if failed:
         raise DDPInconsistencyError(
             f"{fn}: rank(s) {failed} could not compute their fingerprints"
             + (f" ({type(local_error).__name__}: {local_error})" if local_error else
                "; see the error on those ranks")) from local_error
-    if not bool((headers[:, :4] == headers[0, :4]).all()):
+    if any(row[:4] != rows[0][:4] for row in rows):
         _structure_error(fn, kind, call, meta, group)  # raises on every rank
-    if bool((headers[:, 4:6] == headers[0, 4:6]).all()):
+    if all(row[4:6] == rows[0][4:6] for row in rows):
         first = local.cpu().unsqueeze(0).expand(world, *local.shape)     # all tables equal
     else:
         first = _all_gather(local, group).cpu()                          # find who differs

@@ -95,11 +95,29 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # --------------------------------------------------------------------------- fingerprints
 
 
+@pytest.fixture(params=["host", "torch"])
+def finish(request, monkeypatch):
+    """CPU fingerprints finish in numpy on the host; accelerators' in torch: both, bit for bit."""
+    monkeypatch.setattr(ddp_verify, "_HOST_FINISH", request.param == "host")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_bitwise_fingerprint_matches_naive_reference(shape, dtype):
+def test_bitwise_fingerprint_matches_naive_reference(shape, dtype, finish):
     t = _tensor(shape, dtype)
     assert _fp(t) == naive_bitwise(t)
+
+
+def test_host_and_torch_finishes_give_the_same_tables(monkeypatch):
+    ts = [_tensor(s, d, seed=i) for i, (s, d) in enumerate(zip(SHAPES * 2, DTYPES + DTYPES[::-1]))]
+    ts += [None, torch.zeros(0), _tensor((64, 70), torch.float32).t(), _tensor((300000,), torch.float64)]
+    ts[3][0] = float("nan")
+    got = {}
+    for host in (True, False):
+        monkeypatch.setattr(ddp_verify, "_HOST_FINISH", host)
+        got[host] = ddp_verify.fingerprints(ts)
+    assert torch.equal(got[True], got[False])
 
 
 def test_bitwise_fingerprint_wraps_a_partial_block_and_its_padded_last_word():
@@ -112,7 +130,7 @@ def test_bitwise_fingerprint_wraps_a_partial_block_and_its_padded_last_word():
     assert _fp(h) == naive_bitwise(h)
 
 
-def test_bitwise_fingerprint_batches_like_one_at_a_time():
+def test_bitwise_fingerprint_batches_like_one_at_a_time(finish):
     ts = [_tensor(s, d, seed=i) for i, (s, d) in enumerate(zip(SHAPES, DTYPES))]
     table = ddp_verify.fingerprints(ts + [None] + ts[:2])
     assert table.shape == (len(ts) + 3, 4)
