@@ -22,12 +22,12 @@ import math
 import os
 import sys
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Blas", "Layout", "blas"]
+__all__ = ["Blas", "Layout", "Reduced", "blas"]
 
 # symbol names per library flavour: (snrm2, isamax, dnrm2, idamax), Fortran calling
 # convention (every argument by pointer)
@@ -40,6 +40,18 @@ _CHUNK = (1 << 31) - 1
 
 _lock = threading.Lock()
 _state: List[Any] = []  # [] before the first look, then [Blas or None]
+
+
+class Reduced(NamedTuple):
+    """What :meth:`Blas.reduce_all` found."""
+
+    norms: Optional[List[float]]
+    maxes: Optional[List[float]]
+    grads: List[Optional[Tensor]]
+    #: every norm finite (then ``maxes`` came from isamax and nothing needs a second look)
+    finite: bool
+    #: the sum of the squared norms, in double precision
+    sumsq: float
 
 
 class Blas:
@@ -67,13 +79,14 @@ class Blas:
         # (a gradient has its parameter's size, dtype and device: torch checks that)
         return Layout([(p.dtype, tuple(p.shape)) for p in params])
 
-    def reduce_all(self, grads: Sequence[Any], layout: "Layout", of_params: bool = False
-                   ) -> Tuple[Optional[List[float]], Optional[List[float]], List[Optional[Tensor]]]:
-        """``(norms, largest magnitudes, gradients)`` of the gradients of the parameters
-        that :meth:`layout` described, NaN for a missing or empty one. ``grads`` are the
-        gradients, or the parameters themselves with ``of_params=True`` (their ``.grad``
-        is read in the same loop). The first two are None when one gradient is not
-        :meth:`eligible` (the caller then uses torch). The loop of :meth:`norm_absmax`,
+    def reduce_all(self, grads: Sequence[Any], layout: "Layout", of_params: bool = False) -> "Reduced":
+        """Norms and largest magnitudes (NaN for a missing or empty gradient) of the
+        gradients of the parameters that :meth:`layout` described, with the gradients
+        themselves, whether every norm is finite and the sum of their squares; see
+        :class:`Reduced`. ``grads`` are the gradients, or the parameters themselves with
+        ``of_params=True`` (their ``.grad`` is read in the same loop). ``norms`` and
+        ``maxes`` are None when one gradient is not :meth:`eligible` (the caller then
+        uses torch). The loop of :meth:`norm_absmax`,
         written out: on a model of many small layers the Python around each call is
         most of the cost. (Stacking tiny tensors of one shape for a few torch kernels
         instead was measured slower inside a training step, where each launch is cold.)"""
@@ -82,9 +95,7 @@ class Blas:
         norms: List[float] = [nan] * P
         maxes: List[float] = [nan] * P
         seen: List[Optional[Tensor]] = []
-        # read by the caller right after: whether every norm was finite, and the sum of
-        # their squares (in double precision)
-        self.last_finite = True
+        finite = True
         sq = 0.0
         one, voidp, strided = self._one, ctypes.c_void_p, torch.strided
         for k, (x, (dtype, n, pn, nrm2, iamax, ctype, size)) in enumerate(zip(grads, layout)):
@@ -94,11 +105,12 @@ class Blas:
                 continue
             if type(g) is not Tensor or g.layout is not strided or g.dtype is not dtype or not g.is_contiguous():
                 rest = grads[len(seen):]
-                return None, None, seen + ([p.grad for p in rest] if of_params else list(rest))
+                return Reduced(None, None, seen + ([p.grad for p in rest] if of_params else list(rest)),
+                               False, math.nan)
             if pn is None:  # beyond a 32-bit BLAS length
                 a, b = self.norm_absmax(g)
                 norms[k], maxes[k] = a, b
-                self.last_finite = self.last_finite and math.isfinite(a)
+                finite = finite and math.isfinite(a)
                 sq += a * a
                 continue
             ptr = g.data_ptr()
@@ -110,11 +122,10 @@ class Blas:
                 maxes[k] = amax if amax >= 0 else -amax
             else:  # isamax may step over a NaN; only torch's max is sure to see it (rare)
                 maxes[k] = float(g.detach().abs().max())
-                self.last_finite = False
+                finite = False
             norms[k] = norm
             sq += norm * norm
-        self.last_sumsq = sq
-        return norms, maxes, seen
+        return Reduced(norms, maxes, seen, finite, sq)
 
     def eligible(self, t: Tensor) -> bool:
         """Whether ``t`` can be read here: a plain dense contiguous CPU float32/float64

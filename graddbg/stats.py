@@ -223,8 +223,6 @@ class StatPlan:
             got = self._reduce_host(grads)
             if got is not None:
                 self.last_exact = True
-                self._last_finite = self._blas.last_finite
-                self._last_sumsq = self._blas.last_sumsq
                 return (got[0] if want_norm else None), (got[1] if want_max else None)
         for gi, members in enumerate(self._groups):
             present = members if complete else [i for i in members if grads[i] is not None]
@@ -280,10 +278,11 @@ class StatPlan:
         dispatcher in between, exact over the dtype's whole range. None (use the torch
         kernels) as soon as one gradient is not a plain contiguous float32/float64 CPU
         tensor."""
-        norms, maxes, _ = self._blas.reduce_all(grads, self._blas_layout)
-        if norms is None:
+        got = self._blas.reduce_all(grads, self._blas_layout)
+        if got.norms is None:
             return None
-        return (torch.tensor(norms, dtype=torch.float64), torch.tensor(maxes, dtype=torch.float64))
+        self._last_finite, self._last_sumsq = got.finite, got.sumsq
+        return (torch.tensor(got.norms, dtype=torch.float64), torch.tensor(got.maxes, dtype=torch.float64))
 
     def release(self) -> None:
         """Free the scratch matrices kept between steps (the plan still works after)."""
@@ -354,17 +353,17 @@ class StatPlan:
     def _compute(self, items: Sequence[Any], of_params: bool) -> Tuple[List[Optional[Tensor]], "Union[Tensor, Any]"]:
         grads: List[Optional[Tensor]]
         if self._blas is not None and not self.extras:
-            norms, maxes, grads = self._blas.reduce_all(items, self._blas_layout, of_params)
+            got = self._blas.reduce_all(items, self._blas_layout, of_params)
+            grads = got.grads
             self.last_complete = all(g is not None for g in grads)  # (not `None in`: Tensor.__eq__)
-            if norms is not None:
+            if got.norms is not None:
                 import numpy as np
 
                 self.last_exact = True
-                self._last_finite = self._blas.last_finite
-                self._last_sumsq = self._blas.last_sumsq
+                self._last_finite, self._last_sumsq = got.finite, got.sumsq
                 out = np.empty((len(grads), 2))
-                out[:, 0] = norms
-                out[:, 1] = maxes
+                out[:, 0] = got.norms
+                out[:, 1] = got.maxes
                 if not self.want_absmax:
                     out[:, 1] = np.nan
                 return grads, out
@@ -392,12 +391,13 @@ class StatPlan:
     def _absmax(self, items: Sequence[Any], of_params: bool) -> Tuple[List[Optional[Tensor]], "Union[Tensor, Any]"]:
         grads: List[Optional[Tensor]]
         if self._blas is not None:
-            _, maxes, grads = self._blas.reduce_all(items, self._blas_layout, of_params)
+            got = self._blas.reduce_all(items, self._blas_layout, of_params)
+            grads = got.grads
             self.last_complete = all(g is not None for g in grads)
-            if maxes is not None:
+            if got.maxes is not None:
                 import numpy as np
 
-                out = np.array(maxes)
+                out = np.array(got.maxes)
                 if not self.last_complete or self._empty:
                     for i, g in enumerate(grads):
                         if g is None or g.numel() == 0:

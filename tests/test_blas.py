@@ -47,7 +47,8 @@ def test_norm_and_absmax_equal_torch(b, dtype, n):
     ref_norm, ref_max = _reference(x)
     assert norm == pytest.approx(ref_norm, rel=1e-5 if dtype == torch.float32 else 1e-12)
     assert amax == ref_max == 50.0 if n > 1 else amax == ref_max
-    norms, maxes, grads = b.reduce_all([x, None, x[:0]], b.layout([x, x, x[:0]]))
+    norms, maxes, grads, finite, sumsq = b.reduce_all([x, None, x[:0]], b.layout([x, x, x[:0]]))
+    assert finite and sumsq == pytest.approx(norm * norm, rel=1e-12)
     assert grads[0] is x and grads[1] is None
     assert norms[0] == norm and maxes[0] == amax
     assert math.isnan(norms[1]) and math.isnan(maxes[1])  # no gradient
@@ -73,7 +74,8 @@ def test_nonfinite_entries_give_nonfinite_norm_and_absmax(b, bad, pos):
     if math.isnan(bad):
         x[100] = math.inf  # NaN wins over Inf, as in torch
     norm, amax = b.norm_absmax(x)
-    (norms,), (maxes,), _ = b.reduce_all([x], b.layout([x]))
+    (norms,), (maxes,), _, finite, _ = b.reduce_all([x], b.layout([x]))
+    assert not finite
     for got in (norm, norms):
         assert math.isnan(got) if math.isnan(bad) else got == math.inf
     for got in (amax, maxes):
@@ -102,15 +104,15 @@ def test_tensors_it_cannot_read_are_refused(b):
     x = torch.randn(8, 8)
     lay = b.layout([x])
     for bad in (x.t(), x.to_sparse(), x.double()):  # not contiguous, sparse, not the parameter's dtype
-        norms, maxes, grads = b.reduce_all([bad, x], b.layout([x, x]))
+        norms, maxes, grads, _, _ = b.reduce_all([bad, x], b.layout([x, x]))
         assert norms is None and maxes is None and grads[0] is bad and grads[1] is x
     # reading the parameters' .grad in the same loop, refused midway: every gradient still comes back
     p, q = nn.Parameter(x.clone()), nn.Parameter(x.clone())
     p.grad, q.grad = torch.ones(8, 8).t(), torch.ones(8, 8)
-    norms, _, grads = b.reduce_all([p, q], b.layout([p, q]), of_params=True)
+    norms, _, grads, _, _ = b.reduce_all([p, q], b.layout([p, q]), of_params=True)
     assert norms is None and grads[0] is p.grad and grads[1] is q.grad
     p.grad = p.grad.contiguous()
-    norms, _, grads = b.reduce_all([p, q], b.layout([p, q]), of_params=True)
+    norms, _, grads, _, _ = b.reduce_all([p, q], b.layout([p, q]), of_params=True)
     assert norms == [8.0, 8.0] and grads[0] is p.grad and grads[1] is q.grad
     assert b.layout([x.half()]) is None and b.layout([torch.randn(3, device="meta")]) is None
     assert not b.eligible(x.t()) and b.eligible(x) and not b.eligible(nn.Parameter(x))
@@ -163,3 +165,27 @@ def test_environment_variable_turns_it_off():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
 
+
+
+def test_threads_calling_at_once_get_their_own_answers(b):
+    # the calls release the GIL: nothing shared may carry one thread's tensor into another's
+    import threading
+
+    sets = [[torch.randn(n) * (k + 1) for n in (5, 4096, 70000)] for k in range(4)]
+    expected = [b.reduce_all(ts, b.layout(ts)) for ts in sets]
+    errors = []
+
+    def work(k):
+        lay = b.layout(sets[k])
+        for _ in range(200):
+            got = b.reduce_all(sets[k], lay)
+            if got.norms != expected[k].norms or got.maxes != expected[k].maxes or got.sumsq != expected[k].sumsq:
+                errors.append(k)
+                return
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
