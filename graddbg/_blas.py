@@ -32,8 +32,8 @@ __all__ = ["Blas", "Layout", "Reduced", "blas"]
 # symbol names per library flavour: (snrm2, isamax, dnrm2, idamax), Fortran calling
 # convention (every argument by pointer)
 _NAMES = (
-    ("mkl_blas_snrm2", "mkl_blas_isamax", "mkl_blas_dnrm2", "mkl_blas_idamax"),
-    ("snrm2_", "isamax_", "dnrm2_", "idamax_"),
+    ("mkl_blas_snrm2", "mkl_blas_isamax", "mkl_blas_dnrm2", "mkl_blas_idamax", "mkl_blas_saxpy", "mkl_blas_daxpy"),
+    ("snrm2_", "isamax_", "dnrm2_", "idamax_", "saxpy_", "daxpy_"),
 )
 # the BLAS integer may be 32 bits wide (LP64): pass lengths below 2**31 only
 _CHUNK = (1 << 31) - 1
@@ -57,12 +57,17 @@ class Reduced(NamedTuple):
 class Blas:
     """Bound ``nrm2`` and ``iamax`` for float32 and float64 (see the module docstring)."""
 
-    def __init__(self, snrm2: Any, isamax: Any, dnrm2: Any, idamax: Any, where: str) -> None:
+    def __init__(self, snrm2: Any, isamax: Any, dnrm2: Any, idamax: Any, saxpy: Any, daxpy: Any,
+                 where: str) -> None:
         snrm2.restype, dnrm2.restype = ctypes.c_float, ctypes.c_double
         isamax.restype = idamax.restype = ctypes.c_int64
+        saxpy.restype = daxpy.restype = None
         # dtype -> (nrm2, iamax, element ctype, element size)
         self._fns = {torch.float32: (snrm2, isamax, ctypes.c_float, 4),
                      torch.float64: (dnrm2, idamax, ctypes.c_double, 8)}
+        # dtype -> (axpy, a pointer to -1 in the dtype): y <- y - x
+        self._axpy = {torch.float32: (saxpy, ctypes.byref(ctypes.c_float(-1.0))),
+                      torch.float64: (daxpy, ctypes.byref(ctypes.c_double(-1.0)))}
         self._one = ctypes.byref(ctypes.c_int64(1))
         self.where = where
 
@@ -118,6 +123,9 @@ class Blas:
             norm = nrm2(pn, vp, one)
             if norm == norm and norm != math.inf:  # finite: isamax's index is the one
                 i = (iamax(pn, vp, one) & 0xFFFFFFFF) - 1
+                if not 0 <= i < n:  # (never, for a BLAS that passed the self-test)
+                    return Reduced(None, None, seen + ([p.grad for p in grads[len(seen):]] if of_params
+                                                       else list(grads[len(seen):])), False, math.nan)
                 amax = ctype.from_address(ptr + size * i).value
                 maxes[k] = amax if amax >= 0 else -amax
             else:  # isamax may step over a NaN; only torch's max is sure to see it (rare)
@@ -126,6 +134,51 @@ class Blas:
             norms[k] = norm
             sq += norm * norm
         return Reduced(norms, maxes, seen, finite, sq)
+
+    def snapshot(self, params: Sequence[Tensor], layout: "Layout",
+                 buf: Optional[Tensor] = None) -> Optional[Tensor]:
+        """A copy of ``params`` (the parameters :meth:`layout` described) in one byte
+        buffer (``buf`` when given, of ``layout.nbytes``), each copied with one
+        ``memmove``; None when one is not a dense contiguous tensor of its described size
+        and dtype (the caller then clones)."""
+        if buf is None:
+            buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+        base = buf.data_ptr()
+        for p, (dtype, n, *_), off in zip(params, layout, layout.offsets):
+            if not self._readable(p, dtype, n):
+                return None
+            if n:
+                ctypes.memmove(base + off, p.data_ptr(), n * p.element_size())
+        return buf
+
+    def update_norms(self, snap: Tensor, params: Sequence[Tensor],
+                     layout: "Layout") -> Optional[Tuple[List[float], List[float]]]:
+        """``(||w_old||, ||w_old - w_new||)`` per parameter, from a :meth:`snapshot` taken
+        before the optimizer's step and the parameters now; the snapshot becomes the
+        difference. None when a parameter can no longer be read here (the caller then
+        uses torch on :meth:`Layout.views` of the snapshot)."""
+        base = snap.data_ptr()
+        one, voidp = self._one, ctypes.c_void_p
+        old_norms: List[float] = []
+        diff_norms: List[float] = []
+        for p, (dtype, n, pn, nrm2, *_), off in zip(params, layout, layout.offsets):
+            if not self._readable(p, dtype, n) or (n and pn is None):
+                return None
+            if not n:
+                old_norms.append(0.0)
+                diff_norms.append(0.0)
+                continue
+            axpy, minus_one = self._axpy[dtype]
+            old = voidp(base + off)
+            old_norms.append(nrm2(pn, old, one))
+            axpy(pn, minus_one, voidp(p.data_ptr()), one, old, one)
+            diff_norms.append(nrm2(pn, old, one))
+        return old_norms, diff_norms
+
+    @staticmethod
+    def _readable(t: Tensor, dtype: torch.dtype, n: int) -> bool:
+        return (isinstance(t, Tensor) and t.is_cpu and t.layout is torch.strided and t.dtype is dtype
+                and t.numel() == n and t.is_contiguous())
 
     def eligible(self, t: Tensor) -> bool:
         """Whether ``t`` can be read here: a plain dense contiguous CPU float32/float64
@@ -144,6 +197,8 @@ class Blas:
             pn = ctypes.byref(ctypes.c_int64(n))
             norm = nrm2(pn, ctypes.c_void_p(ptr), self._one)
             i = (iamax(pn, ctypes.c_void_p(ptr), self._one) & 0xFFFFFFFF) - 1
+            if not 0 <= i < n:
+                raise RuntimeError(f"graddbg: {self.where} returned index {i} for a vector of {n}")
             amax = abs(ctype.from_address(ptr + size * i).value)
         else:  # beyond a 32-bit BLAS length: in pieces
             norm = amax = 0.0
@@ -153,6 +208,8 @@ class Blas:
                 pk = ctypes.byref(ctypes.c_int64(k))
                 norm = math.hypot(norm, nrm2(pk, ctypes.c_void_p(p), self._one))
                 i = (iamax(pk, ctypes.c_void_p(p), self._one) & 0xFFFFFFFF) - 1
+                if not 0 <= i < k:
+                    raise RuntimeError(f"graddbg: {self.where} returned index {i} for a vector of {k}")
                 amax = max(amax, abs(ctype.from_address(p + size * i).value))
         if not math.isfinite(norm):
             # isamax may step over a NaN; only torch's max is sure to see it (rare steps)
@@ -170,10 +227,20 @@ class Layout(list):
         assert b is not None
         self.specs = [(dtype, tuple(shape)) for dtype, shape in specs]
         rows = []
+        #: where each parameter lies in a snapshot buffer (bytes, 64-aligned), and its size
+        self.offsets: List[int] = []
+        self.nbytes = 0
         for dtype, shape in self.specs:
             n = math.prod(shape)
             rows.append((dtype, n, ctypes.byref(ctypes.c_int64(n)) if n <= _CHUNK else None) + b._fns[dtype])
+            self.offsets.append(self.nbytes)
+            self.nbytes += -(-n * b._fns[dtype][3] // 64) * 64
         super().__init__(rows)
+
+    def views(self, snap: Tensor) -> List[Tensor]:
+        """The parameters' copies in a snapshot buffer, as tensors of their shapes."""
+        return [snap[off: off + math.prod(shape) * torch.empty((), dtype=dtype).element_size()]
+                .view(dtype).view(shape) for (dtype, shape), off in zip(self.specs, self.offsets)]
 
     def __reduce__(self) -> Any:
         return Layout, (self.specs,)
@@ -212,6 +279,15 @@ def _bind() -> Optional[Blas]:
     return None
 
 
+def _padded(x: Tensor) -> Tensor:
+    """``x`` at the start of a buffer 4x its size plus a page: a binding that reads or
+    writes wider elements than it was given (a wrong calling convention) stays inside
+    memory we own during the self-test."""
+    buf = torch.zeros(4 * x.numel() + 4096, dtype=x.dtype)
+    buf[: x.numel()] = x
+    return buf[: x.numel()]
+
+
 def _self_test(b: Blas) -> bool:
     """Compare with torch on vectors that catch a wrong calling convention or width, an
     unscaled norm, a sign error, an off-by-one index and a NaN stepped over."""
@@ -221,20 +297,28 @@ def _self_test(b: Blas) -> bool:
             x = torch.randn(n, generator=g, dtype=dtype)
             k = (n * 2) // 3
             x[k] = -7.5 if n > 1 else x[k]
-            norm, amax = b.norm_absmax(x)
+            norm, amax = b.norm_absmax(_padded(x))
             ref = torch.linalg.vector_norm(x.double()).item()
             if abs(norm - ref) > 1e-5 * ref or amax != float(x.abs().max()):
                 return False
         for v in (1e-26, 1e20):
-            x = torch.full((1000,), v, dtype=dtype)
+            x = _padded(torch.full((1000,), v, dtype=dtype))
             norm, amax = b.norm_absmax(x)
             if abs(norm - v * math.sqrt(1000)) > 1e-5 * v * math.sqrt(1000) or amax != float(x[0]):
                 return False
+        x = _padded(torch.randn(1000, generator=g, dtype=dtype))
+        y = _padded(torch.randn(1000, generator=g, dtype=dtype))
+        ref = y - x
+        axpy, minus_one = b._axpy[dtype]
+        axpy(ctypes.byref(ctypes.c_int64(1000)), minus_one, ctypes.c_void_p(x.data_ptr()), b._one,
+             ctypes.c_void_p(y.data_ptr()), b._one)
+        if not torch.equal(y, ref):
+            return False
         for bad in (math.nan, math.inf, -math.inf):
             for pos in (0, 500, 999):
                 x = torch.ones(1000, dtype=dtype)
                 x[pos] = bad
-                norm, amax = b.norm_absmax(x)
+                norm, amax = b.norm_absmax(_padded(x))
                 if math.isfinite(norm) or math.isnan(norm) != math.isnan(bad) or not (
                         math.isnan(amax) if math.isnan(bad) else amax == math.inf):
                     return False

@@ -212,8 +212,8 @@ class Watch:
         self._capture: Optional[_Capture] = None
         self._replaying = False
         self._temp_handles: List[Any] = []
-        self._snapshot: Optional[List[Tensor]] = None
-        self._update_dev: Optional[Tuple[StepRecord, Tensor]] = None
+        self._snapshot: Any = None  # the parameters before the step (StatPlan.snapshot)
+        self._update_dev: Optional[Tuple[StepRecord, Any]] = None
         # flags between non-finite checks: on the device (numpy when computed on the host)
         self._acc_bad: Any = None
         self._acc_first: Any = None
@@ -400,11 +400,7 @@ class Watch:
         rec = self._history.records[-1] if self._history.records else None
         if rec is None:
             return
-        with torch.no_grad():
-            wn = torch.stack(torch._foreach_norm(snap)).double()
-            torch._foreach_sub_(snap, self._params)  # our copy becomes old - new: no allocation
-            dn = torch.stack(torch._foreach_norm(snap)).double()
-            ratio = torch.where(wn > 0, dn / wn, torch.where(dn > 0, torch.full_like(dn, math.inf), torch.zeros_like(dn)))
+        ratio = self._plan.update_ratio(snap, self._params)
         self._update_dev = (rec, ratio)  # read back with the next read-back, not now
 
     def _make_act_hook(self, idx: int, leaf: bool) -> Callable[..., None]:
@@ -616,8 +612,7 @@ class Watch:
 
         # ---- update ratio snapshot (after the step's decisions, before the optimizer moves)
         if (self._update_every is not None and vals is not None and step % self._update_every == 0):
-            with torch.no_grad():
-                self._snapshot = [p.clone() for p in self._params]
+            self._snapshot = self._plan.snapshot(self._params)
 
         to_raise: Optional[BaseException] = None
         for anomaly, policy in found:
@@ -889,7 +884,7 @@ class Watch:
     def _flush(self) -> None:
         if self._update_dev is not None:
             rec, t = self._update_dev
-            rec.update = t.cpu().numpy()
+            rec.update = t if isinstance(t, np.ndarray) else t.cpu().numpy()
             self._update_dev = None
 
     @property

@@ -58,6 +58,8 @@ _STACK_NUMEL = 16384
 # at most this many elements of scratch space kept between steps for the stacked copies
 # (16 MB of float32); groups beyond it get a fresh copy each step
 _SCRATCH_NUMEL = 1 << 22
+# the parameters' snapshot buffer (update ratios, CPU) is kept between snapshots up to this size
+_SNAPSHOT_KEEP = 1 << 26
 # squares below the dtype's smallest normal number are lost: a norm under
 # sqrt(numel) * this (about sqrt(tiny / (2 eps))) may be off by more than rounding, and is
 # recomputed exactly (float16 and bfloat16 are reduced in float32)
@@ -172,6 +174,7 @@ class StatPlan:
         self._perm_cache: Dict[Tuple[int, ...], Tensor] = {}
         # CPU float gradients are read through BLAS (see _reduce_host) when it is there
         self._empty = any(n == 0 for n in self.numel)
+        self._snap_buf: Optional[Tensor] = None  # the snapshot buffer kept between snapshots
         self._blas = None
         if params and all(p.device.type == "cpu" and p.dtype in _FAST_DTYPES for p in params):
             from graddbg._blas import blas
@@ -287,6 +290,7 @@ class StatPlan:
     def release(self) -> None:
         """Free the scratch matrices kept between steps (the plan still works after)."""
         self._scratch.clear()
+        self._snap_buf = None
         self._scratch_numel = 0
 
     def _stacked(self, gi: int, ts: List[Tensor]) -> Tensor:
@@ -434,6 +438,43 @@ class StatPlan:
             elif name == "zero_frac":
                 out.append(_stack(zeros, device) / numel)
         return out
+
+    def snapshot(self, params: Sequence[Tensor]) -> Any:
+        """A copy of the parameters before an optimizer step, for :meth:`update_ratio`:
+        one buffer filled by ``memmove`` on the CPU (BLAS path; kept between snapshots
+        when at most 64 MB: a fresh one costs more in page faults than the copy), else
+        their clones."""
+        if self._blas is not None:
+            lay = self._blas_layout
+            keep = self._snap_buf is not None or lay.nbytes <= _SNAPSHOT_KEEP
+            if keep and self._snap_buf is None:
+                self._snap_buf = torch.empty(lay.nbytes, dtype=torch.uint8)
+            buf = self._blas.snapshot(params, lay, self._snap_buf if keep else None)
+            if buf is not None:
+                return buf
+        with torch.no_grad():
+            return [p.clone() for p in params]
+
+    def update_ratio(self, snap: Any, params: Sequence[Tensor]) -> "Union[Tensor, Any]":
+        """``[P]`` float64 ``||w_old - w_new|| / ||w_old||`` (inf when only the old norm is
+        0, 0 when both are) from a :meth:`snapshot` and the parameters after the step.
+        The snapshot is used up (it becomes the difference). A numpy array when computed
+        on the host (BLAS), else a tensor on the parameters' device (no host sync)."""
+        if isinstance(snap, Tensor):  # the BLAS snapshot buffer
+            got = self._blas.update_norms(snap, params, self._blas_layout)
+            if got is not None:
+                import numpy as np
+
+                wn, dn = np.array(got[0]), np.array(got[1])
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    return np.where(wn > 0, dn / wn, np.where(dn > 0, np.inf, 0.0))
+            snap = self._blas_layout.views(snap)
+        with torch.no_grad():
+            wn = torch.stack(torch._foreach_norm(snap)).double()
+            torch._foreach_sub_(snap, list(params))  # our copy becomes old - new: no allocation
+            dn = torch.stack(torch._foreach_norm(snap)).double()
+            return torch.where(wn > 0, dn / wn, torch.where(dn > 0, torch.full_like(dn, math.inf),
+                                                            torch.zeros_like(dn)))
 
     def global_sumsq(self) -> Optional[float]:
         """The sum of the squared norms of the last :meth:`compute`, when its norms are

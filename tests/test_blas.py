@@ -144,9 +144,13 @@ def test_a_wrong_binding_fails_the_self_test(b):
     path, name = b.where.split(":")
     lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path))  # its own function objects
     names = next(ns for ns in _blas._NAMES if ns[0] == name)
-    s_nrm2, s_amax, d_nrm2, d_amax = (getattr(lib, n) for n in names)
-    swapped = _blas.Blas(d_nrm2, s_amax, s_nrm2, d_amax, where="float32 and float64 norms swapped")
+    s_nrm2, s_amax, d_nrm2, d_amax, s_axpy, d_axpy = (getattr(lib, n) for n in names)
+    swapped = _blas.Blas(d_nrm2, s_amax, s_nrm2, d_amax, s_axpy, d_axpy, where="float32 and float64 norms swapped")
     assert not _blas._self_test(swapped)
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path))
+    s_nrm2, s_amax, d_nrm2, d_amax, s_axpy, d_axpy = (getattr(lib, n) for n in names)
+    wrong_axpy = _blas.Blas(s_nrm2, s_amax, d_nrm2, d_amax, d_axpy, s_axpy, where="axpy widths swapped")
+    assert not _blas._self_test(wrong_axpy)
 
 
 def test_binding_pickles_and_deep_copies_as_the_process_one(b):
@@ -189,3 +193,57 @@ def test_threads_calling_at_once_get_their_own_answers(b):
     for t in threads:
         t.join(60)
     assert not errors
+
+
+def test_update_ratio_from_a_memmove_snapshot_and_its_fallbacks(b):
+    from graddbg.stats import StatPlan
+
+    params = [nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.zeros(3)), nn.Parameter(torch.randn(5).double()),
+              nn.Parameter(torch.randn(0))]
+    plan = StatPlan(params)
+    assert plan._blas is not None
+
+    def step(ps):
+        with torch.no_grad():
+            ps[0].add_(0.5)          # moved
+            ps[1].add_(1.0)          # from zero: infinite ratio
+            ps[2].mul_(1.0)          # unchanged: 0
+
+    def reference(before, after):
+        out = []
+        for o, n in zip(before, after):
+            wn, dn = float(o.double().norm()), float((o - n.detach()).double().norm())
+            out.append(dn / wn if wn > 0 else (math.inf if dn > 0 else 0.0))
+        return out
+
+    before = [p.detach().clone() for p in params]
+    snap = plan.snapshot(params)
+    assert isinstance(snap, torch.Tensor) and snap.dtype == torch.uint8  # one buffer, not clones
+    step(params)
+    got = plan.update_ratio(snap, params)
+    assert list(got) == pytest.approx(reference(before, params), rel=1e-6)
+    # a parameter swapped for a non-contiguous one between snapshot and step: torch finishes
+    before = [p.detach().clone() for p in params]
+    snap = plan.snapshot(params)
+    params[0].data = params[0].data.t().contiguous().t()
+    step(params)
+    got = plan.update_ratio(snap, params)
+    assert isinstance(got, torch.Tensor)
+    assert got.tolist() == pytest.approx(reference(before, params), rel=1e-6)
+    # a snapshot that cannot be taken in one buffer: clones
+    assert isinstance(plan.snapshot(params), list)
+
+
+def test_snapshot_buffer_is_kept_between_update_steps_and_freed_on_exit(b):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddbg.watch(model, opt, update_every=1) as w:
+        bufs = []
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            bufs.append(w._plan._snap_buf)
+        assert bufs[0] is not None and all(x is bufs[0] for x in bufs)
+    assert w._plan._snap_buf is None
+    assert w.stats["update_ratio"].notna().all() and (w.stats["update_ratio"] > 0).all()

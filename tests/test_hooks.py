@@ -313,7 +313,7 @@ def test_deferred_nonfinite_check_ignores_parameters_without_gradient(kernels):
     assert [(a.step, a.name) for a in w.anomalies] == [(4, "used.bias")]
 
 
-def test_update_ratio_matches_reference():
+def test_update_ratio_matches_reference(kernels):
     torch.manual_seed(0)
     model = PROBLEMS["mlp"].make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -332,7 +332,7 @@ def test_update_ratio_matches_reference():
         assert got == pytest.approx(r, rel=1e-5)
 
 
-def test_update_ratio_is_sparse_by_default():
+def test_update_ratio_is_sparse_by_default(kernels):
     model = PROBLEMS["mlp"].make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
