@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import re
 import threading
 import time
@@ -550,10 +551,12 @@ def _unwrap(model: Any, fn: str) -> nn.Module:
         seen += 1
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
         else:
-            break
+            mods = model.__dict__.get("_modules")  # (not hasattr: a Module raises and formats a message)
+            orig = mods.get("_orig_mod") if isinstance(mods, dict) else getattr(model, "_orig_mod", None)
+            if not isinstance(orig, nn.Module):  # torch.compile's wrapper holds the model there
+                break
+            model = orig
     return model
 
 
@@ -586,7 +589,7 @@ def _backend(group: Any) -> str:
     return str(dist.get_backend(group)).lower()
 
 
-def _comm_device(group: Any, tensors: Sequence[Optional[torch.Tensor]]) -> torch.device:
+def _comm_device(group: Any, tensors: Iterable[Optional[torch.Tensor]]) -> torch.device:
     backend = _backend(group)
     if backend in ("gloo", "mpi"):
         return torch.device("cpu")
@@ -747,6 +750,19 @@ def _late_ranks_error(fn: str, starts: Sequence[int], timeout: timedelta, rank: 
 
 def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+_META_HASHES: dict = {}   # tuple(meta) -> _hash64(repr(meta)): a model's is asked for at every check
+
+
+def _meta_hash(meta: List[tuple]) -> int:
+    key = tuple(meta)
+    h = _META_HASHES.get(key)
+    if h is None:
+        if len(_META_HASHES) > 64:
+            _META_HASHES.clear()
+        h = _META_HASHES[key] = _hash64(repr(meta))
+    return h
 
 
 def _all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -980,7 +996,7 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
     timeout = _validate(fn, group, atol, rtol, timeout)
     mode = "bitwise" if atol == 0 and rtol == 0 else "tolerance"
     names, tensors, meta = _collect(module, kind)
-    device = _comm_device(group, [p for p in module.parameters()] or tensors)
+    device = _comm_device(group, itertools.chain(module.parameters(), tensors))  # (read lazily)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     call = (f"{fn}(mode={mode}, atol={float(atol)!r}, rtol={float(rtol)!r}, "
             f"details={bool(details)})")
@@ -1003,7 +1019,7 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
             local = fingerprints(tensors, mode=mode, device=device)
         else:
             local = _tolerance_quick_table(tensors, device)
-        header = torch.tensor([_hash64(repr(meta)), len(meta), _hash64(call), world]
+        header = torch.tensor([_meta_hash(meta), len(meta), _hash64(call), world]
                               + _digest(local).cpu().tolist() + [0], dtype=torch.int64)
     except Exception as err:   # tell the other ranks, so that every rank raises, none hangs
         local_error = err
