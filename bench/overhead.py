@@ -11,6 +11,7 @@ shuffled order each repeat, each with its own copy of the model (same initial we
              (absmax needs a second reduction pass over the gradients)
 - watch:noloc: the defaults with localize=False (no per-forward capture of the inputs,
              RNG state and output gradient for replaying a non-finite step)
+- watch:noupd: the defaults with update_every=None (no update/weight ratio every 50 steps)
 - watch/10:  graddbg.watch(every=10, nonfinite=NonFinite(every=10)): 9 steps in 10 make no
              host synchronisation
 - item:      the usual hand-written recipe: a post-accumulate-grad hook per parameter
@@ -61,6 +62,8 @@ class Variant:
         params = [p for p in model.parameters() if p.requires_grad]
         if name == "watch":
             self.ctx = graddbg.watch(model, self.opt)
+        elif name == "watch:noupd":
+            self.ctx = graddbg.watch(model, self.opt, update_every=None)
         elif name == "watch:noloc":
             self.ctx = graddbg.watch(model, self.opt, localize=False)
         elif name == "watch:norm":
