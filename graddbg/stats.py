@@ -213,16 +213,17 @@ class StatPlan:
             tiny = [_UNDERFLOW.get(params[i].dtype, 0.0) * math.sqrt(self.numel[i]) for i in idx]
             self._tiny = (np.array(idx, dtype=np.int64), np.array(tiny), idx, tiny)
 
-    def _reduce(self, grads: Sequence[Optional[Tensor]], want_norm: bool,
-                want_max: bool, missing: float = math.nan) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    def _reduce(self, grads: Sequence[Optional[Tensor]], want_norm: bool, want_max: bool,
+                missing: float = math.nan, try_host: bool = True) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         """``([P] norms, [P] absmax)``, float64, in parameter order (None when not wanted);
-        ``missing`` for a gradient that is absent or empty."""
+        ``missing`` for a gradient that is absent or empty. ``try_host=False`` when the
+        BLAS path has just refused these gradients."""
         order: List[int] = []
         norms: List[Tensor] = []
         maxes: List[Tensor] = []
         complete = self.last_complete = all(g is not None for g in grads)  # (not `None in`: Tensor.__eq__)
         self.last_exact = False
-        if self._blas is not None:
+        if self._blas is not None and try_host:
             got = self._reduce_host(grads)
             if got is not None:
                 self.last_exact = True
@@ -371,10 +372,12 @@ class StatPlan:
                 if not self.want_absmax:
                     out[:, 1] = np.nan
                 return grads, out
+            tried = True
         else:
             grads = [p.grad for p in items] if of_params else list(items)
+            tried = False
         device = next((g.device for g in grads if g is not None), torch.device("cpu"))
-        norms_t, maxes_t = self._reduce(grads, True, self.want_absmax)
+        norms_t, maxes_t = self._reduce(grads, True, self.want_absmax, try_host=not tried)
         if maxes_t is None:
             maxes_t = torch.full_like(norms_t, float("nan"))
         cols = [norms_t, maxes_t]
@@ -410,7 +413,7 @@ class StatPlan:
         else:
             grads = [p.grad for p in items] if of_params else list(items)
         # (0, not NaN, for a parameter without a gradient: nothing in it is non-finite)
-        return grads, self._reduce(grads, False, True, missing=0.0)[1]
+        return grads, self._reduce(grads, False, True, missing=0.0, try_host=False)[1]
 
     def _extras(self, grads: Sequence[Optional[Tensor]], device: torch.device) -> List[Tensor]:
         sums: List[Optional[Tensor]] = []
