@@ -29,8 +29,8 @@ from torch import Tensor
 
 __all__ = ["Blas", "Layout", "Reduced", "blas"]
 
-# symbol names per library flavour: (snrm2, isamax, dnrm2, idamax), Fortran calling
-# convention (every argument by pointer)
+# symbol names per library flavour: (snrm2, isamax, dnrm2, idamax, saxpy, daxpy), Fortran
+# calling convention (every argument by pointer)
 _NAMES = (
     ("mkl_blas_snrm2", "mkl_blas_isamax", "mkl_blas_dnrm2", "mkl_blas_idamax", "mkl_blas_saxpy", "mkl_blas_daxpy"),
     ("snrm2_", "isamax_", "dnrm2_", "idamax_", "saxpy_", "daxpy_"),
@@ -91,10 +91,10 @@ class Blas:
         :class:`Reduced`. ``grads`` are the gradients, or the parameters themselves with
         ``of_params=True`` (their ``.grad`` is read in the same loop). ``norms`` and
         ``maxes`` are None when one gradient is not :meth:`eligible` (the caller then
-        uses torch). The loop of :meth:`norm_absmax`,
-        written out: on a model of many small layers the Python around each call is
-        most of the cost. (Stacking tiny tensors of one shape for a few torch kernels
-        instead was measured slower inside a training step, where each launch is cold.)"""
+        uses torch). The loop of :meth:`norm_absmax`, written out: on a model of many
+        small layers the Python around each call is most of the cost. (Stacking tiny
+        tensors of one shape for a few torch kernels instead was measured slower inside
+        a training step, where each launch is cold.)"""
         nan = math.nan
         P = len(layout)
         norms: List[float] = [nan] * P
@@ -109,9 +109,7 @@ class Blas:
             if g is None or n == 0:
                 continue
             if type(g) is not Tensor or g.layout is not strided or g.dtype is not dtype or not g.is_contiguous():
-                rest = grads[len(seen):]
-                return Reduced(None, None, seen + ([p.grad for p in rest] if of_params else list(rest)),
-                               False, math.nan)
+                return _refused(seen, grads, of_params)
             if pn is None:  # beyond a 32-bit BLAS length
                 a, b = self.norm_absmax(g)
                 norms[k], maxes[k] = a, b
@@ -124,8 +122,7 @@ class Blas:
             if norm == norm and norm != math.inf:  # finite: isamax's index is the one
                 i = (iamax(pn, vp, one) & 0xFFFFFFFF) - 1
                 if not 0 <= i < n:  # (never, for a BLAS that passed the self-test)
-                    return Reduced(None, None, seen + ([p.grad for p in grads[len(seen):]] if of_params
-                                                       else list(grads[len(seen):])), False, math.nan)
+                    return _refused(seen, grads, of_params)
                 amax = ctype.from_address(ptr + size * i).value
                 maxes[k] = amax if amax >= 0 else -amax
             else:  # isamax may step over a NaN; only torch's max is sure to see it (rare)
@@ -217,30 +214,37 @@ class Blas:
         return norm, amax
 
 
+def _refused(seen: List[Optional[Tensor]], items: Sequence[Any], of_params: bool) -> Reduced:
+    """reduce_all's answer when it stops at a gradient it cannot read: every gradient,
+    no statistics."""
+    rest = items[len(seen):]
+    return Reduced(None, None, seen + ([p.grad for p in rest] if of_params else list(rest)), False, math.nan)
+
+
 class Layout(list):
     """Per parameter: dtype, numel, a pointer to the numel for BLAS, and the functions.
     Pickles and deep-copies as the (dtype, shape) pairs it was built from (the ctypes
     objects do neither, and a watched model's hooks reach it)."""
 
     def __init__(self, specs: List[Tuple[torch.dtype, Tuple[int, ...]]]) -> None:
-        b = blas()
-        assert b is not None
         self.specs = [(dtype, tuple(shape)) for dtype, shape in specs]
-        rows = []
         #: where each parameter lies in a snapshot buffer (bytes, 64-aligned), and its size
         self.offsets: List[int] = []
         self.nbytes = 0
         for dtype, shape in self.specs:
-            n = math.prod(shape)
-            rows.append((dtype, n, ctypes.byref(ctypes.c_int64(n)) if n <= _CHUNK else None) + b._fns[dtype])
             self.offsets.append(self.nbytes)
-            self.nbytes += -(-n * b._fns[dtype][3] // 64) * 64
-        super().__init__(rows)
+            self.nbytes += -(-math.prod(shape) * dtype.itemsize // 64) * 64
+        b = blas()
+        # (unpickled where no BLAS could be bound: empty, and unused, since the plan's
+        # binding unpickles as None there too)
+        super().__init__([] if b is None else [
+            (dtype, n, ctypes.byref(ctypes.c_int64(n)) if n <= _CHUNK else None) + b._fns[dtype]
+            for dtype, n in ((d, math.prod(shape)) for d, shape in self.specs)])
 
     def views(self, snap: Tensor) -> List[Tensor]:
         """The parameters' copies in a snapshot buffer, as tensors of their shapes."""
-        return [snap[off: off + math.prod(shape) * torch.empty((), dtype=dtype).element_size()]
-                .view(dtype).view(shape) for (dtype, shape), off in zip(self.specs, self.offsets)]
+        return [snap[off: off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for (dtype, shape), off in zip(self.specs, self.offsets)]
 
     def __reduce__(self) -> Any:
         return Layout, (self.specs,)

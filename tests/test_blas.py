@@ -162,6 +162,20 @@ def test_binding_pickles_and_deep_copies_as_the_process_one(b):
             [math.sqrt(3), math.sqrt(2)])
 
 
+def test_a_watched_model_unpickles_where_no_blas_can_be_bound(b, monkeypatch):
+    model = nn.Linear(3, 2)
+    with graddbg.watch(model) as w:
+        model(torch.randn(4, 3)).sum().backward()
+        data = pickle.dumps(model)  # (its hooks reach the watch, its plan and its layout)
+        plan = pickle.dumps(w._plan)
+    monkeypatch.setattr(_blas, "_state", [None])  # as in a process with GRADDBG_BLAS=0
+    assert isinstance(pickle.loads(data), nn.Linear)
+    other = pickle.loads(plan)
+    assert other._blas is None and len(other._blas_layout) == 0
+    got = other.compute([torch.ones(2, 3), torch.ones(2)])
+    assert torch.allclose(got[:, 0], torch.tensor([math.sqrt(6), math.sqrt(2)], dtype=torch.float64))
+
+
 def test_environment_variable_turns_it_off():
     code = "from graddbg import _blas; print(_blas.blas() is None)"
     env = dict(os.environ, GRADDBG_BLAS="0")
