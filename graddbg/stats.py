@@ -2,7 +2,9 @@
 
 No hooks here. The kernels take lists of gradient tensors and return one small tensor
 on the gradients' device, so that the caller decides when (and whether) to read it back
-to the host: one synchronisation per recorded step at most.
+to the host: one synchronisation per recorded step at most. On the CPU, float32/float64
+gradients are read through the BLAS that torch ships (:mod:`graddbg._blas`) and the
+answer is a numpy array at once: there is nothing to synchronise there.
 
 >>> import torch
 >>> model = torch.nn.Linear(4, 2)
@@ -143,7 +145,10 @@ def named_trainable_parameters(model_or_named_params: Any) -> List[Tuple[str, nn
 class StatPlan:
     """How to reduce a fixed list of parameters' gradients, decided once.
 
-    Large float32/float64 tensors are reduced one by one (``dot`` and ``aminmax``, each a
+    CPU float32/float64 gradients go through BLAS ``nrm2`` and ``iamax``, one call each
+    per gradient (:mod:`graddbg._blas`; exact norms over the whole range; numpy results).
+    Otherwise (GPUs, other dtypes, no BLAS, extra statistics):
+    large float32/float64 tensors are reduced one by one (``dot`` and ``aminmax``, each a
     single fast pass). Small tensors of the same shape and dtype go through one foreach
     norm, and tiny ones (biases, norms' weights) are stacked into one ``[k, n]`` matrix and
     reduced along rows, so a model of many small layers costs few launches. The results come back as one
