@@ -9,8 +9,10 @@ all-reduce, optimizer step) with check_gradients between backward and optimizer 
 gives a ratio (checked - plain) / plain and the script prints their median and spread.
 A check taken alone right after a step also pays for waiting on the slower rank, a wait
 that a training loop pays anyway at its next all-reduce; that standalone figure is printed
-too, with the time of the local fingerprints alone, the same for tolerance mode, and the
-bytes the check hands to collectives against those of an all_reduce of every gradient
+too, with the time of the local fingerprints alone, the same for tolerance mode, where
+the time of a checked step goes on each rank (forward, backward, check, optimizer, and
+inside the check its fingerprints and its header exchange, which waits for the other
+rank), and the bytes the check hands to collectives against those of an all_reduce of every gradient
 (target: >= 1000x fewer), counted by wrapping torch.distributed.all_gather / all_reduce
 in this process only.
 
@@ -97,12 +99,42 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
         report = ddp_verify.check_gradients(model, **kw)
         assert report.ok, str(report)
 
+    # where a checked step's time goes, on every rank: the phases of the step, and inside
+    # the bitwise check its local fingerprints and its header exchange (which waits for
+    # the other ranks); recorded in the bitwise blocks and the plain blocks beside them
+    phases = {"plain": {k: [] for k in ("forward", "backward", "check", "optimizer")},
+              "bitwise": {k: [] for k in ("forward", "backward", "check", "optimizer",
+                                          "fingerprints", "exchange")}}
+    recording: list = [None]
+
+    def timed(name, fn):
+        def wrapper(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                if recording[0] == "bitwise":
+                    phases["bitwise"][name].append(time.perf_counter() - t0)
+        return wrapper
+
+    ddp_verify.fingerprints = timed("fingerprints", ddp_verify.fingerprints)
+    ddp_verify._exchange_header = timed("exchange", ddp_verify._exchange_header)
+
     def step(check_kw=None) -> None:
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
-        loss_fn(model(x), y).backward()
+        out = model(x)
+        t1 = time.perf_counter()
+        loss_fn(out, y).backward()
+        t2 = time.perf_counter()
         if check_kw is not None:
             check(**check_kw)
+        t3 = time.perf_counter()
         opt.step()
+        t4 = time.perf_counter()
+        if recording[0] in phases:
+            for name, dt in zip(("forward", "backward", "check", "optimizer"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                phases[recording[0]][name].append(dt)
 
     def block(key, check_kw=None) -> float:
         dist.barrier()
@@ -122,7 +154,11 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
     single = {k: [] for k, _ in kinds}          # every step's own time, for robust medians
     for _ in range(repeats):
         for key, kw in kinds:
+            recording[0] = key
             blocks[key].append(block(key, kw))
+    recording[0] = None
+    queue.put({"rank": rank, "phases": {mode: {k: statistics.median(v) for k, v in ph.items()}
+                                        for mode, ph in phases.items()}})
 
     # Standalone: one check right after a step, and its parts.
     grads = [p.grad for p in model.parameters()]
@@ -152,7 +188,7 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
             dist.all_reduce(g.clone())
     grad_bytes = a.bytes
     if rank == 0:
-        queue.put({"blocks": blocks, "single": single} | {k: statistics.median(v) for k, v in times.items()} | {
+        queue.put({"rank": "summary", "blocks": blocks, "single": single} | {k: statistics.median(v) for k, v in times.items()} | {
             f"min_{k}": min(v) for k, v in times.items()} | {
             "check_bytes": check_bytes, "check_calls": check_calls, "grad_bytes": grad_bytes,
             "params": sum(p.numel() for p in model.parameters()),
@@ -219,7 +255,9 @@ def main() -> None:
     queue = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(world, port, args.repeats, args.steps, args.threads, queue),
                        nprocs=world, start_method="spawn", join=True)
-    r = queue.get()
+    got = [queue.get() for _ in range(world + 1)]
+    r = next(g for g in got if g["rank"] == "summary")
+    ranks = sorted((g for g in got if g["rank"] != "summary"), key=lambda g: g["rank"])
     b, k = r["blocks"], args.steps
     print(f"mlp8m: {r['params'] / 1e6:.2f}M parameters in {r['tensors']} tensors, gloo, "
           f"{world} ranks, {args.threads} thread(s) per rank")
@@ -237,6 +275,13 @@ def main() -> None:
         p_med, c_med = (statistics.median(r["single"][key]) for key in (plain, checked))
         print(f"  {'':20s} median single step: plain {p_med * 1e3:.2f} ms, checked "
               f"{c_med * 1e3:.2f} ms: {100 * (c_med - p_med) / p_med:.2f}%")
+    print("inside the every-step blocks, per rank (medians, ms): plain step | bitwise-checked step; "
+          "the check's fingerprints and header exchange")
+    for g in ranks:
+        pl, bw = g["phases"]["plain"], g["phases"]["bitwise"]
+        print(f"  rank {g['rank']}: " + " ".join(f"{n} {pl[n] * 1e3:.2f} | {bw[n] * 1e3:.2f}" for n in
+                                              ("forward", "backward", "check", "optimizer"))
+              + f"; fingerprints {bw['fingerprints'] * 1e3:.2f}, exchange {bw['exchange'] * 1e3:.2f}")
     print(f"standalone (median of {max(5, 2 * args.repeats)}, each right after a barrier):")
     print(f"  DDP step (fwd + bwd + all-reduce + SGD):  {r['step'] * 1e3:8.2f} ms")
     print(f"  check_gradients, bitwise:                 {r['check'] * 1e3:8.2f} ms  "
