@@ -52,6 +52,8 @@ class Reduced(NamedTuple):
     finite: bool
     #: the sum of the squared norms, in double precision
     sumsq: float
+    #: every gradient present
+    complete: bool
 
 
 class Blas:
@@ -84,14 +86,15 @@ class Blas:
         # (a gradient has its parameter's size, dtype and device: torch checks that)
         return Layout([(p.dtype, tuple(p.shape)) for p in params])
 
-    def reduce_all(self, grads: Sequence[Any], layout: "Layout", of_params: bool = False) -> "Reduced":
+    def reduce_all(self, grads: Sequence[Any], layout: "Layout", of_params: bool = False,
+                   want_max: bool = True) -> "Reduced":
         """Norms and largest magnitudes (NaN for a missing or empty gradient) of the
         gradients of the parameters that :meth:`layout` described, with the gradients
         themselves, whether every norm is finite and the sum of their squares; see
         :class:`Reduced`. ``grads`` are the gradients, or the parameters themselves with
         ``of_params=True`` (their ``.grad`` is read in the same loop). ``norms`` and
         ``maxes`` are None when one gradient is not :meth:`eligible` (the caller then
-        uses torch). The loop of :meth:`norm_absmax`, written out: on a model of many
+        uses torch); ``want_max=False`` leaves the largest magnitudes NaN (no ``iamax``). The loop of :meth:`norm_absmax`, written out: on a model of many
         small layers the Python around each call is most of the cost. (Stacking tiny
         tensors of one shape for a few torch kernels instead was measured slower inside
         a training step, where each launch is cold.)"""
@@ -100,13 +103,14 @@ class Blas:
         norms: List[float] = [nan] * P
         maxes: List[float] = [nan] * P
         seen: List[Optional[Tensor]] = []
-        finite = True
+        finite = complete = True
         sq = 0.0
         one, voidp, strided = self._one, ctypes.c_void_p, torch.strided
         for k, (x, (dtype, n, pn, nrm2, iamax, ctype, size)) in enumerate(zip(grads, layout)):
             g = x.grad if of_params else x
             seen.append(g)
             if g is None or n == 0:
+                complete = complete and g is not None
                 continue
             if type(g) is not Tensor or g.layout is not strided or g.dtype is not dtype or not g.is_contiguous():
                 return _refused(seen, grads, of_params)
@@ -119,7 +123,9 @@ class Blas:
             ptr = g.data_ptr()
             vp = voidp(ptr)  # (one object per call: the calls let other threads run)
             norm = nrm2(pn, vp, one)
-            if norm == norm and norm != math.inf:  # finite: isamax's index is the one
+            if not want_max:
+                finite = finite and norm == norm and norm != math.inf
+            elif norm == norm and norm != math.inf:  # finite: isamax's index is the one
                 i = (iamax(pn, vp, one) & 0xFFFFFFFF) - 1
                 if not 0 <= i < n:  # (never, for a BLAS that passed the self-test)
                     return _refused(seen, grads, of_params)
@@ -130,7 +136,7 @@ class Blas:
                 finite = False
             norms[k] = norm
             sq += norm * norm
-        return Reduced(norms, maxes, seen, finite, sq)
+        return Reduced(norms, maxes, seen, finite, sq, complete)
 
     def snapshot(self, params: Sequence[Tensor], layout: "Layout",
                  buf: Optional[Tensor] = None) -> Optional[Tensor]:
@@ -218,7 +224,8 @@ def _refused(seen: List[Optional[Tensor]], items: Sequence[Any], of_params: bool
     """reduce_all's answer when it stops at a gradient it cannot read: every gradient,
     no statistics."""
     rest = items[len(seen):]
-    return Reduced(None, None, seen + ([p.grad for p in rest] if of_params else list(rest)), False, math.nan)
+    grads = seen + ([p.grad for p in rest] if of_params else list(rest))
+    return Reduced(None, None, grads, False, math.nan, all(g is not None for g in grads))
 
 
 class Layout(list):

@@ -363,9 +363,9 @@ class StatPlan:
     def _compute(self, items: Sequence[Any], of_params: bool) -> Tuple[List[Optional[Tensor]], "Union[Tensor, Any]"]:
         grads: List[Optional[Tensor]]
         if self._blas is not None and not self.extras:
-            got = self._blas.reduce_all(items, self._blas_layout, of_params)
+            got = self._blas.reduce_all(items, self._blas_layout, of_params, want_max=self.want_absmax)
             grads = got.grads
-            self.last_complete = all(g is not None for g in grads)  # (not `None in`: Tensor.__eq__)
+            self.last_complete = got.complete
             if got.norms is not None:
                 import numpy as np
 
@@ -374,8 +374,6 @@ class StatPlan:
                 out = np.empty((len(grads), 2))
                 out[:, 0] = got.norms
                 out[:, 1] = got.maxes
-                if not self.want_absmax:
-                    out[:, 1] = np.nan
                 return grads, out
             tried = True
         else:
@@ -405,7 +403,7 @@ class StatPlan:
         if self._blas is not None:
             got = self._blas.reduce_all(items, self._blas_layout, of_params)
             grads = got.grads
-            self.last_complete = all(g is not None for g in grads)
+            self.last_complete = got.complete
             if got.maxes is not None:
                 import numpy as np
 

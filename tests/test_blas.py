@@ -47,7 +47,8 @@ def test_norm_and_absmax_equal_torch(b, dtype, n):
     ref_norm, ref_max = _reference(x)
     assert norm == pytest.approx(ref_norm, rel=1e-5 if dtype == torch.float32 else 1e-12)
     assert amax == ref_max == 50.0 if n > 1 else amax == ref_max
-    norms, maxes, grads, finite, sumsq = b.reduce_all([x, None, x[:0]], b.layout([x, x, x[:0]]))
+    norms, maxes, grads, finite, sumsq, complete = b.reduce_all([x, None, x[:0]], b.layout([x, x, x[:0]]))
+    assert not complete
     assert finite and sumsq == pytest.approx(norm * norm, rel=1e-12)
     assert grads[0] is x and grads[1] is None
     assert norms[0] == norm and maxes[0] == amax
@@ -74,7 +75,7 @@ def test_nonfinite_entries_give_nonfinite_norm_and_absmax(b, bad, pos):
     if math.isnan(bad):
         x[100] = math.inf  # NaN wins over Inf, as in torch
     norm, amax = b.norm_absmax(x)
-    (norms,), (maxes,), _, finite, _ = b.reduce_all([x], b.layout([x]))
+    (norms,), (maxes,), _, finite, _, _ = b.reduce_all([x], b.layout([x]))
     assert not finite
     for got in (norm, norms):
         assert math.isnan(got) if math.isnan(bad) else got == math.inf
@@ -104,15 +105,15 @@ def test_tensors_it_cannot_read_are_refused(b):
     x = torch.randn(8, 8)
     lay = b.layout([x])
     for bad in (x.t(), x.to_sparse(), x.double()):  # not contiguous, sparse, not the parameter's dtype
-        norms, maxes, grads, _, _ = b.reduce_all([bad, x], b.layout([x, x]))
+        norms, maxes, grads, _, _, _ = b.reduce_all([bad, x], b.layout([x, x]))
         assert norms is None and maxes is None and grads[0] is bad and grads[1] is x
     # reading the parameters' .grad in the same loop, refused midway: every gradient still comes back
     p, q = nn.Parameter(x.clone()), nn.Parameter(x.clone())
     p.grad, q.grad = torch.ones(8, 8).t(), torch.ones(8, 8)
-    norms, _, grads, _, _ = b.reduce_all([p, q], b.layout([p, q]), of_params=True)
+    norms, _, grads, _, _, _ = b.reduce_all([p, q], b.layout([p, q]), of_params=True)
     assert norms is None and grads[0] is p.grad and grads[1] is q.grad
     p.grad = p.grad.contiguous()
-    norms, _, grads, _, _ = b.reduce_all([p, q], b.layout([p, q]), of_params=True)
+    norms, _, grads, _, _, _ = b.reduce_all([p, q], b.layout([p, q]), of_params=True)
     assert norms == [8.0, 8.0] and grads[0] is p.grad and grads[1] is q.grad
     assert b.layout([x.half()]) is None and b.layout([torch.randn(3, device="meta")]) is None
     assert not b.eligible(x.t()) and b.eligible(x) and not b.eligible(nn.Parameter(x))
@@ -261,3 +262,14 @@ def test_snapshot_buffer_is_kept_between_update_steps_and_freed_on_exit(b):
         assert bufs[0] is not None and all(x is bufs[0] for x in bufs)
     assert w._plan._snap_buf is None
     assert w.stats["update_ratio"].notna().all() and (w.stats["update_ratio"] > 0).all()
+
+
+def test_norms_only_skip_iamax_and_still_see_nonfinite(b):
+    x, y = torch.randn(100), torch.randn(50)
+    y[7] = math.nan
+    lay = b.layout([x, y])
+    got = b.reduce_all([x, None], lay, want_max=False)
+    assert got.norms[0] == pytest.approx(float(x.norm()), rel=1e-6) and math.isnan(got.maxes[0])
+    assert got.finite and not got.complete
+    got = b.reduce_all([x, y], lay, want_max=False)
+    assert math.isnan(got.norms[1]) and not got.finite and got.complete
