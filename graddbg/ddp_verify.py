@@ -240,11 +240,13 @@ def _constant(key: tuple, build: Any) -> Any:
 _HOST_FINISH = True
 
 
-def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
-                          device: torch.device) -> torch.Tensor:
-    if _HOST_FINISH and device.type == "cpu" and all(t is None or t.device.type == "cpu" for t in tensors):
-        return _bitwise_fingerprints_host(tensors)
-    cells, layout = [], []
+def _scan(tensors: Sequence[Optional[torch.Tensor]], host: bool) -> Tuple[List[Any], List[Tuple[int, bool, bool]]]:
+    """The one pass over the data: every tensor's cells (see :func:`_cells`), in order,
+    then one cell per tensor of fewer than ``_BLOCK`` int32 words, summed together (see
+    :func:`_small_cells`); and the layout ``(cells, wide, small)`` per tensor. ``host``:
+    the small tensors' sums in numpy (CPU tensors only)."""
+    cells: List[Any] = []
+    layout: List[Tuple[int, bool, bool]] = []
     small_pieces: List[torch.Tensor] = []
     small_counts: List[int] = []
     small_device = None
@@ -261,10 +263,20 @@ def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
             layout.append((1, False, True))
             continue
         parts, wide = _cells(words, last)
-        cells += [_to(p, device) for p in parts]
+        cells += parts
         layout.append((sum(p.numel() for p in parts), wide, False))
     if small_counts:
-        cells.append(_to(_small_cells(small_pieces, small_counts), device))
+        cells.append(_small_cells_host(small_pieces, small_counts) if host
+                     else _small_cells(small_pieces, small_counts))
+    return cells, layout
+
+
+def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
+                          device: torch.device) -> torch.Tensor:
+    if _HOST_FINISH and device.type == "cpu" and all(t is None or t.device.type == "cpu" for t in tensors):
+        return _bitwise_fingerprints_host(tensors)
+    cells, layout = _scan(tensors, host=False)
+    cells = [_to(c, device) for c in cells]
     starts, ends, present, shift, weights = _cell_plan(tuple(layout), device)
     u = torch.cat(cells).to(torch.int64) if cells else \
         torch.zeros(0, dtype=torch.int64, device=device)         # signed 32-bit values
@@ -278,6 +290,15 @@ def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
     return torch.cat([present.unsqueeze(0), sums]).t().contiguous()
 
 
+def _small_cells_host(pieces: List[torch.Tensor], counts: List[int]) -> Any:
+    """:func:`_small_cells` of CPU words, in numpy (int64 values of signed 32-bit sums)."""
+    import numpy as np
+
+    running = np.concatenate([[0], np.concatenate([p.numpy() for p in pieces]).astype(np.int64).cumsum()])
+    ends = np.cumsum(counts)
+    return (running[ends] - running[ends - np.array(counts)]).astype(np.int32).astype(np.int64)  # wraps mod 2**32
+
+
 def _bitwise_fingerprints_host(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     """:func:`_bitwise_fingerprints` of CPU tensors, bit for bit the same table: the block
     sums (the one pass over the data) in torch, the rest (a few thousand cells: shifts,
@@ -286,27 +307,11 @@ def _bitwise_fingerprints_host(tensors: Sequence[Optional[torch.Tensor]]) -> tor
     of microseconds, cold; numpy's loops cost a few."""
     import numpy as np
 
-    cells: List[Any] = []
-    layout: List[Tuple[int, bool, bool]] = []
-    small: List[int] = []
-    for t in tensors:
-        if t is None:
-            layout.append((0, False, False))
-            continue
-        words, last = _words(t)
-        if words.dtype == torch.int32 and words.numel() < _BLOCK:
-            total = int(words.numpy().sum(dtype=np.int64)) + (0 if last is None else int(last.numpy()[0]))
-            small.append((total + (1 << 31)) % (1 << 32) - (1 << 31))   # modulo 2**32, signed
-            layout.append((1, False, True))
-            continue
-        parts, wide = _cells(words, last)
-        cells += [p.numpy() for p in parts]
-        layout.append((sum(p.numel() for p in parts), wide, False))
-    if small:
-        cells.append(np.array(small, dtype=np.int64))
+    cells, layout = _scan(tensors, host=True)
     starts, ends, present, shift, weights = _constant(
         ("cells-np", tuple(layout)), lambda: tuple(x.numpy() for x in _cell_plan(tuple(layout), torch.device("cpu"))))
-    u = np.concatenate(cells).astype(np.int64) if cells else np.zeros(0, dtype=np.int64)
+    u = np.concatenate([c if isinstance(c, np.ndarray) else c.numpy() for c in cells]).astype(np.int64) \
+        if cells else np.zeros(0, dtype=np.int64)
     running = np.zeros((3, u.size + 1), dtype=np.int64)
     running[0, 1:] = np.left_shift(u, shift) if any(w for _, w, _ in layout) else u
     np.multiply(u, weights, out=running[1:, 1:])
