@@ -68,6 +68,7 @@ optimizer is about to use differ across ranks and the check names them;
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import re
@@ -100,6 +101,7 @@ _MAX_DETAIL_TENSORS = 16        # details=True gathers at most this many differi
 _DETAIL_BYTES = 1 << 25         # ... in slices of at most this many bytes over all ranks
 _MAX_STR_ROWS = 10              # str(report) shows at most this many rows
 _BITWISE_K = 4                  # present, word sum, two block hashes
+_PY_DIGEST = 1024                # tables of at most this many values are digested in Python
 _TOLERANCE_K = 7                # present, nan, +inf, -inf, sum, sum of squares, sum of |x|
 
 Timeout = Union[timedelta, float, int]
@@ -129,8 +131,13 @@ def _words(t: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     (little-endian; 1- and 2-byte elements packed 4 or 2 to a word); when the byte count
     is not a multiple of 4, ``last`` is one more int32 word holding the 1 to 3 bytes left
     over, zero-padded. No copy unless ``t`` is not contiguous (or, for 1- and 2-byte
-    elements, its start is not aligned to a word).
+    elements, its start is not aligned to a word). Contiguous real 4- and 8-byte tensors
+    keep their shape (their words in row-major order all the same); others come flat.
     """
+    size = t.element_size()
+    if (size == 4 or size == 8) and t.layout == torch.strided and not t.is_complex() \
+            and t.is_contiguous():     # the common case, in one launch: words in t's shape
+        return t.view(torch.int32 if size == 4 else torch.int64), None
     flat = _flat(t).contiguous()       # a no-op unless t is a strided 1-D view
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
@@ -168,9 +175,10 @@ def _cells(words: torch.Tensor, last: Optional[torch.Tensor]) -> Tuple[List[torc
     full = n // _BLOCK
     parts = []
     if full:                # wrapping integer sums: one streaming pass, no cast, no copy
-        parts.append(words[: full * _BLOCK].view(full, _BLOCK).sum(1, dtype=words.dtype))
+        body = words if n == full * _BLOCK else words.reshape(-1)[: full * _BLOCK]
+        parts.append(body.view(full, _BLOCK).sum(1, dtype=words.dtype))
     if n > full * _BLOCK or last is not None or not full:
-        rest = words[full * _BLOCK:].sum(dtype=words.dtype).reshape(1)
+        rest = words.reshape(-1)[full * _BLOCK:].sum(dtype=words.dtype).reshape(1)
         if last is not None:                                     # add it modulo 2**32
             rest = (rest.to(torch.int64) + last.to(torch.int64)).to(torch.int32)
         parts.append(rest)
@@ -184,7 +192,7 @@ def _small_cells(pieces: List[torch.Tensor], counts: List[int]) -> torch.Tensor:
     kernels for all of them: ``pieces`` are their words laid end to end, ``counts`` how
     many words each has. Each cell is the sum of its words modulo 2**32 (signed)."""
     running = torch.cat([torch.zeros(1, dtype=torch.int64, device=pieces[0].device),
-                         torch.cat(pieces).to(torch.int64).cumsum(0)])
+                         torch.cat([p.reshape(-1) for p in pieces]).to(torch.int64).cumsum(0)])
     ends = _constant(("ends", tuple(counts), str(running.device)), lambda: torch.tensor(
         counts, dtype=torch.int64).cumsum(0).to(running.device))
     starts = ends - torch.tensor(counts, dtype=torch.int64).to(running.device)
@@ -291,36 +299,74 @@ def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
 
 
 def _small_cells_host(pieces: List[torch.Tensor], counts: List[int]) -> Any:
-    """:func:`_small_cells` of CPU words, in numpy (int64 values of signed 32-bit sums)."""
+    """:func:`_small_cells` of CPU words, in numpy: int64 sums of each tensor's words, not
+    yet wrapped (the finish casts them to int32, which wraps them modulo 2**32). Two numpy
+    calls: inside a training step each costs tens of µs, cold."""
     import numpy as np
 
-    running = np.concatenate([[0], np.concatenate([p.numpy() for p in pieces]).astype(np.int64).cumsum()])
-    ends = np.cumsum(counts)
-    return (running[ends] - running[ends - np.array(counts)]).astype(np.int32).astype(np.int64)  # wraps mod 2**32
+    words = np.concatenate([p.numpy() for p in pieces], axis=None, dtype=np.int64)
+    if 0 in counts:            # reduceat cannot sum an empty run: running sums instead
+        running = np.concatenate([[0], words.cumsum()])
+        ends = np.cumsum(counts)
+        return running[ends] - running[ends - np.array(counts)]
+    return np.add.reduceat(words, list(itertools.accumulate(counts, initial=0))[:-1])
+
+
+class _HostFinish:
+    """The host finish of one layout of cells (see :func:`_bitwise_fingerprints_host`): its
+    constants, and work buffers reused from check to check. A training loop checks the
+    same model at every step; fresh buffers of a few hundred kB would be fresh pages to
+    fault in each time, inside the step, and every numpy call there costs tens of µs
+    (cold): the finish is four of them."""
+
+    def __init__(self, layout: Tuple[Tuple[int, bool, bool], ...]) -> None:
+        import numpy as np
+
+        starts, _, present, shift, weights = (x.numpy() for x in _cell_plan(layout, torch.device("cpu")))
+        cells = int(weights.shape[1])
+        order = sorted((i for i, (c, _, _) in enumerate(layout) if c > 0), key=lambda i: int(starts[i]))
+        self.rows = np.array(order, dtype=np.int64)           # the tensors, in their cells' order
+        self.seg_starts = np.array([int(starts[i]) for i in order], dtype=np.int64)
+        # row 0 places each cell in the word sum: u << shift, that is u * 2**shift modulo 2**64
+        self.factors = np.concatenate([np.left_shift(np.ones((1, cells), dtype=np.int64), shift), weights])
+        self.template = np.zeros((len(layout), _BITWISE_K), dtype=np.int64)
+        self.template[:, 0] = present
+        self.u = np.empty(cells, dtype=np.int32)
+        self.terms = np.empty((3, cells), dtype=np.int64)
+        self.lock = threading.Lock()
+
+    def __call__(self, cells: List[Any]) -> torch.Tensor:
+        import numpy as np
+
+        table = self.template.copy()
+        if not len(self.rows):
+            return torch.from_numpy(table)
+        arrays = [c if isinstance(c, np.ndarray) else c.numpy() for c in cells]
+        mine = self.lock.acquire(blocking=False)     # another thread inside: fresh buffers
+        try:
+            u = self.u if mine else np.empty_like(self.u)
+            terms = self.terms if mine else np.empty_like(self.terms)
+            # signed 32-bit values (the small tensors' int64 sums wrap modulo 2**32 here)
+            np.concatenate(arrays, out=u, casting="same_kind")
+            np.multiply(u, self.factors, out=terms)               # as int64: wraps mod 2**64
+            # the word sum and the two hashes of every tensor, modulo 2**64 (numpy's integer
+            # arithmetic wraps, as torch's does): sums over each tensor's cells
+            table[self.rows, 1:] = np.add.reduceat(terms, self.seg_starts, axis=1).T
+        finally:
+            if mine:
+                self.lock.release()
+        return torch.from_numpy(table)
 
 
 def _bitwise_fingerprints_host(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     """:func:`_bitwise_fingerprints` of CPU tensors, bit for bit the same table: the block
     sums (the one pass over the data) in torch, the rest (a few thousand cells: shifts,
-    weights, running sums) in numpy, whose integer arithmetic wraps modulo 2**64 as
-    torch's does. Inside a training step each torch launch on those few cells costs tens
-    of microseconds, cold; numpy's loops cost a few."""
-    import numpy as np
-
+    weights, sums per tensor) in numpy, with constants and buffers kept per layout. Inside
+    a training step each torch launch on those few cells costs tens of microseconds, cold;
+    numpy's loops cost a few."""
     cells, layout = _scan(tensors, host=True)
-    starts, ends, present, shift, weights = _constant(
-        ("cells-np", tuple(layout)), lambda: tuple(x.numpy() for x in _cell_plan(tuple(layout), torch.device("cpu"))))
-    u = np.concatenate([c if isinstance(c, np.ndarray) else c.numpy() for c in cells]).astype(np.int64) \
-        if cells else np.zeros(0, dtype=np.int64)
-    running = np.zeros((3, u.size + 1), dtype=np.int64)
-    running[0, 1:] = np.left_shift(u, shift) if any(w for _, w, _ in layout) else u
-    np.multiply(u, weights, out=running[1:, 1:])
-    np.cumsum(running, axis=1, out=running)              # wraps modulo 2**64, as torch's
-    sums = running[:, ends] - running[:, starts]
-    table = np.empty((len(layout), _BITWISE_K), dtype=np.int64)
-    table[:, 0] = present
-    table[:, 1:] = sums.T
-    return torch.from_numpy(table)
+    key = tuple(layout)
+    return _constant(("host-finish", key), lambda: _HostFinish(key))(cells)
 
 
 def _position_weights(n: int, device: torch.device, prime: int = _PRIME) -> torch.Tensor:
@@ -330,6 +376,24 @@ def _position_weights(n: int, device: torch.device, prime: int = _PRIME) -> torc
 
 
 _DIGEST_PRIMES = (2_147_483_647, 2_147_483_629)   # two primes below 2**31
+
+
+_DIGEST_WEIGHTS: dict = {}   # (size, prime) -> the weights of _digest as Python ints
+
+
+def _digest_ints(values: List[int]) -> List[int]:
+    """:func:`_digest` of a table given as its values (row-major), in Python: for the small
+    tables of most models this costs less than a few tensor launches inside a step."""
+    out = []
+    for p in _DIGEST_PRIMES:
+        weights = _DIGEST_WEIGHTS.get((len(values), p))
+        if weights is None:
+            if len(_DIGEST_WEIGHTS) > 64:
+                _DIGEST_WEIGHTS.clear()
+            weights = _DIGEST_WEIGHTS[(len(values), p)] = _position_weights(
+                len(values), torch.device("cpu"), p).tolist()
+        out.append(sum((v % p) * w % p for v, w in zip(values, weights)))
+    return out
 
 
 def _digest(table: torch.Tensor) -> torch.Tensor:
@@ -694,15 +758,35 @@ def _counter_key(group: Any, global_rank: int) -> str:
     return f"graddbg/ddp_verify/checks/{','.join(map(str, ranks))}/{global_rank}"
 
 
+# Checks this process has entered, by counter key (group and rank); the store holds a copy
+_ENTERED: dict = {}
+
+
 def _check_in(group: Any) -> Optional[int]:
-    """Count this rank into a check on ``group``: how many checks it has entered so far."""
+    """Count this rank into a check on ``group``: how many checks it has entered so far.
+
+    The count is kept here and written to the process group's store with ``set``, which
+    awaits no reply (``add`` would be a round trip inside every check); the other ranks
+    read it only after their exchange has timed out, seconds later."""
     store = _store()
     if store is None:
         return None
+    key = _counter_key(group, dist.get_rank())
+    count = _ENTERED.get(key, 0) + 1
     try:
-        return int(store.add(_counter_key(group, dist.get_rank()), 1))
+        store.set(key, str(count))
     except Exception:
         return None
+    _ENTERED[key] = count
+    return count
+
+
+def _entered(store: Any, key: str) -> int:
+    """How many checks the rank of ``key`` has entered, as its last ``set`` says (0: none)."""
+    try:
+        return int(store.get(key)) if store.check([key]) else 0
+    except Exception:   # unreadable: count it as absent, the error then names it
+        return 0
 
 
 def _exchange_header(fn: str, header: torch.Tensor, group: Any, exchange_group: Any,
@@ -717,7 +801,7 @@ def _exchange_header(fn: str, header: torch.Tensor, group: Any, exchange_group: 
     except RuntimeError as err:
         store = _store()
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        counts = [int(store.add(_counter_key(group, g), 0)) for g in ranks]
+        counts = [_entered(store, _counter_key(group, g)) for g in ranks]
         missing = [r for r, c in enumerate(counts) if c < arrived]
         secs = timeout.total_seconds()
         if missing:
@@ -768,6 +852,11 @@ def _meta_hash(meta: List[tuple]) -> int:
             _META_HASHES.clear()
         h = _META_HASHES[key] = _hash64(repr(meta))
     return h
+
+
+@functools.lru_cache(maxsize=64)
+def _call_hash(call: str) -> int:
+    return _hash64(call)
 
 
 def _all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -1024,11 +1113,12 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
             local = fingerprints(tensors, mode=mode, device=device)
         else:
             local = _tolerance_quick_table(tensors, device)
-        header = torch.tensor([_meta_hash(meta), len(meta), _hash64(call), world]
-                              + _digest(local).cpu().tolist() + [0], dtype=torch.int64)
+        digest = _digest_ints(local.reshape(-1).tolist()) if local.numel() <= _PY_DIGEST \
+            else _digest(local).tolist()
+        header = [_meta_hash(meta), len(meta), _call_hash(call), world] + digest
     except Exception as err:   # tell the other ranks, so that every rank raises, none hangs
         local_error = err
-        header = torch.full((7,), -1, dtype=torch.int64)
+        header = [-1] * 6
     if helper is not None:
         helper.join(timeout.total_seconds() + 60.0)   # the barrier has its own timeout
         if helper.is_alive():
@@ -1036,12 +1126,12 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
                                   f"(+60 s); the process group is not usable")
         if barrier_errors:
             raise barrier_errors[0]
-        header[6] = int(time.time() * 1e6)
-        headers = _all_gather(header.to(device), group).cpu()
-    else:
-        header[6] = int(time.time() * 1e6)        # when this rank starts waiting, in µs
-        headers = _exchange_header(fn, header, group, exchange_group, timeout, arrived)
-    rows = headers.tolist()   # (a few Python comparisons: no launches inside the step)
+        header = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
+        rows = _all_gather(header.to(device), group).cpu().tolist()
+    else:                      # last: when this rank starts waiting, in µs
+        header = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
+        rows = _exchange_header(fn, header, group, exchange_group, timeout, arrived).tolist()
+    # (then a few Python comparisons: no launches inside the step)
     _late_ranks_error(fn, [r[6] for r in rows], timeout, rank)
     failed = [r for r, row in enumerate(rows) if all(v == -1 for v in row[:4])]
     if failed:
@@ -1051,12 +1141,16 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
                "; see the error on those ranks")) from local_error
     if any(row[:4] != rows[0][:4] for row in rows):
         _structure_error(fn, kind, call, meta, group)  # raises on every rank
-    if all(row[4:6] == rows[0][4:6] for row in rows):
-        first = local.cpu().unsqueeze(0).expand(world, *local.shape)     # all tables equal
+    agree = all(row[4:6] == rows[0][4:6] for row in rows)
+    if agree and mode == "bitwise":      # every table the same: nothing differs
+        table, found = None, []
     else:
-        first = _all_gather(local, group).cpu()                          # find who differs
-    table = first if mode == "bitwise" else _tolerance_finish(first, tensors, group, device)
-    found = _verdict(table, names, meta, mode, float(atol), float(rtol))
+        if agree:
+            first = local.cpu().unsqueeze(0).expand(world, *local.shape)
+        else:
+            first = _all_gather(local, group).cpu()                      # find who differs
+        table = first if mode == "bitwise" else _tolerance_finish(first, tensors, group, device)
+        found = _verdict(table, names, meta, mode, float(atol), float(rtol))
     measured = _details(found, tensors, meta, group, device) if (details and found) else {}
 
     rows = []

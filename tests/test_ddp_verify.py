@@ -120,6 +120,63 @@ def test_host_and_torch_finishes_give_the_same_tables(monkeypatch):
     assert torch.equal(got[True], got[False])
 
 
+def test_host_finish_reuses_its_buffers_across_calls_and_threads(monkeypatch):
+    """The host finish keeps work buffers per layout: tensors of the same layout with other
+    values, one call after another and from several threads at once, each get their own
+    table (the torch path's)."""
+    import threading
+
+    shapes = [(2500,), (7,), (3, 1100), (0,), (2, 1024), (5,)]
+    dtypes = [torch.float32, torch.float16, torch.float64, torch.float32, torch.bfloat16, torch.float32]
+    sets = [[_tensor(s, d, seed=10 * k + i) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+            for k in range(4)]
+    monkeypatch.setattr(ddp_verify, "_HOST_FINISH", False)
+    expected = [ddp_verify.fingerprints(ts) for ts in sets]
+    assert len({tuple(e.reshape(-1).tolist()) for e in expected}) == len(sets)
+    monkeypatch.setattr(ddp_verify, "_HOST_FINISH", True)
+    for _ in range(2):
+        for ts, want in zip(sets, expected):
+            assert torch.equal(ddp_verify.fingerprints(ts), want)
+    wrong = []
+
+    def work(k):
+        for i in range(40):
+            j = (k + i) % len(sets)
+            if not torch.equal(ddp_verify.fingerprints(sets[j]), expected[j]):
+                wrong.append((k, i))
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
+
+
+def test_small_tensors_host_sums_wrap_like_the_torch_ones():
+    """Tensors of fewer than _BLOCK words: one cell each, their word sum modulo 2**32 (the
+    host sums in int64 and the finish wraps them), empty ones and shaped ones included."""
+    big = torch.full((1000,), 0x7FFFFFF0, dtype=torch.int32)          # sums past 2**31
+    pieces = [big.view(10, 100), torch.zeros(0, dtype=torch.int32), torch.tensor([-5, 3], dtype=torch.int32),
+              -big]
+    counts = [1000, 0, 2, 1000]
+    want = ddp_verify._small_cells(pieces, counts).tolist()
+    got = ddp_verify._small_cells_host(pieces, counts)
+    assert [((int(v) + 2**31) % 2**32) - 2**31 for v in got] == want
+    no_empty = [pieces[0], pieces[2]]
+    got = ddp_verify._small_cells_host(no_empty, [1000, 2])
+    assert [((int(v) + 2**31) % 2**32) - 2**31 for v in got] == ddp_verify._small_cells(no_empty, [1000, 2]).tolist()
+
+
+def test_python_digest_equals_the_tensor_digest():
+    rng = random.Random(3)
+    extremes = [-(2**63), 2**63 - 1, -1, 0, 2_147_483_647, -2_147_483_629]
+    for n in (0, 1, 7, 400):
+        values = [rng.choice(extremes) if rng.random() < 0.3 else rng.randrange(-(2**63), 2**63)
+                  for _ in range(4 * n)]
+        table = torch.tensor(values, dtype=torch.int64).reshape(n, 4)
+        assert ddp_verify._digest_ints(values) == ddp_verify._digest(table).tolist()
+
+
 def test_bitwise_fingerprint_wraps_a_partial_block_and_its_padded_last_word():
     """Last block: words whose sum is just under 2**31 plus a zero-padded last word: the
     cell is their sum modulo 2**32, as in the reference."""
