@@ -758,26 +758,26 @@ def _counter_key(group: Any, global_rank: int) -> str:
     return f"graddbg/ddp_verify/checks/{','.join(map(str, ranks))}/{global_rank}"
 
 
-# Checks this process has entered, by counter key (group and rank); the store holds a copy
+# Checks this process has entered, by default group and counter key (group and rank); the
+# store holds a copy, written at each check
 _ENTERED: dict = {}
 
 
-def _check_in(group: Any) -> Optional[int]:
+def _check_in(group: Any, store: Any) -> int:
     """Count this rank into a check on ``group``: how many checks it has entered so far.
 
     The count is kept here and written to the process group's store with ``set``, which
-    awaits no reply (``add`` would be a round trip inside every check); the other ranks
-    read it only after their exchange has timed out, seconds later."""
-    store = _store()
-    if store is None:
-        return None
+    awaits no reply (``add`` would be a round trip inside every check), right before the
+    exchange: the other ranks read it only after their exchange has timed out, seconds
+    later. A failed write is let go (it only names missing ranks after a timeout): every
+    rank must take part in the same exchange."""
     key = _counter_key(group, dist.get_rank())
-    count = _ENTERED.get(key, 0) + 1
+    count = _ENTERED.get((id(dist.group.WORLD), key), 0) + 1
+    _ENTERED[(id(dist.group.WORLD), key)] = count
     try:
         store.set(key, str(count))
     except Exception:
-        return None
-    _ENTERED[key] = count
+        pass
     return count
 
 
@@ -1095,15 +1095,15 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
     call = (f"{fn}(mode={mode}, atol={float(atol)!r}, rtol={float(rtol)!r}, "
             f"details={bool(details)})")
 
-    # Check-in: a counter per rank in the process group's store (one round trip), then the
-    # header exchange itself, on a gloo group, waited for at most `timeout`. A rank that
-    # does not arrive makes the others' wait time out; the counters then name it. Without
-    # a store to count in, a monitored barrier (in a helper thread, overlapping the local
-    # work) comes first instead.
+    # The local work, then the check-in (a counter per rank in the process group's store)
+    # and the header exchange itself, on a gloo group, waited for at most `timeout`. A rank
+    # that does not arrive makes the others' wait time out; the counters then name it.
+    # Without a store to count in, a monitored barrier (in a helper thread, overlapping
+    # the local work) comes first instead.
     exchange_group = _barrier_group(group, timeout)     # created here, in the calling thread
-    arrived = _check_in(group)
+    store = _store()
     helper, barrier_errors = None, []
-    if arrived is None:
+    if store is None:
         helper = threading.Thread(target=_barrier_into, args=(fn, group, timeout, barrier_errors),
                                   name="graddbg-ddp-barrier", daemon=True)
         helper.start()
@@ -1129,6 +1129,7 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
         header = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
         rows = _all_gather(header.to(device), group).cpu().tolist()
     else:                      # last: when this rank starts waiting, in µs
+        arrived = _check_in(group, store)
         header = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
         rows = _exchange_header(fn, header, group, exchange_group, timeout, arrived).tolist()
     # (then a few Python comparisons: no launches inside the step)
