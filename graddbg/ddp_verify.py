@@ -281,7 +281,7 @@ def _scan(tensors: Sequence[Optional[torch.Tensor]], host: bool) -> Tuple[List[A
 
 def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
                           device: torch.device) -> torch.Tensor:
-    if _HOST_FINISH and device.type == "cpu" and all(t is None or t.device.type == "cpu" for t in tensors):
+    if _HOST_FINISH and device.type == "cpu" and all(t is None or t.is_cpu for t in tensors):
         return _bitwise_fingerprints_host(tensors)
     cells, layout = _scan(tensors, host=False)
     cells = [_to(c, device) for c in cells]
@@ -648,7 +648,7 @@ def _validate(fn: str, group: Any, atol: float, rtol: float, timeout: Timeout) -
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise GraddbgError(f"{fn}(group=...): got {type(group).__name__}; accepted: None (the "
                            f"default group) or a torch.distributed.ProcessGroup")
-    if dist.get_rank(group) < 0:
+    if _group_info(group) is None:
         raise GraddbgError(f"{fn}(group=...): this process (global rank {dist.get_rank()}) is not "
                            f"a member of the group; call the check only on its members")
     return timeout
@@ -658,8 +658,31 @@ def _backend(group: Any) -> str:
     return str(dist.get_backend(group)).lower()
 
 
+# What a check asks of its group at every call, by the group's id: (the group, its backend,
+# this process's rank in it, its size, this rank's counter key). Fixed for the group's
+# life; the entry keeps the group alive, so that its id is not reused. Bounded.
+_GROUPS: dict = {}
+
+
+def _group_info(group: Any) -> Optional[Tuple[str, int, int, str]]:
+    """``(backend, rank, world size, counter key)`` of ``group`` for this process, or None
+    when this process is not a member. Each is a few torch.distributed calls, and inside a
+    training step every call counts."""
+    g = group if group is not None else dist.group.WORLD
+    entry = _GROUPS.get(id(g))
+    if entry is None or entry[0] is not g:
+        rank = dist.get_rank(group)
+        if rank < 0:
+            return None
+        if len(_GROUPS) > 16:
+            _GROUPS.clear()
+        entry = _GROUPS[id(g)] = (g, _backend(group), rank, dist.get_world_size(group),
+                                  _counter_key(group, dist.get_rank()))
+    return entry[1:]
+
+
 def _comm_device(group: Any, tensors: Iterable[Optional[torch.Tensor]]) -> torch.device:
-    backend = _backend(group)
+    backend = _group_info(group)[0]
     if backend in ("gloo", "mpi"):
         return torch.device("cpu")
     if backend == "nccl":
@@ -679,7 +702,7 @@ _SIDE_GROUPS: dict = {}
 
 
 def _barrier_group(group: Any, timeout: timedelta, force_side: bool = False) -> Any:
-    if not force_side and _backend(group) == "gloo":   # monitored_barrier takes pure gloo only
+    if not force_side and _group_info(group)[0] == "gloo":   # monitored_barrier takes pure gloo only
         return group
     key = id(group if group is not None else dist.group.WORLD)
     entry = _SIDE_GROUPS.get(key)
@@ -771,7 +794,7 @@ def _check_in(group: Any, store: Any) -> int:
     exchange: the other ranks read it only after their exchange has timed out, seconds
     later. A failed write is let go (it only names missing ranks after a timeout): every
     rank must take part in the same exchange."""
-    key = _counter_key(group, dist.get_rank())
+    key = _group_info(group)[3]
     count = _ENTERED.get((id(dist.group.WORLD), key), 0) + 1
     _ENTERED[(id(dist.group.WORLD), key)] = count
     try:
@@ -790,12 +813,15 @@ def _entered(store: Any, key: str) -> int:
 
 
 def _exchange_header(fn: str, header: torch.Tensor, group: Any, exchange_group: Any,
-                     timeout: timedelta, arrived: int) -> torch.Tensor:
+                     timeout: timedelta, arrived: int) -> List[List[int]]:
     """All-gather the headers over the gloo ``exchange_group``, waiting at most ``timeout``;
     on a timeout, name the ranks that have entered fewer checks than this one."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _, rank, world, _ = _group_info(group)
     out = [torch.empty_like(header) for _ in range(world)]
-    work = dist.all_gather(out, header, group=exchange_group, async_op=True)
+    # the process group's own all-gather: torch.distributed.all_gather checks and looks up
+    # what the check has checked and looked up already (two dozen Python calls in the step)
+    pg = exchange_group if exchange_group is not None else dist.group.WORLD
+    work = pg.allgather([out], [header])
     try:
         work.wait(timeout=timeout)
     except RuntimeError as err:
@@ -815,7 +841,7 @@ def _exchange_header(fn: str, header: torch.Tensor, group: Any, exchange_group: 
                                 f"usable. (torch.distributed said: {str(err).strip()[:200]})")
         error.missing_ranks = missing  # type: ignore[attr-defined]
         raise error from err
-    return torch.stack(out)
+    return [row.tolist() for row in out]
 
 
 def _late_ranks_error(fn: str, starts: Sequence[int], timeout: timedelta, rank: int) -> None:
@@ -1091,7 +1117,7 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
     mode = "bitwise" if atol == 0 and rtol == 0 else "tolerance"
     names, tensors, meta = _collect(module, kind)
     device = _comm_device(group, itertools.chain(module.parameters(), tensors))  # (read lazily)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    _, rank, world, _ = _group_info(group)
     call = (f"{fn}(mode={mode}, atol={float(atol)!r}, rtol={float(rtol)!r}, "
             f"details={bool(details)})")
 
@@ -1131,7 +1157,7 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
     else:                      # last: when this rank starts waiting, in µs
         arrived = _check_in(group, store)
         header = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
-        rows = _exchange_header(fn, header, group, exchange_group, timeout, arrived).tolist()
+        rows = _exchange_header(fn, header, group, exchange_group, timeout, arrived)
     # (then a few Python comparisons: no launches inside the step)
     _late_ranks_error(fn, [r[6] for r in rows], timeout, rank)
     failed = [r for r, row in enumerate(rows) if all(v == -1 for v in row[:4])]
