@@ -16,7 +16,7 @@ rank), and the bytes the check hands to collectives against those of an all_redu
 (target: >= 1000x fewer), counted by wrapping torch.distributed.all_gather / all_reduce
 in this process only.
 
-    .venv/bin/python bench/ddp_check.py [--repeats 8] [--steps 10] [--threads 1]
+    .venv/bin/python bench/ddp_check.py [--repeats 40] [--steps 10] [--threads 1]
 
 ``--fingerprints`` instead times the local fingerprint candidates on 32 MB of float32 in
 this process (no distributed run), interleaved, against one read of the same data
@@ -171,7 +171,7 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
              ("fingerprints", lambda: ddp_verify.fingerprints(grads)),
              ("read", lambda: torch._foreach_norm(grads)),
              ("barrier", lambda: dist.monitored_barrier(timeout=timedelta(seconds=60))),
-             ("store", lambda: store.add(f"bench/{rank}", 1)),
+             ("store", lambda: store.set(f"bench/{rank}", "1")),
              ("gather", lambda: dist.all_gather(gathered, header)))
     for _ in range(max(5, 2 * repeats)):
         for key, fn in parts:
@@ -241,7 +241,7 @@ def _fingerprint_candidates(repeats: int, threads: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20, help="interleaved block pairs")
+    parser.add_argument("--repeats", type=int, default=40, help="interleaved block pairs")
     parser.add_argument("--steps", type=int, default=10, help="DDP steps per block (K)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--fingerprints", action="store_true",
@@ -289,7 +289,7 @@ def main() -> None:
     print(f"    of which local fingerprints (no communication) {r['fingerprints'] * 1e3:.2f} ms "
           f"= {100 * r['fingerprints'] / r['step']:.2f}%, {r['fingerprints'] / r['read']:.2f}x "
           f"one read of the gradients (torch._foreach_norm, {r['read'] * 1e3:.2f} ms)")
-    print(f"    the check's communication alone: one store.add {r['store'] * 1e3:.2f} ms, one "
+    print(f"    the check's communication alone: one store.set (the check-in) {r['store'] * 1e3:.2f} ms, one "
           f"all_gather of 56 B {r['gather'] * 1e3:.2f} ms (for comparison, one monitored "
           f"barrier {r['barrier'] * 1e3:.2f} ms: the check no longer runs one)")
     print(f"    least-disturbed repeats (minimum of each): step {r['min_step'] * 1e3:.2f} ms, "

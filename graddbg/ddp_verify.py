@@ -3,12 +3,12 @@
 Every check is *collective*: every rank of the group calls it at the same point of the
 program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
 
-1. a check-in: this rank adds one to its own counter of checks entered, in the process
-   group's store (one round trip; nothing waits on it);
-2. local fingerprints of every tensor, computed on the tensors' own device (one streaming
+1. local fingerprints of every tensor, computed on the tensors' own device (one streaming
    integer reduction per tensor that reads it once, no host synchronisation), stacked
    into a small ``[tensors x k]`` integer table, and a digest of that table (two hashes
    modulo primes near 2**31);
+2. a check-in: this rank writes its count of checks entered to the process group's
+   store (a ``set``, which awaits no reply; nothing waits on it);
 3. one all-gather of a 7-integer header, on a gloo group (the group itself when it is a
    gloo group, a gloo side group otherwise, created once per group and cached, see
    :func:`prepare`), waited for at most ``timeout``: a hash of the names, shapes and
@@ -22,7 +22,7 @@ program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
    difference (only then are the names themselves exchanged). When every digest is
    equal the check is over: consistent.
    (Where the store cannot be reached, a monitored barrier on that gloo group, run in a
-   helper thread during step 2, names the missing ranks instead, and the header goes
+   helper thread during step 1, names the missing ranks instead, and the header goes
    over the group itself.)
 4. Only when the digests differ, one all-gather of the fingerprint tables, to find which
    tensors differ on which ranks; with ``details=True``, then, the differing tensors
