@@ -13,7 +13,7 @@ too, with the time of the local fingerprints alone, the same for tolerance mode,
 the time of a checked step goes on each rank (forward, backward, check, optimizer, and
 inside the check its fingerprints and its header exchange, which waits for the other
 rank), and the bytes the check hands to collectives against those of an all_reduce of every gradient
-(target: >= 1000x fewer), counted by wrapping torch.distributed.all_gather / all_reduce
+(target: >= 1000x fewer), counted by wrapping the process group's allgather / allreduce
 in this process only.
 
     .venv/bin/python bench/ddp_check.py [--repeats 40] [--steps 10] [--threads 1]
@@ -49,29 +49,34 @@ def _free_port() -> int:
 
 
 class _ByteCounter:
-    """Counts the bytes of the tensors this rank hands to all_gather / all_reduce."""
+    """Counts the bytes of the tensors this rank hands to all-gathers and all-reduces, at
+    the process group's own methods (which torch.distributed.all_gather / all_reduce call,
+    and which the check calls directly)."""
 
     def __init__(self) -> None:
         self.bytes = 0
         self.calls = 0
         self._orig = {}
 
+    def _count(self, tensors) -> None:
+        for t in tensors if isinstance(tensors, (list, tuple)) else [tensors]:
+            self.bytes += t.numel() * t.element_size()
+        self.calls += 1
+
     def __enter__(self) -> "_ByteCounter":
-        for name in ("all_gather", "all_reduce"):
-            orig = getattr(dist, name)
+        for name, arg in (("allgather", 1), ("allreduce", 0)):
+            orig = getattr(dist.ProcessGroup, name)
             self._orig[name] = orig
 
-            def wrapped(*args, _orig=orig, _name=name, **kw):
-                tensor = args[1] if _name == "all_gather" else args[0]
-                self.bytes += tensor.numel() * tensor.element_size()
-                self.calls += 1
-                return _orig(*args, **kw)
-            setattr(dist, name, wrapped)
+            def wrapped(pg, *args, _orig=orig, _arg=arg, **kw):
+                self._count(args[_arg])
+                return _orig(pg, *args, **kw)
+            setattr(dist.ProcessGroup, name, wrapped)
         return self
 
     def __exit__(self, *exc) -> None:
         for name, orig in self._orig.items():
-            setattr(dist, name, orig)
+            setattr(dist.ProcessGroup, name, orig)
 
 
 def _spread(values: list) -> str:
