@@ -795,8 +795,8 @@ def _check_in(group: Any, store: Any) -> int:
     later. A failed write is let go (it only names missing ranks after a timeout): every
     rank must take part in the same exchange."""
     key = _group_info(group)[3]
-    count = _ENTERED.get((id(dist.group.WORLD), key), 0) + 1
-    _ENTERED[(id(dist.group.WORLD), key)] = count
+    entry = (id(dist.group.WORLD), key)
+    count = _ENTERED[entry] = _ENTERED.get(entry, 0) + 1
     try:
         store.set(key, str(count))
     except Exception:
@@ -1152,12 +1152,14 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
                                   f"(+60 s); the process group is not usable")
         if barrier_errors:
             raise barrier_errors[0]
-        header = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
-        rows = _all_gather(header.to(device), group).cpu().tolist()
-    else:                      # last: when this rank starts waiting, in µs
+    else:
         arrived = _check_in(group, store)
-        header = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
-        rows = _exchange_header(fn, header, group, exchange_group, timeout, arrived)
+    # last in the header: when this rank starts waiting, in µs
+    wire = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
+    if helper is not None:
+        rows = _all_gather(wire.to(device), group).cpu().tolist()
+    else:
+        rows = _exchange_header(fn, wire, group, exchange_group, timeout, arrived)
     # (then a few Python comparisons: no launches inside the step)
     _late_ranks_error(fn, [r[6] for r in rows], timeout, rank)
     failed = [r for r, row in enumerate(rows) if all(v == -1 for v in row[:4])]
