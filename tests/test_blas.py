@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -83,6 +84,61 @@ def test_nonfinite_entries_give_nonfinite_norm_and_absmax(b, bad, pos):
         assert math.isnan(got) if math.isnan(bad) else got == math.inf
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("value", [1e-26, 1e20, 3e-39])
+@pytest.mark.parametrize("n", [1, 3000, 70001])  # short vectors (the GIL kept, ?lange) and a long one
+def test_reduce_all_is_exact_over_the_whole_range(b, dtype, value, n):
+    x = torch.full((n,), value, dtype=dtype)
+    x[n // 2] = -2 * value  # the largest magnitude, negative
+    (norm,), (amax,), _, finite, _, _ = b.reduce_all([x], b.layout([x]))
+    v = float(torch.tensor(value, dtype=dtype))  # (the value as stored in the dtype)
+    assert finite and amax == abs(float(x[n // 2]))
+    assert norm == pytest.approx(abs(v) * math.sqrt(n + 3), rel=1e-5)
+
+
+def test_short_vectors_use_the_calls_that_keep_the_gil_and_lange(b):
+    small, large = b.entry(torch.float32, 4096), b.entry(torch.float32, _blas._KEEP_GIL)
+    assert small[3] is b._small[torch.float32][0] and large[3] is b._fns[torch.float32][0]
+    assert large[-1] is None  # long vectors: isamax, which reads twice as fast
+    if MKL:
+        assert small[-1] is not None and b._small[torch.float64][-1] is not None
+    # the largest magnitude of every short vector comes from ?lange, equal to torch's
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, generator=g) * 10.0 ** e for n, e in ((1, 0), (7, -30), (4096, 15), (65535, 0))]
+    got = b.reduce_all(xs, b.layout(xs))
+    assert got.maxes == [float(x.abs().max()) for x in xs]
+
+
+def test_a_wrong_lange_binding_fails_the_self_test(b):
+    import ctypes
+
+    path, name = b.where.split(":")
+    if name not in _blas._LANGE or b._small[torch.float32][-1] is None:
+        pytest.skip("this BLAS carries no ?lange")
+    keeps = ctypes.PyDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path))
+    names = next(ns for ns in _blas._NAMES if ns[0] == name)
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path))
+    fns = [getattr(lib, n) for n in names]
+    small = [getattr(keeps, n) for n in names[:4]]
+    s_lange, d_lange = (getattr(ctypes.PyDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path)), n)
+                        for n in _blas._LANGE[name])
+    assert not _blas._self_test(_blas.Blas(*fns, where="lange widths swapped", small=small, lange=(d_lange, s_lange)))
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path))
+    keeps = ctypes.PyDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path))
+    fns = [getattr(lib, n) for n in names]
+    small = [getattr(keeps, n) for n in names[:4]]
+    lange = [getattr(keeps, n) for n in _blas._LANGE[name]]
+    assert _blas._self_test(_blas.Blas(*fns, where="as bound", small=small, lange=lange))
+    # without ?lange (a BLAS that lacks it, or one that failed): isamax's index gives the value
+    no_lange = _blas.Blas(*fns, where="no lange", small=small, lange=None)
+    assert _blas._self_test(no_lange)
+    xs = [torch.randn(n) for n in (1, 5, 4096)] + [torch.randn(9, dtype=torch.float64)]
+    for x in xs:
+        x[len(x) // 2] = -1e3
+    got = no_lange.reduce_all(xs, [no_lange.entry(x.dtype, x.numel()) for x in xs])
+    assert got.maxes == [1e3] * 4 and got.norms == b.reduce_all(xs, b.layout(xs)).norms
+
+
 def test_finite_entries_whose_norm_overflows(b):
     x = torch.full((100,), 3e38)
     norm, amax = b.norm_absmax(x)
@@ -104,7 +160,11 @@ def test_lengths_beyond_the_chunk_are_split(b, monkeypatch):
 def test_tensors_it_cannot_read_are_refused(b):
     x = torch.randn(8, 8)
     lay = b.layout([x])
-    for bad in (x.t(), x.to_sparse(), x.double()):  # not contiguous, sparse, not the parameter's dtype
+    unreadable = [x.t(), x.to_sparse(), x.double(), x.to_mkldnn()]  # not contiguous, sparse, dtype, opaque
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (sparse CSR is in beta)
+        unreadable.append(x.to_sparse_csr())
+    for bad in unreadable:
         norms, maxes, grads, _, _, _ = b.reduce_all([bad, x], b.layout([x, x]))
         assert norms is None and maxes is None and grads[0] is bad and grads[1] is x
     # reading the parameters' .grad in the same loop, refused midway: every gradient still comes back
