@@ -306,7 +306,7 @@ class Watch:
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._replaying or not torch.is_grad_enabled() or _in_backward():
             return None
-        outs = _tensors_in(output)
+        outs = [output] if type(output) is Tensor else _tensors_in(output)  # (the common case: one call less)
         for i, t in enumerate(outs):
             if t.requires_grad:
                 cap = None
