@@ -140,20 +140,22 @@ class Blas:
         P = len(layout)
         norms: List[float] = [nan] * P
         maxes: List[float] = [nan] * P
-        seen: List[Optional[Tensor]] = []
+        # every gradient first, in one tight loop: inside a training step each is a cache
+        # miss, and a short loop overlaps them (measured: 30-70 µs less over 130 gradients)
+        seen: List[Optional[Tensor]] = [x.grad for x in grads] if of_params else list(grads)
         finite = complete = True
         sq = 0.0
         one, voidp, norm_m, work, char_len = self._one, ctypes.c_void_p, self._norm_m, self._work, self._char_len
+        k = -1
         try:
-            for k, (x, (dtype, n, pn, nrm2, iamax, ctype, size, lange)) in enumerate(zip(grads, layout)):
-                g = x.grad if of_params else x
-                seen.append(g)
+            for g, (dtype, n, pn, nrm2, iamax, ctype, size, lange) in zip(seen, layout):
+                k += 1
                 if g is None or n == 0:
                     complete = complete and g is not None
                     continue
                 # (no layout check: data_ptr() raises for every layout but strided)
                 if type(g) is not Tensor or g.dtype is not dtype or not g.is_contiguous():
-                    return _refused(seen, grads, of_params)
+                    return _refused(seen)
                 if pn is None:  # beyond a 32-bit BLAS length
                     a, b = self.norm_absmax(g)
                     norms[k], maxes[k] = a, b
@@ -171,7 +173,7 @@ class Blas:
                     else:
                         i = (iamax(pn, vp, one) & 0xFFFFFFFF) - 1
                         if not 0 <= i < n:  # (never, for a BLAS that passed the self-test)
-                            return _refused(seen, grads, of_params)
+                            return _refused(seen)
                         amax = ctype.from_address(ptr + size * i).value
                         maxes[k] = amax if amax >= 0 else -amax
                 else:  # isamax may step over a NaN; only torch's max is sure to see it (rare)
@@ -180,7 +182,7 @@ class Blas:
                 norms[k] = norm
                 sq += norm * norm
         except RuntimeError:  # a sparse, mkldnn, ... gradient: no data pointer
-            return _refused(seen, grads, of_params)
+            return _refused(seen)
         return Reduced(norms, maxes, seen, finite, sq, complete)
 
     def snapshot(self, params: Sequence[Tensor], layout: "Layout",
@@ -265,11 +267,9 @@ class Blas:
         return norm, amax
 
 
-def _refused(seen: List[Optional[Tensor]], items: Sequence[Any], of_params: bool) -> Reduced:
-    """reduce_all's answer when it stops at a gradient it cannot read: every gradient,
-    no statistics."""
-    rest = items[len(seen):]
-    grads = seen + ([p.grad for p in rest] if of_params else list(rest))
+def _refused(grads: List[Optional[Tensor]]) -> Reduced:
+    """reduce_all's answer when it stops at a gradient it cannot read: every gradient
+    (``grads``, read already), no statistics."""
     return Reduced(None, None, grads, False, math.nan, all(g is not None for g in grads))
 
 
