@@ -145,7 +145,8 @@ def named_trainable_parameters(model_or_named_params: Any) -> List[Tuple[str, nn
 class StatPlan:
     """How to reduce a fixed list of parameters' gradients, decided once.
 
-    CPU float32/float64 gradients go through BLAS ``nrm2`` and ``iamax``, one call each
+    CPU float32/float64 gradients go through BLAS ``nrm2`` and ``iamax`` (``?lange`` for
+    short ones), one call each
     per gradient (:mod:`graddbg._blas`; exact norms over the whole range; numpy results).
     Otherwise (GPUs, other dtypes, no BLAS, extra statistics):
     large float32/float64 tensors are reduced one by one (``dot`` and ``aminmax``, each a
