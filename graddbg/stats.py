@@ -146,8 +146,8 @@ class StatPlan:
     """How to reduce a fixed list of parameters' gradients, decided once.
 
     CPU float32/float64 gradients go through BLAS ``nrm2`` and ``iamax`` (``?lange`` for
-    short ones), one call each
-    per gradient (:mod:`graddbg._blas`; exact norms over the whole range; numpy results).
+    short ones), one call each per gradient (:mod:`graddbg._blas`; exact norms over the
+    whole range; numpy results).
     Otherwise (GPUs, other dtypes, no BLAS, extra statistics):
     large float32/float64 tensors are reduced one by one (``dot`` and ``aminmax``, each a
     single fast pass). Small tensors of the same shape and dtype go through one foreach
