@@ -115,19 +115,19 @@ def test_a_wrong_lange_binding_fails_the_self_test(b):
     path, name = b.where.split(":")
     if name not in _blas._LANGE or b._small[torch.float32][-1] is None:
         pytest.skip("this BLAS carries no ?lange")
-    keeps = ctypes.PyDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path))
+    full = os.path.join(os.path.dirname(torch.__file__), "lib", path)
     names = next(ns for ns in _blas._NAMES if ns[0] == name)
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path))
-    fns = [getattr(lib, n) for n in names]
-    small = [getattr(keeps, n) for n in names[:4]]
-    s_lange, d_lange = (getattr(ctypes.PyDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path)), n)
-                        for n in _blas._LANGE[name])
+
+    def fresh():
+        # function objects of our own (Blas sets their return types; a library object
+        # hands out the same function object for a name each time)
+        lib, keeps = ctypes.CDLL(full), ctypes.PyDLL(full)
+        return ([getattr(lib, n) for n in names], [getattr(keeps, n) for n in names[:4]],
+                [getattr(keeps, n) for n in _blas._LANGE[name]])
+
+    fns, small, (s_lange, d_lange) = fresh()
     assert not _blas._self_test(_blas.Blas(*fns, where="lange widths swapped", small=small, lange=(d_lange, s_lange)))
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path))
-    keeps = ctypes.PyDLL(os.path.join(os.path.dirname(torch.__file__), "lib", path))
-    fns = [getattr(lib, n) for n in names]
-    small = [getattr(keeps, n) for n in names[:4]]
-    lange = [getattr(keeps, n) for n in _blas._LANGE[name]]
+    fns, small, lange = fresh()
     assert _blas._self_test(_blas.Blas(*fns, where="as bound", small=small, lange=lange))
     # without ?lange (a BLAS that lacks it, or one that failed): isamax's index gives the value
     no_lange = _blas.Blas(*fns, where="no lange", small=small, lange=None)
