@@ -139,6 +139,20 @@ def test_a_wrong_lange_binding_fails_the_self_test(b):
     assert got.maxes == [1e3] * 4 and got.norms == b.reduce_all(xs, b.layout(xs)).norms
 
 
+def test_binding_keeps_nrm2_and_isamax_when_lange_fails_its_self_test(b, monkeypatch):
+    _, name = b.where.split(":")
+    if name not in _blas._LANGE or b._small[torch.float32][-1] is None:
+        pytest.skip("this BLAS carries no ?lange")
+    s_name, d_name = _blas._LANGE[name]
+    monkeypatch.setitem(_blas._LANGE, name, (d_name, s_name))  # widths swapped: wrong answers
+    other = _blas._bind()
+    assert other is not None and other.where == b.where
+    assert other._small[torch.float32][-1] is None and other._small[torch.float64][-1] is None
+    x = torch.randn(300)
+    x[7] = 55.0
+    assert other.reduce_all([x], [other.entry(x.dtype, 300)]).maxes == [55.0]
+
+
 def test_finite_entries_whose_norm_overflows(b):
     x = torch.full((100,), 3e38)
     norm, amax = b.norm_absmax(x)
