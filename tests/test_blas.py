@@ -97,14 +97,14 @@ def test_reduce_all_is_exact_over_the_whole_range(b, dtype, value, n):
 
 
 def test_short_vectors_use_the_calls_that_keep_the_gil_and_lange(b):
-    small, large = b.entry(torch.float32, 4096), b.entry(torch.float32, _blas._KEEP_GIL)
-    assert small[3] is b._small[torch.float32][0] and large[3] is b._fns[torch.float32][0]
-    assert large[-1] is None  # long vectors: isamax, which reads twice as fast
+    small, mid, large = (b.entry(torch.float32, n) for n in (4096, _blas._LANGE_MAX + 1, _blas._KEEP_GIL))
+    assert small[3] is mid[3] is b._small[torch.float32][0] and large[3] is b._fns[torch.float32][0]
+    assert mid[-1] is None and large[-1] is None  # longer vectors: isamax, which reads twice as fast
     if MKL:
         assert small[-1] is not None and b._small[torch.float64][-1] is not None
     # the largest magnitude of every short vector comes from ?lange, equal to torch's
     g = torch.Generator().manual_seed(3)
-    xs = [torch.randn(n, generator=g) * 10.0 ** e for n, e in ((1, 0), (7, -30), (4096, 15), (65535, 0))]
+    xs = [torch.randn(n, generator=g) * 10.0 ** e for n, e in ((1, 0), (7, -30), (4096, 15), (8192, 0), (65535, 0))]
     got = b.reduce_all(xs, b.layout(xs))
     assert got.maxes == [float(x.abs().max()) for x in xs]
 
