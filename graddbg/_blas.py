@@ -334,7 +334,7 @@ def _bind() -> Optional[Blas]:
                 continue
             try:
                 lange: Optional[List[Any]] = [getattr(keeps_gil, n) for n in _LANGE[names[0]]]
-            except AttributeError:
+            except (AttributeError, KeyError):  # (not exported, or no name known for this flavour)
                 lange = None
             for with_lange in ((lange, None) if lange is not None else (None,)):
                 cand = Blas(*fns, where=f"{os.path.basename(path)}:{names[0]}", small=small, lange=with_lange)
