@@ -70,7 +70,7 @@ class Reduced(NamedTuple):
     norms: Optional[List[float]]
     maxes: Optional[List[float]]
     grads: List[Optional[Tensor]]
-    #: every norm finite (then ``maxes`` came from isamax and nothing needs a second look)
+    #: every norm finite (then ``maxes`` came from isamax or ?lange: nothing needs a second look)
     finite: bool
     #: the sum of the squared norms, in double precision
     sumsq: float
