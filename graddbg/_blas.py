@@ -139,7 +139,8 @@ class Blas:
         :class:`Reduced`. ``grads`` are the gradients, or the parameters themselves with
         ``of_params=True`` (their ``.grad`` is read in the same loop). ``norms`` and
         ``maxes`` are None when one gradient is not :meth:`eligible` (the caller then
-        uses torch); ``want_max=False`` leaves the largest magnitudes NaN (no ``iamax``). The loop of :meth:`norm_absmax`, written out: on a model of many
+        uses torch); ``want_max=False`` leaves the largest magnitudes NaN (no ``iamax``
+        or ``?lange``). The loop of :meth:`norm_absmax`, written out: on a model of many
         small layers the Python around each call is most of the cost. (Stacking tiny
         tensors of one shape for a few torch kernels instead was measured slower inside
         a training step, where each launch is cold.)"""
@@ -153,10 +154,8 @@ class Blas:
         finite = complete = True
         sq = 0.0
         one, voidp, norm_m, work, char_len = self._one, ctypes.c_void_p, self._norm_m, self._work, self._char_len
-        k = -1
         try:
-            for g, (dtype, n, pn, nrm2, iamax, ctype, size, lange) in zip(seen, layout):
-                k += 1
+            for k, (g, (dtype, n, pn, nrm2, iamax, ctype, size, lange)) in enumerate(zip(seen, layout)):
                 if g is None or n == 0:
                     complete = complete and g is not None
                     continue
@@ -250,24 +249,17 @@ class Blas:
         nrm2, iamax, ctype, size = self._fns[t.dtype]
         n = t.numel()
         ptr = t.data_ptr()
-        if n <= _CHUNK:
-            pn = ctypes.byref(ctypes.c_int64(n))
-            norm = nrm2(pn, ctypes.c_void_p(ptr), self._one)
-            i = (iamax(pn, ctypes.c_void_p(ptr), self._one) & 0xFFFFFFFF) - 1
-            if not 0 <= i < n:
-                raise RuntimeError(f"graddbg: {self.where} returned index {i} for a vector of {n}")
-            amax = abs(ctype.from_address(ptr + size * i).value)
-        else:  # beyond a 32-bit BLAS length: in pieces
-            norm = amax = 0.0
-            for start in range(0, n, _CHUNK):
-                k = min(_CHUNK, n - start)
-                p = ptr + size * start
-                pk = ctypes.byref(ctypes.c_int64(k))
-                norm = math.hypot(norm, nrm2(pk, ctypes.c_void_p(p), self._one))
-                i = (iamax(pk, ctypes.c_void_p(p), self._one) & 0xFFFFFFFF) - 1
-                if not 0 <= i < k:
-                    raise RuntimeError(f"graddbg: {self.where} returned index {i} for a vector of {k}")
-                amax = max(amax, abs(ctype.from_address(p + size * i).value))
+        norm = amax = 0.0
+        for start in range(0, n, _CHUNK):  # (one piece, unless beyond a 32-bit BLAS length)
+            k = min(_CHUNK, n - start)
+            p = ptr + size * start
+            pk = ctypes.byref(ctypes.c_int64(k))
+            part = nrm2(pk, ctypes.c_void_p(p), self._one)
+            norm = part if start == 0 else math.hypot(norm, part)
+            i = (iamax(pk, ctypes.c_void_p(p), self._one) & 0xFFFFFFFF) - 1
+            if not 0 <= i < k:
+                raise RuntimeError(f"graddbg: {self.where} returned index {i} for a vector of {k}")
+            amax = max(amax, abs(ctype.from_address(p + size * i).value))
         if not math.isfinite(norm):
             # isamax may step over a NaN; only torch's max is sure to see it (rare steps)
             amax = float(t.detach().abs().max())

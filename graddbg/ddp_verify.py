@@ -68,7 +68,6 @@ optimizer is about to use differ across ranks and the check names them;
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import itertools
 import re
@@ -378,20 +377,14 @@ def _position_weights(n: int, device: torch.device, prime: int = _PRIME) -> torc
 _DIGEST_PRIMES = (2_147_483_647, 2_147_483_629)   # two primes below 2**31
 
 
-_DIGEST_WEIGHTS: dict = {}   # (size, prime) -> the weights of _digest as Python ints
-
-
 def _digest_ints(values: List[int]) -> List[int]:
     """:func:`_digest` of a table given as its values (row-major), in Python: for the small
     tables of most models this costs less than a few tensor launches inside a step."""
     out = []
+    n = len(values)
     for p in _DIGEST_PRIMES:
-        weights = _DIGEST_WEIGHTS.get((len(values), p))
-        if weights is None:
-            if len(_DIGEST_WEIGHTS) > 64:
-                _DIGEST_WEIGHTS.clear()
-            weights = _DIGEST_WEIGHTS[(len(values), p)] = _position_weights(
-                len(values), torch.device("cpu"), p).tolist()
+        weights = _constant(("weight-ints", n, p),
+                            lambda: _position_weights(n, torch.device("cpu"), p).tolist())
         out.append(sum((v % p) * w % p for v, w in zip(values, weights)))
     return out
 
@@ -867,22 +860,14 @@ def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-_META_HASHES: dict = {}   # tuple(meta) -> _hash64(repr(meta)): a model's is asked for at every check
-
-
 def _meta_hash(meta: List[tuple]) -> int:
+    """The hash of a model's metadata: asked for at every check, computed once."""
     key = tuple(meta)
-    h = _META_HASHES.get(key)
-    if h is None:
-        if len(_META_HASHES) > 64:
-            _META_HASHES.clear()
-        h = _META_HASHES[key] = _hash64(repr(meta))
-    return h
+    return _constant(("meta-hash", key), lambda: _hash64(repr(meta)))
 
 
-@functools.lru_cache(maxsize=64)
 def _call_hash(call: str) -> int:
-    return _hash64(call)
+    return _constant(("call-hash", call), lambda: _hash64(call))
 
 
 def _all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
