@@ -147,7 +147,7 @@ class Watch:
                  nonfinite: Any = "raise", explode: Any = "warn", vanish: Any = None,
                  activations: bool = False, histograms: Union[None, bool, int] = None,
                  scaler: Any = None, history: int = 10_000, ddp_check_every: Optional[int] = None,
-                 update_every: Optional[int] = 50, localize: bool = True) -> None:
+                 update_every: Optional[int] = 200, localize: bool = True) -> None:
         self._closed = True  # until attached: repr() and __del__ work on a half-built watch
         self._hooks = HookSet()
         self._names: List[str] = []
@@ -1050,7 +1050,7 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
           stats: Sequence[str] = DEFAULT_STATS, nonfinite: Any = "raise", explode: Any = "warn",
           vanish: Any = None, activations: bool = False, histograms: Union[None, bool, int] = None,
           scaler: Any = None, history: int = 10_000, ddp_check_every: Optional[int] = None,
-          update_every: Optional[int] = 50, localize: bool = True) -> Watch:
+          update_every: Optional[int] = 200, localize: bool = True) -> Watch:
     """Watch a model's gradients while it trains; use as a context manager.
 
     Step boundaries: the optimizer's step when ``optimizer`` is given (statistics of the
@@ -1070,8 +1070,12 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
 
     ``history`` bounds the steps kept: the newest ``history`` steps are kept and older ones
     dropped, so memory stays flat. ``update_every``: the update/weight ratio
-    ||Δw||/||w|| is measured on every ``update_every``-th recorded step (it needs a copy of
-    the weights, so it is sparser than the gradient statistics; NaN on other steps).
+    ||Δw||/||w|| is measured on every ``update_every``-th recorded step, the first included
+    (NaN on other steps). It needs a copy of every weight taken before the optimizer's
+    step: on a CPU net of 130 small layers that step took 4-5 ms more (memory untouched
+    since the last copy is slow to reach), 0.3% of the training time at the default 200.
+    ``update_every=1`` measures it on every step, at a cost of about one more read and
+    write of the weights each step.
     ``localize``: on a non-finite gradient, replay the last forward and backward pass
     under :func:`graddbg.find_nonfinite` to name the op and source line that made it.
 
