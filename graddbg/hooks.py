@@ -1072,8 +1072,9 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
     dropped, so memory stays flat. ``update_every``: the update/weight ratio
     ||Δw||/||w|| is measured on every ``update_every``-th recorded step, the first included
     (NaN on other steps). It needs a copy of every weight taken before the optimizer's
-    step: on a CPU net of 130 small layers that step took 4-5 ms more (memory untouched
-    since the last copy is slow to reach), 0.3% of the training time at the default 200.
+    step: on a CPU net of 130 small layers (5-7 ms steps) that step took 2.5-5 ms more
+    (memory untouched since the last copy is slow to reach), 0.2-0.5% of the training
+    time at the default 200.
     ``update_every=1`` measures it on every step, at a cost of about one more read and
     write of the weights each step.
     ``localize``: on a non-finite gradient, replay the last forward and backward pass
