@@ -332,7 +332,7 @@ def test_update_ratio_matches_reference(kernels):
         assert got == pytest.approx(r, rel=1e-5)
 
 
-def test_update_ratio_is_sparse_by_default(kernels):
+def test_update_ratio_every_k_recorded_steps(kernels):
     model = PROBLEMS["mlp"].make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
@@ -343,6 +343,21 @@ def test_update_ratio_is_sparse_by_default(kernels):
             opt.zero_grad()
     per_step = w.stats.groupby("step")["update_ratio"].apply(lambda s: s.notna().all())
     assert per_step.tolist() == [True, False, True, False]
+
+
+def test_update_ratio_default_cadence_is_every_200_steps_from_the_first():
+    # the default (documented in watch()): a copy of the weights every 200th step only
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    with graddbg.watch(model, opt) as w:
+        for _ in range(401):
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    measured = w.stats.groupby("step")["update_ratio"].apply(lambda s: s.notna().all())
+    assert measured[measured].index.tolist() == [0, 200, 400]
+    assert w.stats.loc[w.stats.step == 200, "update_ratio"].gt(0).all()
 
 
 def test_histograms_count_every_finite_entry():
