@@ -16,7 +16,7 @@ import numpy as np  # (torch imports numpy itself)
 import torch
 from torch import Tensor, nn
 
-from graddbg._errors import CompileWarning, CoverageWarning, GradientAnomalyError, NonFiniteError
+from graddbg._errors import CompileWarning, CoverageWarning, GradientAnomalyError, GraddbgWarning, NonFiniteError
 from graddbg.anomaly import Anomaly, AnomalyWarning, Explode, NonFinite, Vanish, as_detector
 from graddbg.stats import (
     DEFAULT_STATS,
@@ -612,7 +612,7 @@ class Watch:
 
         # ---- update ratio snapshot (after the step's decisions, before the optimizer moves)
         if (self._update_every is not None and vals is not None and step % self._update_every == 0):
-            self._snapshot = self._plan.snapshot(self._params)
+            self._snapshot = self._take_snapshot(step)
 
         to_raise: Optional[BaseException] = None
         for anomaly, policy in found:
@@ -624,6 +624,22 @@ class Watch:
         if to_raise is not None:
             self._snapshot = None
             raise to_raise
+
+    def _take_snapshot(self, step: int) -> Any:
+        """The weights before the optimizer's step, for the update ratio. Where there is
+        no memory for the copy (a model that fills its device), the training step goes on:
+        a warning says so and the update ratio is switched off for the rest of the watch."""
+        try:
+            return self._plan.snapshot(self._params)
+        except torch.cuda.OutOfMemoryError as err:  # (torch.OutOfMemoryError from torch 2.5)
+            self._update_every = None
+            mb = sum(p.numel() * p.element_size() for p in self._params) / 2**20
+            warnings.warn(
+                f"graddbg.watch: no memory for the copy of the weights ({mb:.0f} MB) that the "
+                f"update/weight ratio needs before the optimizer's step; it is not measured from "
+                f"step {step} on, and training goes on. Pass update_every=None to skip it. "
+                f"(torch said: {str(err).strip()[:200]})", GraddbgWarning, stacklevel=2)
+            return None
 
     def _finish_step(self) -> None:
         self._step += 1
@@ -1076,7 +1092,8 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
     (memory untouched since the last copy is slow to reach), 0.2-0.5% of the training
     time at the default 200.
     ``update_every=1`` measures it on every step, at a cost of about one more read and
-    write of the weights each step.
+    write of the weights each step. Where the device has no memory left for the copy, a
+    warning says so, the ratio is switched off and training goes on.
     ``localize``: on a non-finite gradient, replay the last forward and backward pass
     under :func:`graddbg.find_nonfinite` to name the op and source line that made it.
 

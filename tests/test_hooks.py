@@ -360,6 +360,32 @@ def test_update_ratio_default_cadence_is_every_200_steps_from_the_first():
     assert w.stats.loc[w.stats.step == 200, "update_ratio"].gt(0).all()
 
 
+def test_no_memory_for_the_update_ratio_copy_warns_and_training_goes_on():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    calls = []
+
+    def no_memory(params):
+        calls.append(len(params))
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 B")
+
+    with pytest.warns(graddbg.GraddbgWarning, match=r"update_every=None.*out of memory") as rec:
+        with graddbg.watch(model, opt, update_every=1) as w:
+            w._plan.snapshot = no_memory
+            before = model.weight.detach().clone()
+            for _ in range(3):
+                model(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert calls == [2]                                   # asked once, then switched off
+    assert sum("update/weight ratio" in str(r.message) for r in rec) == 1
+    assert not torch.equal(model.weight, before)          # the optimizer stepped every time
+    assert len(w.stats) == 3 * 2 and w.stats["update_ratio"].isna().all()
+    assert w.stats["norm"].notna().all()                  # the statistics were still recorded
+
+
 def test_histograms_count_every_finite_entry():
     model = PROBLEMS["mlp"].make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
