@@ -32,6 +32,10 @@ from graddbg.stats import (
 
 __all__ = ["HookSet", "Watch", "watch"]
 
+# The default of watch(update_every=): the update/weight ratio needs a copy of every weight,
+# which is slow to reach again when taken rarely (see watch's docstring for the cost)
+_UPDATE_EVERY = 200
+
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
@@ -147,7 +151,7 @@ class Watch:
                  nonfinite: Any = "raise", explode: Any = "warn", vanish: Any = None,
                  activations: bool = False, histograms: Union[None, bool, int] = None,
                  scaler: Any = None, history: int = 10_000, ddp_check_every: Optional[int] = None,
-                 update_every: Optional[int] = 200, localize: bool = True) -> None:
+                 update_every: Optional[int] = _UPDATE_EVERY, localize: bool = True) -> None:
         self._closed = True  # until attached: repr() and __del__ work on a half-built watch
         self._hooks = HookSet()
         self._names: List[str] = []
@@ -1066,7 +1070,7 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
           stats: Sequence[str] = DEFAULT_STATS, nonfinite: Any = "raise", explode: Any = "warn",
           vanish: Any = None, activations: bool = False, histograms: Union[None, bool, int] = None,
           scaler: Any = None, history: int = 10_000, ddp_check_every: Optional[int] = None,
-          update_every: Optional[int] = 200, localize: bool = True) -> Watch:
+          update_every: Optional[int] = _UPDATE_EVERY, localize: bool = True) -> Watch:
     """Watch a model's gradients while it trains; use as a context manager.
 
     Step boundaries: the optimizer's step when ``optimizer`` is given (statistics of the
