@@ -28,6 +28,8 @@ from graddbg._errors import (  # noqa: F401 (re-exported)
     DDPTimeoutError,
     DotNotFoundError,
     GraddbgError,
+    GraddbgTypeError,
+    GraddbgValueError,
     GraddbgWarning,
     GradientAnomalyError,
     GradientMismatchError,

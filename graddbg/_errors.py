@@ -13,6 +13,8 @@ from typing import Any
 
 __all__ = [
     "GraddbgError",
+    "GraddbgValueError",
+    "GraddbgTypeError",
     "GradientAnomalyError",
     "NonFiniteError",
     "GradientMismatchError",
@@ -28,6 +30,15 @@ __all__ = [
 
 class GraddbgError(RuntimeError):
     """Base class of every error graddbg raises on purpose."""
+
+
+class GraddbgValueError(GraddbgError, ValueError):
+    """A bad argument value: catch it as ``ValueError`` (Python's and torch's convention)
+    or as ``GraddbgError``."""
+
+
+class GraddbgTypeError(GraddbgError, TypeError):
+    """An argument of the wrong type: catch it as ``TypeError`` or as ``GraddbgError``."""
 
 
 class GradientAnomalyError(GraddbgError):
