@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _models import MODELS  # noqa: E402
 
-from graddbg._forensics import find_nonfinite  # noqa: E402
+from graddbg.blame import find_nonfinite  # noqa: E402
 
 
 def _step(model: torch.nn.Module, make_batch: Callable, loss_fn: Callable) -> None:

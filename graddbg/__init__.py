@@ -50,7 +50,7 @@ _LAZY = {
     "NonFinite": "graddbg.anomaly",
     "Explode": "graddbg.anomaly",
     "Vanish": "graddbg.anomaly",
-    "find_nonfinite": "graddbg.anomaly",
+    "find_nonfinite": "graddbg.blame",
     "gradcheck": "graddbg.gradcheck",
     "check_module": "graddbg.gradcheck",
     "assert_gradients_close": "graddbg.gradcheck",
@@ -59,7 +59,7 @@ _LAZY = {
     "Graph": "graddbg.graphviz",
     "grad_stats": "graddbg.stats",
 }
-_SUBMODULES = ("stats", "anomaly", "hooks", "gradcheck", "graphviz", "plots", "report",
+_SUBMODULES = ("stats", "anomaly", "blame", "hooks", "gradcheck", "graphviz", "plots", "report",
                "ddp_verify", "cli", "run", "pytest_plugin")
 
 __all__ = [*_LAZY, *_SUBMODULES, *_errors_all, "__version__"]

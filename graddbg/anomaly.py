@@ -1,7 +1,8 @@
-"""Anomaly records, detectors and policies; ``find_nonfinite`` for op-level localisation.
+"""Anomaly records, detectors and policies.
 
-Knows nothing of hooks: :mod:`graddbg.hooks` feeds the detectors with the statistics it
-records, and applies the policy they return.
+Knows nothing of hooks (nor of :mod:`graddbg.blame`, which localises producers):
+:mod:`graddbg.hooks` feeds the detectors with the statistics it records, and
+:func:`apply_policy` carries out what the detector's policy says.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from graddbg._errors import GradientAnomalyError, GraddbgWarning, NonFiniteError
+import warnings
+
+from graddbg._errors import GradientAnomalyError, GraddbgTypeError, GraddbgValueError, GraddbgWarning, NonFiniteError
 
 __all__ = [
     "Anomaly",
@@ -21,7 +24,8 @@ __all__ = [
     "Explode",
     "Vanish",
     "anomalies_frame",
-    "find_nonfinite",
+    "apply_policy",
+    "nonfinite_anomaly",
     "GradientAnomalyError",
     "NonFiniteError",
     "AnomalyWarning",
@@ -61,6 +65,10 @@ class Anomaly:
     message: str
     rank: Optional[int] = None
     params: tuple = ()  # other parameters involved (e.g. those that jumped most)
+    #: for a non-finite value localised by replaying the step: True when the replay made
+    #: the same non-finite value again (a deterministic bug), False when it did not
+    #: (suspect nondeterminism or hardware), None when no replay ran
+    reproduced: Optional[bool] = None
 
     def to_dict(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -82,7 +90,11 @@ class Anomaly:
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def __str__(self) -> str:
-        return self.message
+        if self.reproduced is None:
+            return self.message
+        verdict = ("reproduced by a replay of the step (a deterministic bug)" if self.reproduced else
+                   "NOT reproduced by a replay of the step: suspect nondeterminism or faulty hardware")
+        return f"{self.message} [{verdict}]"
 
 
 def anomalies_frame(anomalies: Sequence[Anomaly]):
@@ -100,7 +112,7 @@ def check_policy(policy: Any, arg: str) -> Any:
     """Validate a policy: one of POLICIES, a callable, or None."""
     if policy is None or callable(policy) or policy in POLICIES:
         return policy
-    raise ValueError(f"{arg}= got {policy!r}; accepted: "
+    raise GraddbgValueError(f"{arg}= got {policy!r}; accepted: "
                      f"{', '.join(repr(p) for p in POLICIES)}, a callable taking an Anomaly, or None")
 
 
@@ -136,9 +148,9 @@ class Explode:
         _check_int(self.window, "Explode(window", 1)
         _check_int(self.warmup, "Explode(warmup", 1)
         if self.factor is not None and not (self.factor > 1):
-            raise ValueError(f"Explode(factor=) must be > 1 or None, got {self.factor!r}")
+            raise GraddbgValueError(f"Explode(factor=) must be > 1 or None, got {self.factor!r}")
         if self.factor is None and self.absolute is None:
-            raise ValueError("Explode needs factor= or absolute= (both are None)")
+            raise GraddbgValueError("Explode needs factor= or absolute= (both are None)")
 
     def new_state(self) -> "_ExplodeState":
         return _ExplodeState(self)
@@ -157,7 +169,7 @@ class Vanish:
         check_policy(self.policy, "Vanish(policy")
         _check_int(self.patience, "Vanish(patience", 1)
         if not self.below > 0:
-            raise ValueError(f"Vanish(below=) must be > 0, got {self.below!r}")
+            raise GraddbgValueError(f"Vanish(below=) must be > 0, got {self.below!r}")
 
     def new_state(self, n_params: int) -> "_VanishState":
         return _VanishState(self, n_params)
@@ -165,7 +177,7 @@ class Vanish:
 
 def _check_int(value: Any, arg: str, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{arg}=) must be an int >= {minimum}, got {value!r}")
+        raise GraddbgValueError(f"{arg}=) must be an int >= {minimum}, got {value!r}")
 
 
 def as_detector(value: Any, kind: str) -> Any:
@@ -176,7 +188,7 @@ def as_detector(value: Any, kind: str) -> Any:
     if isinstance(value, cls):
         return value
     if isinstance(value, (NonFinite, Explode, Vanish)):
-        raise TypeError(f"{kind}= got a {type(value).__name__} detector; expected a {cls.__name__}")
+        raise GraddbgTypeError(f"{kind}= got a {type(value).__name__} detector; expected a {cls.__name__}")
     check_policy(value, kind)
     return cls(policy=value)
 
@@ -273,20 +285,42 @@ class _VanishState:
                        message=msg, params=tuple(names[i] for i in idx))
 
 
-def find_nonfinite(model: Any = None, **kwargs: Any) -> Any:
-    """Check the output of every op, forward and backward, and raise :class:`NonFiniteError`
-    at the first one that makes a NaN/Inf from finite inputs, naming the op, the module
-    path, the source line and the input statistics. Slow on purpose (a forensic mode).
 
-    >>> import torch
-    >>> x = torch.tensor([1000.0], requires_grad=True)
-    >>> try:
-    ...     with find_nonfinite():
-    ...         y = torch.exp(x)
-    ... except NonFiniteError as e:
-    ...     print(e.anomaly.op)
-    aten.exp
-    """
-    from graddbg._forensics import find_nonfinite as _find
+def apply_policy(anomaly: Anomaly, policy: Any, skip: Callable[[], None]) -> Optional[BaseException]:
+    """Carry out ``policy`` for ``anomaly``: the error to raise (``"raise"``), a warning
+    (``"warn"``), ``skip()`` (``"skip"``: the caller drops the affected gradients), the
+    user's callable, or nothing (``"record"``, None)."""
+    if policy is None or policy == "record":
+        return None
+    if policy == "raise":
+        cls = NonFiniteError if anomaly.kind == "nonfinite" else GradientAnomalyError
+        return cls(str(anomaly), anomaly)
+    if policy == "warn":
+        warnings.warn(str(anomaly), AnomalyWarning, stacklevel=4)
+    elif policy == "skip":
+        skip()
+    elif callable(policy):
+        policy(anomaly)
+    return None
 
-    return _find(model, **kwargs)
+
+def nonfinite_anomaly(step: int, names: Sequence[str], shapes: Sequence[tuple], total: Optional[int],
+                      where: Dict[str, Any], rank: Optional[int] = None) -> Anomaly:
+    """The anomaly of non-finite gradients in parameters ``names`` (nearest the input
+    first), blamed on ``where``: ``module``, ``op``, ``source``, ``how`` it was found,
+    ``name`` (the parameter blamed) and ``reproduced``."""
+    module, op, source = where.get("module"), where.get("op"), where.get("source")
+    shown = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names[:6], shapes[:6]))
+    more = f" and {len(names) - 6} more" if len(names) > 6 else ""
+    msg = (f"graddbg: non-finite gradient at step {step}"
+           + (f" on rank {rank}" if rank is not None else "") + ": "
+           + (f"{total} NaN/Inf entries in " if total else "")
+           + f"{len(names)} parameter(s): {shown}{more}. "
+           + f"It started in module '{module or '<root>'}'"
+           + (f", op {op}" if op else "") + (f", created at {source}" if source else "")
+           + f" (found from {where.get('how', 'parameter gradients')}). "
+           + "Next: wrap one step in graddbg.find_nonfinite(model) to see every op's inputs, "
+             "or check the loss for log(0), sqrt(0), division by zero or overflow.")
+    return Anomaly(step=step, kind="nonfinite", name=where.get("name"), module=module, op=op,
+                   value=float("nan"), threshold=None, source=source, message=msg, rank=rank,
+                   params=tuple(names), reproduced=where.get("reproduced"))

@@ -32,17 +32,3 @@ def _seed_and_restore_torch_state():
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(params=["blas", "torch"])
-def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The two ways gradient statistics are computed on the CPU: through the BLAS that
-    torch carries (graddbg._blas) and through torch's own kernels (used where there is
-    no such BLAS, and on every other device). Tests that take it run both."""
-    from graddbg import _blas
-
-    if request.param == "torch":
-        monkeypatch.setattr(_blas, "_state", [None])
-    elif _blas.blas() is None:
-        pytest.skip("this torch build carries no BLAS with nrm2/iamax that graddbg can bind")
-    return request.param

@@ -14,7 +14,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from graddbg._errors import GradientAnomalyError, NonFiniteError
-from graddbg._forensics import find_nonfinite
+from graddbg.blame import find_nonfinite
 
 HERE = __file__
 
@@ -421,13 +421,13 @@ def test_error_is_a_gradient_anomaly_error_with_an_anomaly() -> None:
 
 
 def test_bad_arguments_are_refused() -> None:
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module or None, got str"):
+    with pytest.raises(TypeError, match=r"find_nonfinite\(model=...\): got str, expected a torch.nn.Module or None"):
         with find_nonfinite("model"):  # type: ignore[arg-type]
             pass
     with pytest.raises(ValueError, match="check_forward and check_backward are both False"):
         with find_nonfinite(check_forward=False, check_backward=False):
             pass
-    with pytest.raises(TypeError, match="skip_ints must be True or False, got 1"):
+    with pytest.raises(TypeError, match=r"find_nonfinite\(skip_ints=...\): got 1; accepted: True or False"):
         with find_nonfinite(skip_ints=1):  # type: ignore[arg-type]
             pass
     assert _no_mode()

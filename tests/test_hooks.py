@@ -36,7 +36,7 @@ def _naive(model, names_grads=None):
 
 
 @pytest.mark.parametrize("problem", list(PROBLEMS), ids=list(PROBLEMS))
-def test_statistics_equal_naive_reference(problem, device, kernels):
+def test_statistics_equal_naive_reference(problem, device):
     pb = PROBLEMS[problem]
     model = pb.make_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -76,7 +76,7 @@ def test_one_shot_grad_stats_matches_watch():
     assert hook_counts(model) == hook_counts(PROBLEMS["mlp"].make_model())
 
 
-def test_huge_finite_gradients_give_exact_finite_norm(kernels):
+def test_huge_finite_gradients_give_exact_finite_norm():
     p = nn.Parameter(torch.zeros(1000))
     model = nn.Module()
     model.p = p
@@ -92,7 +92,7 @@ def test_huge_finite_gradients_give_exact_finite_norm(kernels):
 
 
 @pytest.mark.parametrize("stats", [("norm", "absmax"), ("norm",)])
-def test_vanishing_gradients_keep_their_exact_norm(stats, kernels):
+def test_vanishing_gradients_keep_their_exact_norm(stats):
     # squares of 1e-26 are below float32's smallest number: a plain float32 norm is 0.
     # Covers the stacked path (small same-shape tensors), a lone small tensor and a large
     # tensor (recomputed in float64 after read-back), and gradients that really are 0.
@@ -113,15 +113,11 @@ def test_vanishing_gradients_keep_their_exact_norm(stats, kernels):
         ref = float(torch.linalg.vector_norm(p.grad.double()))
         assert got[name] == pytest.approx(ref, rel=1e-5), name
     assert got["a"] > 0 and got["zero"] == 0.0
-    # torch's kernels: the step's read-back, and one more for the norms recomputed in
-    # float64; BLAS's nrm2 is scaled, so exact at once
-    assert w.host_syncs == (1 if kernels == "blas" else 2)
+    # the step's read-back, and one more for the norms recomputed, scaled, in float64
+    assert w.host_syncs == 2
 
 
-def test_scratch_memory_is_kept_between_steps_and_freed_on_exit(monkeypatch):
-    from graddbg import _blas
-
-    monkeypatch.setattr(_blas, "_state", [None])  # the scratch belongs to torch's kernels
+def test_statistics_of_many_small_layers_equal_reference():
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with graddbg.watch(model, opt) as w:
@@ -129,16 +125,12 @@ def test_scratch_memory_is_kept_between_steps_and_freed_on_exit(monkeypatch):
             opt.zero_grad()
             model(torch.randn(3, 16)).sum().backward()
             opt.step()
-        kept = dict(w._plan._scratch)
-        assert kept and all(t.shape[0] == 4 for t in kept.values())  # weights, biases
-    assert not w._plan._scratch
-    # the per-step statistics equal a naive reference
     last = w.stats[w.stats.step == 1].set_index("name")["norm"]
     for name, p in model.named_parameters():
         assert last[name] == pytest.approx(float(p.grad.double().norm()), rel=1e-6)
 
 
-def test_large_gradients_match_reference(kernels):
+def test_large_gradients_match_reference():
     # large gradients take the one-by-one path (BLAS dot and aminmax on CPU)
     n = (1 << 19) + 12345
     model = nn.Module()
@@ -155,7 +147,8 @@ def test_large_gradients_match_reference(kernels):
         w.step()
     df = w.stats.set_index("name")
     ref = model.plain.grad.double()
-    assert df.loc["plain", "norm"] == pytest.approx(float(ref.norm()), rel=1e-6)
+    # (float32 accumulation over 500,000 entries, as torch.linalg.vector_norm's own)
+    assert df.loc["plain", "norm"] == pytest.approx(float(ref.norm()), rel=1e-5)
     assert df.loc["plain", "absmax"] == float(ref.abs().max())
     assert df.loc["huge", "norm"] == pytest.approx(1e20 * math.sqrt(n), rel=1e-6)
     assert df.loc["huge", "nonfinite"] == 0
@@ -163,7 +156,7 @@ def test_large_gradients_match_reference(kernels):
     assert df.loc["inf_first", "absmax"] == math.inf and df.loc["inf_first", "nonfinite"] == 1
 
 
-def test_gradient_accumulation_gives_one_record_equal_to_accumulated_gradient(kernels):
+def test_gradient_accumulation_gives_one_record_equal_to_accumulated_gradient():
     torch.manual_seed(0)
     model = PROBLEMS["mlp"].make_model()
     ref_model = copy.deepcopy(model)
@@ -257,7 +250,7 @@ def test_no_optimizer_boundary_is_end_of_backward_and_manual_step():
     assert w.stats["update_ratio"].isna().all()
 
 
-def test_every_k_records_every_kth_step_and_syncs_only_when_due(kernels):
+def test_every_k_records_every_kth_step_and_syncs_only_when_due():
     model = PROBLEMS["mlp"].make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
@@ -271,7 +264,7 @@ def test_every_k_records_every_kth_step_and_syncs_only_when_due(kernels):
     assert w.steps["recorded"].tolist() == [i % 4 == 0 for i in range(12)]
 
 
-def test_default_makes_exactly_one_sync_per_step(kernels):
+def test_default_makes_exactly_one_sync_per_step():
     model = PROBLEMS["mlp"].make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
@@ -283,7 +276,7 @@ def test_default_makes_exactly_one_sync_per_step(kernels):
     assert w.host_syncs == 5
 
 
-def test_deferred_nonfinite_check_names_first_bad_step(kernels):
+def test_deferred_nonfinite_check_names_first_bad_step():
     model = nn.Linear(3, 1)
     with graddbg.watch(model, every=5, nonfinite=graddbg.NonFinite(policy="record", every=5)) as w:
         for i in range(10):
@@ -296,7 +289,7 @@ def test_deferred_nonfinite_check_names_first_bad_step(kernels):
     assert a.kind == "nonfinite" and a.step == 2 and a.name == "bias"
 
 
-def test_deferred_nonfinite_check_ignores_parameters_without_gradient(kernels):
+def test_deferred_nonfinite_check_ignores_parameters_without_gradient():
     # an unused layer has no gradient: nothing in it is non-finite (this once flagged it)
     model = nn.Module()
     model.used = nn.Linear(4, 4)
@@ -313,7 +306,7 @@ def test_deferred_nonfinite_check_ignores_parameters_without_gradient(kernels):
     assert [(a.step, a.name) for a in w.anomalies] == [(4, "used.bias")]
 
 
-def test_update_ratio_matches_reference(kernels):
+def test_update_ratio_matches_reference():
     torch.manual_seed(0)
     model = PROBLEMS["mlp"].make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -332,7 +325,7 @@ def test_update_ratio_matches_reference(kernels):
         assert got == pytest.approx(r, rel=1e-5)
 
 
-def test_update_ratio_every_k_recorded_steps(kernels):
+def test_update_ratio_every_k_recorded_steps():
     model = PROBLEMS["mlp"].make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = PROBLEMS["mlp"].make_batch(torch.device("cpu"))
@@ -373,7 +366,7 @@ def test_no_memory_for_the_update_ratio_copy_warns_and_training_goes_on():
 
     with pytest.warns(graddbg.GraddbgWarning, match=r"update_every=None.*out of memory") as rec:
         with graddbg.watch(model, opt, update_every=1) as w:
-            w._plan.snapshot = no_memory
+            w._copy_weights = no_memory
             before = model.weight.detach().clone()
             for _ in range(3):
                 model(x).square().sum().backward()
@@ -529,9 +522,11 @@ def test_memory_is_bounded_over_many_steps():
         for _ in range(400):
             model.zero_grad()
             model(torch.ones(1, 4)).sum().backward()
-    assert len(w.steps) == 50
-    assert w.stats["step"].min() == 350 and w.stats["step"].max() == 399
-    assert w.to_run().meta["steps_dropped"] == 350
+    # thinned in the middle: the first and the latest steps stay, evenly spaced between
+    steps = w.steps["step"].tolist()
+    assert 25 <= len(steps) <= 50 and steps[0] == 0 and steps[-1] == 399
+    assert w.stats["step"].min() == 0 and w.stats["step"].max() == 399
+    assert len(steps) + w.to_run().meta["steps_dropped"] == 400
 
 
 def test_two_watches_on_one_model_both_record():
@@ -671,7 +666,7 @@ def test_direct_forward_call_is_reported_as_uncovered_module():
 # ---------------------------------------------------------------- bad input
 
 def test_bad_model_arguments():
-    with pytest.raises(TypeError, match="nn.Module, got list"):
+    with pytest.raises(TypeError, match=r"watch\(model=...\): got list, expected a torch.nn.Module"):
         graddbg.watch([nn.Linear(2, 2)])
     with pytest.raises(TypeError, match="instantiate it first"):
         graddbg.watch(nn.Linear)
@@ -685,7 +680,7 @@ def test_bad_model_arguments():
     ({"nonfinite": "explode"}, ValueError, r"nonfinite= got 'explode'; accepted: 'raise', 'warn'"),
     ({"explode": graddbg.Vanish()}, TypeError, r"expected a Explode"),
     ({"histograms": "yes"}, TypeError, r"histograms= must be None, a bool or an int"),
-    ({"ddp_check_every": 0}, ValueError, r"ddp_check_every= must be None or an int >= 1"),
+    ({"ddp_check_every": 0}, ValueError, r"ddp_check_every= must be an int >= 1"),
     ({"scaler": object()}, TypeError, r"scaler= must be a torch.amp.GradScaler"),
 ])
 def test_bad_options(kw, exc, match):
@@ -701,7 +696,7 @@ def test_optimizer_of_another_model_is_refused():
     other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(ValueError, match="holds none of the model's 2 trainable parameters"):
         graddbg.watch(model, other)
-    with pytest.raises(TypeError, match="optimizer= must be a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"optimizer=...\): got str, expected a torch.optim.Optimizer"):
         graddbg.watch(model, "sgd")
 
 
@@ -721,7 +716,7 @@ def test_forwards_without_backward_do_not_pile_up():
     with graddbg.watch(model, opt, activations=True) as w:
         for _ in range(50):  # an evaluation loop that forgot torch.no_grad()
             model(x)
-        assert len(w._temp_handles) <= 20 and len(w._act_fwd) <= 20
+        assert len(w._temp_handles) <= 20 and len(w._acts.fwd) <= 20
         F.cross_entropy(model(x), y).backward()
         opt.step()
     assert len(w.stats) == 8 and w.activations["step"].unique().tolist() == [0]

@@ -18,27 +18,25 @@ ALLOWED = {
     "_source": set(),
     "__init__": {"_errors"},
     "__main__": {"cli"},
-    "_blas": set(),
-    "stats": {"_errors"},
+    "_model": {"_errors"},
+    "stats": {"_errors", "_model"},
     "anomaly": {"_errors", "_source"},
-    "_forensics": {"_errors", "_source"},
-    "hooks": {"_errors", "_source", "stats", "anomaly"},
-    "gradcheck": {"_errors", "_source"},
+    "blame": {"_errors", "_source", "_model", "anomaly"},
+    "hooks": {"_errors", "_source", "_model", "stats", "anomaly", "blame"},
+    "gradcheck": {"_errors", "_source", "_model"},
     "pytest_plugin": {"_errors", "gradcheck"},
-    "graphviz": {"_errors", "_source"},
+    "graphviz": {"_errors", "_source", "_model"},
     "plots": {"_errors"},
-    "ddp_verify": {"_errors", "stats"},
-    "run": {"_errors", "stats", "anomaly"},
-    "report": {"_errors", "_source", "stats", "anomaly", "plots", "graphviz", "run"},
+    "ddp_verify": {"_errors", "_model", "stats"},
+    "run": {"_errors", "_model", "stats", "anomaly"},
+    "report": {"_errors", "_source", "_model", "stats", "anomaly", "plots", "graphviz", "run"},
     "cli": None,  # on top of everything
 }
 # imports inside functions may also reach these (lazily, to keep imports light)
 LAZY = {
     "__init__": None,
-    "stats": {"_blas"},
-    "anomaly": {"_forensics"},
-    "_forensics": {"anomaly"},
-    "hooks": {"run", "ddp_verify", "_forensics", "stats", "plots", "report"},
+    "_model": {"_errors"},
+    "hooks": {"run", "ddp_verify", "stats", "plots", "report"},
     "run": {"plots", "report", "stats", "anomaly", "graphviz", "__init__"},
     "report": {"plots", "graphviz", "stats", "anomaly", "run", "__init__"},
     "pytest_plugin": {"gradcheck", "stats", "hooks", "anomaly"},
@@ -123,6 +121,36 @@ def test_public_api_names_resolve():
         assert name in graddbg.__all__, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         graddbg.nope
+
+
+def test_no_c_bindings_in_the_package():
+    for path in PKG.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert not any(a.name.split(".")[0] == "ctypes" for a in node.names), path.name
+            elif isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] != "ctypes", path.name
+
+
+def test_anomaly_does_not_import_blame():
+    top, nested = _split_imports(PKG / "anomaly.py")
+    assert "blame" not in top | nested
+
+
+def test_no_function_longer_than_about_60_lines():
+    long = []
+    for path in sorted(PKG.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                doc = node.body[0] if node.body and isinstance(node.body[0], ast.Expr) and \
+                    isinstance(getattr(node.body[0], "value", None), ast.Constant) else None
+                if doc is not None:  # the docstring is text, not code
+                    n -= doc.end_lineno - doc.lineno + 1
+                if n > 65:
+                    long.append(f"{path.name}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, long
 
 
 def test_error_family():

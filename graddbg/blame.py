@@ -12,13 +12,15 @@ node: they are recorded at forward time in the node's own ``metadata`` dict (the
 ``torch.autograd.detect_anomaly`` keeps its tracebacks), so they live exactly as long as
 the graph does and nothing is kept past it.
 
-This module imports only torch and the stdlib at module level (plus ``graddbg._errors``
-and ``graddbg._source``); :mod:`graddbg.anomaly` re-exports :func:`find_nonfinite` and is
-imported lazily here, to build the :class:`~graddbg.anomaly.Anomaly` of an error.
+The second half of this module localises the producer for :func:`graddbg.watch`: from
+the forward activations' non-finite flags, from the gradients at module outputs, from
+parameters and buffers that hold NaN/Inf themselves, and by replaying the captured
+forward and backward pass under :func:`find_nonfinite` (:func:`replay`).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -26,8 +28,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graddbg._errors import NonFiniteError
+from graddbg._errors import GraddbgTypeError, GraddbgValueError, NonFiniteError
+from graddbg._model import module_of, named_tensors, tensors_in, unwrap
 from graddbg._source import _is_internal, user_source_from_stack
+from graddbg.anomaly import Anomaly
 
 __all__ = ["find_nonfinite", "NonFiniteScan"]
 
@@ -186,6 +190,18 @@ def _group_finite(ts: List[torch.Tensor]) -> bool:
     return all(_all_finite(t) for t in ts)
 
 
+def _first_nonfinite(outs: List[torch.Tensor]) -> float:
+    """NaN if an output holds a NaN, else the sign of its first Inf."""
+    for t in outs:
+        if bool(torch.isnan(t).any()):
+            return float("nan")
+    for t in outs:
+        inf = torch.isinf(t)
+        if bool(inf.any()):
+            return float("inf") if bool((t[inf].real > 0).any()) else float("-inf")
+    return float("nan")
+
+
 def _arg(args: Sequence[Any], kwargs: Dict[str, Any], index: int, name: str) -> Any:
     return args[index] if index < len(args) else kwargs.get(name)
 
@@ -342,61 +358,52 @@ class NonFiniteScan(TorchDispatchMode):
     # -- the report -------------------------------------------------------------------
     def _error(self, func: Any, plan: _Plan, args: Sequence[Any], kwargs: Dict[str, Any],
                out: Any, node: Any) -> NonFiniteError:
-        from graddbg.anomaly import Anomaly  # lazily: anomaly re-exports this module
-
-        backward = node is not None
-        fwd_op = None
-        name = None
-        if backward:
-            op = node.name()
-            md = node.metadata
-            info = md.get(_KEY)
-            if info is not None:
-                module, frame, fwd_op, _ = info
-                source = f"{frame[0]}:{frame[1]}" if frame else None
-            else:
-                module = None
-                source = user_source_from_stack(md.get("traceback_"))
-            step = self._passes - 1
-            variable = getattr(node, "variable", None)
-            if variable is not None and self._model is not None:
-                for pname, p in self._model.named_parameters():
-                    if p is variable:
-                        name = pname
-                        if module is None:  # AccumulateGrad: the parameter's own module
-                            module = pname.rpartition(".")[0]
-                        break
-        else:
-            op = plan.name
-            module = self._stack[-1] if self._stack else None
-            frame = self._user_frame()
-            source = f"{frame[0]}:{frame[1]}" if frame else None
-            step = self._passes
-
+        where = self._where(plan, node)
         outs = [t for t in _tensors(out) if _float_tensor(t)]
-        value = float("nan")
-        for t in outs:
-            if bool(torch.isnan(t).any()):
-                break
-        else:
-            for t in outs:
-                inf = torch.isinf(t)
-                if bool(inf.any()):
-                    value = float("inf") if bool((t[inf].real > 0).any()) else float("-inf")
-                    break
-        kind = "NaN" if math.isnan(value) else "Inf"
+        value = _first_nonfinite(outs)
         rank = None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()
-
-        lines = []
-        where = "backward" if backward else "forward"
-        at = f"step {step}" + (f", rank {rank}" if rank is not None else "")
         nan_constant = plan.constant or any(
             isinstance(x, float) and math.isnan(x) for v in list(args) + list(kwargs.values())
             for x in (v if isinstance(v, (tuple, list)) else (v,)))
+        message = self._message(where, plan, args, kwargs, outs, value, rank, nan_constant)
+        anomaly = Anomaly(step=where["step"], kind="nonfinite", name=where["name"], module=where["module"],
+                          op=where["op"], value=value, threshold=None, source=where["source"],
+                          message=message, rank=rank)
+        return NonFiniteError(message, anomaly=anomaly)
+
+    def _where(self, plan: _Plan, node: Any) -> Dict[str, Any]:
+        """op, module, source line, forward op, parameter and pass of the failing op."""
+        if node is None:
+            frame = self._user_frame()
+            return {"op": plan.name, "module": self._stack[-1] if self._stack else None,
+                    "source": f"{frame[0]}:{frame[1]}" if frame else None, "fwd_op": None,
+                    "name": None, "step": self._passes, "backward": False}
+        md = node.metadata
+        info = md.get(_KEY)
+        module = fwd_op = None
+        if info is not None:
+            module, frame, fwd_op, _ = info
+            source = f"{frame[0]}:{frame[1]}" if frame else None
+        else:
+            source = user_source_from_stack(md.get("traceback_"))
+        name = None
+        variable = getattr(node, "variable", None)
+        if variable is not None and self._model is not None:
+            name = next((n for n, p in self._model.named_parameters() if p is variable), None)
+            if name is not None and module is None:  # AccumulateGrad: the parameter's own module
+                module = module_of(name)
+        return {"op": node.name(), "module": module, "source": source, "fwd_op": fwd_op, "name": name,
+                "step": self._passes - 1, "backward": True}
+
+    def _message(self, where: Dict[str, Any], plan: _Plan, args: Sequence[Any], kwargs: Dict[str, Any],
+                 outs: List[torch.Tensor], value: float, rank: Optional[int], nan_constant: bool) -> str:
+        op, module, source, backward = where["op"], where["module"], where["source"], where["backward"]
+        kind = "NaN" if math.isnan(value) else "Inf"
+        at = f"step {where['step']}" + (f", rank {rank}" if rank is not None else "")
         how = "from a NaN constant" if nan_constant else "from finite inputs"
-        lines.append(f"find_nonfinite: {kind} produced {how} by {where} op {op} ({at}).")
+        lines = [f"find_nonfinite: {kind} produced {how} by {'backward' if backward else 'forward'} op {op} ({at})."]
         if self._model is not None:
             mod_txt = "none (outside the model)" if module is None else (
                 f"{module or '<root>'} ({self._module_type(module)})")
@@ -404,27 +411,21 @@ class NonFiniteScan(TorchDispatchMode):
         lines.append(f"  source: {source or 'unknown'}"
                      + (f" (the forward line that created {op})" if backward and source else ""))
         if backward:
-            lines.append(f"  forward op: {fwd_op or 'unknown (created outside find_nonfinite)'}")
+            lines.append(f"  forward op: {where['fwd_op'] or 'unknown (created outside find_nonfinite)'}")
             lines.append(f"  aten op in backward: {plan.name}")
-        if name is not None:
-            lines.append(f"  parameter: {name}")
+        if where["name"] is not None:
+            lines.append(f"  parameter: {where['name']}")
         lines.append("  inputs:")
         entries = self._input_entries(plan, args, kwargs)
-        for text in entries[:_MAX_INPUT_LINES]:
-            lines.append(f"    {text}")
+        lines += [f"    {text}" for text in entries[:_MAX_INPUT_LINES]]
         if len(entries) > _MAX_INPUT_LINES:
             lines.append(f"    ... and {len(entries) - _MAX_INPUT_LINES} more")
         if not entries:
             lines.append("    (no floating-point tensor input)")
-        for i, t in enumerate(outs[:_MAX_INPUT_LINES]):
-            if not _all_finite(t):
-                lines.append(f"  output[{i}]: {_output_stats(t)}")
+        lines += [f"  output[{i}]: {_output_stats(t)}" for i, t in enumerate(outs[:_MAX_INPUT_LINES])
+                  if not _all_finite(t)]
         lines.append(f"  try: {_CONSTANT_HINT if nan_constant else _hint(op)}")
-        message = "\n".join(lines)
-        anomaly = Anomaly(step=step, kind="nonfinite", name=name, module=module, op=op,
-                          value=value, threshold=None, source=source, message=message,
-                          rank=rank)
-        return NonFiniteError(message, anomaly=anomaly)
+        return "\n".join(lines)
 
     def _module_type(self, path: str) -> str:
         try:
@@ -498,20 +499,9 @@ def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bo
     ...     print(e.anomaly.op, e.anomaly.value)
     aten.exp inf
     """
-    if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(f"find_nonfinite: model must be a torch.nn.Module or None, "
-                        f"got {type(model).__name__}")
-    for arg, value in (("check_forward", check_forward), ("check_backward", check_backward),
-                       ("skip_ints", skip_ints)):
-        if not isinstance(value, bool):
-            raise TypeError(f"find_nonfinite: {arg} must be True or False, got {value!r}")
-    if not (check_forward or check_backward):
-        raise ValueError("find_nonfinite: check_forward and check_backward are both False, "
-                         "so nothing would be checked; set at least one to True")
-    inner = model
-    while inner is not None and isinstance(inner, (torch.nn.DataParallel,
-                                                   torch.nn.parallel.DistributedDataParallel)):
-        inner = inner.module  # name modules as the user wrote them, without "module."
+    inner = _validate_scan(model, check_forward, check_backward, skip_ints)
+    if inner is not None:
+        check_state(inner)  # a NaN weight is the producer: nothing in the graph made it
     scan = NonFiniteScan(check_forward=check_forward, check_backward=check_backward,
                          skip_ints=skip_ints, model=inner)
     handles: List[Any] = []
@@ -538,3 +528,137 @@ def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bo
                 h.remove()
             scan._pending.clear()
             scan._stack.clear()
+
+
+def _validate_scan(model: Any, check_forward: Any, check_backward: Any, skip_ints: Any) -> Optional[torch.nn.Module]:
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise GraddbgTypeError(f"find_nonfinite(model=...): got {type(model).__name__}, expected a "
+                               f"torch.nn.Module or None")
+    for arg, value in (("check_forward", check_forward), ("check_backward", check_backward),
+                       ("skip_ints", skip_ints)):
+        if not isinstance(value, bool):
+            raise GraddbgTypeError(f"find_nonfinite({arg}=...): got {value!r}; accepted: True or False")
+    if not (check_forward or check_backward):
+        raise GraddbgValueError("find_nonfinite: check_forward and check_backward are both False, "
+                                "so nothing would be checked; set at least one to True")
+    return None if model is None else unwrap(model)  # names as the user wrote them
+
+
+# --------------------------------------------------------------------------- localisation
+def nonfinite_state(model: torch.nn.Module) -> List[Tuple[str, str, torch.Tensor]]:
+    """``(kind, name, tensor)`` of the parameters and buffers holding NaN/Inf (one host
+    read per tensor: for the rare moment a non-finite value was found)."""
+    found = []
+    with torch.no_grad():
+        for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+            for name, t in items:
+                if t.is_floating_point() and t.numel() and not bool(torch.isfinite(_local(t)).all()):
+                    found.append((kind, name, t))
+    return found
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def check_state(model: torch.nn.Module, step: int = 0) -> None:
+    """Raise :class:`NonFiniteError` naming the first parameter or buffer of ``model``
+    that holds NaN/Inf: such a value enters from outside the graph (a bad checkpoint, an
+    optimizer step that wrote it, a hand-made tensor), so it is its own producer."""
+    found = nonfinite_state(model)
+    if found:
+        a = state_anomaly(found, step)
+        raise NonFiniteError(a.message, anomaly=a)
+
+
+def state_anomaly(found: List[Tuple[str, str, torch.Tensor]], step: int, rank: Optional[int] = None) -> Anomaly:
+    kind, name, t = found[0]
+    bad = int((~torch.isfinite(_local(t))).sum())
+    others = ", ".join(n for _, n, _ in found[1:6]) + (" and more" if len(found) > 6 else "")
+    msg = (f"graddbg: non-finite {kind} {name} {tuple(t.shape)} {t.dtype} at step {step}"
+           + (f" on rank {rank}" if rank is not None else "") + f": {bad} NaN/Inf entries. "
+           f"It entered from outside the autograd graph (a checkpoint, an optimizer step, an in-place write), "
+           f"so every gradient computed from it is a victim, not a producer."
+           + (f" Also non-finite: {others}." if others else ""))
+    return Anomaly(step=step, kind="nonfinite", name=name, module=module_of(name), op=None,
+                   value=float("nan"), threshold=None, source=None, message=msg, rank=rank,
+                   params=tuple(n for _, n, _ in found))
+
+
+@dataclasses.dataclass
+class Capture:
+    """What a forward pass needs to be replayed (held for one step only)."""
+
+    args: Any
+    kwargs: Any
+    rng: Optional[torch.Tensor]
+    output_index: int
+    grad: Optional[torch.Tensor] = None
+
+
+def replay(model: torch.nn.Module, cap: Capture, step: int) -> Optional[Anomaly]:
+    """Run the captured forward pass again, and backward with the captured output
+    gradient, under :func:`find_nonfinite`: the op, module and source line that made the
+    first NaN/Inf. Parameters' ``.grad``, buffers and the RNG are left as they were.
+    None when the replay made no non-finite value (or could not run)."""
+    model = unwrap(model)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    cpu_rng = torch.get_rng_state()
+    try:
+        if cap.rng is not None:
+            torch.set_rng_state(cap.rng)
+        with find_nonfinite(model), torch.enable_grad():
+            return _replay_passes(model, cap, step)
+    except NonFiniteError as e:
+        return getattr(e, "anomaly", None)
+    except Exception:  # a replay that cannot run (a model with side effects) blames nothing
+        return None
+    finally:
+        torch.set_rng_state(cpu_rng)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads:
+            p.grad = g
+
+
+def _replay_passes(model: torch.nn.Module, cap: Capture, step: int) -> Optional[Anomaly]:
+    outs = tensors_in(model(*cap.args, **cap.kwargs))
+    if cap.grad is not None and not bool(torch.isfinite(cap.grad).all()):
+        # the forward pass is finite (find_nonfinite would have raised), its output gradient is not
+        return Anomaly(step=step, kind="nonfinite", name=None, module="<loss>", op=None, value=math.nan,
+                       threshold=None, source=None,
+                       message="the model's forward pass is finite but the gradient arriving at its "
+                               "output is not: the NaN/Inf was made in the loss computation, outside the model")
+    if cap.grad is None or cap.output_index >= len(outs):
+        return None
+    wrt = [p for p in model.parameters() if p.requires_grad]
+    wrt += [a for a in tensors_in(cap.args) if a.requires_grad and a.is_leaf]
+    torch.autograd.grad(outs[cap.output_index], wrt, grad_outputs=cap.grad, allow_unused=True)
+    return None
+
+
+def forward_producer(act_fwd: Sequence[Tuple[int, Any, Any]], flags: Any) -> Optional[int]:
+    """The first module (index) whose forward output was non-finite while its inputs were
+    finite, from the activation flags ``[n, 2]`` (input bad, output bad) in call order."""
+    for (mi, _, _), (in_bad, out_bad) in zip(act_fwd, flags.reshape(-1, 2)):
+        if out_bad and not in_bad:
+            return mi
+    return None
+
+
+def backward_producer(call_order: Sequence[int], finite: Dict[int, bool], names: Sequence[str],
+                      bad_names: Sequence[str]) -> Optional[str]:
+    """The leaf module whose output gradient was finite while the gradient it passed on
+    (the output gradient of the leaf before it in forward order) or its own parameter
+    gradients were not. Exact for chains of modules; a good guess for other graphs."""
+    order = [mi for mi in dict.fromkeys(call_order) if mi in finite]
+    for k in range(len(order) - 1, -1, -1):
+        mi = order[k]
+        if not finite[mi]:
+            continue
+        own_bad = any(n.startswith(names[mi] + ".") for n in bad_names)
+        if own_bad or (k > 0 and not finite[order[k - 1]]):
+            return names[mi]
+    return None
