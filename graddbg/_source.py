@@ -8,9 +8,11 @@ from typing import Optional
 
 import torch
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_GRADDBG_DIR = os.path.dirname(os.path.abspath(__file__))
-_SKIP = (_TORCH_DIR, _GRADDBG_DIR, "<frozen ", os.path.join("contextlib.py"))
+# folders whose code is never the user's: torch itself and graddbg (each with its separator,
+# so that torchvision, torchaudio or torch_geometric next to torch count as the user's code)
+_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
+_GRADDBG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+_SKIP = (_TORCH_DIR, _GRADDBG_DIR, "<frozen ")
 
 
 # graddbg's own files that hold user-level code (the demo's model lives in cli.py)

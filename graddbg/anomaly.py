@@ -133,7 +133,8 @@ class NonFinite:
 @dataclass(frozen=True)
 class Explode:
     """Flag a global gradient norm above ``factor`` times the robust running level (the
-    median of the previous ``window`` healthy steps, after ``warmup`` of them), or above
+    median of the previous ``window`` healthy steps, from ``warmup`` of them on: by
+    default from the second recorded step, against what history exists), or above
     ``absolute``. Consecutive exploded steps are one episode and one anomaly; they do not
     enter the running level."""
 
@@ -141,7 +142,7 @@ class Explode:
     absolute: Optional[float] = None
     window: int = 50
     policy: PolicyArg = "warn"
-    warmup: int = 5
+    warmup: int = 1
 
     def __post_init__(self) -> None:
         check_policy(self.policy, "Explode(policy")
@@ -260,6 +261,12 @@ class _VanishState:
         self.det = det
         self.run = np.zeros(n, dtype=np.int64)
         self.flagged = np.zeros(n, dtype=bool)
+
+    def widen(self, k: int) -> None:
+        import numpy as np
+
+        self.run = np.concatenate([self.run, np.zeros(k, dtype=np.int64)])
+        self.flagged = np.concatenate([self.flagged, np.zeros(k, dtype=bool)])
 
     def check(self, step: int, norms: Any, has_grad: Any, names: Sequence[str],
               modules: Sequence[str]) -> Optional[Anomaly]:

@@ -596,11 +596,12 @@ class Capture:
     grad: Optional[torch.Tensor] = None
 
 
-def replay(model: torch.nn.Module, cap: Capture, step: int) -> Optional[Anomaly]:
+def replay(model: torch.nn.Module, cap: Capture, step: int) -> Tuple[bool, Optional[Anomaly]]:
     """Run the captured forward pass again, and backward with the captured output
     gradient, under :func:`find_nonfinite`: the op, module and source line that made the
     first NaN/Inf. Parameters' ``.grad``, buffers and the RNG are left as they were.
-    None when the replay made no non-finite value (or could not run)."""
+    Returns ``(ran, anomaly)``: ``anomaly`` is None when the replay made no non-finite
+    value; ``ran`` is False when the replay could not run at all."""
     model = unwrap(model)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     grads = [(p, p.grad) for p in model.parameters()]
@@ -609,11 +610,11 @@ def replay(model: torch.nn.Module, cap: Capture, step: int) -> Optional[Anomaly]
         if cap.rng is not None:
             torch.set_rng_state(cap.rng)
         with find_nonfinite(model), torch.enable_grad():
-            return _replay_passes(model, cap, step)
+            return True, _replay_passes(model, cap, step)
     except NonFiniteError as e:
-        return getattr(e, "anomaly", None)
+        return True, getattr(e, "anomaly", None)
     except Exception:  # a replay that cannot run (a model with side effects) blames nothing
-        return None
+        return False, None
     finally:
         torch.set_rng_state(cpu_rng)
         with torch.no_grad():

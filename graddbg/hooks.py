@@ -12,6 +12,7 @@ localise non-finite producers (:mod:`graddbg.blame`), apply the policies.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 import weakref
@@ -22,8 +23,8 @@ import numpy as np  # (torch imports numpy itself)
 import torch
 from torch import Tensor, nn
 
-from graddbg._errors import (CompileWarning, CoverageWarning, GraddbgTypeError, GraddbgValueError,
-                             GraddbgWarning)
+from graddbg._errors import (CompileWarning, CoverageWarning, GradientAnomalyError, GraddbgTypeError,
+                             GraddbgValueError, GraddbgWarning)
 from graddbg._model import check_model, is_compiled, module_of, named_trainable_parameters, tensors_in, unwrap
 from graddbg.anomaly import Anomaly, Explode, NonFinite, Vanish, apply_policy, as_detector, nonfinite_anomaly
 from graddbg.blame import Capture, backward_producer, forward_producer, nonfinite_state, replay, state_anomaly
@@ -127,6 +128,28 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook body that never takes the training loop down by a bug of graddbg's own: an
+    unexpected exception becomes one :class:`GraddbgWarning` naming what failed, and
+    recording goes on. Anomalies under the ``"raise"`` policy, and whatever a user's policy
+    callable raises, still propagate."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "Watch", *args: Any, **kwargs: Any) -> Any:
+        step = self._step
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as err:
+            if isinstance(err, GradientAnomalyError) or self._in_policy:
+                raise
+            self._internal_error(fn.__name__, step, err)
+            return None
+        finally:
+            self._in_policy = False
+
+    return wrapper
+
+
 # --------------------------------------------------------------------------- options
 @dataclasses.dataclass(frozen=True)
 class _Config:
@@ -182,11 +205,13 @@ def _config(every: int, stats: Any, nonfinite: Any, explode: Any, vanish: Any, a
 def _real_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
     """The torch optimizer, also inside a wrapper that holds it as ``.optimizer``
     (accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``)."""
+    for _ in range(4):  # (AcceleratedOptimizer is itself an Optimizer that steps its .optimizer)
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        return inner
     raise GraddbgTypeError(f"watch(optimizer=...): got {type(optimizer).__name__}, expected a "
                            f"torch.optim.Optimizer (or a wrapper holding one as .optimizer) or None")
 
@@ -221,6 +246,12 @@ class _Flags:
             new = torch.zeros(P, dtype=torch.bool, device=dev).index_put_((reader.index(ix, dev),), ~torch.isfinite(norms))
             self.first[dev] = torch.where(new & ~self.bad[dev], step, self.first[dev])
             self.bad[dev] |= new
+
+    def widen(self, k: int) -> None:
+        """Room for ``k`` more parameters (unfrozen late)."""
+        for dev in list(self.bad):
+            self.bad[dev] = torch.cat([self.bad[dev], torch.zeros(k, dtype=torch.bool, device=dev)])
+            self.first[dev] = torch.cat([self.first[dev], torch.full((k,), -1, dtype=torch.int64, device=dev)])
 
     def add_to(self, rb: Readback) -> None:
         for k, dev in enumerate(self.bad):
@@ -291,6 +322,17 @@ class _Activations:
 
         return hook
 
+    def warn_if_blind(self, had_gradients: bool) -> None:
+        """Gradients came, yet no module hook ever ran: the model was called through a
+        compiled wrapper (or its submodules' forward() directly). Warn once."""
+        if had_gradients and not self.seen and not self.warned:
+            self.warned = True
+            warnings.warn("graddbg.watch: activations=True recorded nothing: gradients arrived but no "
+                          "module's forward hook ran. The watched model is probably called through "
+                          "torch.compile (hooks are skipped inside compiled code, so that they break no "
+                          "graph), or its modules' .forward() is called directly. Watch the model you call, "
+                          "uncompiled, to record activations.", CompileWarning, stacklevel=5)
+
     def drop(self) -> None:
         """Forget what the last forward registered (its backward never came)."""
         handles, self.handles = self.handles, []
@@ -338,6 +380,17 @@ class _Activations:
         return pd.DataFrame(self.rows, columns=["step", "module", "grad_norm", "out_nonfinite"])
 
 
+def _frozen_parameters(model: nn.Module, watched: Sequence[Tensor]) -> List[Tuple[str, nn.Parameter]]:
+    """(clean name, parameter) of the model's parameters that do not require grad now."""
+    ids = {id(p) for p in watched}
+    out, seen = [], set()
+    for name, p in unwrap(model).named_parameters():
+        if id(p) not in ids and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
 def _any_nonfinite(ts: Sequence[Tensor], device: torch.device) -> Tensor:
     flags = [~torch.isfinite(t.detach()).all() for t in ts if t.numel() and t.device == device]
     if not flags:
@@ -369,6 +422,7 @@ class Watch:
         self.every = self._cfg.every
         self.stats_asked = self._cfg.stats
         self._set_params(named_trainable_parameters(model))
+        self._frozen = _frozen_parameters(model, self._params)
         self._check_optimizer_holds_params()
         self._init_state()
         self.meta = self._meta()
@@ -387,6 +441,20 @@ class Watch:
         self._reader = StepReader(self._params, self._cfg.stats)
         P = len(self._params)
         self._version_idx = sorted({0, P // 3, (2 * P) // 3, P - 1}) if P else []
+
+    def _adopt_unfrozen(self) -> None:
+        """Parameters frozen when the watch began and trainable now (fine-tuning schedules
+        unfreeze layers): recorded from now on."""
+        if not self._frozen or not any(p.requires_grad for _, p in self._frozen):
+            return
+        new = [(n, p) for n, p in self._frozen if p.requires_grad]
+        self._frozen = [(n, p) for n, p in self._frozen if not p.requires_grad]
+        self._set_params(list(zip(self._names, self._params)) + new)
+        self._history.add_params([n for n, _ in new], [p.numel() for _, p in new], self._step)
+        self._ever_grad = np.concatenate([self._ever_grad, np.zeros(len(new), dtype=bool)])
+        self._flags.widen(len(new))
+        if self._vanish_state is not None:
+            self._vanish_state.widen(len(new))
 
     def _check_optimizer_holds_params(self) -> None:
         opt = self._optimizer
@@ -420,6 +488,23 @@ class Watch:
         self._snapshot: Optional[List[Tensor]] = None
         self._update: Optional[Tuple[int, Tensor]] = None
         self._closure_step = False
+        self._in_policy = False
+        self._errors_warned: set = set()
+
+    def _internal_error(self, where: str, step: int, err: Exception) -> None:
+        """A failure inside graddbg's own hook: warn once per place, keep the step count
+        right, and go on recording."""
+        if self._step == step and where in ("_boundary", "_on_opt_pre", "_on_opt_post", "_end_of_backward"):
+            self._pending = None
+            if where != "_end_of_backward":
+                self._finish_step()
+        if where in self._errors_warned:
+            return
+        self._errors_warned.add(where)
+        names = ", ".join(self._names[:3]) + (" ..." if len(self._names) > 3 else "")
+        warnings.warn(f"graddbg.watch: an internal error in {where} at step {step} (parameters {names}): "
+                      f"{type(err).__name__}: {err}. Training goes on; this part of the record is "
+                      f"missing for that step. Please report it.", GraddbgWarning, stacklevel=3)
 
     def _meta(self) -> Dict[str, Any]:
         cfg, opt = self._cfg, self._optimizer
@@ -470,6 +555,7 @@ class Watch:
             self._acts.drop()
 
     # ------------------------------------------------------------------ hook bodies
+    @_guarded
     def _on_root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if _is_compiling() or self._replaying or not torch.is_grad_enabled() or _in_backward():
             return None
@@ -489,6 +575,7 @@ class Watch:
         if self._acts is not None:
             self._acts.drop()
 
+    @_guarded
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if _is_compiling() or self._replaying or not torch.is_grad_enabled() or _in_backward():
             return None
@@ -536,6 +623,7 @@ class Watch:
         # reduced gradients
         _queue_callback(lambda: _queue_callback(self._end_of_backward))
 
+    @_guarded
     def _end_of_backward(self) -> None:
         self._cb_queued = False
         if self._closed:
@@ -556,6 +644,7 @@ class Watch:
             # gradients of a backward pass the optimizer never stepped on (zeroed, or
             # accumulated on): their non-finite flags are kept until the next read
             self._flags.add(self._reader, prev.launch, self._step)
+        self._adopt_unfrozen()
         grads = [p.grad for p in self._params]
         launch = self._reader.launch(grads, absmax=self._absmax_due(grads), extras=True)
         self._pending = _Pending(self._step, launch, grads, self._versions(grads), scale)
@@ -572,6 +661,7 @@ class Watch:
         and reading all the counters costs about a microsecond per parameter."""
         return [-1 if grads[i] is None else grads[i]._version for i in self._version_idx]
 
+    @_guarded
     def _on_opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self._closed:
             return None
@@ -585,6 +675,7 @@ class Watch:
         self._boundary()
         return None
 
+    @_guarded
     def _on_opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self._closed:
             return
@@ -627,6 +718,7 @@ class Watch:
         self._history.append(rec)
         if self._acts is not None:
             self._acts.record(step, parts["fwd"], parts["bwd"], got)
+            self._acts.warn_if_blind(bool(st.has_grad.any()))
         found = self._detect(step, st, bad, first_bad, due_stats, parts, got)
         if due_stats and self._update_every and step % self._update_every == 0 and not self._closure_step:
             self._take_snapshot()
@@ -643,6 +735,7 @@ class Watch:
             return pending.grads, pending.launch, scale, self._versions(pending.grads) != pending.versions
         if pending is not None:
             self._flags.add(self._reader, pending.launch, self._step)
+        self._adopt_unfrozen()
         grads = [p.grad for p in self._params]
         scale = self._scale()
         launch = self._reader.launch(grads, absmax=self._absmax_due(grads), extras=True)
@@ -715,6 +808,7 @@ class Watch:
 
     def _apply(self, found: List[Tuple[Anomaly, Any]], bad: np.ndarray) -> None:
         to_raise: Optional[BaseException] = None
+        self._in_policy = True  # (what a user's policy callable raises is theirs: it propagates)
         for anomaly, policy in found:
             self.anomalies.append(anomaly)
             self._history.keep.add(anomaly.step)
@@ -843,10 +937,10 @@ class Watch:
         if self._cfg.localize and cap is not None and step == self._step:
             self._replaying = True
             try:
-                got_replay = replay(self._model, cap, step)
+                ran, got_replay = replay(self._model, cap, step)
             finally:
                 self._replaying = False
-            where["reproduced"] = got_replay is not None
+            where["reproduced"] = (got_replay is not None) if ran else None
             if got_replay is not None and (got_replay.module is not None or got_replay.op is not None):
                 where.update(module=got_replay.module if got_replay.module is not None else where["module"],
                              op=got_replay.op, source=got_replay.source,

@@ -428,7 +428,18 @@ class History:
         self._steps = _Columns(self.step_cap, {c: (t, ()) for c, t in _STEP_TYPES.items()})
         self._hist: List[Tuple[int, np.ndarray]] = []
         self.keep: set = set()  # steps that thinning never drops
+        self._since = np.zeros(len(self.names), dtype=np.int64)  # first step of each parameter
         self.dropped = 0  # step rows thinned away
+
+    def add_params(self, names: Sequence[str], numel: Sequence[int], since: int) -> None:
+        """Parameters that start receiving gradients late (unfrozen): they have rows from
+        step ``since`` on."""
+        self._since = np.concatenate([self._since, np.full(len(names), since, dtype=np.int64)])
+        self.names += list(names)
+        self.modules += [module_of(n) for n in names]
+        self.numel = np.concatenate([self.numel, np.asarray(numel, dtype=np.int64)])
+        self._rows.widen(len(names))
+        self._hist = [(s, np.concatenate([h, np.zeros((len(names), h.shape[1]), h.dtype)])) for s, h in self._hist]
 
     def append(self, rec: StepRecord) -> None:
         self._steps.append({"step": rec.step, "global_norm": rec.global_norm, "clipped_norm": rec.clipped_norm,
@@ -480,7 +491,10 @@ class History:
         }
         for j, c in enumerate(self.extras):
             data[c] = r["extras"][:, :, j].reshape(-1)
-        return pd.DataFrame(data, columns=cols)
+        df = pd.DataFrame(data, columns=cols)
+        if self._since.any():  # parameters adopted late: no rows before they were
+            df = df[data["step"] >= np.tile(self._since, n)].reset_index(drop=True)
+        return df
 
     def steps_frame(self):
         import pandas as pd
@@ -543,6 +557,13 @@ class _Columns:
             col[: len(kept)] = kept
         self.n = int(mask.sum())
         self.dropped += len(drop)
+
+    def widen(self, k: int) -> None:
+        """``k`` more parameters in every per-parameter column (filled as missing)."""
+        for key, col in self.cols.items():
+            if col.ndim >= 2:
+                pad = np.full((col.shape[0], k) + col.shape[2:], _fill(col.dtype), dtype=col.dtype)
+                self.cols[key] = np.concatenate([col, pad], axis=1)
 
     def set_last(self, key: str, step: int, value: Any) -> None:
         if self.n and self.cols["step"][self.n - 1] == step:
