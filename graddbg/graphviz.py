@@ -632,8 +632,8 @@ def _parse_make_dot(body: List[str]) -> Tuple[List[GraphNode], List[GraphEdge]]:
         if label.startswith('"'):
             label = label[1:-1].replace('\\"', '"')
         n.name = label
-        if m.group(3):  # a tensor: "name\n (shape)"
-            name, _, shape = label.rpartition("\n ")
+        name, sep, shape = label.rpartition("\n ")
+        if m.group(3) and sep:  # a tensor: "name\n (shape)"
             n.kind, n.name, n.attrs["fillcolor"] = "tensor", name, m.group(3).strip('"')
             n.shape = tuple(int(s) for s in shape.strip("()").split(",") if s.strip())
     return list(nodes.values()), [GraphEdge(*e) for e in edges]
