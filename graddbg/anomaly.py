@@ -323,6 +323,8 @@ def nonfinite_anomaly(step: int, names: Sequence[str], shapes: Sequence[tuple], 
            + (f" on rank {rank}" if rank is not None else "") + ": "
            + (f"{total} NaN/Inf entries in " if total else "")
            + f"{len(names)} parameter(s): {shown}{more}. "
+           + (f"The non-finite shards were on rank(s) {', '.join(map(str, where['ranks']))}. "
+              if where.get("ranks") else "")
            + f"It started in module '{module or '<root>'}'"
            + (f", op {op}" if op else "") + (f", created at {source}" if source else "")
            + f" (found from {where.get('how', 'parameter gradients')}). "

@@ -29,7 +29,7 @@ from graddbg._model import check_model, is_compiled, module_of, named_trainable_
 from graddbg.anomaly import Anomaly, Explode, NonFinite, Vanish, apply_policy, as_detector, nonfinite_anomaly
 from graddbg.blame import Capture, backward_producer, forward_producer, nonfinite_state, replay, state_anomaly
 from graddbg.stats import (CPU_ABSMAX_EVERY, DEFAULT_STATS, HIST_EDGES, History, Readback, StepReader, StepRecord,
-                           StepStats, histogram_counts, validate_stats)
+                           StepStats, histogram_counts, local_values, update_ratios, validate_stats)
 
 __all__ = ["HookSet", "Watch", "watch"]
 
@@ -253,8 +253,12 @@ class _Flags:
             self.bad[dev] = torch.cat([self.bad[dev], torch.zeros(k, dtype=torch.bool, device=dev)])
             self.first[dev] = torch.cat([self.first[dev], torch.full((k,), -1, dtype=torch.int64, device=dev)])
 
-    def add_to(self, rb: Readback) -> None:
+    def add_to(self, rb: Readback, agree: bool = False) -> None:
+        """Into a read-back; ``agree``: first make the flags the same on every rank (a
+        sharded model: each rank flagged its own shards)."""
         for k, dev in enumerate(self.bad):
+            if agree:
+                _agree(self.bad[dev], self.first[dev])
             rb.add(f"acc_bad{k}", self.bad[dev])
             rb.add(f"acc_first{k}", self.first[dev])
 
@@ -270,6 +274,17 @@ class _Flags:
         self.bad.clear()
         self.first.clear()
         return bad, first
+
+
+def _agree(bad: Tensor, first: Tensor) -> None:
+    """All-reduce non-finite flags (any rank) and their first steps (the earliest), in place."""
+    import torch.distributed as dist
+
+    never = torch.iinfo(torch.int64).max
+    packed = torch.stack([bad.long(), -torch.where(first < 0, never, first).clamp(max=never - 1)])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    bad.copy_(packed[0] > 0)
+    first.copy_(torch.where(packed[0] > 0, -packed[1], -1))
 
 
 class _Activations:
@@ -752,7 +767,7 @@ class Watch:
         hist_due = due_stats and self._cfg.hist_every is not None and self._step % self._cfg.hist_every == 0
         if hist_due:
             rb.add("hist", self._histograms(grads))
-        self._flags.add_to(rb)
+        self._flags.add_to(rb, agree=launch.sharded is not None and torch.distributed.is_initialized())
         if self._update is not None:
             rb.add("update", self._update[1])
         fwd, bwd = self._acts.take(rb) if self._acts is not None else ([], [])
@@ -861,7 +876,7 @@ class Watch:
     @staticmethod
     def _copy_weights(params: Sequence[Tensor]) -> List[Tensor]:
         with torch.no_grad():
-            return [p.detach().clone() for p in params]
+            return [local_values(p).clone() for p in params]
 
     def _measure_update(self) -> None:
         """``||w_old - w_new|| / ||w_old||`` after the step (NaN where ``||w_old||`` is 0),
@@ -870,10 +885,7 @@ class Watch:
         if snap is None:
             return
         with torch.no_grad():
-            wn = torch.stack(torch._foreach_norm(snap)).double()
-            torch._foreach_sub_(snap, [p.detach() for p in self._params])
-            dn = torch.stack(torch._foreach_norm(snap)).double()
-            self._update = (self._snapshot_step, torch.where(wn > 0, dn / wn, torch.full_like(wn, math.nan)))
+            self._update = (self._snapshot_step, update_ratios(snap, self._params))
 
     # ------------------------------------------------------------------ helpers
     def _histograms(self, grads: Sequence[Optional[Tensor]]) -> Tensor:
@@ -918,6 +930,8 @@ class Watch:
             own = [n for n in names if n.startswith(where["module"] + ".")]
             where["name"] = own[0] if own else where.get("name")
         total = int(st.nonfinite[idx].sum()) or None
+        if st.shard_ranks:
+            where["ranks"] = sorted({r for i in idx for r in st.shard_ranks.get(int(i), ())})
         return nonfinite_anomaly(step, names, [tuple(self._params[i].shape) for i in idx], total, where,
                                  self._rank())
 

@@ -141,6 +141,7 @@ class StepStats:
     nonfinite: np.ndarray  # [P] int64 NaN/Inf entries
     has_grad: np.ndarray  # [P] bool
     extras: Optional[np.ndarray] = None  # [P, E] (mean, std, zero_frac as asked)
+    shard_ranks: Optional[Dict[int, List[int]]] = None  # DTensor gradients: ranks whose shard was non-finite
 
     @property
     def bad(self) -> np.ndarray:
@@ -154,8 +155,23 @@ class StepStats:
 
 
 def _special(g: Tensor) -> bool:
-    """A gradient that foreach kernels cannot take: sparse, or a tensor subclass (DTensor)."""
+    """A gradient that foreach kernels cannot take: sparse, or a tensor subclass."""
     return g.layout != torch.strided or type(g) is not Tensor
+
+
+def _sharded(g: Tensor) -> bool:
+    """A DTensor gradient (FSDP2, HSDP, tensor parallel): its statistics combine the
+    shards of every rank."""
+    return hasattr(g, "device_mesh") and hasattr(g, "placements") and hasattr(g, "to_local")
+
+
+def _local_shard(g: Tensor) -> Tensor:
+    """This rank's shard of a DTensor gradient; a pending sum (Partial) is reduced first."""
+    if any(p.is_partial() for p in g.placements):
+        from torch.distributed.tensor import Replicate
+
+        g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+    return g.to_local()
 
 
 def _dense(g: Tensor) -> Tensor:
@@ -180,6 +196,7 @@ class _Launch:
         self.maxes: List[Tensor] = []
         self.more: List[Tensor] = []  # [n, E] pieces of extra statistics
         self.order: List[int] = []  # the groups' indices one after the other
+        self.sharded: Optional[Tuple[int, List[int], List[Tensor]]] = None  # (piece, indices, DTensor grads)
 
 
 class StepReader:
@@ -201,34 +218,40 @@ class StepReader:
         self.want_absmax = "absmax" in stats
         self.columns = ("norm", "absmax") + self.extras
         self._tiny = np.array([_UNDERFLOW.get(p.dtype, 0.0) for p in params]) * np.sqrt(self.numel)
-        self._groups: Dict[Tuple[int, ...], List[Tuple[List[int], bool, Any, Any]]] = {}
+        self._groups: Dict[Tuple[int, ...], List[Tuple[List[int], str, Any, Any]]] = {}
+        self._shards = _Shards()
         self._index: Dict[Any, Tensor] = {}
         #: read-backs made by :meth:`rescue`
         self.extra_reads = 0
 
-    def _grouping(self, present: List[int], grads: Sequence[Optional[Tensor]]) -> List[Tuple[List[int], bool]]:
-        """``[(indices, foreach-able)]``: one group per device and dtype, then the special
-        gradients one by one; cached for the set of parameters that have a gradient (and
+    def _grouping(self, present: List[int], grads: Sequence[Optional[Tensor]]) -> List[Tuple[List[int], str]]:
+        """``[(indices, kind)]``: one ``"batched"`` group per device and dtype, one
+        ``"sharded"`` group of DTensor gradients, then the other special gradients one by
+        one (``"single"``); cached for the set of parameters that have a gradient (and
         checked against the first gradient of each group, in case the model moved)."""
         key = tuple(present)
         cached = self._groups.get(key)
         if cached is not None and all(grads[ix[0]].device == dev and grads[ix[0]].dtype == dt
                                       for ix, _, dev, dt in cached):
-            return [(ix, ok) for ix, ok, _, _ in cached]
+            return [(ix, kind) for ix, kind, _, _ in cached]
         by: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
-        special = []
+        special, sharded = [], []
         for i in present:
             g = grads[i]
-            if _special(g):
+            if _sharded(g):
+                sharded.append(i)
+            elif _special(g):
                 special.append(i)
             else:
                 by.setdefault((g.device, g.dtype), []).append(i)
-        groups = [(ix, True, *key_) for key_, ix in by.items()]
-        groups += [([i], False, grads[i].device, grads[i].dtype) for i in special]
+        groups = [(ix, "batched", *key_) for key_, ix in by.items()]
+        if sharded:
+            groups.append((sharded, "sharded", grads[sharded[0]].device, grads[sharded[0]].dtype))
+        groups += [([i], "single", grads[i].device, grads[i].dtype) for i in special]
         if len(self._groups) > 16:
             self._groups.clear()
         self._groups[key] = groups
-        return [(ix, ok) for ix, ok, _, _ in groups]
+        return [(ix, kind) for ix, kind, _, _ in groups]
 
     def index(self, ix: List[int], device: torch.device) -> Tensor:
         """``ix`` as an index tensor on ``device``, made once (no copy to the device per step)."""
@@ -248,8 +271,12 @@ class StepReader:
         present = [i for i, g in enumerate(grads) if g is not None and g.numel()]
         out = _Launch(present, absmax, extras and bool(self.extras))
         with torch.no_grad():
-            for ix, batched in self._grouping(present, grads):
-                ts = [grads[i] for i in ix] if batched else [_dense(grads[ix[0]])]
+            for ix, kind in self._grouping(present, grads):
+                if kind == "sharded":
+                    out.sharded = (len(out.groups), ix, [grads[i] for i in ix])
+                    ts = [_local_shard(grads[i]) for i in ix]
+                else:
+                    ts = [grads[i] for i in ix] if kind == "batched" else [_dense(grads[ix[0]])]
                 self._reduce(ts, out)
                 out.groups.append(ix)
                 out.order.extend(ix)
@@ -279,7 +306,12 @@ class StepReader:
         return torch.stack(cols)
 
     def add_to(self, rb: Readback, launch: _Launch) -> None:
-        """Put the launched results into a read-back."""
+        """Put the launched results into a read-back; for DTensor gradients, first
+        all-gather every rank's shard statistics (one small collective)."""
+        if launch.sharded is not None:
+            k = launch.sharded[0]
+            local = [launch.norms[k]] + ([launch.maxes[k]] if launch.absmax else [])
+            rb.add("shards", self._shards.gather(torch.stack([t.float() for t in local], 1)))
         for key, parts in (("norm", launch.norms), ("absmax", launch.maxes), ("extras", launch.more)):
             if parts:
                 rb.add(key, parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]))
@@ -299,7 +331,13 @@ class StepReader:
         if launch.extras:
             extras = np.full((P, len(self.extras)), np.nan)
             extras[order] = got["extras"].reshape(len(order), -1)
-        return StepStats(norm, absmax, np.zeros(P, dtype=np.int64), has, extras)
+        st = StepStats(norm, absmax, np.zeros(P, dtype=np.int64), has, extras)
+        if launch.sharded is not None:
+            _, ix, dgrads = launch.sharded
+            self._shards.combine(st, ix, dgrads, got["shards"], launch.absmax)
+            if st.extras is not None:
+                st.extras[ix] = np.nan  # (of this rank's shard only: not reported)
+        return st
 
     def rescue(self, st: StepStats, grads: Sequence[Optional[Tensor]], div: float = 1.0) -> bool:
         """Recompute in float64, exactly, the norms that are not final (see the class);
@@ -311,8 +349,13 @@ class StepReader:
         if not len(idx):
             return False
         with torch.no_grad():
-            rows = [_exact_row(_dense(grads[i])) for i in idx]
-            got = torch.stack([r.to(rows[0].device) for r in rows]).cpu().numpy()
+            rows = [_exact_row(_local_shard(grads[i]) if _sharded(grads[i]) else _dense(grads[i])) for i in idx]
+            table = torch.stack([r.to(rows[0].device) for r in rows])
+            shard_ix = [k for k, i in enumerate(idx) if _sharded(grads[i])]
+            if shard_ix:  # every rank has the same suspects: the same collective
+                got = self._shards.exact(table, [grads[idx[k]] for k in shard_ix], shard_ix)
+            else:
+                got = table.cpu().numpy()
         self.extra_reads += 1
         for i, (bad, norm, amax) in zip(idx, got):
             st.nonfinite[i] = int(bad)
@@ -325,10 +368,13 @@ class StepReader:
 def _absmax(ts: List[Tensor]) -> Tensor:
     """``[n]`` largest magnitudes (NaN if an entry is NaN). One fused launch per group on
     accelerators; on the CPU, where that kernel is slow, one ``aminmax`` pass each."""
-    if ts[0].device.type != "cpu":
+    if ts[0].device.type != "cpu" and all(t.numel() for t in ts):
         return torch.stack(torch._foreach_norm(ts, math.inf))
     out = []
     for t in ts:
+        if not t.numel():  # (an empty shard of an unevenly sharded parameter)
+            out.append(t.new_zeros(()))
+            continue
         lo, hi = torch.aminmax(t.reshape(-1))
         out.append(torch.maximum(hi, -lo))
     return torch.stack(out)
@@ -346,6 +392,101 @@ def _exact_row(g: Tensor) -> Tensor:
     return torch.stack([bad, norm, amax])
 
 
+class _Shards:
+    """Statistics of DTensor gradients from every rank's shard: one all-gather of a small
+    table per recorded step (a float32 norm, and the largest magnitude when read, per
+    parameter: 4-8 bytes each), never of the gradients. Shards along a mesh dimension add
+    up (norms in quadrature, NaN/Inf counts); replicas (``Replicate`` placements) count
+    once; the largest magnitude is the largest over all ranks."""
+
+    def __init__(self) -> None:
+        self._ranks: Dict[Any, np.ndarray] = {}
+        self.bytes_sent = 0  #: bytes this rank sent in gathers (for benchmarks)
+
+    def gather(self, table: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return table.reshape(1, *table.shape)
+        out = [torch.empty_like(table) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, table.contiguous())
+        self.bytes_sent += table.numel() * table.element_size()
+        return torch.stack(out)
+
+    def owners(self, g: Tensor) -> np.ndarray:
+        """Global ranks whose shards, together, make the whole of ``g`` once: those at
+        coordinate 0 along every mesh dimension it is replicated over."""
+        mesh, placements = g.device_mesh, tuple(g.placements)
+        key = (id(mesh), placements)
+        ranks = self._ranks.get(key)
+        if ranks is None:
+            grid = mesh.mesh.cpu().numpy()
+            sel = tuple(0 if p.is_replicate() else slice(None) for p in placements)
+            ranks = self._ranks[key] = np.asarray(grid[sel]).reshape(-1)
+        return ranks
+
+    def combine(self, st: StepStats, ix: List[int], dgrads: List[Tensor], table: np.ndarray, absmax: bool) -> None:
+        """Put the full gradients' norms (and largest magnitudes) of ``ix`` into ``st``."""
+        t = table.reshape(-1, len(ix), 2 if absmax else 1)
+        st.shard_ranks = {}
+        for k, (i, g) in enumerate(zip(ix, dgrads)):
+            own = t[self.owners(g), k, 0].astype(np.float64)
+            st.norm[i] = math.sqrt(float(np.dot(own, own)))
+            if absmax:
+                col = t[:, k, 1].astype(np.float64)
+                st.absmax[i] = np.nan if np.isnan(col).any() else col.max()
+            bad = np.nonzero(~np.isfinite(t[:, k, 0]))[0]
+            if len(bad):
+                st.shard_ranks[i] = [int(r) for r in bad]
+
+    def exact(self, table: Tensor, dgrads: List[Tensor], rows: List[int]) -> np.ndarray:
+        """Exact ``[count, norm, absmax]`` rows: those of DTensor gradients (``rows``)
+        combined over the ranks' shards."""
+        gathered = self.gather(table[rows].double()).cpu().numpy()
+        out = table.cpu().numpy()
+        for k, (r, g) in enumerate(zip(rows, dgrads)):
+            own = gathered[self.owners(g), k]
+            out[r] = [own[:, 0].sum(), math.sqrt(float(np.dot(own[:, 1], own[:, 1]))), gathered[:, k, 2].max()]
+        return out
+
+
+def local_values(t: Tensor) -> Tensor:
+    """A tensor's values held by this rank: a DTensor's local shard, else the tensor."""
+    return t.detach().to_local() if _sharded(t) else t.detach()
+
+
+def update_ratios(before: List[Tensor], params: Sequence[Tensor]) -> Tensor:
+    """``[P]`` float64 ``||w_old - w_new|| / ||w_old||`` (NaN where ``||w_old||`` is 0)
+    from a copy of the (local) weights taken before an optimizer step; ``before`` is used
+    up. For DTensor parameters the squared norms of the shards are all-reduced (one small
+    collective) and each replica counted once."""
+    wn = torch.stack(torch._foreach_norm(before)).double()
+    torch._foreach_sub_(before, [local_values(p) for p in params])
+    dn = torch.stack(torch._foreach_norm(before)).double()
+    shard = [i for i, p in enumerate(params) if _sharded(p)]
+    if shard:
+        import torch.distributed as dist
+
+        sq = torch.stack([wn[shard], dn[shard]]) ** 2
+        dist.all_reduce(sq)
+        copies = torch.tensor([_replicas(params[i]) for i in shard], dtype=torch.float64, device=sq.device)
+        wn[shard], dn[shard] = (sq / copies).sqrt()
+    return torch.where(wn > 0, dn / wn, torch.full_like(wn, math.nan))
+
+
+def _replicas(p: Tensor) -> int:
+    """How many ranks of the world hold the same shard of a DTensor: its Replicate mesh
+    dimensions, and the copies of its mesh when the mesh spans only part of the world (a
+    tensor-parallel mesh inside data parallelism, whose replicas are assumed in step)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size() // max(p.device_mesh.size(), 1)
+    for dim, pl in enumerate(p.placements):
+        if pl.is_replicate():
+            n *= p.device_mesh.size(dim)
+    return n
+
+
 def histogram_counts(grad: Tensor, edges: Tensor) -> Tensor:
     """Counts of finite |grad| values in the bins ``[0, e0), [e0, e1), ..., [e_last, inf)``
     (``len(edges) + 1`` bins), on the gradient's device. NaN and Inf are not counted.
@@ -353,7 +494,7 @@ def histogram_counts(grad: Tensor, edges: Tensor) -> Tensor:
     >>> histogram_counts(torch.tensor([0.0, 1.0, -1.0, float("nan")]), torch.tensor([0.5, 2.0])).tolist()
     [1, 2, 0]
     """
-    a = _dense(grad).detach().reshape(-1).abs()
+    a = (_local_shard(grad) if _sharded(grad) else _dense(grad)).detach().reshape(-1).abs()
     a = a[torch.isfinite(a)]
     idx = torch.bucketize(a.to(edges.dtype), edges, right=True)
     return torch.bincount(idx, minlength=edges.numel() + 1)

@@ -1,0 +1,105 @@
+"""Worker for tests/test_sharded.py: graddbg.watch on FSDP2, HSDP and tensor-parallel models,
+real gloo processes on 127.0.0.1. Each rank writes what it saw to <out>/<case>-rank<r>.json."""
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def data(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+
+
+def _shard(case: str, m: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if case == "tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        return parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if case == "hsdp":  # replicate x shard
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in m:
+        if isinstance(layer, nn.Linear) and not (case == "mixed" and layer is m[4]):
+            fully_shard(layer, mesh=mesh)
+    if case != "mixed":
+        fully_shard(m, mesh=mesh)
+    return m
+
+
+def _full_norms(m: nn.Module) -> dict:
+    out = {}
+    for n, p in m.named_parameters():
+        g = p.grad
+        if hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        out[n] = g.double().norm().item()
+    return out
+
+
+def _plant_nan_after_reduce_scatter(loss: torch.Tensor, param: nn.Parameter) -> None:
+    """A NaN in this rank's shard of ``param``'s gradient, written at the end of the
+    backward pass, after FSDP's reduce-scatter (as a faulty device would make it)."""
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+
+    def plant():
+        param.grad.to_local()[0, 0] = float("nan")
+
+    loss.register_hook(lambda g: queue(lambda: queue(plant)))
+
+
+def run(case: str, rank: int) -> dict:
+    import graddbg
+
+    m = _shard(case, model())
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    ref, record = [], {}
+    with graddbg.watch(m, opt, nonfinite="record", update_every=1) as w:
+        for step in range(3):
+            x, y = data(rank if case != "tp" else 0, step)
+            loss = nn.functional.mse_loss(m(x), y)
+            if step == 2 and case == "fsdp" and rank == 1:
+                _plant_nan_after_reduce_scatter(loss, dict(m.named_parameters())["2.weight"])
+            loss.backward()
+            if case != "mixed":
+                ref.append(_full_norms(m))
+            opt.step()
+            opt.zero_grad()
+    df = w.stats
+    record["names"] = df[df.step == 0]["name"].astype(str).tolist()
+    record["model_names"] = [n for n, _ in model().named_parameters()]
+    record["norms"] = {int(s): dict(zip(g["name"].astype(str), g["norm"])) for s, g in df.groupby("step", observed=True)}
+    record["absmax"] = df[df.step == 0]["absmax"].tolist()
+    record["update"] = df["update_ratio"].tolist()
+    record["ref"] = ref
+    record["anomalies"] = [(a.kind, a.step, a.name, str(a)) for a in w.anomalies]
+    return record
+
+
+def main(case: str, rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        record = run(case, rank)
+    except BaseException:
+        record = {"error": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out, f"{case}-rank{rank}.json"), "w") as f:
+        json.dump(record, f)

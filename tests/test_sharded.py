@@ -1,0 +1,79 @@
+"""watch() on sharded models (FSDP2, HSDP, tensor parallel): real gloo processes on 127.0.0.1.
+
+Every rank's table holds the statistics of the full, unsharded gradients, equal to
+``p.grad.full_tensor()``'s and the same on every rank."""
+from __future__ import annotations
+
+import json
+import math
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+
+import _sharded_worker as worker
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(case: str, world: int, out) -> dict:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=worker.main, args=(case, r, world, port, str(out)), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{case}: a rank hung"
+    results = {r: json.loads((out / f"{case}-rank{r}.json").read_text()) for r in range(world)}
+    for r, rec in results.items():
+        assert "error" not in rec, f"{case} rank {r}:\n{rec['error']}"
+    return results
+
+
+def _check_full_norms(results: dict, steps=(0, 1)) -> None:
+    r0 = results[0]
+    assert r0["names"] == r0["model_names"]  # the unsharded model's names
+    for r, rec in results.items():
+        assert rec["norms"] == r0["norms"], f"rank {r}'s table differs from rank 0's"
+        for step in steps:
+            for name, ref in rec["ref"][step].items():
+                assert rec["norms"][str(step)][name] == pytest.approx(ref, rel=1e-5), (r, step, name)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_two_ranks_full_norms_and_a_nan_shard_named_with_its_rank(tmp_path):
+    results = _launch("fsdp", 2, tmp_path)
+    _check_full_norms(results)
+    for r, rec in results.items():
+        assert all(v > 0 for v in rec["absmax"])
+        assert all(u > 0 for u in rec["update"][:10])  # update ratios of the full weights
+        (kind, step, name, text), = rec["anomalies"]
+        assert (kind, step, name) == ("nonfinite", 2, "2.weight"), rec["anomalies"]
+        assert "rank(s) 1" in text
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_four_ranks_on_a_2x2_mesh(tmp_path):
+    _check_full_norms(_launch("hsdp", 4, tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_two_ranks(tmp_path):
+    _check_full_norms(_launch("tp", 2, tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_mixed_sharded_and_plain_parameters(tmp_path):
+    results = _launch("mixed", 2, tmp_path)
+    r0 = results[0]
+    assert r0["names"] == r0["model_names"]
+    for step in ("0", "1", "2"):
+        assert all(math.isfinite(v) and v > 0 for v in r0["norms"][step].values())
