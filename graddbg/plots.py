@@ -6,7 +6,10 @@ global state: the figures work headless (Agg) and display inline in Jupyter.
 
 Non-finite values are never dropped silently and never crash a plot: NaN/Inf
 gradients are drawn as red markers on the edge of the axes (and counted in the legend),
-all-zero gradients as markers at the bottom, parameters without a gradient in grey.
+all-zero gradients as markers at the bottom, parameters without a gradient in grey. A
+value that was not measured (NaN ``absmax`` between two reads) is not a NaN gradient.
+``name`` and ``module`` may be plain strings or Categoricals (as ``w.stats`` keeps them);
+figures follow the rows' order, never the categories'.
 
 - :func:`flow`: per parameter in forward order, rms and max ``|grad|`` at one step.
 - :func:`norms`: gradient norms over steps (lines, or a parameter x step heatmap).
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import (TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Sequence,
+                    Tuple)
 
 if TYPE_CHECKING:  # pragma: no cover - type names only, nothing imported at run time
     import numpy
@@ -46,11 +50,16 @@ ANOMALY_COLORS = {
 _STATS_COLUMNS = ("step", "name", "norm")
 _MAX_LINES = 10
 _MAX_TICKLABELS = 60
+_STEP_COLORS = ("#08519c", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
 
 
 # --------------------------------------------------------------------------- helpers
 
-def _check_frame(obj: Any, arg: str, columns: Sequence[str]) -> None:
+def _frame(obj: Any, arg: str, columns: Sequence[str]) -> "pandas.DataFrame":
+    """``obj`` checked to be a DataFrame with ``columns``, its categorical ``name`` and
+    ``module`` columns (as ``w.stats`` keeps them) turned into plain strings: grouping,
+    pivoting and reindexing by name then see only the names present, never an unused
+    category."""
     import pandas as pd
 
     if not isinstance(obj, pd.DataFrame):
@@ -60,6 +69,9 @@ def _check_frame(obj: Any, arg: str, columns: Sequence[str]) -> None:
     if missing:
         raise ValueError(f"{arg} lacks the columns {missing}; it has {list(obj.columns)} "
                          f"(expected the frames recorded by graddbg.watch)")
+    plain = {c: obj[c].astype(object) for c in ("name", "module")
+             if c in obj.columns and isinstance(obj[c].dtype, pd.CategoricalDtype)}
+    return obj.assign(**plain) if plain else obj
 
 
 def _new_figure(width: float, height: float) -> "Figure":
@@ -98,10 +110,13 @@ def _make_locator_class() -> type:
         """Powers of ten; 1-2-5 steps as well when the axis spans under three decades."""
 
         def tick_values(self, vmin: float, vmax: float) -> Any:
-            lo, hi = min(vmin, vmax), max(vmin, vmax)
-            narrow = lo > 0 and math.isfinite(hi) and math.log10(hi / lo) < 3
+            import numpy as np
+
+            lo, hi = float(min(vmin, vmax)), float(max(vmin, vmax))
+            narrow = lo > 0 and math.isfinite(hi) and math.log10(hi) - math.log10(lo) < 3
             self.set_params(subs=(1.0, 2.0, 5.0) if narrow else (1.0,))
-            return super().tick_values(vmin, vmax)
+            with np.errstate(over="ignore"):  # a decade past 1e308 (values near the top)
+                return super().tick_values(vmin, vmax)
 
     return DecadeLocator
 
@@ -170,7 +185,7 @@ def _anomaly_table(anomalies: Any) -> List[Tuple[int, str]]:
         if isinstance(anomalies, pd.DataFrame):
             if len(anomalies) == 0:
                 return []
-            _check_frame(anomalies, "anomalies", ("step", "kind"))
+            _frame(anomalies, "anomalies", ("step", "kind"))
             return [(int(s), str(k)) for s, k in zip(anomalies["step"], anomalies["kind"])]
     except ImportError:  # pragma: no cover - pandas is a dependency
         pass
@@ -283,17 +298,22 @@ def _set_log_limits(ax: "Axes", values: Any) -> None:
         ax.set_ylim(lo / 3.0, min(hi * 10.0, 1e308))
 
 
-def _nonfinite_mask(frame: "pandas.DataFrame", column: str) -> "numpy.ndarray":
-    """Rows whose value in ``column`` is NaN/Inf although the parameter had a gradient,
-    or whose gradient had non-finite entries."""
+def _nonfinite_rows(frame: "pandas.DataFrame") -> "numpy.ndarray":
+    """Rows whose norm is NaN/Inf although the parameter had a gradient, or whose
+    gradient had non-finite entries."""
     import numpy as np
 
     has = _has_grad(frame)
-    v = frame[column].to_numpy(dtype=float)
-    bad = has & ~np.isfinite(v)
-    if "nonfinite" in frame.columns and column in ("norm", "absmax"):
-        bad |= has & (frame["nonfinite"].to_numpy() > 0)
+    bad = has & ~np.isfinite(frame["norm"].to_numpy(dtype=float))
+    if "nonfinite" in frame.columns:
+        bad |= has & (frame["nonfinite"].to_numpy(dtype=float) > 0)
     return bad
+
+
+def _legend(ax: "Axes", **kw: Any) -> None:
+    """A legend when something on the axes has a label (matplotlib warns otherwise)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kw)
 
 
 def _title_count(shown: int, total: int, what: str) -> str:
@@ -302,14 +322,31 @@ def _title_count(shown: int, total: int, what: str) -> str:
 
 # --------------------------------------------------------------------------- flow
 
+class _FlowRows(NamedTuple):
+    """One recorded step, one entry per parameter shown (forward order)."""
+
+    labels: List[str]
+    has: "numpy.ndarray"       # the parameter had a gradient
+    rms: "numpy.ndarray"       # norm / sqrt(numel)
+    absmax: "numpy.ndarray"    # max |grad|, the latest measured at or before the step
+    absmax_label: str          # the legend entry, naming an earlier step where one is used
+    bad: "numpy.ndarray"       # non-finite entries
+    counts: "numpy.ndarray"    # how many (0 where the frame does not say)
+    zero: "numpy.ndarray"      # an all-zero gradient
+
+
 def flow(stats: "pandas.DataFrame", step: Optional[int] = None, *,
          names: Optional[Sequence[str]] = None) -> "Figure":
     """Gradient flow at one recorded step: per parameter in forward order, the rms
     ``|grad|`` (norm / sqrt(numel)) and the max ``|grad|`` on a log scale.
 
-    Parameters whose gradient holds NaN/Inf get a red ``X`` at the top, all-zero
-    gradients a black triangle at the bottom, parameters without a gradient a grey
-    circle; their tick labels take the same colour. ``step=None`` is the last recorded step.
+    Parameters whose gradient holds NaN/Inf (``nonfinite > 0``; in frames without that
+    column a non-finite norm or an infinite ``absmax``) get a red ``X`` at the top,
+    all-zero gradients a black triangle at the bottom, parameters without a gradient a
+    grey circle; their tick labels take the same colour. ``step=None`` is the last
+    recorded step. The max ``|grad|`` is measured on some steps only (``absmax`` is NaN
+    on the others): a parameter without one at ``step`` shows its latest measured value
+    at or before ``step``, and the legend names that step ("max |grad| (step 10)").
 
     >>> import pandas as pd
     >>> stats = pd.DataFrame({"step": [1, 1], "name": ["fc.weight", "fc.bias"],
@@ -319,71 +356,132 @@ def flow(stats: "pandas.DataFrame", step: Optional[int] = None, *,
     >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
     ['fc.weight', 'fc.bias']
     """
+    stats = _frame(stats, "stats", ("step", "name", "numel", "norm", "absmax"))
+    step = _flow_step(stats, step)
+    rows = _flow_rows(stats, step, _select_names(stats, names))
+    fig = _new_figure(min(max(6.0, 0.22 * len(rows.labels) + 2.0), 24.0), 4.2)
+    ax = fig.add_subplot()
+    _flow_bars(ax, rows)
+    _flow_marks(ax, rows)
+    _flow_axes(ax, rows, f"Gradient flow at step {step}"
+               + _title_count(len(rows.labels), len(_order(stats["name"])), "parameters"))
+    return fig
+
+
+def _flow_step(stats: "pandas.DataFrame", step: Optional[int]) -> int:
+    """The step to draw: ``step`` when it was recorded, else the last recorded one."""
     import numpy as np
 
-    _check_frame(stats, "stats", ("step", "name", "numel", "norm", "absmax"))
     if len(stats) == 0:
         raise ValueError("stats: the run recorded no statistics (no step was recorded)")
-    recorded = sorted(set(int(s) for s in stats["step"]))
+    recorded = np.unique(stats["step"].to_numpy(dtype=np.int64))
     if step is None:
-        step = recorded[-1]
-    elif int(step) not in set(recorded):
+        return int(recorded[-1])
+    if int(step) not in recorded:
         raise ValueError(f"step: {step!r} was not recorded; recorded steps run from "
                          f"{recorded[0]} to {recorded[-1]} ({len(recorded)} steps)")
-    chosen = _select_names(stats, names)
-    rows = stats[stats["step"] == int(step)].drop_duplicates("name").set_index("name")
-    rows = rows.reindex([n for n in chosen if n in rows.index])
-    n = len(rows)
-    labels = list(rows.index)
-    has = _has_grad(rows)
-    norm = rows["norm"].to_numpy(dtype=float)
-    absmax = rows["absmax"].to_numpy(dtype=float)
-    numel = np.maximum(rows["numel"].to_numpy(dtype=float), 1.0)
-    with np.errstate(invalid="ignore", over="ignore"):
-        rms = norm / np.sqrt(numel)
-    bad = _nonfinite_mask(rows, "norm") | (has & ~np.isfinite(absmax))
-    zero = has & ~bad & (norm == 0)
-    nograd = ~has
-    counts = rows["nonfinite"].to_numpy() if "nonfinite" in rows.columns else np.zeros(n, int)
+    return int(step)
 
-    fig = _new_figure(min(max(6.0, 0.22 * n + 2.0), 24.0), 4.2)
-    ax = fig.add_subplot()
-    x = np.arange(n)
-    ok_max = has & ~bad & np.isfinite(absmax) & (absmax > 0)
-    ok_rms = has & ~bad & np.isfinite(rms) & (rms > 0)
-    ax.bar(x[ok_max], absmax[ok_max], width=0.8, color="#9ecae1",
-                      label="max |grad|")
-    ax.bar(x[ok_rms], rms[ok_rms], width=0.5, color="#08519c",
-                      label="rms |grad| (norm/√numel)")
-    _set_log_limits(ax, np.concatenate([absmax[ok_max], rms[ok_rms]]))
-    _edge_markers(ax, x[bad], "top", color=NONFINITE_COLOR, marker="X",
-                  label=f"non-finite ({int(bad.sum())})", gid="nonfinite")
-    _edge_markers(ax, x[zero], "bottom", color=ZERO_COLOR, marker="v",
-                  label=f"all zero ({int(zero.sum())})", gid="zero")
-    _edge_markers(ax, x[nograd], "bottom", color=NOGRAD_COLOR, marker="o",
-                  label=f"no gradient ({int(nograd.sum())})", gid="nograd")
-    if bad.sum() and bad.sum() <= 30:
-        for i in x[bad]:
-            c = int(counts[i])
+
+def _flow_rows(stats: "pandas.DataFrame", step: int, chosen: Sequence[str]) -> _FlowRows:
+    """The rows of ``step`` for the ``chosen`` parameters, in their order, as arrays."""
+    import numpy as np
+
+    at = stats[stats["step"] == step].drop_duplicates("name").set_index("name")
+    at = at.reindex([n for n in chosen if n in at.index])
+    has = _has_grad(at)
+    norm = at["norm"].to_numpy(dtype=float)
+    with np.errstate(invalid="ignore", over="ignore"):
+        rms = norm / np.sqrt(np.maximum(at["numel"].to_numpy(dtype=float), 1.0))
+    if "nonfinite" in at.columns:  # the count decides; an unmeasured (NaN) absmax never does
+        counts = np.nan_to_num(at["nonfinite"].to_numpy(dtype=float)).astype(np.int64)
+        bad = has & (counts > 0)
+    else:
+        counts = np.zeros(len(at), dtype=np.int64)
+        bad = has & (~np.isfinite(norm) | np.isinf(at["absmax"].to_numpy(dtype=float)))
+    absmax, label = _latest_absmax(stats, at, step, has & ~bad)
+    return _FlowRows(list(at.index), has, rms, absmax, label, bad, counts,
+                     has & ~bad & (norm == 0))
+
+
+def _latest_absmax(stats: "pandas.DataFrame", at: "pandas.DataFrame", step: int,
+                   wanted: "numpy.ndarray") -> Tuple["numpy.ndarray", str]:
+    """``at``'s absmax, where it was not measured (NaN) the latest measured value at or
+    before ``step``; and the legend entry, naming the steps the values come from."""
+    import numpy as np
+
+    absmax = at["absmax"].to_numpy(dtype=float).copy()
+    source = np.where(np.isnan(absmax), np.nan, float(step))
+    missing = wanted & np.isnan(absmax)
+    if missing.any():
+        names = at.index[missing]
+        earlier = stats[(stats["step"] <= step) & stats["absmax"].notna()
+                        & stats["name"].isin(names)]
+        latest = (earlier.sort_values("step", kind="stable")
+                  .drop_duplicates("name", keep="last").set_index("name").reindex(names))
+        absmax[missing] = latest["absmax"].to_numpy(dtype=float)
+        source[missing] = latest["step"].to_numpy(dtype=float)
+    used = np.unique(source[wanted & np.isfinite(absmax) & (absmax > 0)])
+    if len(used) == 0 or (len(used) == 1 and used[0] == step):
+        return absmax, "max |grad|"
+    if len(used) == 1:
+        return absmax, f"max |grad| (step {int(used[0])})"
+    return absmax, f"max |grad| (steps {int(used[0])}–{int(used[-1])})"
+
+
+def _flow_bars(ax: "Axes", r: _FlowRows) -> None:
+    """Max and rms bars of the parameters with a finite, positive value; log y axis."""
+    import numpy as np
+
+    x = np.arange(len(r.labels))
+    drawable = r.has & ~r.bad
+    ok_max = drawable & np.isfinite(r.absmax) & (r.absmax > 0)
+    ok_rms = drawable & np.isfinite(r.rms) & (r.rms > 0)
+    ax.bar(x[ok_max], r.absmax[ok_max], width=0.8, color="#9ecae1", label=r.absmax_label)
+    ax.bar(x[ok_rms], r.rms[ok_rms], width=0.5, color="#08519c",
+           label="rms |grad| (norm/√numel)")
+    _set_log_limits(ax, np.concatenate([r.absmax[ok_max], r.rms[ok_rms]]))
+
+
+def _flow_marks(ax: "Axes", r: _FlowRows) -> None:
+    """Edge markers for non-finite, all-zero and gradient-less parameters; the count of
+    NaN/Inf entries written over each non-finite one (up to 30 of them)."""
+    import numpy as np
+
+    x = np.arange(len(r.labels))
+    _edge_markers(ax, x[r.bad], "top", color=NONFINITE_COLOR, marker="X",
+                  label=f"non-finite ({int(r.bad.sum())})", gid="nonfinite")
+    _edge_markers(ax, x[r.zero], "bottom", color=ZERO_COLOR, marker="v",
+                  label=f"all zero ({int(r.zero.sum())})", gid="zero")
+    _edge_markers(ax, x[~r.has], "bottom", color=NOGRAD_COLOR, marker="o",
+                  label=f"no gradient ({int((~r.has).sum())})", gid="nograd")
+    if r.bad.sum() <= 30:
+        for i in x[r.bad]:
+            c = int(r.counts[i])
             ax.annotate(f"{c} NaN/Inf" if c else "NaN/Inf", (i, 0.93),
                         xycoords=ax.get_xaxis_transform(), ha="center", va="top",
                         fontsize=7, color=NONFINITE_COLOR, rotation=90)
+
+
+def _flow_axes(ax: "Axes", r: _FlowRows, title: str) -> None:
+    """Parameter names as tick labels (coloured like their markers), labels, legend."""
+    import numpy as np
+
+    n = len(r.labels)
     ax.set_xlim(-0.6, n - 0.4)
-    stride = max(1, math.ceil(n / _MAX_TICKLABELS))
-    ax.set_xticks(x[::stride])
-    ax.set_xticklabels(labels[::stride], rotation=90, fontsize=7)
-    for tick, i in zip(ax.get_xticklabels(), x[::stride]):
-        if bad[i]:
+    shown = np.arange(n)[::max(1, math.ceil(n / _MAX_TICKLABELS))]
+    ax.set_xticks(shown)
+    ax.set_xticklabels([r.labels[i] for i in shown], rotation=90, fontsize=7)
+    for tick, i in zip(ax.get_xticklabels(), shown):
+        if r.bad[i]:
             tick.set_color(NONFINITE_COLOR)
-        elif nograd[i]:
+        elif not r.has[i]:
             tick.set_color(NOGRAD_COLOR)
     ax.set_xlabel("parameter (forward order)")
     ax.set_ylabel("|grad|")
-    total = len(_order(stats["name"]))
-    ax.set_title(f"Gradient flow at step {int(step)}{_title_count(n, total, 'parameters')}")
+    ax.set_title(title)
     ax.grid(True, axis="y", which="major", alpha=0.3)
-    ax.legend(loc="upper right", fontsize=7)
-    return fig
+    _legend(ax, loc="upper right", fontsize=7)
 
 
 # --------------------------------------------------------------------------- norms
@@ -488,9 +586,9 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
     """
     import numpy as np
 
-    _check_frame(stats, "stats", _STATS_COLUMNS)
+    stats = _frame(stats, "stats", _STATS_COLUMNS)
     if steps is not None:
-        _check_frame(steps, "steps", ("step",))
+        steps = _frame(steps, "steps", ("step",))
     if max_points is not None and int(max_points) < 2:
         raise ValueError(f"max_points must be at least 2 (or None for all points); got {max_points!r}")
     if heatmap:
@@ -509,7 +607,7 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
 
     labels, wide, what, n_total = _series_groups(stats, names)
     # non-finite per step from the raw rows (a NaN norm, or non-finite entries)
-    bad_rows = _nonfinite_mask(stats, "norm")
+    bad_rows = _nonfinite_rows(stats)
     bad_steps |= set(int(s) for s in stats.loc[bad_rows, "step"])
     for label in labels:
         col = wide[label]
@@ -533,104 +631,128 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
     return fig
 
 
-def _bucket_columns(n: int, max_cols: Optional[int]) -> List[Any]:
-    import numpy as np
-
-    if max_cols is None or n <= max_cols:
-        return [np.array([i]) for i in range(n)]
-    return [b for b in np.array_split(np.arange(n), max_cols) if len(b)]
-
-
 def _norm_heatmap(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"],
                   anomalies: Any, names: Optional[Sequence[str]],
                   max_points: Optional[int]) -> "Figure":
+    """:func:`norms` with ``heatmap=True``: parameter x step cells, long runs in buckets."""
+    chosen = _select_names(stats, names)
+    step_values, value, cat = _heatmap_cells(stats, chosen)
+    value, cat, starts, ends = _bucket_steps(step_values, value, cat, max_points)
+    fig = _new_figure(10.0, min(max(3.0, 0.16 * len(chosen) + 1.5), 16.0))
+    ax = fig.add_subplot()
+    mesh = _draw_cells(ax, _column_edges(starts, ends), value, cat)
+    cbar = fig.colorbar(mesh, ax=ax, pad=0.01)
+    cbar.set_label("gradient L2 norm (log scale)")
+    _log_axis(cbar.ax.yaxis)
+    _heatmap_axes(ax, chosen, cat, anomalies, steps)
+    S, columns = len(step_values), value.shape[1]
+    ax.set_title("Gradient norm per parameter and step"
+                 + _title_count(len(chosen), len(_order(stats["name"])), "parameters")
+                 + ("" if columns == S else f" (max over {S} steps in {columns} columns)"))
+    return fig
+
+
+def _heatmap_cells(stats: "pandas.DataFrame", chosen: Sequence[str]
+                   ) -> Tuple["numpy.ndarray", "numpy.ndarray", "numpy.ndarray"]:
+    """(recorded steps, norm per parameter x step, category per cell: 0 finite and
+    positive, 1 non-finite, 2 zero, 3 no gradient or not recorded)."""
+    import numpy as np
+
+    frame = stats[stats["name"].isin(chosen)]
+    step_values = np.unique(frame["step"].to_numpy(dtype=np.int64))
+    value = np.full((len(chosen), len(step_values)), np.nan)
+    cat = np.full(value.shape, 3, dtype=np.int8)
+    rows = frame["name"].map({n: i for i, n in enumerate(chosen)}).to_numpy(dtype=np.int64)
+    cols = np.searchsorted(step_values, frame["step"].to_numpy(dtype=np.int64))
+    v = frame["norm"].to_numpy(dtype=float)
+    c = np.where(~_has_grad(frame), 3, np.where(_nonfinite_rows(frame), 1,
+                                                 np.where(v == 0, 2, 0))).astype(np.int8)
+    value[rows, cols] = np.where(c == 0, v, np.nan)
+    cat[rows, cols] = c
+    return step_values, value, cat
+
+
+def _bucket_steps(step_values: "numpy.ndarray", value: "numpy.ndarray", cat: "numpy.ndarray",
+                  max_cols: Optional[int]) -> Tuple[Any, Any, Any, Any]:
+    """At most ``max_cols`` columns, each the max over a bucket of steps (a non-finite
+    cell wins over any value); returns (value, cat, first step, last step of each)."""
+    import numpy as np
+
+    S = len(step_values)
+    if max_cols is None or S <= max_cols:
+        x = step_values.astype(float)
+        return value, cat, x, x
+    buckets = [b for b in np.array_split(np.arange(S), max_cols) if len(b)]
+    vb = np.full((value.shape[0], len(buckets)), np.nan)
+    cb = np.full(vb.shape, 3, dtype=np.int8)
+    for j, b in enumerate(buckets):
+        block, cblock = value[:, b], cat[:, b]
+        any_ok = np.isfinite(block).any(axis=1)
+        vb[any_ok, j] = np.nanmax(block[any_ok], axis=1)
+        cb[:, j] = np.where((cblock == 1).any(axis=1), 1,
+                            np.where(any_ok, 0, np.where((cblock == 2).any(axis=1), 2, 3)))
+    starts = step_values[[b[0] for b in buckets]].astype(float)
+    ends = step_values[[b[-1] for b in buckets]].astype(float)
+    return vb, cb, starts, ends
+
+
+def _column_edges(starts: "numpy.ndarray", ends: "numpy.ndarray") -> "numpy.ndarray":
+    """x edges between columns, half way between one column's last step and the next
+    one's first (steps need not be evenly spaced)."""
+    import numpy as np
+
+    if len(starts) == 0:
+        return np.array([0.0, 1.0])
+    if len(starts) == 1:
+        return np.array([starts[0] - 0.5, ends[0] + 0.5])
+    mids = (ends[:-1] + starts[1:]) / 2.0
+    return np.concatenate([[starts[0] - (mids[0] - ends[0])], mids,
+                           [ends[-1] + (starts[-1] - mids[-1])]])
+
+
+def _draw_cells(ax: "Axes", edges: "numpy.ndarray", value: "numpy.ndarray",
+                cat: "numpy.ndarray") -> Any:
+    """The norms on a log colour scale, and over them the non-finite, zero and
+    gradient-less cells in their colours; returns the norms' mesh (for the colour bar)."""
     import numpy as np
     from matplotlib.colors import ListedColormap, LogNorm
-    from matplotlib.patches import Patch
 
-    chosen = _select_names(stats, names)
-    frame = stats[stats["name"].isin(chosen)]
-    step_values = np.array(sorted(set(int(s) for s in frame["step"])), dtype=np.int64)
-    p_index = {n: i for i, n in enumerate(chosen)}
-    s_index = {int(s): j for j, s in enumerate(step_values)}
-    P, S = len(chosen), len(step_values)
-    value = np.full((P, S), np.nan)
-    cat = np.full((P, S), 3, dtype=np.int8)  # 0 finite>0, 1 non-finite, 2 zero, 3 no grad
-    if len(frame):
-        rows = np.array([p_index[n] for n in frame["name"]])
-        cols = np.array([s_index[int(s)] for s in frame["step"]])
-        v = frame["norm"].to_numpy(dtype=float)
-        has = _has_grad(frame)
-        bad = _nonfinite_mask(frame, "norm")
-        c = np.where(~has, 3, np.where(bad, 1, np.where(v == 0, 2, 0))).astype(np.int8)
-        value[rows, cols] = np.where(c == 0, v, np.nan)
-        cat[rows, cols] = c
-    # reduce columns to at most max_points buckets: max value; non-finite wins
-    buckets = _bucket_columns(S, max_points)
-    if len(buckets) < S:
-        vb = np.full((P, len(buckets)), np.nan)
-        cb = np.full((P, len(buckets)), 3, dtype=np.int8)
-        for j, b in enumerate(buckets):
-            block = value[:, b]
-            any_ok = np.isfinite(block).any(axis=1)
-            vb[any_ok, j] = np.nanmax(block[any_ok], axis=1)
-            cblock = cat[:, b]
-            cb[:, j] = np.where((cblock == 1).any(axis=1), 1,
-                                np.where(any_ok, 0,
-                                         np.where((cblock == 2).any(axis=1), 2, 3)))
-        value, cat = vb, cb
-        starts = np.array([step_values[b[0]] for b in buckets], dtype=float)
-        ends = np.array([step_values[b[-1]] for b in buckets], dtype=float)
-    else:
-        starts = ends = step_values.astype(float)
-    # x edges between columns (steps need not be evenly spaced)
-    if len(starts) == 0:
-        edges = np.array([0.0, 1.0])
-    elif len(starts) == 1:
-        edges = np.array([starts[0] - 0.5, ends[0] + 0.5])
-    else:
-        mids = (ends[:-1] + starts[1:]) / 2.0
-        edges = np.concatenate([[starts[0] - (mids[0] - ends[0])], mids,
-                                [ends[-1] + (starts[-1] - mids[-1])]])
-    y_edges = np.arange(P + 1) - 0.5
-
-    fig = _new_figure(10.0, min(max(3.0, 0.16 * P + 1.5), 16.0))
-    ax = fig.add_subplot()
-    good = np.ma.masked_invalid(value)
+    y_edges = np.arange(value.shape[0] + 1) - 0.5
     finite = value[np.isfinite(value)]
     vmin = float(finite.min()) if finite.size else 1e-12
     vmax = float(finite.max()) if finite.size else 1.0
     if vmax <= vmin:
         vmin, vmax = vmin / 10.0, vmax * 10.0
-    mesh = ax.pcolormesh(edges, y_edges, good, norm=LogNorm(vmin=vmin, vmax=vmax),
-                         cmap="viridis", rasterized=True, shading="flat")
+    mesh = ax.pcolormesh(edges, y_edges, np.ma.masked_invalid(value),
+                         norm=LogNorm(vmin=vmin, vmax=vmax), cmap="viridis",
+                         rasterized=True, shading="flat")
     mesh.set_gid("heatmap")
-    overlay = np.ma.masked_where(cat == 0, cat)
-    special = ax.pcolormesh(edges, y_edges, overlay,
+    special = ax.pcolormesh(edges, y_edges, np.ma.masked_where(cat == 0, cat),
                             cmap=ListedColormap([NONFINITE_COLOR, ZERO_COLOR, "#e6e6e6"]),
                             vmin=0.5, vmax=3.5, rasterized=True, shading="flat")
     special.set_gid("heatmap-special")
-    cbar = fig.colorbar(mesh, ax=ax, pad=0.01)
-    cbar.set_label("gradient L2 norm (log scale)")
-    _log_axis(cbar.ax.yaxis)
-    ax.set_ylim(P - 0.5, -0.5)  # first parameter at the top
+    return mesh
+
+
+def _heatmap_axes(ax: "Axes", chosen: Sequence[str], cat: "numpy.ndarray", anomalies: Any,
+                  steps: Optional["pandas.DataFrame"]) -> None:
+    """Parameter names down the side (first at the top), anomaly lines, the legend."""
+    import numpy as np
+    from matplotlib.patches import Patch
+
+    P = len(chosen)
+    ax.set_ylim(P - 0.5, -0.5)
     stride = max(1, math.ceil(P / _MAX_TICKLABELS))
     ax.set_yticks(np.arange(P)[::stride])
-    ax.set_yticklabels(chosen[::stride], fontsize=6)
+    ax.set_yticklabels(list(chosen)[::stride], fontsize=6)
     handles = [Patch(color=NONFINITE_COLOR, label=f"non-finite ({int((cat == 1).sum())} cells)"),
                Patch(color=ZERO_COLOR, label=f"all zero ({int((cat == 2).sum())} cells)"),
                Patch(color="#e6e6e6", label=f"no gradient ({int((cat == 3).sum())} cells)")]
     _mark_anomalies(ax, anomalies, steps)
-    h, l = ax.get_legend_handles_labels()
-    ax.legend(handles=handles + h, fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.12),
-              ncol=3, borderaxespad=0)
+    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7,
+              loc="upper left", bbox_to_anchor=(0.0, -0.12), ncol=3, borderaxespad=0)
     ax.set_xlabel("step")
     ax.set_ylabel("parameter (forward order)")
-    total = len(_order(stats["name"]))
-    ax.set_title("Gradient norm per parameter and step"
-                 + _title_count(P, total, "parameters")
-                 + ("" if len(buckets) == S else f" (max over {S} steps in {len(buckets)} columns)"))
-    return fig
 
 
 # --------------------------------------------------------------------------- update ratio
@@ -655,86 +777,104 @@ def update_ratio(stats: "pandas.DataFrame", guide: Optional[float] = 1e-3, *,
     """
     import numpy as np
 
-    _check_frame(stats, "stats", ("step", "name"))
+    stats = _frame(stats, "stats", ("step", "name"))
     if guide is not None and not (isinstance(guide, (int, float)) and math.isfinite(guide)
                                   and guide > 0):
         raise ValueError(f"guide must be a positive finite number or None; got {guide!r}")
+    ratios = (stats["update_ratio"].to_numpy(dtype=float) if "update_ratio" in stats.columns
+              else np.full(len(stats), np.nan))
     fig = _new_figure(9.0, 4.5)
     ax = fig.add_subplot()
     ax.set_xlabel("step")
     ax.set_ylabel("||Δw|| / ||w||")
     ax.set_title("Update / weight ratio")
-    ratios = (stats["update_ratio"].to_numpy(dtype=float) if "update_ratio" in stats.columns
-              else np.full(len(stats), np.nan))
     if guide is not None:
-        gl = ax.axhline(guide, color="black", linestyle="--", linewidth=1.0,
-                        label=f"guide {guide:g}")
-        gl.set_gid("guide")
-    if not np.isfinite(ratios).any() and not np.isinf(ratios).any():
-        ax.set_yscale("log")
-        _log_axis(ax.yaxis)
-        ax.set_ylim(1e-6, 1.0)
-        ax.text(0.5, 0.5, "no update ratios recorded\n(watch() needs the optimizer)",
-                transform=ax.transAxes, ha="center", va="center", color="#555555")
-        if len(stats):
-            steps_seen = stats["step"].to_numpy(dtype=float)
-            ax.set_xlim(steps_seen.min() - 0.5, steps_seen.max() + 0.5)
-        ax.legend(loc="upper right", fontsize=7)
+        ax.axhline(guide, color="black", linestyle="--", linewidth=1.0,
+                   label=f"guide {guide:g}").set_gid("guide")
+    if np.isnan(ratios).all():
+        _no_ratios(ax, stats)
         return fig
     frame = stats.assign(update_ratio=ratios)
     chosen = _select_names(stats, names)
-    all_vals = [ratios[np.isfinite(ratios)]]
-    if guide is not None:
-        all_vals.append(np.array([guide]))
     if names is not None or len(chosen) <= _MAX_LINES:
-        wide = frame[frame["name"].isin(chosen)].pivot_table(
-            index="step", columns="name", values="update_ratio", aggfunc="first",
-            dropna=False).reindex(columns=chosen).sort_index()
-        for name in chosen:
-            line = _log_line(ax, wide.index, wide[name].to_numpy(), label=name,
-                             max_points=max_points, connect=True, linewidth=1.0,
-                             marker="o", markersize=2)
-            line.set_gid(f"series:{name}")
+        _ratio_lines(ax, frame, chosen, max_points)
     else:
-        wide = frame.pivot_table(index="step", columns="name", values="update_ratio",
-                                 aggfunc="first", dropna=False).sort_index()
-        vals = wide.to_numpy(dtype=float)
-        vals = np.where(np.isfinite(vals) & (vals > 0), vals, np.nan)
-        ok = np.isfinite(vals).any(axis=1)
-        x = wide.index.to_numpy(dtype=float)[ok]
-        v = vals[ok]
-        q10, med, q90 = np.nanpercentile(v, [10, 50, 90], axis=1) if len(v) else ([], [], [])
-        mx = np.nanmax(v, axis=1) if len(v) else []
-        xd, q10d = _downsample(x, np.asarray(q10), max_points)
-        _, q90d = _downsample(x, np.asarray(q90), max_points)
-        if len(xd) == len(q90d):
-            band = ax.fill_between(xd, q10d, q90d, color="#9ecae1", alpha=0.6,
-                                   label=f"10–90 % of {len(chosen)} parameters")
-            band.set_gid("band")
-        line = _log_line(ax, x, med, label="median", max_points=max_points, connect=True,
-                         color="#08519c", marker="o", markersize=2)
-        line.set_gid("median")
-        line = _log_line(ax, x, mx, label="max", max_points=max_points, connect=True,
-                         color="#08519c", linestyle=":")
-        line.set_gid("max")
-    # an infinite ratio, or an unknown one where the gradient itself had NaN/Inf entries
+        _ratio_band(ax, frame, len(chosen), max_points)
+    _set_log_limits(ax, np.concatenate([ratios[np.isfinite(ratios)],
+                                        [] if guide is None else [guide]]))
+    _ratio_marks(ax, frame, chosen)
+    _mark_anomalies(ax, anomalies, None)
+    ax.grid(True, which="major", alpha=0.3)
+    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
+    return fig
+
+
+def _no_ratios(ax: "Axes", stats: "pandas.DataFrame") -> None:
+    """An empty log axis over the recorded steps that says why it is empty."""
+    ax.set_yscale("log")
+    _log_axis(ax.yaxis)
+    ax.set_ylim(1e-6, 1.0)
+    ax.text(0.5, 0.5, "no update ratios recorded\n(watch() needs the optimizer)",
+            transform=ax.transAxes, ha="center", va="center", color="#555555")
+    if len(stats):
+        steps_seen = stats["step"].to_numpy(dtype=float)
+        ax.set_xlim(steps_seen.min() - 0.5, steps_seen.max() + 0.5)
+    _legend(ax, loc="upper right", fontsize=7)
+
+
+def _ratio_lines(ax: "Axes", frame: "pandas.DataFrame", chosen: Sequence[str],
+                 max_points: int) -> None:
+    """One line per parameter, joining the steps where its ratio was measured."""
+    wide = frame[frame["name"].isin(chosen)].pivot_table(
+        index="step", columns="name", values="update_ratio", aggfunc="first",
+        dropna=False).reindex(columns=chosen).sort_index()
+    for name in chosen:
+        line = _log_line(ax, wide.index, wide[name].to_numpy(), label=name,
+                         max_points=max_points, connect=True, linewidth=1.0,
+                         marker="o", markersize=2)
+        line.set_gid(f"series:{name}")
+
+
+def _ratio_band(ax: "Axes", frame: "pandas.DataFrame", n: int, max_points: int) -> None:
+    """The median over ``n`` parameters, their 10-90 % band and their maximum per step."""
+    import numpy as np
+
+    wide = frame.pivot_table(index="step", columns="name", values="update_ratio",
+                             aggfunc="first", dropna=False).sort_index()
+    vals = wide.to_numpy(dtype=float)
+    vals = np.where(np.isfinite(vals) & (vals > 0), vals, np.nan)
+    ok = np.isfinite(vals).any(axis=1)
+    x, v = wide.index.to_numpy(dtype=float)[ok], vals[ok]
+    q10, med, q90 = np.nanpercentile(v, [10, 50, 90], axis=1) if len(v) else ([], [], [])
+    mx = np.nanmax(v, axis=1) if len(v) else []
+    xd, q10d = _downsample(x, np.asarray(q10), max_points)
+    _, q90d = _downsample(x, np.asarray(q90), max_points)
+    if len(xd) == len(q90d):
+        ax.fill_between(xd, q10d, q90d, color="#9ecae1", alpha=0.6,
+                        label=f"10–90 % of {n} parameters").set_gid("band")
+    _log_line(ax, x, med, label="median", max_points=max_points, connect=True,
+              color="#08519c", marker="o", markersize=2).set_gid("median")
+    _log_line(ax, x, mx, label="max", max_points=max_points, connect=True,
+              color="#08519c", linestyle=":").set_gid("max")
+
+
+def _ratio_marks(ax: "Axes", frame: "pandas.DataFrame", chosen: Sequence[str]) -> None:
+    """Red markers at the top of steps with an infinite ratio, or an unknown one where
+    the gradient had NaN/Inf entries; black ones at the bottom of steps where a ratio
+    is zero (the optimizer left the weights alone: a skipped step)."""
+    import numpy as np
+
+    ratios = frame["update_ratio"].to_numpy(dtype=float)
+    step = frame["step"].to_numpy()
     bad = np.isinf(ratios)
     if "nonfinite" in frame.columns:
-        bad |= np.isnan(ratios) & (frame["nonfinite"].to_numpy() > 0)
-    bad = frame["step"].to_numpy()[bad]
-    bad_steps = sorted(set(int(s) for s in bad))
-    # a zero ratio: the optimizer left the weights alone (a skipped step), not drawable on log
+        bad |= np.isnan(ratios) & (frame["nonfinite"].to_numpy(dtype=float) > 0)
     still = (ratios == 0) & _has_grad(frame) & frame["name"].isin(chosen).to_numpy()
-    still_steps = sorted(set(int(s) for s in frame["step"].to_numpy()[still]))
-    _set_log_limits(ax, np.concatenate(all_vals))
+    bad_steps, still_steps = np.unique(step[bad]).tolist(), np.unique(step[still]).tolist()
     _edge_markers(ax, bad_steps, "top", color=NONFINITE_COLOR, marker="X",
                   label=f"non-finite ({len(bad_steps)} steps)", gid="nonfinite")
     _edge_markers(ax, still_steps, "bottom", color=ZERO_COLOR, marker="v",
                   label=f"no update ({len(still_steps)} steps)", gid="zero")
-    _mark_anomalies(ax, anomalies, None)
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
-    return fig
 
 
 # --------------------------------------------------------------------------- histograms
@@ -776,89 +916,107 @@ def hist(histograms: "pandas.DataFrame", at: Optional[Sequence[int]] = None,
     >>> fig.axes[0].get_title(), fig.axes[0].get_xscale()
     ('w', 'log')
     """
-    import numpy as np
-
     if histograms is None:
         raise ValueError("histograms: none were recorded; pass watch(..., histograms=...) "
                          "to record them")
-    _check_frame(histograms, "histograms", ("step", "name", "lo", "hi", "count"))
+    histograms = _frame(histograms, "histograms", ("step", "name", "lo", "hi", "count"))
     if len(histograms) == 0:
         raise ValueError("histograms: the frame is empty (no recorded step had histograms)")
     if int(max_panels) < 1:
         raise ValueError(f"max_panels must be at least 1; got {max_panels!r}")
-    recorded = sorted(set(int(s) for s in histograms["step"]))
-    if at is None:
-        if len(recorded) <= 4:
-            chosen_steps = recorded
-        else:
-            idx = sorted(set(np.linspace(0, len(recorded) - 1, 4).round().astype(int)))
-            chosen_steps = [recorded[i] for i in idx]
-    else:
-        chosen_steps = [int(s) for s in ([at] if isinstance(at, numbers.Integral) else at)]
-        missing = [s for s in chosen_steps if s not in set(recorded)]
-        if missing:
-            raise ValueError(f"at: steps {missing} have no histogram; recorded histogram "
-                             f"steps are {recorded[:10]}{' ...' if len(recorded) > 10 else ''}")
+    chosen_steps = _hist_steps(histograms, at)
     all_names = _order(histograms["name"])
-    if names is None:
-        chosen = all_names[:int(max_panels)]
-    else:
-        chosen = [names] if isinstance(names, str) else list(names)
-        unknown = [n for n in chosen if n not in set(all_names)]
-        if unknown:
-            raise ValueError(f"names: no histogram for {unknown}; parameters with histograms "
-                             f"are {all_names[:10]}{' ...' if len(all_names) > 10 else ''}")
-    nonfinite = {}
-    if stats is not None:
-        _check_frame(stats, "stats", ("step", "name"))
-        if "nonfinite" in stats.columns:
-            for s, n, c in zip(stats["step"], stats["name"], stats["nonfinite"]):
-                nonfinite[(int(s), n)] = int(c)
-
+    chosen = _hist_names(all_names, names, int(max_panels))
+    nonfinite = _nonfinite_counts(stats, chosen_steps, chosen)
+    wanted = histograms[histograms["name"].isin(chosen) & histograms["step"].isin(chosen_steps)]
+    grouped = dict(iter(wanted.groupby(["name", "step"], sort=False)))
     ncols = min(3, len(chosen))
     nrows = math.ceil(len(chosen) / ncols)
     fig = _new_figure(4.0 * ncols + 0.5, 2.8 * nrows + 0.6)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    colors = ["#08519c", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2"]
-    wanted = histograms[histograms["name"].isin(chosen) & histograms["step"].isin(chosen_steps)]
-    grouped = {key: g for key, g in wanted.groupby(["name", "step"], sort=False)}
     for ax, name in zip(axes, chosen):
-        notes = []
-        zero_edge = None
-        for k, s in enumerate(chosen_steps):
-            g = grouped.get((name, s))
-            if g is None:
-                continue
-            g = g.sort_values("lo")
-            lo = g["lo"].to_numpy(dtype=float)
-            hi = g["hi"].to_numpy(dtype=float)
-            counts = g["count"].to_numpy(dtype=float)
-            edges = _hist_edges(lo, hi)
-            ax.stairs(counts, edges, label=f"step {s}", color=colors[k % len(colors)],
-                            linewidth=1.2)
-            if lo[0] == 0.0:
-                zero_edge = (edges[0], edges[1])
-            c = nonfinite.get((s, name))
-            if c:
-                notes.append(f"step {s}: {c} NaN/Inf")
-        if zero_edge is not None:
-            ax.axvspan(zero_edge[0], zero_edge[1], color="#eeeeee", zorder=0,
-                       label=f"0 and < {zero_edge[1]:.0e}")
-        if notes:
-            ax.text(0.98, 0.95, "\n".join(notes[:4]), transform=ax.transAxes, ha="right",
-                    va="top", fontsize=7, color=NONFINITE_COLOR)
-        ax.set_xscale("log")
-        _log_axis(ax.xaxis)
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("|grad|", fontsize=8)
-        ax.set_ylabel("count", fontsize=8)
-        ax.tick_params(labelsize=7)
-    axes[0].legend(fontsize=6, loc="upper left")
+        _hist_panel(ax, name, [(s, grouped.get((name, s))) for s in chosen_steps], nonfinite)
+    _legend(axes[0], fontsize=6, loc="upper left")
     for ax in axes[len(chosen):]:
         ax.set_visible(False)
     fig.suptitle("Histograms of |grad|" + _title_count(len(chosen), len(all_names),
                                                        "parameters"), fontsize=10)
     return fig
+
+
+def _hist_steps(histograms: "pandas.DataFrame", at: Any) -> List[int]:
+    """The steps ``at`` (one or several), checked; by default up to four recorded
+    steps evenly spread, the first and the last included."""
+    import numpy as np
+
+    recorded = np.unique(histograms["step"].to_numpy(dtype=np.int64)).tolist()
+    if at is None:
+        if len(recorded) <= 4:
+            return recorded
+        idx = sorted(set(np.linspace(0, len(recorded) - 1, 4).round().astype(int)))
+        return [recorded[i] for i in idx]
+    chosen = [int(s) for s in ([at] if isinstance(at, numbers.Integral) else at)]
+    missing = [s for s in chosen if s not in set(recorded)]
+    if missing:
+        raise ValueError(f"at: steps {missing} have no histogram; recorded histogram "
+                         f"steps are {recorded[:10]}{' ...' if len(recorded) > 10 else ''}")
+    return chosen
+
+
+def _hist_names(all_names: List[str], names: Any, max_panels: int) -> List[str]:
+    """The parameters to draw: ``names`` (checked), else the first ``max_panels``."""
+    if names is None:
+        return all_names[:max_panels]
+    chosen = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in chosen if n not in set(all_names)]
+    if unknown:
+        raise ValueError(f"names: no histogram for {unknown}; parameters with histograms "
+                         f"are {all_names[:10]}{' ...' if len(all_names) > 10 else ''}")
+    return chosen
+
+
+def _nonfinite_counts(stats: Optional["pandas.DataFrame"], steps: Sequence[int],
+                      names: Sequence[str]) -> Dict[Tuple[int, str], int]:
+    """{(step, name): number of NaN/Inf entries} from ``stats.nonfinite``, where known."""
+    if stats is None:
+        return {}
+    stats = _frame(stats, "stats", ("step", "name"))
+    if "nonfinite" not in stats.columns:
+        return {}
+    sub = stats[stats["step"].isin(steps) & stats["name"].isin(names)]
+    counts = sub["nonfinite"].fillna(0).to_numpy(dtype=float)
+    return {(int(s), n): int(c) for s, n, c in zip(sub["step"], sub["name"], counts)}
+
+
+def _hist_panel(ax: "Axes", name: str, series: Sequence[Tuple[int, Any]],
+                nonfinite: Dict[Tuple[int, str], int]) -> None:
+    """One parameter's panel: a stairs line per step (its rows of the histograms frame,
+    or None), the zero bin shaded, the NaN/Inf counts written in red."""
+    notes, zero_edge = [], None
+    for k, (s, g) in enumerate(series):
+        if g is None:
+            continue
+        g = g.sort_values("lo")
+        lo, hi = g["lo"].to_numpy(dtype=float), g["hi"].to_numpy(dtype=float)
+        edges = _hist_edges(lo, hi)
+        ax.stairs(g["count"].to_numpy(dtype=float), edges, label=f"step {s}",
+                  color=_STEP_COLORS[k % len(_STEP_COLORS)], linewidth=1.2)
+        if lo[0] == 0.0:
+            zero_edge = (edges[0], edges[1])
+        if nonfinite.get((s, name)):
+            notes.append(f"step {s}: {nonfinite[(s, name)]} NaN/Inf")
+    if zero_edge is not None:
+        ax.axvspan(zero_edge[0], zero_edge[1], color="#eeeeee", zorder=0,
+                   label=f"0 and < {zero_edge[1]:.0e}")
+    if notes:
+        ax.text(0.98, 0.95, "\n".join(notes[:4]), transform=ax.transAxes, ha="right",
+                va="top", fontsize=7, color=NONFINITE_COLOR)
+    ax.set_xscale("log")
+    _log_axis(ax.xaxis)
+    ax.set_title(name, fontsize=9)
+    ax.set_xlabel("|grad|", fontsize=8)
+    ax.set_ylabel("count", fontsize=8)
+    ax.tick_params(labelsize=7)
 
 
 # --------------------------------------------------------------------------- dispatcher

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -27,11 +28,14 @@ EDGES = [0.0] + [10.0 ** e for e in range(-8, 4)]  # 0, 1e-8 ... 1e3: 12 bins
 
 
 def make_frames(n_steps=8, params=PARAMS, *, every=1, nan=(), inf=(), huge=(), zero=(),
-                nograd=(), optimizer=True, histograms=True, seed=0, extra_stats=False):
+                nograd=(), optimizer=True, histograms=True, seed=0, extra_stats=False,
+                absmax_steps=None, categorical=False):
     """A recorded run as watch() writes it (see the run contract).
 
     nan / inf / huge: (step, name) pairs whose gradient holds NaN / +Inf / a 1e38 entry;
-    zero: names whose gradient is all zero; nograd: names that never get a gradient.
+    zero: names whose gradient is all zero; nograd: names that never get a gradient;
+    absmax_steps: the steps whose absmax was measured (NaN on the others; None: all);
+    categorical: name and module as pandas Categoricals, as ``w.stats`` keeps them.
     Returns a dict with stats, steps, histograms, anomalies, meta.
     """
     rng = np.random.default_rng(seed)
@@ -57,6 +61,8 @@ def make_frames(n_steps=8, params=PARAMS, *, every=1, nan=(), inf=(), huge=(), z
             if not has:
                 norm = absmax = math.nan
                 nonfinite = 0
+            if absmax_steps is not None and step not in absmax_steps:
+                absmax = math.nan
             ratio = float(np.exp(rng.normal(math.log(1e-3), 0.5))) if optimizer and has else math.nan
             if nonfinite:
                 ratio = math.nan
@@ -99,9 +105,25 @@ def make_frames(n_steps=8, params=PARAMS, *, every=1, nan=(), inf=(), huge=(), z
     if histograms:
         hists = pd.DataFrame(hist_rows, columns=["step", "name", "lo", "hi", "count"]).astype(
             {"step": "int64", "lo": "float64", "hi": "float64", "count": "int64"})
+    if categorical:
+        stats, hists = as_categorical(stats), as_categorical(hists)
     meta = {"model": "TinyNet", "every": every, "stats": ["norm", "absmax", "nonfinite"],
             "torch": "2.x", "world_size": 1, "rank": 0, "uncovered": list(nograd)}
     return dict(stats=stats, steps=steps, histograms=hists, anomalies=anomalies, meta=meta)
+
+
+def as_categorical(frame):
+    """name/module as pandas Categoricals, as ``w.stats`` keeps them, with categories the
+    rows do not use (a parameter thinned out of the history) and in an order that is not
+    the forward order: plots must follow the rows, never the categories."""
+    if frame is None:
+        return None
+    out = frame.copy()
+    for c in ("name", "module"):
+        if c in out.columns:
+            cats = sorted(set(out[c]), reverse=True) + [f"unused.{c}"]
+            out[c] = pd.Categorical(out[c], categories=cats)
+    return out
 
 
 @pytest.fixture
@@ -199,6 +221,82 @@ def test_flow_all_nan_does_not_crash():
     lo, hi = ax.get_ylim()
     assert 0 < lo < hi
     render(ax.figure, "png")
+
+
+def test_flow_unmeasured_absmax_is_not_nonfinite():
+    # absmax never measured (watch(stats=("norm",)), or a step between two CPU reads)
+    f = make_frames(4, absmax_steps=(), zero=["layers.0.bias"], nograd=["scale"])
+    assert f["stats"].absmax.isna().all() and (f["stats"].nonfinite == 0).all()
+    ax = plots.flow(f["stats"]).axes[0]
+    marks = lines_by_gid(ax)
+    assert "nonfinite" not in marks
+    assert not any("non-finite" in lbl for lbl in labels_of(ax))
+    assert not any("NaN/Inf" in t.get_text() for t in ax.texts)
+    assert all(t.get_color() != plots.NONFINITE_COLOR for t in ax.get_xticklabels())
+    # the rms bars are all there; no max bar, since nothing was measured
+    bars = dict(zip([c.get_label() for c in ax.containers], ax.containers))
+    assert len(bars["max |grad|"].patches) == 0
+    assert len(bars["rms |grad| (norm/√numel)"].patches) == len(PARAMS) - 2
+    names = [p[0] for p in PARAMS]
+    assert list(marks["zero"].get_xdata()) == [names.index("layers.0.bias")]
+    assert list(marks["nograd"].get_xdata()) == [names.index("scale")]
+
+
+def test_flow_nonfinite_count_marks_even_without_absmax():
+    f = make_frames(4, absmax_steps=(), nan=[(4, "head.weight")])
+    ax = plots.flow(f["stats"], step=4).axes[0]
+    names = [p[0] for p in PARAMS]
+    assert list(lines_by_gid(ax)["nonfinite"].get_xdata()) == [names.index("head.weight")]
+    assert "non-finite (1)" in labels_of(ax)
+    assert any(t.get_text() == "16 NaN/Inf" for t in ax.texts)
+    # the count decides, even where the norm itself came out finite
+    stats = f["stats"].copy()
+    stats.loc[(stats.step == 3) & (stats.name == "embed.weight"), "nonfinite"] = 2
+    ax = plots.flow(stats, step=3).axes[0]
+    assert list(lines_by_gid(ax)["nonfinite"].get_xdata()) == [names.index("embed.weight")]
+    assert any(t.get_text() == "2 NaN/Inf" for t in ax.texts)
+
+
+def test_flow_shows_the_latest_measured_absmax():
+    f = make_frames(8, absmax_steps=(1, 5))
+    stats = f["stats"]
+    names = [p[0] for p in PARAMS]
+
+    def max_bars(step):
+        cont = plots.flow(stats, step=step).axes[0].containers[0]
+        return cont.get_label(), [p.get_height() for p in cont.patches]
+
+    at5 = stats[stats.step == 5].set_index("name").absmax.loc[names]
+    label, heights = max_bars(8)
+    assert label == "max |grad| (step 5)"
+    np.testing.assert_allclose(heights, at5.to_numpy())
+    assert max_bars(3)[0] == "max |grad| (step 1)"
+    assert max_bars(5) == ("max |grad|", list(at5))
+    # a parameter measured later than the others: each shows its own latest value
+    late = stats.copy()
+    late.loc[(late.step == 7) & (late.name == "head.bias"), "absmax"] = 0.5
+    ax = plots.flow(late, step=8).axes[0]
+    assert ax.containers[0].get_label() == "max |grad| (steps 5–7)"
+    heights = [p.get_height() for p in ax.containers[0].patches]
+    assert heights[names.index("head.bias")] == 0.5
+
+
+def test_flow_without_nonfinite_column_reads_norm_and_infinite_absmax():
+    f = make_frames(2)
+    stats = f["stats"].drop(columns="nonfinite")
+    names = [p[0] for p in PARAMS]
+    last = stats.step == 2
+    stats.loc[last & (stats.name == "embed.weight"), "norm"] = math.inf
+    stats.loc[last & (stats.name == "head.weight"), "absmax"] = -math.inf
+    stats.loc[last & (stats.name == "layers.0.bias"), "absmax"] = math.nan  # not measured
+    ax = plots.flow(stats).axes[0]
+    assert list(lines_by_gid(ax)["nonfinite"].get_xdata()) == \
+        [names.index("embed.weight"), names.index("head.weight")]
+    assert sum(t.get_text() == "NaN/Inf" for t in ax.texts) == 2
+    # the unmeasured one keeps its rms bar and falls back on the step before for its max
+    assert ax.containers[0].get_label() == "max |grad| (steps 1–2)"
+    rms_x = [p.get_x() + p.get_width() / 2 for p in ax.containers[1].patches]
+    assert names.index("layers.0.bias") in rms_x
 
 
 # ----------------------------------------------------------------------------- norms
@@ -427,6 +525,10 @@ VARIANTS = {
     "huge_1e38": dict(huge=[(s, "layers.0.weight") for s in range(1, 5)]),
     "all_zero": dict(zero=[p[0] for p in PARAMS]),
     "no_grad_at_all": dict(nograd=[p[0] for p in PARAMS], histograms=False),
+    "neg_inf_1e308": dict(inf=[(2, "layers.0.weight")]),  # and more below
+    "absmax_unmeasured": dict(absmax_steps=(1,), nan=[(4, "head.bias")]),
+    "categorical_all_nan": dict(nan=[(s, p[0]) for s in range(1, 5) for p in PARAMS],
+                                categorical=True),
 }
 
 
@@ -438,13 +540,23 @@ def test_every_plot_survives_nonfinite_data(kind, variant):
     if variant == "pos_neg_inf":
         stats.loc[stats.step == 4, "update_ratio"] = -math.inf
         stats.loc[stats.step == 4, "absmax"] = math.inf
+    if variant == "neg_inf_1e308":
+        first = (stats.step == 2) & (stats.name == "layers.0.weight")
+        stats.loc[first, ["norm", "absmax"]] = -math.inf
+        stats.loc[stats.step == 3, "update_ratio"] = 1e38
+        stats.loc[stats.step == 3, "absmax"] = -math.inf
+        stats.loc[stats.step == 4, ["norm", "absmax"]] = 1e308  # squares overflow to +Inf
+        f["steps"].loc[f["steps"].step == 4, "global_norm"] = math.inf
+        f["histograms"].loc[f["histograms"].lo == EDGES[-1], "hi"] = math.inf  # as watch records
     if kind == "hist" and f["histograms"] is None:
         with pytest.raises(ValueError, match="none were recorded"):
             plots.plot(kind, stats, f["steps"], f["anomalies"], f["histograms"])
         return
     kw = {"max_panels": 3} if kind == "hist" else {}  # three panels show it; seven cost 2 s
-    fig = plots.plot(kind, stats, f["steps"], f["anomalies"], f["histograms"], **kw)
-    render(fig, "svg" if variant != "huge_1e38" else "png")  # the report's and Agg's path
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no numpy overflow/invalid noise either
+        fig = plots.plot(kind, stats, f["steps"], f["anomalies"], f["histograms"], **kw)
+        render(fig, "svg" if variant != "huge_1e38" else "png")  # the report's and Agg's path
     if variant == "all_nan" and kind in ("flow", "norms"):
         assert "nonfinite" in lines_by_gid(fig.axes[0])
 
@@ -463,6 +575,94 @@ def test_plot_dispatcher_and_no_pyplot_state(frames):
     assert plt.get_fignums() == before
     with pytest.raises(ValueError, match=r"kind must be one of \['flow', 'norms', 'heatmap', 'update', 'hist'\]; got 'pie'"):
         plots.plot("pie", frames["stats"])
+
+
+def shown(fig):
+    """What a figure shows, as text: titles, tick labels, legend entries, texts, lines,
+    bars, heatmap cells and histogram stairs, axes by axes."""
+    from matplotlib.patches import StepPatch
+
+    out = [fig.get_suptitle()]
+    for ax in fig.axes:
+        out.append([
+            ax.get_title(), [t.get_text() for t in ax.get_xticklabels()],
+            [t.get_text() for t in ax.get_yticklabels()], labels_of(ax),
+            [t.get_text() for t in ax.texts],
+            [(l.get_gid(), l.get_label(), list(l.get_xdata()), list(l.get_ydata()))
+             for l in ax.get_lines()],
+            [(c.get_label(), [(p.get_x(), p.get_height()) for p in c.patches])
+             for c in ax.containers],
+            [np.ma.asarray(c.get_array()).astype(float).filled(np.nan).tolist()
+             for c in ax.collections if (c.get_gid() or "").startswith("heatmap")],
+            [(p.get_label(), list(p.get_data().values)) for p in ax.patches
+             if isinstance(p, StepPatch)],
+        ])
+    return repr(out)
+
+
+@pytest.mark.parametrize("kind", ["flow", "norms", "heatmap", "update", "hist"])
+def test_every_plot_takes_categorical_names_without_warnings(frames, kind):
+    cat_stats, cat_hist = as_categorical(frames["stats"]), as_categorical(frames["histograms"])
+    assert isinstance(cat_stats["name"].dtype, pd.CategoricalDtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pandas' FutureWarning about observed= included
+        fig = plots.plot(kind, cat_stats, frames["steps"], frames["anomalies"], cat_hist)
+        render(fig)
+    # the same figure as from plain strings: forward order, no unused category drawn
+    plain = plots.plot(kind, frames["stats"], frames["steps"], frames["anomalies"],
+                       frames["histograms"])
+    assert shown(fig) == shown(plain)
+    assert "unused" not in shown(fig)
+
+
+def test_every_plot_takes_categorical_names_with_names_and_steps(frames):
+    cat_stats, cat_hist = as_categorical(frames["stats"]), as_categorical(frames["histograms"])
+    pick = ["head.weight", "embed.weight"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        figs = [plots.flow(cat_stats, step=5, names=pick),
+                plots.norms(cat_stats, names=pick),
+                plots.norms(cat_stats, names=pick, heatmap=True),
+                plots.update_ratio(cat_stats, names=pick),
+                plots.hist(cat_hist, at=[1, 5], names=pick, stats=cat_stats)]
+    plain = [plots.flow(frames["stats"], step=5, names=pick),
+             plots.norms(frames["stats"], names=pick),
+             plots.norms(frames["stats"], names=pick, heatmap=True),
+             plots.update_ratio(frames["stats"], names=pick),
+             plots.hist(frames["histograms"], at=[1, 5], names=pick, stats=frames["stats"])]
+    assert [shown(f) for f in figs] == [shown(f) for f in plain]
+    with pytest.raises(ValueError, match=r"names: unknown parameters \['unused.name'\]"):
+        plots.flow(cat_stats, names=["unused.name"])
+
+
+@pytest.mark.slow  # a real watch() of a tiny model: about 4 s, most of it watch's first set-up
+def test_frames_of_a_real_watch_plot_without_warnings():
+    import torch
+
+    import graddbg
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddbg.watch(model, opt, histograms=True) as w:
+        for _ in range(12):
+            opt.zero_grad()
+            model(torch.randn(5, 4)).pow(2).sum().backward()
+            opt.step()
+    stats, steps, hists = w.stats, w.steps, w.histograms
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kind in ("flow", "norms", "heatmap", "update", "hist"):
+            render(plots.plot(kind, stats, steps, [], hists))
+        ax = plots.flow(stats).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == \
+        [n for n, _ in model.named_parameters()]
+    assert "nonfinite" not in lines_by_gid(ax)  # unmeasured absmax is not a NaN gradient
+    last = int(stats.step.max())
+    measured = stats.loc[stats.absmax.notna() & (stats.step <= last), "step"]
+    if len(measured) and int(measured.max()) != last:  # absmax read every few steps only
+        assert ax.containers[0].get_label() == f"max |grad| (step {int(measured.max())})"
+    assert len(ax.containers[0].patches) == (4 if len(measured) else 0)
 
 
 def test_norms_groups_one_level_deeper_inside_a_single_container():
