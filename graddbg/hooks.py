@@ -230,49 +230,44 @@ class _Pending:
 
 class _Flags:
     """Non-finite flags accumulated on the device between host reads: which parameters
-    went non-finite, and at which step first (no host synchronisation)."""
+    went non-finite, and at which step first (no host synchronisation, no copy to the
+    device). Kept per group of parameters reduced together."""
 
     def __init__(self) -> None:
-        self.bad: Dict[torch.device, Tensor] = {}
-        self.first: Dict[torch.device, Tensor] = {}
+        self.groups: Dict[Tuple[int, ...], Tuple[Tensor, Tensor]] = {}
 
     def add(self, reader: StepReader, launch: Any, step: int) -> None:
-        P = len(reader.numel)
         for ix, norms in zip(launch.groups, launch.norms):
-            dev = norms.device
-            if dev not in self.bad:
-                self.bad[dev] = torch.zeros(P, dtype=torch.bool, device=dev)
-                self.first[dev] = torch.full((P,), -1, dtype=torch.int64, device=dev)
-            new = torch.zeros(P, dtype=torch.bool, device=dev).index_put_((reader.index(ix, dev),), ~torch.isfinite(norms))
-            self.first[dev] = torch.where(new & ~self.bad[dev], step, self.first[dev])
-            self.bad[dev] |= new
-
-    def widen(self, k: int) -> None:
-        """Room for ``k`` more parameters (unfrozen late)."""
-        for dev in list(self.bad):
-            self.bad[dev] = torch.cat([self.bad[dev], torch.zeros(k, dtype=torch.bool, device=dev)])
-            self.first[dev] = torch.cat([self.first[dev], torch.full((k,), -1, dtype=torch.int64, device=dev)])
+            key = tuple(ix)
+            new = ~torch.isfinite(norms)
+            old = self.groups.get(key)
+            if old is None:
+                self.groups[key] = (new, torch.where(new, step, -1))
+            else:
+                bad, first = old
+                self.groups[key] = (bad | new, torch.where(new & ~bad, step, first))
 
     def add_to(self, rb: Readback, agree: bool = False) -> None:
         """Into a read-back; ``agree``: first make the flags the same on every rank (a
         sharded model: each rank flagged its own shards)."""
-        for k, dev in enumerate(self.bad):
+        for k, (bad, first) in enumerate(self.groups.values()):
             if agree:
-                _agree(self.bad[dev], self.first[dev])
-            rb.add(f"acc_bad{k}", self.bad[dev])
-            rb.add(f"acc_first{k}", self.first[dev])
+                _agree(bad, first)
+            rb.add(f"acc_bad{k}", bad)
+            rb.add(f"acc_first{k}", first)
 
-    def take(self, got: Dict[str, np.ndarray]) -> Tuple[Optional[np.ndarray], int]:
-        """``(bad mask, first bad step)`` from a read-back; resets the flags."""
+    def take(self, got: Dict[str, np.ndarray], P: int) -> Tuple[Optional[np.ndarray], int]:
+        """``(bad mask over the P parameters, first bad step)`` from a read-back; resets."""
         bad, first = None, -1
-        for k in range(len(self.bad)):
+        for k, ix in enumerate(self.groups):
             b = got[f"acc_bad{k}"] > 0
             if b.any():
                 f = int(got[f"acc_first{k}"][b].min())
-                bad = b if bad is None else bad | b
+                if bad is None:
+                    bad = np.zeros(P, dtype=bool)
+                bad[np.asarray(ix)[b]] = True
                 first = f if first < 0 else min(first, f)
-        self.bad.clear()
-        self.first.clear()
+        self.groups.clear()
         return bad, first
 
 
@@ -438,6 +433,10 @@ class Watch:
         self.stats_asked = self._cfg.stats
         self._set_params(named_trainable_parameters(model))
         self._frozen = _frozen_parameters(model, self._params)
+        if not self._params:
+            warnings.warn(f"graddbg.watch: {type(model).__name__} has no trainable parameter (none requires "
+                          f"grad), so nothing will be recorded until one is unfrozen "
+                          f"({len(self._frozen)} frozen).", CoverageWarning, stacklevel=3)
         self._check_optimizer_holds_params()
         self._init_state()
         self.meta = self._meta()
@@ -467,7 +466,6 @@ class Watch:
         self._set_params(list(zip(self._names, self._params)) + new)
         self._history.add_params([n for n, _ in new], [p.numel() for _, p in new], self._step)
         self._ever_grad = np.concatenate([self._ever_grad, np.zeros(len(new), dtype=bool)])
-        self._flags.widen(len(new))
         if self._vanish_state is not None:
             self._vanish_state.widen(len(new))
 
@@ -794,7 +792,7 @@ class Watch:
             self.host_syncs += 1  # overflowed, underflowed or non-finite norms only
         self._ever_grad |= st.has_grad
         bad, first = st.bad, self._step
-        prior, first_prior = self._flags.take(got)
+        prior, first_prior = self._flags.take(got, len(self._params))
         if prior is not None:
             bad, first = bad | prior, first_prior
         return st, bad, first

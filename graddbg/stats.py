@@ -220,7 +220,6 @@ class StepReader:
         self._tiny = np.array([_UNDERFLOW.get(p.dtype, 0.0) for p in params]) * np.sqrt(self.numel)
         self._groups: Dict[Tuple[int, ...], List[Tuple[List[int], str, Any, Any]]] = {}
         self._shards = _Shards()
-        self._index: Dict[Any, Tensor] = {}
         #: read-backs made by :meth:`rescue`
         self.extra_reads = 0
 
@@ -252,16 +251,6 @@ class StepReader:
             self._groups.clear()
         self._groups[key] = groups
         return [(ix, kind) for ix, kind, _, _ in groups]
-
-    def index(self, ix: List[int], device: torch.device) -> Tensor:
-        """``ix`` as an index tensor on ``device``, made once (no copy to the device per step)."""
-        key = (tuple(ix), device)
-        t = self._index.get(key)
-        if t is None:
-            if len(self._index) > 64:
-                self._index.clear()
-            t = self._index[key] = torch.tensor(ix, dtype=torch.int64, device=device)
-        return t
 
     def launch(self, grads: Sequence[Optional[Tensor]], *, absmax: bool = False,
                extras: bool = False) -> _Launch:
@@ -666,38 +655,55 @@ _STEP_TYPES = {"step": np.int64, "global_norm": np.float64, "clipped_norm": np.f
 
 
 class _Columns:
-    """Named numpy columns of ``cap`` rows, filled in order and thinned when full."""
+    """Named numpy columns of ``cap`` rows, filled in order and thinned when full: the
+    middle of the run keeps every ``stride``-th row (the stride doubles at each thinning,
+    so what stays is evenly spaced), the first ``cap // 8`` rows, the latest ``cap // 4``
+    and the rows of ``keep``-marked steps stay."""
 
     def __init__(self, cap: int, spec: Dict[str, Tuple[Any, Tuple[int, ...]]]) -> None:
         self.cap = cap
         self.n = 0
         self.dropped = 0
-        self.cols = {k: np.full((cap,) + shape, _fill(dtype), dtype=dtype) for k, (dtype, shape) in spec.items()}
+        self.stride = 1
+        self._seq = 0
+        spec = dict(spec, _seq=(np.int64, ()))
+        size = min(cap, 64)  # grown by doubling up to cap: memory follows what is recorded
+        self.cols = {k: np.full((size,) + shape, _fill(dtype), dtype=dtype) for k, (dtype, shape) in spec.items()}
+
+    def _grow(self) -> None:
+        size = min(self.cap, 2 * len(self.cols["_seq"]))
+        for k, col in self.cols.items():
+            more = np.full((size - len(col),) + col.shape[1:], _fill(col.dtype), dtype=col.dtype)
+            self.cols[k] = np.concatenate([col, more])
 
     def append(self, row: Dict[str, Any], keep: set) -> None:
         if self.n == self.cap:
             self._thin(keep)
+        elif self.n == len(self.cols["_seq"]):
+            self._grow()
         for k, v in row.items():
             self.cols[k][self.n] = v
+        self.cols["_seq"][self.n] = self._seq
+        self._seq += 1
         self.n += 1
 
     def _thin(self, keep: set) -> None:
-        """Drop every second row of the middle half of the run, anomalies' steps kept."""
-        head, tail = self.cap // 4, self.cap // 4
-        steps = self.cols["step"][: self.n]
-        middle = np.arange(head, self.n - tail)
-        drop = middle[1::2]
+        n = self.n
+        seq = self.cols["_seq"][:n]
+        protect = (seq < self.cap // 8) | (np.arange(n) >= n - self.cap // 4)
         if keep:
-            drop = drop[~np.isin(steps[drop], np.fromiter(keep, dtype=np.int64))]
-        if not len(drop):  # everything in the middle is an anomaly: drop the oldest middle row
-            drop = middle[:1]
-        mask = np.ones(self.n, dtype=bool)
-        mask[drop] = False
-        for k, col in self.cols.items():
-            kept = col[: self.n][mask]
+            protect |= np.isin(self.cols["step"][:n], np.fromiter(keep, dtype=np.int64))
+        mask = protect | (seq % self.stride == 0)
+        while mask.all() and self.stride < (1 << 40):
+            self.stride *= 2
+            mask = protect | (seq % self.stride == 0)
+        if mask.all():  # everything is protected: drop the oldest unprotected-by-age row
+            mask[self.cap // 8] = False
+        for col in self.cols.values():
+            kept = col[:n][mask]
             col[: len(kept)] = kept
         self.n = int(mask.sum())
-        self.dropped += len(drop)
+        self.dropped += n - self.n
 
     def widen(self, k: int) -> None:
         """``k`` more parameters in every per-parameter column (filled as missing)."""
@@ -711,10 +717,10 @@ class _Columns:
             self.cols[key][self.n - 1] = value
 
     def last_row(self) -> Optional[Dict[str, Any]]:
-        return {k: c[self.n - 1] for k, c in self.cols.items()} if self.n else None
+        return {k: c[self.n - 1] for k, c in self.cols.items() if k != "_seq"} if self.n else None
 
     def view(self) -> Dict[str, np.ndarray]:
-        return {k: c[: self.n].copy() for k, c in self.cols.items()}
+        return {k: c[: self.n].copy() for k, c in self.cols.items() if k != "_seq"}
 
 
 def _fill(dtype: Any) -> Any:

@@ -721,3 +721,42 @@ def test_forwards_without_backward_do_not_pile_up():
         opt.step()
     assert len(w.stats) == 8 and w.activations["step"].unique().tolist() == [0]
     assert len(w.activations) == len(w.activations["module"].unique())  # one forward counted
+
+
+def test_a_model_without_trainable_parameters_warns():
+    model = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.warns(CoverageWarning, match="has no trainable parameter"):
+        w = graddbg.watch(model)
+    w.close()
+
+
+def test_history_is_bounded_in_rows_and_keeps_the_ends_and_anomalies(monkeypatch):
+    import graddbg.hooks as hooks
+
+    monkeypatch.setattr(hooks, "MAX_ROWS", 400)  # 40 steps of the 10 parameters below
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(5)])
+    with graddbg.watch(model, nonfinite="record", explode=None) as w:
+        for step in range(500):
+            model.zero_grad()
+            out = model(torch.ones(1, 3)).sum()
+            (out * float("nan") if step == 123 else out).backward()
+    df = w.stats
+    steps = sorted(df["step"].unique())
+    assert len(df) <= 400 and len(steps) <= 40
+    assert steps[0] == 0 and steps[-1] == 499 and 123 in steps  # the ends and the anomaly stay
+    middle = [s for s in steps[5:-10] if s != 123]  # between the first steps and the latest ones
+    gaps = np.diff(middle)
+    assert len(middle) >= 10 and gaps.max() <= 2 * np.median(gaps)  # thinned evenly, not a hole
+    assert [a.step for a in w.anomalies] == [123]
+
+
+def test_stats_rows_are_compact():
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(50)])
+    with graddbg.watch(model, explode=None) as w:
+        for _ in range(20):
+            model.zero_grad()
+            model(torch.ones(1, 8)).sum().backward()
+    df = w.stats
+    assert len(df) == 20 * 100
+    assert str(df["name"].dtype) == "category" and str(df["module"].dtype) == "category"
+    assert df.memory_usage(deep=True).sum() / len(df) <= 64
