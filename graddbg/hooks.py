@@ -401,6 +401,54 @@ def _frozen_parameters(model: nn.Module, watched: Sequence[Tensor]) -> List[Tupl
     return out
 
 
+class _UpdateRatio:
+    """The update/weight ratio ``||w_old - w_new|| / ||w_old||``: a copy of the weights
+    before the optimizer's step on every ``every``-th step, the ratio after it, read back
+    with the next read-back (not at once)."""
+
+    def __init__(self, every: Optional[int]) -> None:
+        self.every = every
+        self._copy: Optional[List[Tensor]] = None
+        self._copy_step = -1
+        self.pending: Optional[Tuple[int, Tensor]] = None  # (step, [P] ratios on the device)
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def before_step(self, step: int, params: Sequence[Tensor]) -> None:
+        """Copy the weights. Where there is no memory for the copy (a model that fills its
+        device), the training step goes on: a warning says so and the ratio is switched off."""
+        try:
+            self._copy = self.copy_weights(params)
+            self._copy_step = step
+        except torch.cuda.OutOfMemoryError as err:  # (torch.OutOfMemoryError from torch 2.5)
+            self.every, self._copy = None, None
+            mb = sum(p.numel() * p.element_size() for p in params) / 2**20
+            warnings.warn(
+                f"graddbg.watch: no memory for the copy of the weights ({mb:.0f} MB) that the "
+                f"update/weight ratio needs before the optimizer's step; it is not measured from "
+                f"step {step} on, and training goes on. Pass update_every=None to skip it. "
+                f"(torch said: {str(err).strip()[:200]})", GraddbgWarning, stacklevel=4)
+
+    @staticmethod
+    def copy_weights(params: Sequence[Tensor]) -> List[Tensor]:
+        with torch.no_grad():
+            return [local_values(p).clone() for p in params]
+
+    def after_step(self, params: Sequence[Tensor]) -> None:
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            with torch.no_grad():
+                self.pending = (self._copy_step, update_ratios(copy, params))
+
+    def cancel(self) -> None:
+        self._copy = None
+
+    def take(self) -> Optional[Tuple[int, Tensor]]:
+        pending, self.pending = self.pending, None
+        return pending
+
+
 def _any_nonfinite(ts: Sequence[Tensor], device: torch.device) -> Tensor:
     flags = [~torch.isfinite(t.detach()).all() for t in ts if t.numel() and t.device == device]
     if not flags:
@@ -483,7 +531,7 @@ class Watch:
     def _init_state(self) -> None:
         cfg = self._cfg
         self._history = History(self._names, self._numel, self._reader.extras, cfg.history, MAX_ROWS)
-        self._update_every = cfg.update_every if self._optimizer is not None else None
+        self._update = _UpdateRatio(cfg.update_every if self._optimizer is not None else None)
         self._explode_state = cfg.explode.new_state() if cfg.explode else None
         self._vanish_state = cfg.vanish.new_state(len(self._params)) if cfg.vanish else None
         self._acts = _Activations(self._model) if cfg.activations else None
@@ -498,8 +546,6 @@ class Watch:
         self._rng: Optional[Tensor] = None
         self._replaying = False
         self._temp_handles: List[Any] = []
-        self._snapshot: Optional[List[Tensor]] = None
-        self._update: Optional[Tuple[int, Tensor]] = None
         self._closure_step = False
         self._in_policy = False
         self._errors_warned: set = set()
@@ -683,7 +729,8 @@ class Watch:
             # step(closure): the closure runs backward inside the step; the gradients it
             # computes are read after the step (the first evaluation's, for LBFGS)
             self._closure_step = True
-            self._take_snapshot_if_due()
+            if self._step % self._cfg.every == 0 and self._update.due(self._step):
+                self._update.before_step(self._step, self._params)
             return None
         self._boundary()
         return None
@@ -697,9 +744,9 @@ class Watch:
             try:
                 self._boundary()
             finally:
-                self._measure_update()
+                self._update.after_step(self._params)
             return
-        self._measure_update()
+        self._update.after_step(self._params)
 
     # ------------------------------------------------------------------ step boundary
     def _absmax_due(self, grads: Sequence[Optional[Tensor]]) -> bool:
@@ -733,8 +780,8 @@ class Watch:
             self._acts.record(step, parts["fwd"], parts["bwd"], got)
             self._acts.warn_if_blind(bool(st.has_grad.any()))
         found = self._detect(step, st, bad, first_bad, due_stats, parts, got)
-        if due_stats and self._update_every and step % self._update_every == 0 and not self._closure_step:
-            self._take_snapshot()
+        if due_stats and self._update.due(step) and not self._closure_step:
+            self._update.before_step(step, self._params)
         self._finish_step()
         self._apply(found, bad)
 
@@ -766,8 +813,8 @@ class Watch:
         if hist_due:
             rb.add("hist", self._histograms(grads))
         self._flags.add_to(rb, agree=launch.sharded is not None and torch.distributed.is_initialized())
-        if self._update is not None:
-            rb.add("update", self._update[1])
+        if self._update.pending is not None:
+            rb.add("update", self._update.pending[1])
         fwd, bwd = self._acts.take(rb) if self._acts is not None else ([], [])
         P = len(self._params)
         return {"fwd": fwd, "bwd": bwd,
@@ -776,9 +823,8 @@ class Watch:
     def _read_stats(self, launch: Any, got: Dict[str, np.ndarray], grads: List[Optional[Tensor]],
                     scale: float) -> Tuple[StepStats, np.ndarray, int]:
         """The host statistics (unscaled), the non-finite mask and its first step."""
-        if self._update is not None:
-            self._history.set_update(self._update[0], got["update"])
-            self._update = None
+        if "update" in got:
+            self._history.set_update(self._update.take()[0], got["update"])
         st = self._reader.finish(launch, got)
         div = scale if (self._cfg.scaler is not None and scale == scale and scale > 0) else 1.0
         if div != 1.0:
@@ -829,7 +875,7 @@ class Watch:
             if err is not None and to_raise is None:
                 to_raise = err
         if to_raise is not None:
-            self._snapshot = None
+            self._update.cancel()
             raise to_raise
 
     def _skip(self, anomaly: Anomaly, bad: np.ndarray) -> None:
@@ -847,43 +893,6 @@ class Watch:
         handles, self._temp_handles = self._temp_handles, []
         for h in handles:
             h.remove()
-
-    # ------------------------------------------------------------------ update ratio
-    def _take_snapshot_if_due(self) -> None:
-        ue = self._update_every
-        if ue and self._step % self._cfg.every == 0 and self._step % ue == 0:
-            self._take_snapshot()
-
-    def _take_snapshot(self) -> None:
-        """The weights before the optimizer's step, for the update ratio. Where there is
-        no memory for the copy (a model that fills its device), the training step goes on:
-        a warning says so and the update ratio is switched off for the rest of the watch."""
-        try:
-            self._snapshot = self._copy_weights(self._params)
-            self._snapshot_step = self._step
-        except torch.cuda.OutOfMemoryError as err:  # (torch.OutOfMemoryError from torch 2.5)
-            self._update_every = None
-            self._snapshot = None
-            mb = sum(p.numel() * p.element_size() for p in self._params) / 2**20
-            warnings.warn(
-                f"graddbg.watch: no memory for the copy of the weights ({mb:.0f} MB) that the "
-                f"update/weight ratio needs before the optimizer's step; it is not measured from "
-                f"step {self._step} on, and training goes on. Pass update_every=None to skip it. "
-                f"(torch said: {str(err).strip()[:200]})", GraddbgWarning, stacklevel=2)
-
-    @staticmethod
-    def _copy_weights(params: Sequence[Tensor]) -> List[Tensor]:
-        with torch.no_grad():
-            return [local_values(p).clone() for p in params]
-
-    def _measure_update(self) -> None:
-        """``||w_old - w_new|| / ||w_old||`` after the step (NaN where ``||w_old||`` is 0),
-        read back with the next read-back, not now."""
-        snap, self._snapshot = self._snapshot, None
-        if snap is None:
-            return
-        with torch.no_grad():
-            self._update = (self._snapshot_step, update_ratios(snap, self._params))
 
     # ------------------------------------------------------------------ helpers
     def _histograms(self, grads: Sequence[Optional[Tensor]]) -> Tensor:
@@ -994,9 +1003,9 @@ class Watch:
         return bool(last is not None and last["overflow"])
 
     def _flush(self) -> None:
-        if self._update is not None:
-            self._history.set_update(self._update[0], self._update[1].cpu().numpy())
-            self._update = None
+        pending = self._update.take()
+        if pending is not None:
+            self._history.set_update(pending[0], pending[1].cpu().numpy())
 
     @property
     def stats(self):
@@ -1079,7 +1088,8 @@ class Watch:
             self._flush()
         finally:
             self._detach()
-            self._pending = self._capture = self._snapshot = None
+            self._pending = self._capture = None
+            self._update.cancel()
             # keep only what the tables need; no tensors of the user's past the watch
             self._params = []
             self._model = None  # type: ignore[assignment]

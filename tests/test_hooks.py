@@ -366,7 +366,7 @@ def test_no_memory_for_the_update_ratio_copy_warns_and_training_goes_on():
 
     with pytest.warns(graddbg.GraddbgWarning, match=r"update_every=None.*out of memory") as rec:
         with graddbg.watch(model, opt, update_every=1) as w:
-            w._copy_weights = no_memory
+            w._update.copy_weights = no_memory
             before = model.weight.detach().clone()
             for _ in range(3):
                 model(x).square().sum().backward()
