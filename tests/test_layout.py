@@ -23,6 +23,7 @@ ALLOWED = {
     "anomaly": {"_errors", "_source"},
     "blame": {"_errors", "_source", "_model", "anomaly"},
     "hooks": {"_errors", "_source", "_model", "stats", "anomaly", "blame"},
+    "callbacks": {"_errors", "_model", "hooks"},
     "gradcheck": {"_errors", "_source", "_model"},
     "pytest_plugin": {"_errors", "gradcheck"},
     "graphviz": {"_errors", "_source", "_model"},

@@ -1,0 +1,278 @@
+"""Callbacks that watch the gradients of a Lightning or a transformers ``Trainer``.
+
+Two thin adapters around :func:`graddbg.watch`; everything they record is the watch's::
+
+    import lightning.pytorch as L
+    from graddbg.callbacks import LightningCallback
+
+    cb = LightningCallback(explode="warn", report=True)     # watch()'s keyword options
+    L.Trainer(callbacks=[cb], accumulate_grad_batches=2, gradient_clip_val=1.0).fit(module, data)
+    cb.watch.steps          # one row per optimizer step: pre-clip global norm, clipped_norm, ...
+
+    from transformers import Trainer
+    from graddbg.callbacks import TransformersCallback
+
+    cb = TransformersCallback(report=True)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
+    cb.watch.stats          # one row per (optimizer step, parameter), the model's own names
+
+What each callback does:
+
+- At construction it checks the options the way ``watch()`` does, raising the same
+  ``ValueError`` / ``TypeError`` (a wrong option fails at once, not after the first epoch).
+  ``report=True`` writes ``report.html`` into the trainer's output folder when training
+  ends (Lightning: ``trainer.log_dir``; transformers: ``args.output_dir``); a path writes
+  there (a relative one inside that folder). Only the first process writes it.
+- When training starts it watches the model the user wrote (the ``LightningModule``; the
+  trainer's ``model``, not a DDP wrapper) with the trainer's optimizer (unwrapped from
+  ``LightningOptimizer`` / accelerate's ``AcceleratedOptimizer`` by ``watch()``), and with
+  the trainer's AMP ``GradScaler`` when it has one and ``scaler=`` was not given
+  (Lightning's precision plugin ``.scaler``; accelerate's optimizer ``.scaler``). The watch
+  is ``.watch`` from then on (``None`` before), and stays readable after training.
+- The optimizer's step is the step boundary: one record per optimizer step under gradient
+  accumulation; the pre-clip norm in ``steps.global_norm`` and the post-clip one in
+  ``steps.clipped_norm`` when the trainer clips.
+- It logs ``graddbg/global_norm`` (the latest recorded step's) and ``graddbg/anomalies``
+  (how many so far) through the trainer: Lightning's ``LightningModule.log`` after each
+  optimizer step; transformers' ``logs`` at each logging step (``on_log``; they also go
+  into ``trainer.state.log_history``). In transformers, logging integrations
+  (``report_to``) that come before this callback in the trainer's list, as they do by
+  default, have already written that step's logs when ``on_log`` reaches it.
+- It closes the watch when training ends, and in Lightning also when training raises
+  (``on_exception``, which writes the report too when asked). transformers has no hook for
+  a failed ``train()``: a watch left open is closed when the next training starts, or by
+  ``cb.watch.close()``.
+
+Importing this module imports neither Lightning nor transformers. ``LightningCallback``
+and ``TransformersCallback`` are real subclasses of ``lightning.pytorch.Callback`` (or
+``pytorch_lightning.Callback`` where only that is installed) and of
+``transformers.TrainerCallback``: each class is built on its first use, by the module's
+``__getattr__``, from the framework's base class and a plain mixin defined here
+(:class:`_LightningHooks`, :class:`_TransformersHooks`), and is the same class afterwards.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pathlib
+import warnings
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+from graddbg import hooks
+from graddbg._errors import GraddbgTypeError, GraddbgValueError, GraddbgWarning
+
+__all__ = ["LightningCallback", "TransformersCallback"]
+
+NORM_KEY = "graddbg/global_norm"
+ANOMALIES_KEY = "graddbg/anomalies"
+REPORT_NAME = "report.html"
+
+ReportArg = Union[bool, str, "os.PathLike[str]"]
+
+
+# --------------------------------------------------------------------------- validation
+def _check_report(owner: str, report: Any) -> ReportArg:
+    if isinstance(report, (bool, str, os.PathLike)):
+        return report
+    raise GraddbgTypeError(f"{owner}(report=...): expected a bool or a path to write the HTML report to, "
+                           f"got {type(report).__name__}")
+
+
+def _check_watch_kwargs(owner: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``watch()``'s keyword options, checked now by ``watch()`` itself (on a throwaway
+    one-weight model), so a bad option raises the same error at construction.
+
+    >>> _check_watch_kwargs("LightningCallback", {"every": 2})
+    {'every': 2}
+    >>> _check_watch_kwargs("LightningCallback", {"every": 0})
+    Traceback (most recent call last):
+    ...
+    graddbg._errors.GraddbgValueError: every= must be an int >= 1, got 0
+    """
+    for taken in ("model", "optimizer"):
+        if taken in kwargs:
+            raise GraddbgTypeError(f"{owner}({taken}=...): the model and optimizer are the trainer's, taken "
+                                   f"when training starts; pass only watch()'s keyword options")
+    probe = dict(kwargs)
+    ddp_every = probe.get("ddp_check_every")
+    if ddp_every is not None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        # the trainer starts the process group: that part is checked when training starts
+        if not isinstance(ddp_every, int) or isinstance(ddp_every, bool) or ddp_every < 1:
+            raise GraddbgValueError(f"ddp_check_every= must be None or an int >= 1, got {ddp_every!r}")
+        del probe["ddp_check_every"]
+    hooks.watch(torch.nn.Linear(1, 1), **probe).close()
+    return dict(kwargs)
+
+
+def _enabled(scaler: Any) -> bool:
+    return scaler is not None and hasattr(scaler, "get_scale") and bool(getattr(scaler, "is_enabled", lambda: True)())
+
+
+# --------------------------------------------------------------------------- shared core
+class _Adapter:
+    """What both callbacks share: options checked at construction; starting, logging
+    from and closing the watch; writing the report."""
+
+    def __init__(self, *, report: ReportArg = False, **watch_kwargs: Any) -> None:
+        owner = type(self).__name__
+        self._report = _check_report(owner, report)
+        self._watch_kwargs = _check_watch_kwargs(owner, watch_kwargs)
+        self.watch: Optional[hooks.Watch] = None
+        self._folder = pathlib.Path.cwd()
+        self._logged_step = 0
+        self._running = False
+        super().__init__()
+
+    def _start(self, model: Any, optimizer: Any, scaler: Any, folder: Any) -> None:
+        """Watch ``model`` with the trainer's optimizer (and scaler, unless one was given)."""
+        self._finish(write=False)  # a watch left open by a run that raised
+        kwargs = dict(self._watch_kwargs)
+        if kwargs.get("scaler") is None and _enabled(scaler):
+            kwargs["scaler"] = scaler
+        self._folder = pathlib.Path(folder) if folder else pathlib.Path.cwd()
+        self._logged_step = 0
+        self.watch = hooks.watch(model, optimizer, **kwargs)
+        self._running = True
+
+    def _new_values(self) -> Dict[str, float]:
+        """The values to log when a step boundary passed since the last call, else ``{}``:
+        the number of anomalies so far and the latest recorded global norm (NaN or inf when
+        the gradients were; absent before the first recorded step, with ``every=`` > 1)."""
+        w = self.watch
+        if w is None or w.current_step == self._logged_step:
+            return {}
+        self._logged_step = w.current_step
+        values = {ANOMALIES_KEY: float(len(w.anomalies))}
+        steps = w.steps
+        recorded = steps["global_norm"][steps["recorded"].astype(bool)]
+        if len(recorded):
+            values[NORM_KEY] = float(recorded.iloc[-1])
+        return values
+
+    def report_path(self) -> Optional[pathlib.Path]:
+        """Where the report is written at the end (``None`` when not asked for)."""
+        if self._report is False:
+            return None
+        if self._report is True:
+            return self._folder / REPORT_NAME
+        path = pathlib.Path(self._report)
+        return path if path.is_absolute() else self._folder / path
+
+    def _finish(self, write: bool) -> Optional[pathlib.Path]:
+        """Close the watch (once) and write the report when asked and ``write``."""
+        if not self._running or self.watch is None:
+            return None
+        self._running = False
+        self.watch.close()
+        path = self.report_path()
+        if not write or path is None:
+            return None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return self.watch.report(path)
+        except Exception as err:  # the run is over and recorded: a failed report must not hide that
+            warnings.warn(f"{type(self).__name__}: could not write the report to {str(path)!r}: "
+                          f"{type(err).__name__}: {err}", GraddbgWarning, stacklevel=2)
+            return None
+
+
+# --------------------------------------------------------------------------- Lightning
+class _LightningHooks(_Adapter):
+    """A Lightning callback that watches the ``LightningModule``'s gradients during ``fit``
+    (see :mod:`graddbg.callbacks`). ``LightningCallback(report=False, **watch_kwargs)``:
+    ``watch()``'s keyword options, checked here. With one optimizer, its step is the step
+    boundary; with several (manual optimisation), each backward pass is one.
+    """
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        optimizers = list(getattr(trainer, "optimizers", None) or [])
+        plugin = getattr(trainer.strategy, "precision_plugin", None)
+        folder = trainer.log_dir or trainer.default_root_dir  # (a collective under DDP: every rank asks)
+        self._start(pl_module, optimizers[0] if len(optimizers) == 1 else None,
+                    getattr(plugin, "scaler", None), folder)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for key, value in self._new_values().items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._finish(write=trainer.is_global_zero)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._finish(write=trainer.is_global_zero)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._finish(write=False)
+
+
+def _lightning_base() -> type:
+    """``lightning.pytorch.Callback``, or ``pytorch_lightning.Callback`` where only that is installed."""
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            return importlib.import_module(package).Callback
+        except ModuleNotFoundError as err:
+            if err.name is None or not package.startswith(err.name):
+                raise  # installed but broken: say so
+    raise ImportError("graddbg.callbacks.LightningCallback needs Lightning: pip install lightning "
+                      "(or pytorch-lightning)")
+
+
+# --------------------------------------------------------------------------- transformers
+class _TransformersHooks(_Adapter):
+    """A ``transformers.TrainerCallback`` that watches the trainer's model during ``train()``
+    (see :mod:`graddbg.callbacks`). ``TransformersCallback(report=False, **watch_kwargs)``:
+    ``watch()``'s keyword options, checked here.
+    """
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        self._start(model, optimizer, getattr(optimizer, "scaler", None), getattr(args, "output_dir", None))
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None,
+               **kwargs: Any) -> None:
+        values = self._new_values()
+        if not values or logs is None:
+            return
+        logs.update(values)
+        history = state.log_history
+        if history and history[-1].get("step") == state.global_step and all(k in history[-1] for k in logs
+                                                                            if k not in values):
+            history[-1].update(values)  # the trainer stored a copy of these logs just before on_log
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._finish(write=bool(state.is_world_process_zero))
+
+
+def _transformers_base() -> type:
+    try:
+        return importlib.import_module("transformers").TrainerCallback
+    except ModuleNotFoundError as err:
+        if err.name != "transformers":
+            raise
+    raise ImportError("graddbg.callbacks.TransformersCallback needs transformers: pip install transformers")
+
+
+# --------------------------------------------------------------------------- lazy classes
+_BUILD: Dict[str, Tuple[type, Callable[[], type]]] = {
+    "LightningCallback": (_LightningHooks, _lightning_base),
+    "TransformersCallback": (_TransformersHooks, _transformers_base),
+}
+_BUILT: Dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """``LightningCallback`` / ``TransformersCallback``: the mixin over the framework's real
+    base class, built (importing the framework) on first use and cached."""
+    if name not in _BUILD:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _BUILT:
+        mixin, base = _BUILD[name]
+        _BUILT[name] = type(name, (mixin, base()), {"__module__": __name__, "__qualname__": name,
+                                                     "__doc__": mixin.__doc__})
+    return _BUILT[name]
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_BUILD))
