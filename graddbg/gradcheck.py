@@ -52,19 +52,25 @@ passed in is modified.
 """
 from __future__ import annotations
 
+import bisect
 import copy
+import difflib
+import inspect
+import itertools
 import math
-import sys
+import numbers
 import time
-import types
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils import _pytree as pytree
 
-from graddbg._errors import GraddbgError, GradientMismatchError, PrecisionWarning
+from graddbg._errors import (GraddbgTypeError, GraddbgValueError, GradientMismatchError,
+                             PrecisionWarning)
+from graddbg._model import check_model, named_tensors, unwrap
+
 
 __all__ = ["gradcheck", "check_module", "assert_gradients_close", "GradcheckResult",
            "TOLERANCES"]
@@ -215,48 +221,115 @@ def _format_rows(rows: List[dict]) -> List[str]:
 
 
 # --------------------------------------------------------------------------- options
+#
+# Each option is one field of _Options: its name, its default (the public signatures'
+# default) and the check that validates (and normalises) a value given for it.
+
+
+def _choice(choices: Tuple[str, ...]) -> Callable[[str, str, Any], str]:
+    def check(where: str, name: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise GraddbgTypeError(f"{where}: {name}={value!r} must be a string, one of {choices}")
+        if value not in choices:
+            raise GraddbgValueError(f"{where}: {name}={value!r} is not supported; use one of {choices}")
+        return value
+    return check
+
+
+def _tolerance(where: str, name: str, value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    default = "the comparison tolerance" if name == "nondet_tol" else "TOLERANCES by dtype"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise GraddbgTypeError(f"{where}: {name}={value!r} must be a number (or None for the "
+                               f"default), got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (name == "eps" and value == 0):
+        raise GraddbgValueError(f"{where}: {name}={value!r} must be a finite number "
+                                f"{'> 0' if name == 'eps' else '>= 0'} (or None for the default: "
+                                f"{default})")
+    return float(value)
+
+
+def _flag(where: str, name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise GraddbgTypeError(f"{where}: {name}={value!r} must be True or False")
+    return bool(value)
+
+
+def _integer(minimum: Optional[int]) -> Callable[[str, str, Any], int]:
+    def check(where: str, name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise GraddbgTypeError(f"{where}: {name}={value!r} must be an int, got {type(value).__name__}")
+        if minimum is not None and value < minimum:
+            raise GraddbgValueError(f"{where}: {name}={value!r} must be an int >= {minimum}")
+        return int(value)
+    return check
+
+
+def _dtype(where: str, name: str, value: Any) -> Optional[torch.dtype]:
+    if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+        error = GraddbgValueError if isinstance(value, torch.dtype) else GraddbgTypeError
+        raise error(f"{where}: dtype={value!r} must be a floating-point torch.dtype (default "
+                    f"torch.float64) or None (check in the dtypes given)")
+    return value
+
+
+def _option(default: Any, check: Callable[[str, str, Any], Any]) -> Any:
+    return field(default=default, metadata={"check": check})
 
 
 @dataclass(frozen=True)
 class _Options:
-    mode: str
-    eps: float
-    atol: float
-    rtol: float
-    nondet_tol: Optional[float]
-    forward_ad: bool
-    second_order: bool
-    kinks: str
-    seed: int
-    probes: int
-    max_entries: int
-    localise_entries: int
-    compress: bool = True
+    """The options of ``gradcheck``, ``check_module`` and ``assert_gradients_close``,
+    written once. :meth:`parse` builds them from a call's keywords, validating each;
+    ``eps``/``atol``/``rtol`` left None are filled from ``TOLERANCES`` by :meth:`resolve`
+    once the dtype of the check is known."""
+
+    mode: str = _option("full", _choice(_MODES))
+    eps: Optional[float] = _option(None, _tolerance)
+    atol: Optional[float] = _option(None, _tolerance)
+    rtol: Optional[float] = _option(None, _tolerance)
+    forward_ad: bool = _option(False, _flag)
+    second_order: bool = _option(False, _flag)
+    nondet_tol: Optional[float] = _option(None, _tolerance)
+    dtype: Optional[torch.dtype] = _option(torch.float64, _dtype)
+    kinks: str = _option("allow", _choice(_KINKS))
+    seed: int = _option(0, _integer(None))
+    probes: int = _option(2, _integer(1))
+    max_entries: int = _option(2 ** 27, _integer(1))
+    localise_entries: int = _option(1_000_000, _integer(0))
+    compress: bool = _option(True, _flag)
+
+    @classmethod
+    def parse(cls, where: str, kw: Dict[str, Any], extra: Sequence[str] = ()) -> "_Options":
+        """The options of a call to ``where`` (``extra``: its own other keywords, listed
+        in the error for an unknown keyword)."""
+        checks = {f.name: f.metadata["check"] for f in fields(cls)}
+        unknown = sorted(set(kw) - set(checks))
+        if unknown:
+            accepted = sorted([*checks, *extra])
+            close = difflib.get_close_matches(unknown[0], accepted, n=1)
+            raise GraddbgTypeError(f"{where}: unknown keyword(s) {unknown}; accepted: {accepted}"
+                                   + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
+
+    def resolve(self, dtype: torch.dtype) -> "_Options":
+        """These options with the tolerances left None taken from ``TOLERANCES[dtype]``."""
+        eps, atol, rtol = TOLERANCES.get(dtype, TOLERANCES[torch.float64])
+        return replace(self, eps=eps if self.eps is None else self.eps,
+                       atol=atol if self.atol is None else self.atol,
+                       rtol=rtol if self.rtol is None else self.rtol)
 
 
-def _options(dtype: torch.dtype, mode: str, eps: Optional[float], atol: Optional[float],
-             rtol: Optional[float], nondet_tol: Optional[float], forward_ad: bool,
-             second_order: bool, kinks: str, seed: int, probes: int, max_entries: int,
-             localise_entries: int, compress: bool = True) -> _Options:
-    if mode not in _MODES:
-        raise GraddbgError(f"gradcheck: mode={mode!r} is not supported; use one of {_MODES}")
-    if kinks not in _KINKS:
-        raise GraddbgError(f"gradcheck: kinks={kinks!r} is not supported; use one of {_KINKS}")
-    for name, value in (("eps", eps), ("atol", atol), ("rtol", rtol), ("nondet_tol", nondet_tol)):
-        if value is not None and not (isinstance(value, (int, float)) and value >= 0
-                                      and math.isfinite(value)):
-            raise GraddbgError(f"gradcheck: {name}={value!r} must be a finite number >= 0 (or None)")
-    if eps is not None and eps <= 0:
-        raise GraddbgError(f"gradcheck: eps={eps!r} must be > 0")
-    if not isinstance(probes, int) or probes < 1:
-        raise GraddbgError(f"gradcheck: probes={probes!r} must be an int >= 1")
-    d_eps, d_atol, d_rtol = TOLERANCES.get(dtype, TOLERANCES[torch.float64])
-    return _Options(mode, float(d_eps if eps is None else eps),
-                    float(d_atol if atol is None else atol),
-                    float(d_rtol if rtol is None else rtol),
-                    None if nondet_tol is None else float(nondet_tol),
-                    bool(forward_ad), bool(second_order), kinks, int(seed), probes,
-                    int(max_entries), int(localise_entries), bool(compress))
+def _options_in_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Show the options as keyword-only parameters in ``fn``'s signature (``help()``,
+    ``inspect.signature``, IDEs) in place of its ``**options``."""
+    sig = inspect.signature(fn)
+    own = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    opts = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                              annotation=f.type) for f in fields(_Options)]
+    fn.__signature__ = sig.replace(parameters=own + opts)  # type: ignore[attr-defined]
+    return fn
 
 
 # --------------------------------------------------------------------------- target
@@ -264,23 +337,23 @@ def _options(dtype: torch.dtype, mode: str, eps: Optional[float], atol: Optional
 
 class _Target:
     """A function of a flat list of differentiable tensors returning a flat list of
-    floating-point output tensors (integer outputs are dropped)."""
+    floating-point output tensors: the outputs are found with :func:`graddbg._model.named_tensors`
+    (tensors in tuples, lists, dicts, dataclasses...), integer ones are dropped and complex
+    ones are checked as their real and imaginary parts (a trailing dimension of 2).
+    ``where`` names the public function in error messages."""
 
     def __init__(self, fn: Callable[[Sequence[torch.Tensor]], Any], xs: List[torch.Tensor],
-                 names: List[str], seed: int) -> None:
+                 names: List[str], seed: int, where: str) -> None:
         self.fn = fn
         self.xs = xs
         self.names = names
         self.seed = seed
+        self.where = where
         self.sizes = [x.numel() for x in xs]
-        self.offsets = [0]
-        for s in self.sizes:
-            self.offsets.append(self.offsets[-1] + s)
+        self.offsets = [0, *itertools.accumulate(self.sizes)]
         self.n = self.offsets[-1]
-        self.keep: Optional[List[int]] = None
-        self.complex_out: set = set()
+        self.paths: Optional[List[str]] = None      # of the checked outputs, set by the first call
         self.skipped: List[str] = []
-        self.single_out = False
         self.out_names: List[str] = []
         self.out_shapes: List[torch.Size] = []
         self.vmap_ok: Optional[bool] = None
@@ -299,76 +372,69 @@ class _Target:
         for gen in self.cuda_gens:
             gen.manual_seed(self.seed)
         out = self.fn(xs)
-        if self.keep is not None and self.single_out and isinstance(out, torch.Tensor):
-            return [torch.stack((out.real, out.imag), -1) if self.complex_out else out]
-        leaves, spec = pytree.tree_flatten(out)
-        if self.keep is None:
-            self._learn_outputs(leaves, spec)
-            self.single_out = isinstance(out, torch.Tensor)
-        return [torch.stack((leaves[i].real, leaves[i].imag), -1) if i in self.complex_out
-                else leaves[i] for i in self.keep]
+        if self.paths is None:
+            self._learn_outputs(out)
+        if self.paths == [""] and isinstance(out, torch.Tensor):   # one tensor: no walk
+            ys = [out]
+        else:
+            found = dict(named_tensors(out))
+            try:
+                ys = [found[p] for p in self.paths]
+            except KeyError:
+                raise GraddbgValueError(
+                    f"{self.where}: the function returned outputs {sorted(found)} on one call and "
+                    f"{self.paths} on the first; its outputs must keep their structure") from None
+        return [torch.stack((y.real, y.imag), -1) if y.is_complex() else y for y in ys]
 
-    def _learn_outputs(self, leaves: List[Any], spec: Any) -> None:
-        keep = []
-        paths = _leaf_names(spec, "output")
-        if not leaves:
-            raise GraddbgError("gradcheck: the function returned no tensor; it must return a "
-                               "tensor or a tuple/list/dict of tensors")
-        for i, leaf in enumerate(leaves):
-            if not isinstance(leaf, torch.Tensor):
-                raise GraddbgError(
-                    f"gradcheck: the function's output {paths[i]} is a {type(leaf).__name__}, "
-                    f"not a tensor; return tensors (or tuples/lists/dicts of tensors) only")
-            if leaf.is_complex():
-                # checked as its real and imaginary parts (a trailing dimension of 2)
-                self.complex_out.add(i)
-            if leaf.is_floating_point() or leaf.is_complex():
-                keep.append(i)
-        if not keep:
-            raise GraddbgError("gradcheck: the function has no floating-point output to "
-                               "differentiate (outputs: " +
-                               ", ".join(f"{paths[i]}: {leaves[i].dtype}" for i in range(len(leaves))) + ")")
+    def _learn_outputs(self, out: Any) -> None:
+        tensors = named_tensors(out, floating=False)
+        _check_output_types(self.where, out, tensors)
+        floats = [(p, y) for p, y in tensors if y.is_floating_point() or y.is_complex()]
+        if not floats:
+            raise GraddbgValueError(
+                f"{self.where}: the function has no floating-point output to differentiate "
+                f"(outputs: {', '.join(f'{_output_name(p)}: {y.dtype}' for p, y in tensors)})")
         # like torch.autograd.gradcheck, outputs that do not require grad (returned
         # statistics, masks) are not checked, unless no output requires grad
         if torch.is_grad_enabled():
-            diff = [i for i in keep if leaves[i].requires_grad]
-            if diff and len(diff) < len(keep):
-                self.skipped = [paths[i] for i in keep if i not in diff]
-                keep = diff
-        self.keep = keep
-        self.out_names = [paths[i] for i in keep]
-        self.out_shapes = [leaves[i].shape + ((2,) if i in self.complex_out else ())
-                           for i in keep]
-        self.out_sizes = [math.prod(s) for s in self.out_shapes]
-        self.out_offsets = [0]
-        for s in self.out_sizes:
-            self.out_offsets.append(self.out_offsets[-1] + s)
+            diff = [(p, y) for p, y in floats if y.requires_grad]
+            if diff and len(diff) < len(floats):
+                self.skipped = [_output_name(p) for p, y in floats if not y.requires_grad]
+                floats = diff
+        self.paths = [p for p, _ in floats]
+        self.out_names = [_output_name(p) for p in self.paths]
+        self.out_shapes = [y.shape + ((2,) if y.is_complex() else ()) for _, y in floats]
+        self.out_offsets = [0, *itertools.accumulate(math.prod(s) for s in self.out_shapes)]
         self.m = self.out_offsets[-1]
 
-    def split(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        """(k, N) -> per input (k, *shape)."""
-        k = flat.shape[0]
-        return [flat[:, a:b].reshape(k, *x.shape)
-                for a, b, x in zip(self.offsets[:-1], self.offsets[1:], self.xs)]
-
     def locate_input(self, j: int) -> Tuple[int, Tuple[int, ...]]:
-        b = _bucket(self.offsets, j)
+        """(input, index in it) of the flat input element ``j``."""
+        b = bisect.bisect_right(self.offsets, j) - 1
         return b, _unravel(j - self.offsets[b], self.xs[b].shape)
 
     def locate_output(self, i: int) -> Tuple[int, Tuple[int, ...]]:
-        o = _bucket(self.out_offsets, i)
+        """(output, index in it) of the flat output element ``i``."""
+        o = bisect.bisect_right(self.out_offsets, i) - 1
         return o, _unravel(i - self.out_offsets[o], self.out_shapes[o])
 
 
-def _bucket(offsets: List[int], j: int) -> int:
-    lo, hi = 0, len(offsets) - 2
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if offsets[mid] <= j:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _check_output_types(where: str, out: Any, tensors: List[Tuple[str, torch.Tensor]]) -> None:
+    """A function's output holds tensors only (in containers): a number or a string in it,
+    or no tensor at all, is an error. (``named_tensors`` skips what is not a tensor, so
+    torch's pytree walk names the stray leaf.)"""
+    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+        if isinstance(leaf, (numbers.Number, str, bytes)):
+            raise GraddbgTypeError(
+                f"{where}: the function's output{pytree.keystr(path)} is a {type(leaf).__name__}, "
+                f"not a tensor; return tensors (or tuples/lists/dicts of tensors) only")
+    if not tensors:
+        raise GraddbgTypeError(f"{where}: the function returned {type(out).__name__} with no "
+                               f"tensor in it; it must return a tensor or a tuple/list/dict of tensors")
+
+
+def _output_name(path: str) -> str:
+    """``output``, ``output[0]``, ``output.logits`` from a :func:`named_tensors` path."""
+    return "output" + (path if not path or path.startswith("[") else "." + path)
 
 
 def _unravel(j: int, shape: Sequence[int]) -> Tuple[int, ...]:
@@ -379,34 +445,44 @@ def _unravel(j: int, shape: Sequence[int]) -> Tuple[int, ...]:
     return tuple(reversed(idx))
 
 
-def _leaf_names(spec: Any, root: str) -> List[str]:
-    """Readable names of the leaves of a pytree: root, root[0], root['a'][1], ..."""
-    names: List[str] = []
-
-    def walk(s: Any, prefix: str) -> None:
-        if s.is_leaf():
-            names.append(prefix)
-            return
-        ctx = s.context
-        kids = s.children() if hasattr(s, "children") else s.children_specs
-        if isinstance(ctx, (list, tuple)) and len(ctx) == len(kids) and s.type is dict:
-            keys = [f"[{k!r}]" for k in ctx]
-        else:
-            keys = [f"[{i}]" for i in range(len(kids))]
-        for key, kid in zip(keys, kids):
-            walk(kid, prefix + key)
-
-    walk(spec, root)
-    return names
-
-
 def _flat(tensors: Sequence[torch.Tensor], k: int) -> torch.Tensor:
     if len(tensors) == 1:
         return tensors[0].reshape(k, -1)
     return torch.cat([t.reshape(k, -1) for t in tensors], dim=1)
 
 
+def _unit_rows(like: torch.Tensor, n: int, cols: Union[range, torch.Tensor],
+               value: float = 1.0) -> torch.Tensor:
+    """``value * e_c`` for every column index ``c`` in ``cols``: (len(cols), n), on
+    ``like``'s device and dtype."""
+    if isinstance(cols, range):
+        cols = torch.arange(cols.start, cols.stop, device=like.device)
+    rows = like.new_zeros(cols.numel(), n)
+    rows[torch.arange(cols.numel(), device=like.device), cols] = value
+    return rows
+
+
 # --------------------------------------------------------------------------- evaluation
+
+
+class _Sink:
+    """Where :func:`_rows` puts the rows it computes: into ``out`` when given, else into
+    blocks concatenated at the end."""
+
+    def __init__(self, out: Optional[torch.Tensor]) -> None:
+        self.out = out
+        self.blocks: List[torch.Tensor] = []
+
+    def put(self, r0: int, block: torch.Tensor) -> None:
+        if self.out is None:
+            self.blocks.append(block)
+        else:
+            self.out[r0:r0 + block.shape[0]] = block
+
+    def result(self) -> torch.Tensor:
+        if self.out is not None:
+            return self.out
+        return torch.cat(self.blocks) if len(self.blocks) > 1 else self.blocks[0]
 
 
 def _rows(t: _Target, attr: str, k: int, batched: Callable[[int, int], torch.Tensor],
@@ -414,81 +490,77 @@ def _rows(t: _Target, attr: str, k: int, batched: Callable[[int, int], torch.Ten
           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rows 0..k-1 of some result (written into ``out`` when given): batched (vmap, at
     most ``_VMAP_ROWS`` rows a call) when that works and pays off, else one at a time.
-    The first large request times one looped row against (warm) batches of ``_RACE`` and
-    of ``_SMALL_BATCH`` rows and keeps the cheapest per row: vmap falls back to slow
-    per-sample loops for ops without batching rules, and some batching rules cost more
-    than linearly in the batch size (``slice_scatter``'s backward: several times more
-    per row at 32 rows than at 4)."""
-    blocks: List[torch.Tensor] = []
-
-    def emit(r0: int, block: torch.Tensor) -> None:
-        if out is None:
-            blocks.append(block)
-        else:
-            out[r0:r0 + block.shape[0]] = block
-
-    def loop(r0: int) -> None:
-        for r in range(r0, k):
-            emit(r, single(r)[None])
-
-    def done() -> torch.Tensor:
-        return out if out is not None else torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-
+    ``t.<attr>`` remembers the choice: None (not tried yet), True (batched), False (loop).
+    The first large request races the two (:func:`_race`)."""
+    sink = _Sink(out)
     state = getattr(t, attr)
     if state is False or k < _MIN_BATCH:
-        loop(0)
-        return done()
-    size = t.batch_rows.get(attr, _VMAP_ROWS)
-
-    def chunks(r0: int) -> None:
-        # every call gets the same batch size (a short last chunk overlaps the one before):
-        # some batching rules are traced anew for each new batch size
-        for c in range(r0, k, size):
-            c1 = min(k, c + size)
-            lo = max(0, c1 - size) if k >= size else c
-            emit(c, batched(lo, c1)[c - lo:])
-
-    if state is None and k > 3 * _RACE + 2 * _SMALL_BATCH:
-        t0 = time.perf_counter()
-        emit(0, single(0)[None])
-        t1 = time.perf_counter()
+        _loop(sink, single, 0, k)
+    elif state is None and k > 3 * _RACE + 2 * _SMALL_BATCH:
+        _race(t, attr, sink, k, batched, single)
+    else:
         try:
-            emit(1, batched(1, 1 + _RACE))
+            _chunks(sink, batched, 0, k, t.batch_rows.get(attr, _VMAP_ROWS))
         except Exception:  # noqa: BLE001 - vmap cannot run this function: loop
+            if state:
+                raise
             setattr(t, attr, False)
-            loop(1)
-            return done()
-        t2 = time.perf_counter()
-        emit(1 + _RACE, batched(1 + _RACE, 1 + 2 * _RACE))
-        t3 = time.perf_counter()
-        r0 = 1 + 2 * _RACE
-        emit(r0, batched(r0, r0 + _SMALL_BATCH))
-        t4 = time.perf_counter()
-        emit(r0 + _SMALL_BATCH, batched(r0 + _SMALL_BATCH, r0 + 2 * _SMALL_BATCH))
-        t5 = time.perf_counter()
-        per_row = {_RACE: (t3 - t2) / _RACE, _SMALL_BATCH: (t5 - t4) / _SMALL_BATCH}
-        size = min(per_row, key=per_row.__getitem__)
-        fast = per_row[size] < t1 - t0
-        setattr(t, attr, fast)
-        t.batch_rows[attr] = size
-        r0 += 2 * _SMALL_BATCH
-        if fast:
-            chunks(r0)
+            sink.blocks.clear()
+            _loop(sink, single, 0, k)
         else:
-            loop(r0)
-        return done()
+            setattr(t, attr, True)
+    return sink.result()
+
+
+def _loop(sink: _Sink, single: Callable[[int], torch.Tensor], r0: int, k: int) -> None:
+    for r in range(r0, k):
+        sink.put(r, single(r)[None])
+
+
+def _chunks(sink: _Sink, batched: Callable[[int, int], torch.Tensor], r0: int, k: int,
+            size: int) -> None:
+    # every call gets the same batch size (a short last chunk overlaps the one before):
+    # some batching rules are traced anew for each new batch size
+    for c in range(r0, k, size):
+        c1 = min(k, c + size)
+        lo = max(0, c1 - size) if k >= size else c
+        sink.put(c, batched(lo, c1)[c - lo:])
+
+
+def _race(t: _Target, attr: str, sink: _Sink, k: int,
+          batched: Callable[[int, int], torch.Tensor], single: Callable[[int], torch.Tensor]) -> None:
+    """Time one looped row against (warm) batches of ``_RACE`` and of ``_SMALL_BATCH``
+    rows, keep the cheapest per row for the rest and remember it in ``t``: vmap falls
+    back to slow per-sample loops for ops without batching rules, and some batching
+    rules cost more than linearly in the batch size (``slice_scatter``'s backward:
+    several times more per row at 32 rows than at 4)."""
+    t0 = time.perf_counter()
+    sink.put(0, single(0)[None])
+    t1 = time.perf_counter()
     try:
-        chunks(0)
+        sink.put(1, batched(1, 1 + _RACE))
     except Exception:  # noqa: BLE001 - vmap cannot run this function: loop
-        if state:
-            raise
         setattr(t, attr, False)
-        blocks.clear()
-        loop(0)
-        return done()
-    if state is None:
-        setattr(t, attr, True)
-    return done()
+        _loop(sink, single, 1, k)
+        return
+    t2 = time.perf_counter()
+    sink.put(1 + _RACE, batched(1 + _RACE, 1 + 2 * _RACE))
+    t3 = time.perf_counter()
+    r0 = 1 + 2 * _RACE
+    sink.put(r0, batched(r0, r0 + _SMALL_BATCH))
+    t4 = time.perf_counter()
+    sink.put(r0 + _SMALL_BATCH, batched(r0 + _SMALL_BATCH, r0 + 2 * _SMALL_BATCH))
+    t5 = time.perf_counter()
+    per_row = {_RACE: (t3 - t2) / _RACE, _SMALL_BATCH: (t5 - t4) / _SMALL_BATCH}
+    size = min(per_row, key=per_row.__getitem__)
+    fast = per_row[size] < t1 - t0
+    setattr(t, attr, fast)
+    t.batch_rows[attr] = size
+    r0 += 2 * _SMALL_BATCH
+    if fast:
+        _chunks(sink, batched, r0, k, size)
+    else:
+        _loop(sink, single, r0, k)
 
 
 def _eval_directions(t: _Target, d: torch.Tensor) -> torch.Tensor:
@@ -582,53 +654,6 @@ def _chunk(total: int, width: int) -> int:
 # --------------------------------------------------------------------------- full mode
 
 
-def _screened_columns(t: _Target, opts: _Options, ana: torch.Tensor, c0: int, c1: int,
-                      f0: torch.Tensor, widen: Optional[float], col: "_Collector"
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Numerical Jacobian columns c0..c1 (M, k) and the columns still to compare.
-
-    Forward differences (one evaluation per column) clear the columns whose every entry
-    is within half the tolerance of the analytic value (their errors enter the
-    statistics here); every other column is recomputed with central differences, which
-    decide every reported mismatch. This halves the function evaluations of full mode,
-    at no cost in what is reported."""
-    x0 = t.xs[0]
-    k = c1 - c0
-    idx = torch.arange(k, device=x0.device)
-    d = x0.new_zeros(k, t.n)
-    d[idx, idx + c0] = opts.eps
-    fp = _eval_directions(t, d)                           # (k, M)
-    num = torch.sub(fp, f0).div_(opts.eps).T
-    err = torch.sub(ana, num).abs_()
-    n_abs = num.abs()
-    half = n_abs * (0.5 * opts.rtol) + (0.5 * opts.atol + (0.5 * widen if widen else 0.0))
-    cleared = (err <= half).all(0)
-    suspect = (~cleared).nonzero().flatten()
-    if err.numel() and bool(cleared.any()):
-        e, n = err[:, cleared], n_abs[:, cleared]
-        col.max_abs = max(col.max_abs, float(e.max()))
-        col.max_rel = max(col.max_rel, float((e / n.clamp_min_(max(opts.atol, 1e-300))).max()))
-        col.n_compared += e.numel()
-    if suspect.numel():
-        d = x0.new_zeros(suspect.numel(), t.n)
-        d[torch.arange(suspect.numel(), device=x0.device), suspect + c0] = -opts.eps
-        fm = _eval_directions(t, d)
-        num[:, suspect] = ((fp[suspect] - fm) / (2 * opts.eps)).T
-    return num, suspect
-
-
-def _analytic_jacobian(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor]) -> torch.Tensor:
-    x0 = t.xs[0]
-    out = x0.new_empty(t.m, t.n)
-    step = _chunk(t.m, t.m + t.n)
-    for r0 in range(0, t.m, step):
-        r1 = min(t.m, r0 + step)
-        v = x0.new_zeros(r1 - r0, t.m)
-        v[torch.arange(r1 - r0, device=x0.device), torch.arange(r0, r1, device=x0.device)] = 1
-        _vjp_rows(t, xs, ys, v, out[r0:r1])
-    return out
-
-
 class _Collector:
     """Accumulates comparison statistics and mismatch rows of one check."""
 
@@ -646,95 +671,50 @@ class _Collector:
         self.nondet = False
         self.spread = 0.0
 
-    def stats(self, abs_err: torch.Tensor, numerical: torch.Tensor) -> None:
+    def errors(self, abs_err: torch.Tensor, n_abs: torch.Tensor) -> None:
+        """Record the largest absolute and relative errors of compared entries (``n_abs``:
+        the magnitudes of the numerical values, the scale of the relative error)."""
         if abs_err.numel():
             self.max_abs = max(self.max_abs, float(abs_err.max()))
-            rel = abs_err / numerical.abs().clamp_min(max(self.opts.atol, 1e-300))
+            rel = abs_err / n_abs.clamp_min(max(self.opts.atol, 1e-300))
             self.max_rel = max(self.max_rel, float(rel.max()))
-        self.n_compared += abs_err.numel()
 
-
-def _compare_full(t: _Target, a: torch.Tensor, n: torch.Tensor, col: _Collector,
-                  check: str, spread: Optional[float] = None,
-                  kink_fn: Optional[Callable] = None,
-                  c0: Union[int, torch.Tensor] = 0) -> None:
-    """Compare Jacobian columns entry by entry: a block starting at column ``c0``, or the
-    columns whose global indices ``c0`` (a tensor) lists."""
-    opts = col.opts
-    abs_err = (a - n).abs_()
-    n_abs = n.abs()
-    tol = n_abs * opts.rtol + opts.atol
-    if spread is not None:
-        tol = tol + spread
-    if abs_err.numel():
-        col.max_abs = max(col.max_abs, float(abs_err.max()))
-        col.max_rel = max(col.max_rel, float((abs_err / n_abs.clamp_min_(max(opts.atol, 1e-300))).max()))
-    col.n_compared += abs_err.numel()
-    bad = ~(abs_err <= tol)                      # NaN counts as bad ...
-    nbad = int(bad.sum())
-    if not nbad:
-        return
-    idx = bad.nonzero()
-    same = a[bad] == n[bad]                      # ... unless both sides agree (inf == inf)
-    if bool(same.any()):
-        idx = idx[~same]
-        nbad = idx.shape[0]
-        if not nbad:
+    def backward_spread(self, spread: torch.Tensor, tol: Any) -> None:
+        """Record how far two runs of the backward pass differ; beyond ``nondet_tol``
+        (default: ``tol``, the comparison tolerance) the backward is nondeterministic."""
+        if not spread.numel():
             return
-    errs = abs_err[idx[:, 0], idx[:, 1]]
-    order = torch.argsort(errs.nan_to_num(float("inf")), descending=True)[:_TABLE_ROWS]
-    glob = c0.tolist() if isinstance(c0, torch.Tensor) else None
-    idx = [(i, glob[j] if glob is not None else j + c0, j) for i, j in idx[order].tolist()]
-    kink_info = kink_fn([j for _, j, _ in idx]) if kink_fn is not None else {}
-    allowed = 0
-    for i, j, jj in idx:
-        b, in_idx = t.locate_input(j)
-        o, out_idx = t.locate_output(i)
-        av, nv = float(a[i, jj]), float(n[i, jj])
-        err = abs(av - nv) if math.isfinite(av - nv) else float("inf")
-        row = dict(input=t.names[b], index=in_idx, output=t.out_names[o], output_index=out_idx,
-                   analytic=av, numerical=nv, abs_err=err,
-                   rel_err=err / max(abs(nv), opts.atol, 1e-300), check=check, note="")
-        lr = kink_info.get(j)
-        if lr is not None:
-            left, right = float(lr[0][i]), float(lr[1][i])
-            ktol = opts.atol + opts.rtol * max(abs(left), abs(right))
-            if abs(left - right) > ktol and min(left, right) - ktol <= av <= max(left, right) + ktol:
-                row["note"] = "non-differentiable point"
-                row["left"], row["right"] = left, right
-                if opts.kinks == "allow":
-                    allowed += 1
-                    col.kink_rows.append(row)
-                    col.kinks.append(f"{t.names[b]}{list(in_idx)} -> {t.out_names[o]}"
-                                     f"{list(out_idx)}: left {left:.4g}, right {right:.4g}, "
-                                     f"analytic {av:.4g}")
-                    continue
-        col.rows.append(row)
-    col.n_mismatched += nbad - allowed
+        self.spread = max(self.spread, float(spread.max()))
+        limit = tol if self.opts.nondet_tol is None else self.opts.nondet_tol
+        if bool((spread > limit).any()):
+            self.nondet = True
+
+    def trim(self) -> None:
+        """Keep the ``_TABLE_ROWS`` worst rows."""
+        if len(self.rows) > _TABLE_ROWS:
+            self.rows.sort(key=_row_key)
+            del self.rows[_TABLE_ROWS:]
 
 
-def _kink_fn(t: _Target, eps: float, f0: torch.Tensor) -> Callable:
-    def one_sided(cols: List[int]) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
-        cols = sorted(set(cols))[:256]
-        x0 = t.xs[0]
-        k = len(cols)
-        d = x0.new_zeros(2 * k, t.n)
-        idx = torch.arange(k, device=x0.device)
-        col = torch.as_tensor(cols, device=x0.device)
-        d[idx, col] = eps
-        d[idx + k, col] = -eps
-        f = _eval_directions(t, d)
-        return {c: ((f0 - f[k + r]) / eps, (f[r] - f0) / eps) for r, c in enumerate(cols)}
-    return one_sided
+def _row_key(r: dict) -> float:
+    return -r["abs_err"] if math.isfinite(r["abs_err"]) else -math.inf
 
 
-def _run_full(t: _Target, opts: _Options, col: _Collector) -> None:
+def _forward(t: _Target) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """The inputs as fresh leaves that require grad, and the outputs with their graph."""
     xs = [x.detach().requires_grad_(True) for x in t.xs]
     with torch.enable_grad():
         ys = t.call(xs)
+    return xs, ys
+
+
+def _run_full(t: _Target, opts: _Options, col: _Collector) -> None:
+    """Every Jacobian entry: analytic (backward passes, twice), numerical (forward
+    differences, then central ones where they do not clear), compressed when sparse."""
+    xs, ys = _forward(t)
     if t.n * t.m > opts.max_entries:
-        raise GraddbgError(
-            f"gradcheck: the Jacobian has {t.m} x {t.n} = {t.m * t.n} entries, more than "
+        raise GraddbgValueError(
+            f"{t.where}: the Jacobian has {t.m} x {t.n} = {t.m * t.n} entries, more than "
             f"max_entries={opts.max_entries}; use mode='fast' (random projections) or raise "
             f"max_entries")
     f0 = _flat([y.detach().unsqueeze(0) for y in ys], 1)[0]
@@ -748,6 +728,7 @@ def _run_full(t: _Target, opts: _Options, col: _Collector) -> None:
         t.colours = cp.n_colours
         _run_compressed(cp, opts, f0, widen, kink, col)
         return
+    x0 = t.xs[0]
     step = _chunk(t.n, 2 * (t.n + t.m))
     for c0 in range(0, t.n, step):
         c1 = min(t.n, c0 + step)
@@ -756,19 +737,21 @@ def _run_full(t: _Target, opts: _Options, col: _Collector) -> None:
             _compare_full(t, ana[:, c0:c1][:, suspect], num[:, suspect], col, "jacobian",
                           widen, kink, suspect + c0)
         if opts.forward_ad:
-            x0 = t.xs[0]
-            u = x0.new_zeros(c1 - c0, t.n)
-            u[torch.arange(c1 - c0, device=x0.device), torch.arange(c0, c1, device=x0.device)] = 1
-            fwd = _jvp_cols(t, u).T
+            fwd = _jvp_cols(t, _unit_rows(x0, t.n, range(c0, c1))).T
             _compare_full(t, fwd, num, col, "forward_ad", None, kink, c0)
             _compare_full(t, fwd, ana[:, c0:c1], col, "forward_vs_reverse", widen, None, c0)
-        if len(col.rows) > _TABLE_ROWS:
-            col.rows.sort(key=_row_key)
-            del col.rows[_TABLE_ROWS:]
+        col.trim()
 
 
-def _row_key(r: dict) -> float:
-    return -r["abs_err"] if math.isfinite(r["abs_err"]) else -math.inf
+def _analytic_jacobian(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor]) -> torch.Tensor:
+    """The Jacobian (M, N) by backward passes, one row per output element."""
+    x0 = t.xs[0]
+    out = x0.new_empty(t.m, t.n)
+    step = _chunk(t.m, t.m + t.n)
+    for r0 in range(0, t.m, step):
+        r1 = min(t.m, r0 + step)
+        _vjp_rows(t, xs, ys, _unit_rows(x0, t.m, range(r0, r1)), out[r0:r1])
+    return out
 
 
 def _second_backward(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor],
@@ -784,39 +767,141 @@ def _second_backward(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor],
     v = _probe(torch.Generator().manual_seed(opts.seed + 2), (1, t.m), x0)
     g2 = _vjp_rows(t, xs, ys, v)
     g1 = v @ ana
-    if torch.equal(g1, g2):                  # e.g. one nonzero per column: no rounding at all
-        return None
-    rounding = torch.zeros_like(g1)
-    step = max(1, (_BUDGET // 8) // max(t.n, 1))         # |v| |J| without a full-size |J|
-    for r0 in range(0, t.m, step):
-        rounding.addmm_(v[:, r0:r0 + step].abs(), ana[r0:r0 + step].abs())
-    rounding.mul_(1e3 * torch.finfo(ana.dtype).eps)
-    if bool((((g1 - g2).abs() <= rounding) | (g1 == g2)).all()):
-        return None
+    if torch.equal(g1, g2) or _within_rounding(v, ana, g1, g2):
+        return None                  # (equal: e.g. one nonzero per column, no rounding)
     step = _chunk(t.m, t.m + t.n)
     for r0 in range(0, t.m, step):
         r1 = min(t.m, r0 + step)
-        v = x0.new_zeros(r1 - r0, t.m)
-        v[torch.arange(r1 - r0, device=x0.device), torch.arange(r0, r1, device=x0.device)] = 1
-        a2 = _vjp_rows(t, xs, ys, v)
+        a2 = _vjp_rows(t, xs, ys, _unit_rows(x0, t.m, range(r0, r1)))
         a1 = ana[r0:r1]
         if torch.equal(a1, a2):
             continue
-        spread = (a1 - a2).abs()
-        _nondet(col, spread, opts.atol + opts.rtol * a1.abs())
+        col.backward_spread((a1 - a2).abs(), opts.atol + opts.rtol * a1.abs())
         a1.add_(a2).mul_(0.5)
     return 2 * col.spread if col.spread > 0 else None
 
 
-def _nondet(col: _Collector, spread: torch.Tensor, tol: Any) -> None:
-    if not spread.numel():
+def _within_rounding(v: torch.Tensor, ana: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor) -> bool:
+    """Whether two products ``v^T J`` differ by no more than their rounding, about
+    ``1e3 * eps * |v|^T |J|`` (computed without a full-size ``|J|``)."""
+    rounding = torch.zeros_like(g1)
+    step = max(1, (_BUDGET // 8) // max(ana.shape[1], 1))
+    for r0 in range(0, ana.shape[0], step):
+        rounding.addmm_(v[:, r0:r0 + step].abs(), ana[r0:r0 + step].abs())
+    rounding.mul_(1e3 * torch.finfo(ana.dtype).eps)
+    return bool((((g1 - g2).abs() <= rounding) | (g1 == g2)).all())
+
+
+def _screened_columns(t: _Target, opts: _Options, ana: torch.Tensor, c0: int, c1: int,
+                      f0: torch.Tensor, widen: Optional[float], col: _Collector
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Numerical Jacobian columns c0..c1 (M, k) and the columns still to compare.
+
+    Forward differences (one evaluation per column) clear the columns whose every entry
+    is within half the tolerance of the analytic value (their errors enter the
+    statistics here); every other column is recomputed with central differences, which
+    decide every reported mismatch. This halves the function evaluations of full mode,
+    at no cost in what is reported."""
+    x0 = t.xs[0]
+    fp = _eval_directions(t, _unit_rows(x0, t.n, range(c0, c1), opts.eps))    # (k, M)
+    num = torch.sub(fp, f0).div_(opts.eps).T
+    err = torch.sub(ana, num).abs_()
+    n_abs = num.abs()
+    half = n_abs * (0.5 * opts.rtol) + (0.5 * opts.atol + (0.5 * widen if widen else 0.0))
+    cleared = (err <= half).all(0)
+    suspect = (~cleared).nonzero().flatten()
+    if err.numel() and bool(cleared.any()):
+        e = err[:, cleared]
+        col.errors(e, n_abs[:, cleared])
+        col.n_compared += e.numel()
+    if suspect.numel():
+        fm = _eval_directions(t, _unit_rows(x0, t.n, suspect + c0, -opts.eps))
+        num[:, suspect] = ((fp[suspect] - fm) / (2 * opts.eps)).T
+    return num, suspect
+
+
+def _compare_full(t: _Target, a: torch.Tensor, n: torch.Tensor, col: _Collector,
+                  check: str, spread: Optional[float] = None,
+                  kink_fn: Optional[Callable] = None,
+                  c0: Union[int, torch.Tensor] = 0) -> None:
+    """Compare Jacobian columns entry by entry: a block starting at column ``c0``, or the
+    columns whose global indices ``c0`` (a tensor) lists. Mismatches, worst first, become
+    rows of the table, except at allowed kinks (:func:`_at_kink`)."""
+    opts = col.opts
+    abs_err = (a - n).abs_()
+    n_abs = n.abs()
+    tol = n_abs * opts.rtol + opts.atol
+    if spread is not None:
+        tol = tol + spread
+    col.errors(abs_err, n_abs)
+    col.n_compared += abs_err.numel()
+    bad = ~(abs_err <= tol)                      # NaN counts as bad ...
+    if not bool(bad.any()):
         return
-    col.spread = max(col.spread, float(spread.max()))
-    limit = tol if col.opts.nondet_tol is None else col.opts.nondet_tol
-    if bool((spread > limit).any()):
-        col.nondet = True
+    idx = bad.nonzero()[~(a[bad] == n[bad])]     # ... unless both sides agree (inf == inf)
+    nbad = idx.shape[0]
+    if not nbad:
+        return
+    errs = abs_err[idx[:, 0], idx[:, 1]]
+    order = torch.argsort(errs.nan_to_num(float("inf")), descending=True)[:_TABLE_ROWS]
+    glob = c0.tolist() if isinstance(c0, torch.Tensor) else None
+    entries = [(i, glob[j] if glob is not None else j + c0, j) for i, j in idx[order].tolist()]
+    kink_info = kink_fn([j for _, j, _ in entries]) if kink_fn is not None else {}
+    allowed = 0
+    for i, j, jj in entries:
+        row = _entry_row(t, opts, i, j, float(a[i, jj]), float(n[i, jj]), check)
+        if _at_kink(col, row, kink_info.get(j), i):
+            allowed += 1
+        else:
+            col.rows.append(row)
+    col.n_mismatched += nbad - allowed
 
 
+def _entry_row(t: _Target, opts: _Options, i: int, j: int, av: float, nv: float,
+               check: str) -> dict:
+    """The table row of Jacobian entry (output element i, input element j)."""
+    b, in_idx = t.locate_input(j)
+    o, out_idx = t.locate_output(i)
+    err = abs(av - nv) if math.isfinite(av - nv) else float("inf")
+    return dict(input=t.names[b], index=in_idx, output=t.out_names[o], output_index=out_idx,
+                analytic=av, numerical=nv, abs_err=err,
+                rel_err=err / max(abs(nv), opts.atol, 1e-300), check=check, note="")
+
+
+def _at_kink(col: _Collector, row: dict, one_sided: Any, i: int) -> bool:
+    """Mark ``row`` as a non-differentiable point when the one-sided differences of its
+    column disagree and the analytic value is one of them. Returns True when that is
+    allowed (``kinks="allow"``): the row is then a kink, not a mismatch."""
+    if one_sided is None:
+        return False
+    opts = col.opts
+    left, right, av = float(one_sided[0][i]), float(one_sided[1][i]), row["analytic"]
+    ktol = opts.atol + opts.rtol * max(abs(left), abs(right))
+    if not (abs(left - right) > ktol and min(left, right) - ktol <= av <= max(left, right) + ktol):
+        return False
+    row["note"] = "non-differentiable point"
+    row["left"], row["right"] = left, right
+    if opts.kinks != "allow":
+        return False
+    col.kink_rows.append(row)
+    col.kinks.append(f"{row['input']}{list(row['index'])} -> {row['output']}"
+                     f"{list(row['output_index'])}: left {left:.4g}, right {right:.4g}, "
+                     f"analytic {av:.4g}")
+    return True
+
+
+def _kink_fn(t: _Target, eps: float, f0: torch.Tensor) -> Callable:
+    """One-sided differences of the columns asked for (at most 256): {column: (left,
+    right)}, to tell a kink from a wrong derivative."""
+    def one_sided(cols: List[int]) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+        cols = sorted(set(cols))[:256]
+        x0 = t.xs[0]
+        k = len(cols)
+        at = torch.as_tensor(cols, device=x0.device)
+        f = _eval_directions(t, torch.cat([_unit_rows(x0, t.n, at, eps),
+                                           _unit_rows(x0, t.n, at, -eps)]))
+        return {c: ((f0 - f[k + r]) / eps, (f[r] - f0) / eps) for r, c in enumerate(cols)}
+    return one_sided
 # --------------------------------------------------------------------------- compression
 #
 # A sparse Jacobian is checked with fewer evaluations by Curtis-Powell-Reid column
@@ -906,7 +991,7 @@ class _Compressed:
         return [g for g in torch.split(order, counts) if g.numel()]
 
     def check(self, groups: List[torch.Tensor], weights: torch.Tensor, opts: _Options,
-              f0: Optional[torch.Tensor], widen: Optional[float], col: "_Collector",
+              f0: Optional[torch.Tensor], widen: Optional[float], col: _Collector,
               central: bool) -> List[bool]:
         """Perturb each group's columns together (weights ``weights``); compare every row
         with the analytic entry of the group's column in that row. Returns, per group,
@@ -947,10 +1032,7 @@ class _Compressed:
             bad = (~(err <= tol) & ~(a_est == n_est)).any(1)
             good = ~bad
             if bool(good.any()):
-                e, na = err[good], n_abs[good]
-                if e.numel():
-                    col.max_abs = max(col.max_abs, float(e.max()))
-                    col.max_rel = max(col.max_rel, float((e / na.clamp_min(max(opts.atol, 1e-300))).max()))
+                col.errors(err[good], n_abs[good])
             failed.extend(bad.tolist())
         return failed
 
@@ -974,7 +1056,7 @@ def _compression(t: _Target, ana: torch.Tensor, opts: _Options) -> Optional[_Com
 
 
 def _run_compressed(cp: _Compressed, opts: _Options, f0: torch.Tensor, widen: Optional[float],
-                    kink: Callable, col: "_Collector") -> None:
+                    kink: Callable, col: _Collector) -> None:
     """Full mode on a compressed Jacobian: every colour is screened with a forward
     difference (half the tolerance), a colour that does not clear is recomputed with
     central differences, and one that still fails is bisected and its small groups
@@ -1021,27 +1103,18 @@ def _run_compressed(cp: _Compressed, opts: _Options, f0: torch.Tensor, widen: Op
             cc = cols[s:s + step]
             num = _central_columns(t, opts, cc)
             _compare_full(t, cp.ana[:, cc], num, col, "jacobian", widen, kink, cc)
-            if len(col.rows) > _TABLE_ROWS:
-                col.rows.sort(key=_row_key)
-                del col.rows[_TABLE_ROWS:]
+            col.trim()
 
 
 def _central_columns(t: _Target, opts: _Options, cols: torch.Tensor) -> torch.Tensor:
     """Central differences of the columns ``cols``: (M, k)."""
-    x0 = t.xs[0]
     k = cols.numel()
-    d = x0.new_zeros(k, t.n)
-    d[torch.arange(k, device=x0.device), cols] = opts.eps
+    d = _unit_rows(t.xs[0], t.n, cols, opts.eps)
     f = _eval_directions(t, torch.cat([d, -d]))
     return ((f[:k] - f[k:]) / (2 * opts.eps)).T
 
 
 # --------------------------------------------------------------------------- fast mode
-
-
-def _gauss(gen: torch.Generator, shape: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """Gaussian draws (for the second-order grad_outputs)."""
-    return torch.randn(shape, generator=gen, dtype=torch.float64).to(like.device, like.dtype)
 
 
 def _probe(gen: torch.Generator, shape: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -1050,15 +1123,50 @@ def _probe(gen: torch.Generator, shape: Tuple[int, ...], like: torch.Tensor) -> 
     return (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1).to(like.device, like.dtype)
 
 
+@dataclass
+class _Projections:
+    """Fast mode's probes and what was measured along them. The (k, k * nb) matrices
+    hold every pair (output probe v_l, input probe u_c); column ``c = b * k + kk``
+    belongs to input ``b``."""
+
+    k: int                      # probes per input (and output probes)
+    nb: int                     # inputs
+    u: torch.Tensor             # (k * nb, N) input probes, each on one input only
+    v: torch.Tensor             # (k, M) output probes
+    d: torch.Tensor             # (k * nb, M) numerical J u, central differences
+    noise_el: torch.Tensor      # (k * nb, M) rounding in f(x +- eps u)
+    g1: torch.Tensor            # (k, N) analytic v^T J
+    g_again: torch.Tensor       # (1, N) v_0^T J from a second backward pass
+    ana: Any = None             # (k, k * nb) analytic v^T J u (set by _fast_compare)
+    num: Any = None             # numerical v^T (J u)
+    tol: Any = None
+    scale: Any = None           # typical size of the sums, the scale of rel_err
+    abs_err: Any = None
+    bad: Any = None
+
+
 def _run_fast(t: _Target, opts: _Options, col: _Collector) -> Dict[int, int]:
     """Projection check; returns {input: number of failed projections}."""
+    xs, ys = _forward(t)
+    p = _fast_measure(t, opts, xs, ys)
+    failing: Dict[int, int] = {}
+    for b in _fast_compare(opts, col, p):
+        confirmed = _fast_confirm(t, opts, col, p, b)
+        if confirmed:
+            failing[b] = failing.get(b, 0) + confirmed
+    if opts.forward_ad:
+        _fast_forward_ad(t, opts, col, p, failing)
+    return failing
+
+
+def _fast_measure(t: _Target, opts: _Options, xs: List[torch.Tensor],
+                  ys: List[torch.Tensor]) -> _Projections:
+    """Draw the probes (seeded), difference along each input probe, and run the
+    backward pass for each output probe (and for the first one again)."""
     k = opts.probes
     gen = torch.Generator().manual_seed(opts.seed)
     x0 = t.xs[0]
     nb = len(t.xs)
-    xs = [x.detach().requires_grad_(True) for x in t.xs]
-    with torch.enable_grad():
-        ys = t.call(xs)
     # probes u: k per input, supported on that input only; v: k over all outputs
     u = x0.new_zeros(k * nb, t.n)
     for b in range(nb):
@@ -1066,149 +1174,181 @@ def _run_fast(t: _Target, opts: _Options, col: _Collector) -> Dict[int, int]:
     v = _probe(gen, (k, t.m), x0)
     f = _eval_directions(t, torch.cat([opts.eps * u, -opts.eps * u]))
     fp, fm = f[:k * nb], f[k * nb:]
-    d = (fp - fm) / (2 * opts.eps)                       # (k*nb, M) numerical J u
+    d = (fp - fm) / (2 * opts.eps)
     noise_el = (fp.abs() + fm.abs()) * (_NOISE * torch.finfo(x0.dtype).eps / (2 * opts.eps))
-    # v^T J for every probe v, and the first once more (backward again: nondeterminism)
     g12 = _vjp_rows(t, xs, ys, torch.cat([v, v[:1]]))
-    g1 = g12[:k]                                          # (k, N) analytic v^T J
-    failing: Dict[int, int] = {}
+    return _Projections(k, nb, u, v, d, noise_el, g12[:k], g12[k:])
+
+
+def _fast_compare(opts: _Options, col: _Collector, p: _Projections) -> List[int]:
+    """Compare every projection, in float64, against its own magnitude and the rounding
+    noise of its finite difference; record the statistics; return the inputs with a
+    projection over tolerance."""
+    k, nb, u, v, d, g1 = p.k, p.nb, p.u, p.v, p.d, p.g1
     vv = v * v
-    # every (probe v_l, probe u_c) pair at once; column c = b * k + kk belongs to input b
-    a1 = g1 @ u.T                                        # (k, k*nb) analytic v^T J u
+    a1 = g1 @ u.T                                        # analytic v^T J u
     num = v @ d.T                                        # numerical v^T (J u)
     u2 = u * u
     m_a = ((g1 * g1) @ u2.T).sqrt_()                     # typical size of the sum a1
     # typical size of the numerical sum, and the rounding in f(x +- eps u): one product
-    m_n, noise = (vv @ torch.cat([d * d, noise_el * noise_el]).T).sqrt_().split(k * nb, 1)
+    m_n, noise = (vv @ torch.cat([d * d, p.noise_el * p.noise_el]).T).sqrt_().split(k * nb, 1)
     scale = torch.maximum(m_a, m_n)
     tol = torch.outer(vv.sum(1), u2.sum(1)).sqrt_().mul_(opts.atol)
     tol += opts.rtol * scale + noise
     ana = a1
-    if not torch.equal(g1[:1], g12[k:]):
+    if not torch.equal(g1[:1], p.g_again):               # the backward is nondeterministic
         g2 = g1.clone()
-        g2[:1] = g12[k:]
+        g2[:1] = p.g_again
         a2 = g2 @ u.T
         sp = (a1 - a2).abs()
-        _nondet(col, sp, tol)
+        col.backward_spread(sp, tol)
         ana = (a1 + a2) / 2
         tol = tol + 2 * sp.max()
     abs_err = (ana - num).abs()
     col.n_compared += abs_err.numel()
-    bad_all = ~(abs_err <= tol)
+    bad = ~(abs_err <= tol)
     # per input: max abs err, max rel err, any projection over tolerance (one readback)
-    per = torch.stack([abs_err, abs_err / scale.clamp_min(1e-300), bad_all.to(abs_err.dtype)])
+    per = torch.stack([abs_err, abs_err / scale.clamp_min(1e-300), bad.to(abs_err.dtype)])
     per_abs, per_rel, per_bad = per.view(3, k, nb, k).amax((1, 3)).tolist()
     for b in range(nb):
         col.per_input[b] = (per_abs[b], per_rel[b])
+    p.ana, p.num, p.tol, p.scale, p.abs_err, p.bad = ana, num, tol, scale, abs_err, bad
     if not any(per_bad):
-        bad_inputs: List[int] = []
-    else:
-        bad_inputs = sorted({int(c) // k for c in bad_all.nonzero()[:, 1]})
-    for b in bad_inputs:
-        cols = slice(b * k, (b + 1) * k)
-        bad = bad_all[:, cols] & ~(ana[:, cols] == num[:, cols])
-        if not bool(bad.any()):
-            continue
-        ana_b, num_b, tol_b, err_b, scale_b = (ana[:, cols], num[:, cols], tol[:, cols],
-                                                abs_err[:, cols], scale[:, cols])
-        # confirm against a second step size: a real mismatch does not move with eps
-        ks = sorted({int(kk) for kk in bad.nonzero()[:, 1]})
-        uu = u[[b * k + kk for kk in ks]]
-        f2 = _eval_directions(t, torch.cat([2 * opts.eps * uu, -2 * opts.eps * uu]))
-        d2 = (f2[:len(ks)] - f2[len(ks):]) / (4 * opts.eps)
-        num2 = v @ d2.T
-        fd_err = (num2 - num_b[:, ks]).abs()
-        confirmed = ~(err_b[:, ks] <= tol_b[:, ks] + 2 * fd_err) & ~(ana_b[:, ks] == num_b[:, ks])
-        nconf = int(confirmed.sum())
-        if not nconf:
-            col.notes.append(f"fast-mode projections of {t.names[b]} disagreed by up to "
-                             f"{float(err_b[bad].max()):.3g} but moved with eps (finite-"
-                             f"difference error, not a wrong gradient); mode='full' checks entries")
-            continue
-        failing[b] = failing.get(b, 0) + nconf
-        for (l, kk) in confirmed.nonzero().tolist():
-            c = ks[kk]
-            av, nv = float(ana_b[l, c]), float(num_b[l, c])
-            err = abs(av - nv)
-            col.rows.append(dict(input=t.names[b], index=(l, c), output="v^T J u",
-                                 output_index=(), analytic=av, numerical=nv, abs_err=err,
-                                 rel_err=err / max(float(scale_b[l, c]), 1e-300),
-                                 check="projection", note=f"probe v{l}, u{c}"))
-    if opts.forward_ad:
-        jf = _jvp_cols(t, u)                             # (k*nb, M)
-        for b in range(nb):
-            sl = slice(t.offsets[b], t.offsets[b + 1])
-            ub = u[b * k:(b + 1) * k, sl]
-            fw = v @ jf[b * k:(b + 1) * k].T
-            num = v @ d[b * k:(b + 1) * k].T
-            m = (vv @ (jf[b * k:(b + 1) * k] ** 2).T).sqrt()
-            noise = (vv @ (noise_el[b * k:(b + 1) * k] ** 2).T).sqrt()
-            tol = opts.atol * ub.norm(dim=1)[None, :] * v.norm(dim=1)[:, None] + opts.rtol * m + noise
-            for other, name in ((num, "forward_ad"), (g1[:, sl] @ ub.T, "forward_vs_reverse")):
-                err = (fw - other).abs()
-                bad = (err > tol) | (~torch.isfinite(err) & (fw != other))
-                col.n_compared += err.numel()
-                if bool(bad.any()):
-                    failing[b] = failing.get(b, 0) + int(bad.sum())
-                    for (l, c) in bad.nonzero().tolist():
-                        col.rows.append(dict(input=t.names[b], index=(l, c), output="v^T J u",
-                                             output_index=(), analytic=float(fw[l, c]),
-                                             numerical=float(other[l, c]),
-                                             abs_err=float(err[l, c]),
-                                             rel_err=float(err[l, c] / m[l, c].clamp_min(1e-300)),
-                                             check=name, note=f"probe v{l}, u{c}"))
-    return failing
+        return []
+    return sorted({int(c) // k for c in bad.nonzero()[:, 1]})
+
+
+def _fast_confirm(t: _Target, opts: _Options, col: _Collector, p: _Projections, b: int) -> int:
+    """Re-measure the failing projections of input ``b`` with twice the step: a real
+    mismatch does not move with eps. Records the confirmed ones; returns their number."""
+    cols = slice(b * p.k, (b + 1) * p.k)
+    ana, num, tol, err, scale = (x[:, cols] for x in (p.ana, p.num, p.tol, p.abs_err, p.scale))
+    bad = p.bad[:, cols] & ~(ana == num)
+    if not bool(bad.any()):
+        return 0
+    ks = sorted({int(kk) for kk in bad.nonzero()[:, 1]})
+    uu = p.u[[b * p.k + kk for kk in ks]]
+    f2 = _eval_directions(t, torch.cat([2 * opts.eps * uu, -2 * opts.eps * uu]))
+    d2 = (f2[:len(ks)] - f2[len(ks):]) / (4 * opts.eps)
+    fd_err = (p.v @ d2.T - num[:, ks]).abs()
+    confirmed = ~(err[:, ks] <= tol[:, ks] + 2 * fd_err) & ~(ana[:, ks] == num[:, ks])
+    if not bool(confirmed.any()):
+        col.notes.append(f"fast-mode projections of {t.names[b]} disagreed by up to "
+                         f"{float(err[bad].max()):.3g} but moved with eps (finite-"
+                         f"difference error, not a wrong gradient); mode='full' checks entries")
+        return 0
+    for (l, kk) in confirmed.nonzero().tolist():
+        c = ks[kk]
+        av, nv = float(ana[l, c]), float(num[l, c])
+        col.rows.append(_projection_row(t.names[b], l, c, av, nv, abs(av - nv),
+                                        float(scale[l, c]), "projection"))
+    return int(confirmed.sum())
+
+
+def _fast_forward_ad(t: _Target, opts: _Options, col: _Collector, p: _Projections,
+                     failing: Dict[int, int]) -> None:
+    """Forward mode along the same probes: v^T (J u) by jvp against the numerical one
+    and against the backward pass's (v^T J) u."""
+    k, v = p.k, p.v
+    vv = v * v
+    jf = _jvp_cols(t, p.u)                               # (k*nb, M)
+    for b in range(p.nb):
+        sl, rows = slice(t.offsets[b], t.offsets[b + 1]), slice(b * k, (b + 1) * k)
+        ub = p.u[rows, sl]
+        fw = v @ jf[rows].T
+        m = (vv @ (jf[rows] ** 2).T).sqrt()
+        noise = (vv @ (p.noise_el[rows] ** 2).T).sqrt()
+        tol = opts.atol * ub.norm(dim=1)[None, :] * v.norm(dim=1)[:, None] + opts.rtol * m + noise
+        for other, name in ((v @ p.d[rows].T, "forward_ad"), (p.g1[:, sl] @ ub.T, "forward_vs_reverse")):
+            err = (fw - other).abs()
+            bad = (err > tol) | (~torch.isfinite(err) & (fw != other))
+            col.n_compared += err.numel()
+            if not bool(bad.any()):
+                continue
+            failing[b] = failing.get(b, 0) + int(bad.sum())
+            for (l, c) in bad.nonzero().tolist():
+                col.rows.append(_projection_row(t.names[b], l, c, float(fw[l, c]), float(other[l, c]),
+                                                float(err[l, c]), float(m[l, c]), name))
+
+
+def _projection_row(name: str, l: int, c: int, av: float, nv: float, err: float, scale: float,
+                    check: str) -> dict:
+    """The table row of projection (v_l, u_c) of input ``name``."""
+    return dict(input=name, index=(l, c), output="v^T J u", output_index=(), analytic=av,
+                numerical=nv, abs_err=err, rel_err=err / max(scale, 1e-300), check=check,
+                note=f"probe v{l}, u{c}")
 
 
 # --------------------------------------------------------------------------- driver
 
 
-def _check_target(t: _Target, opts: _Options, dtype: torch.dtype) -> GradcheckResult:
+def _run(t: _Target, opts: _Options) -> GradcheckResult:
+    """The check of ``t`` (and of its gradients with ``second_order``), with the RNG
+    states put back afterwards."""
+    with torch.random.fork_rng(devices=_devices(t.xs)):
+        result = _check_target(t, opts)
+        if opts.second_order:
+            result = _merge_second(result, _check_target(_second_order_target(t, opts.seed), opts))
+    return result
+
+
+def _devices(xs: Sequence[torch.Tensor]) -> List[int]:
+    return sorted({x.device.index or 0 for x in xs if x.device.type == "cuda"})
+
+
+def _check_target(t: _Target, opts: _Options) -> GradcheckResult:
     col = _Collector(opts)
-    localised = None
-    evaluations = 0
+    localised, evaluations = None, 0
     if opts.mode == "full":
         _run_full(t, opts, col)
     else:
-        failing = _run_fast(t, opts, col)
-        col.n_mismatched = sum(failing.values())
-        small = [b for b in failing if t.sizes[b] * t.m <= opts.localise_entries]
-        for b, (mx_abs, mx_rel) in col.per_input.items():
-            if b not in small:
-                col.max_abs, col.max_rel = max(col.max_abs, mx_abs), max(col.max_rel, mx_rel)
-        if small:
-            # say where: full mode on each failing input, the others held fixed
-            col2 = _Collector(opts)
-            for b in small:
-                sub = _sub_target(t, b)
-                _run_full(sub, opts, col2)
-                evaluations += sub.evaluations
-            localised = ", ".join(t.names[b] for b in small)
-            col.rows = [r for r in col.rows if r["input"] not in {t.names[b] for b in small}]
-            col.n_mismatched = sum(c for b, c in failing.items() if b not in small) + col2.n_mismatched
-            col.rows = col2.rows + col.rows
-            col.kink_rows += col2.kink_rows
-            col.kinks += col2.kinks
-            col.nondet |= col2.nondet
-            col.spread = max(col.spread, col2.spread)
-            col.max_abs = max(col.max_abs, col2.max_abs)
-            col.max_rel = max(col.max_rel, col2.max_rel)
-            col.n_compared += col2.n_compared
-            if not col2.rows and col2.n_mismatched == 0:
-                col.notes.append(f"fast-mode projections of {localised} disagreed, but full mode "
-                                 f"found every Jacobian entry within tolerance")
+        localised, evaluations = _run_fast_and_localise(t, opts, col)
     if t.skipped:
         col.notes.append(f"not checked (outputs that do not require grad): {', '.join(t.skipped)}")
-    rows = sorted(col.rows, key=_row_key)
-    rows += col.kink_rows
+    rows = sorted(col.rows, key=_row_key) + col.kink_rows
     ok = not col.rows and not col.nondet and col.n_mismatched == 0
     return GradcheckResult(
-        ok=ok, mode=opts.mode, eps=opts.eps, atol=opts.atol, rtol=opts.rtol, dtype=dtype,
+        ok=ok, mode=opts.mode, eps=opts.eps, atol=opts.atol, rtol=opts.rtol, dtype=t.xs[0].dtype,
         max_abs_err=col.max_abs, max_rel_err=col.max_rel, n_compared=col.n_compared,
         n_mismatched=col.n_mismatched, nondeterministic=col.nondet,
         nondet_spread=col.spread, nondet_tol=opts.nondet_tol, kinks=col.kinks,
         notes=col.notes, localised=localised, rows=rows[:_TABLE_ROWS],
         n_evaluations=t.evaluations + evaluations, colours=t.colours)
+
+
+def _run_fast_and_localise(t: _Target, opts: _Options, col: _Collector) -> Tuple[Optional[str], int]:
+    """Fast mode; when projections of an input fail and its Jacobian is small enough,
+    full mode on that input (the others held fixed) says which entries are wrong.
+    Returns the inputs re-run that way (None: none) and their function evaluations."""
+    failing = _run_fast(t, opts, col)
+    col.n_mismatched = sum(failing.values())
+    limit = min(opts.localise_entries, opts.max_entries)
+    small = [b for b in failing if t.sizes[b] * t.m <= limit]
+    for b, (mx_abs, mx_rel) in col.per_input.items():
+        if b not in small:
+            col.max_abs, col.max_rel = max(col.max_abs, mx_abs), max(col.max_rel, mx_rel)
+    if not small:
+        return None, 0
+    sub_col, evaluations = _Collector(opts), 0
+    for b in small:
+        sub = _sub_target(t, b)
+        _run_full(sub, opts, sub_col)
+        evaluations += sub.evaluations
+    localised = ", ".join(t.names[b] for b in small)
+    names = {t.names[b] for b in small}
+    col.rows = sub_col.rows + [r for r in col.rows if r["input"] not in names]
+    col.n_mismatched = sum(c for b, c in failing.items() if b not in small) + sub_col.n_mismatched
+    col.kink_rows += sub_col.kink_rows
+    col.kinks += sub_col.kinks
+    col.nondet |= sub_col.nondet
+    col.spread = max(col.spread, sub_col.spread)
+    col.max_abs = max(col.max_abs, sub_col.max_abs)
+    col.max_rel = max(col.max_rel, sub_col.max_rel)
+    col.n_compared += sub_col.n_compared
+    if not sub_col.rows and sub_col.n_mismatched == 0:
+        col.notes.append(f"fast-mode projections of {localised} disagreed, but full mode "
+                         f"found every Jacobian entry within tolerance")
+    return localised, evaluations
 
 
 def _sub_target(t: _Target, b: int) -> _Target:
@@ -1218,7 +1358,7 @@ def _sub_target(t: _Target, b: int) -> _Target:
         full[b] = xs[0]
         return t.call(full)
 
-    sub = _Target(fn, [t.xs[b]], [t.names[b]], t.seed)
+    sub = _Target(fn, [t.xs[b]], [t.names[b]], t.seed, t.where)
     with torch.no_grad():
         sub.call([t.xs[b].detach()])
     sub.out_names, sub.out_shapes = t.out_names, t.out_shapes
@@ -1229,7 +1369,8 @@ def _second_order_target(t: _Target, seed: int) -> _Target:
     """(x..., v...) -> v^T dJ/dx: gradients of the outputs, as a function to check."""
     gen = torch.Generator().manual_seed(seed + 1)
     x0 = t.xs[0]
-    vs = [_gauss(gen, tuple(s), x0) for s in t.out_shapes]
+    vs = [torch.randn(tuple(s), generator=gen, dtype=torch.float64).to(x0.device, x0.dtype)
+          for s in t.out_shapes]
     nb = len(t.xs)
 
     def fn(args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -1246,16 +1387,15 @@ def _second_order_target(t: _Target, seed: int) -> _Target:
         return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
 
     names = t.names + [f"grad_{name}" for name in t.out_names]
-    return _Target(fn, list(t.xs) + vs, names, t.seed)
+    return _Target(fn, list(t.xs) + vs, names, t.seed, t.where)
 
 
 def _merge_second(first: GradcheckResult, second: GradcheckResult) -> GradcheckResult:
     for row in second.rows:
         row["check"] = "second_order" + ("" if row["check"] == "jacobian" else f"_{row['check']}")
-    first.rows = sorted([r for r in first.rows if r["note"] != "non-differentiable point"]
-                        + [r for r in second.rows if r["note"] != "non-differentiable point"],
-                        key=lambda r: -r["abs_err"] if math.isfinite(r["abs_err"]) else -math.inf) \
-        + [r for r in first.rows + second.rows if r["note"] == "non-differentiable point"]
+    kink = "non-differentiable point"
+    first.rows = sorted([r for r in first.rows + second.rows if r["note"] != kink], key=_row_key) \
+        + [r for r in first.rows + second.rows if r["note"] == kink]
     first.rows = first.rows[:_TABLE_ROWS]
     first._table = None
     first.ok = first.ok and second.ok
@@ -1280,82 +1420,165 @@ def _merge_second(first: GradcheckResult, second: GradcheckResult) -> GradcheckR
 # --------------------------------------------------------------------------- inputs
 
 
-def _prepare(inputs: Tuple[Any, ...], dtype: Optional[torch.dtype],
-             select: Callable[[str, torch.Tensor], bool]) -> Tuple[List[Any], Any, List[int], List[str], List[torch.Tensor]]:
-    """Copy the leaves of the inputs (floating tensors to ``dtype``); pick differentiable ones."""
-    leaves, spec = pytree.tree_flatten(inputs)
-    names = _leaf_names(spec, "input")
-    names = [n.replace("input[", "input", 1).replace("]", "", 1) if n.startswith("input[") else n
-             for n in names]
-    new_leaves: List[Any] = []
-    diff_pos: List[int] = []
-    diff_names: List[str] = []
-    for i, leaf in enumerate(leaves):
+@dataclass
+class _Arguments:
+    """Copies of a call's arguments as pytree leaves (floating-point tensors converted to
+    the check's dtype) and which leaves are checked. Names read like the code that reaches
+    a leaf: ``input0``, ``input1['key']``, ``input2[0]``."""
+
+    leaves: List[Any]
+    spec: Any
+    names: List[str]            # of every leaf
+    positions: List[int]        # of the checked leaves
+    flat: bool                  # every argument is a leaf (no pytree round trip)
+
+    @property
+    def checked(self) -> List[torch.Tensor]:
+        return [self.leaves[i] for i in self.positions]
+
+    @property
+    def checked_names(self) -> List[str]:
+        return [self.names[i] for i in self.positions]
+
+    @property
+    def floating_names(self) -> List[str]:
+        return [n for n, x in zip(self.names, self.leaves)
+                if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+    def rebuild(self, checked: Sequence[torch.Tensor]) -> Tuple[Any, ...]:
+        """The arguments, with ``checked`` in place of the checked leaves."""
+        args = list(self.leaves)
+        for p, x in zip(self.positions, checked):
+            args[p] = x
+        return tuple(args) if self.flat else pytree.tree_unflatten(args, self.spec)
+
+
+def _prepare(where: str, inputs: Tuple[Any, ...], dtype: Optional[torch.dtype],
+             select: Callable[[str, torch.Tensor], bool]) -> _Arguments:
+    """Copy the leaves of the inputs (floating tensors to ``dtype``); pick those to check."""
+    with_paths, spec = pytree.tree_flatten_with_path(inputs)
+    names = [f"input{path[0].idx}{pytree.keystr(path[1:])}" for path, _ in with_paths]
+    leaves: List[Any] = []
+    positions: List[int] = []
+    for i, (_, leaf) in enumerate(with_paths):
         if isinstance(leaf, torch.Tensor):
             if leaf.is_complex() and (leaf.requires_grad or select(names[i], leaf)):
                 raise NotImplementedError(
-                    f"gradcheck: {names[i]} is complex ({leaf.dtype}); complex inputs are not "
+                    f"{where}: {names[i]} is complex ({leaf.dtype}); complex inputs are not "
                     f"supported yet: pass torch.view_as_real(x) and rebuild it inside the "
                     f"function with torch.view_as_complex")
             if leaf.layout != torch.strided:
-                raise NotImplementedError(f"gradcheck: {names[i]} has layout {leaf.layout}; only "
+                raise NotImplementedError(f"{where}: {names[i]} has layout {leaf.layout}; only "
                                           f"dense (strided) tensors are supported")
             if leaf.is_floating_point():
-                copy_ = leaf.detach().to(dtype=dtype or leaf.dtype, copy=True)
                 if select(names[i], leaf):
-                    diff_pos.append(i)
-                    diff_names.append(names[i])
-                new_leaves.append(copy_)
-                continue
-        new_leaves.append(leaf)
-    return new_leaves, spec, diff_pos, diff_names, [new_leaves[i] for i in diff_pos]
+                    positions.append(i)
+                leaf = leaf.detach().to(dtype=dtype or leaf.dtype, copy=True)
+        leaves.append(leaf)
+    flat = len(with_paths) == len(inputs) and all(len(path) == 1 for path, _ in with_paths)
+    return _Arguments(leaves, spec, names, positions, flat)
 
 
-def _warn_precision(xs: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+def _warn_precision(xs: Sequence[torch.Tensor]) -> None:
     low = sorted({str(x.dtype).replace("torch.", "") for x in xs if x.dtype != torch.float64})
     if low:
         warnings.warn(
             f"gradcheck runs in {', '.join(low)}: finite differences in less than float64 "
             f"are too noisy to trust small errors; leave dtype=torch.float64 (the default)",
-            PrecisionWarning, stacklevel=3)
+            PrecisionWarning, stacklevel=4)     # user -> public function -> _check_* -> here
 
 
-def _check_dtype(dtype: Optional[torch.dtype]) -> None:
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise GraddbgError(f"gradcheck: dtype={dtype!r} must be a floating-point torch.dtype "
-                           f"(default torch.float64) or None (check in the dtypes given)")
+def _check_function(where: str, fn: Any, inputs: Tuple[Any, ...], opts: _Options) -> GradcheckResult:
+    """gradcheck of a callable: its inputs that require grad, on copies."""
+    if isinstance(fn, type) and issubclass(fn, torch.nn.Module):
+        check_model(fn, where, "fn")                     # raises: instantiate it first
+    if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
+        raise GraddbgTypeError(f"{where}(fn=...): got the autograd.Function class {fn.__name__}; "
+                               f"pass {fn.__name__}.apply")
+    if not callable(fn):
+        raise GraddbgTypeError(f"{where}(fn=...): got {type(fn).__name__}, expected a callable (a "
+                               f"function, an autograd.Function's .apply or an nn.Module)")
+    args = _prepare(where, inputs, opts.dtype, lambda name, x: x.requires_grad)
+    xs = args.checked
+    if not xs:
+        given = ", ".join(f"Tensor({v.dtype}, requires_grad={v.requires_grad})"
+                          if isinstance(v, torch.Tensor) else type(v).__name__
+                          for v in pytree.tree_leaves(inputs)) or "no inputs"
+        raise GraddbgValueError(f"{where}: no input requires grad; give at least one "
+                                f"floating-point tensor with requires_grad=True (got {given})")
+    opts = opts.resolve(xs[0].dtype)
+    _warn_precision(xs)
+    target = _Target(lambda diff: fn(*args.rebuild(diff)), xs, args.checked_names, opts.seed, where)
+    return _run(target, opts)
 
 
-def _devices(xs: Sequence[torch.Tensor]) -> List[int]:
-    return sorted({x.device.index or 0 for x in xs if x.device.type == "cuda"})
+def _check_module(where: str, module: Any, inputs: Tuple[Any, ...], wrt: Any,
+                  opts: _Options) -> GradcheckResult:
+    """check_module: the parameters and inputs that ``wrt`` selects, on a copy."""
+    if callable(module) and not isinstance(module, (type, torch.nn.Module)):
+        raise GraddbgTypeError(f"{where}(module=...): must be a torch.nn.Module, got "
+                               f"{type(module).__name__}; use gradcheck() for functions")
+    module = unwrap(check_model(module, where, "module"))      # DDP, compiled: the user's module
+    params = [n for n, p in module.named_parameters() if p.requires_grad]
+    want_params, want_inputs = _wrt(where, wrt, params)
+    args = _prepare(where, inputs, opts.dtype, lambda n, x: want_inputs is None or n in want_inputs)
+    unknown = sorted((want_inputs or set()) - set(args.checked_names))
+    if unknown:
+        raise GraddbgValueError(
+            f"{where}: wrt names {unknown} are neither trainable parameters nor floating-point "
+            f"inputs; parameters: {params[:20]}{' ...' if len(params) > 20 else ''}; inputs: "
+            f"{args.floating_names}")
+    mod = copy.deepcopy(module)
+    if opts.dtype is not None:
+        mod = mod.to(opts.dtype)
+    own = dict(mod.named_parameters())
+    p_names = [n for n in params if n in want_params]
+    xs = [own[n].detach().clone() for n in p_names] + args.checked
+    if not xs:
+        raise GraddbgValueError(
+            f"{where}: nothing to check for wrt={wrt!r}: the module has no trainable "
+            f"parameters selected and no floating-point input was selected")
+    opts = opts.resolve(xs[0].dtype)
+    _warn_precision(xs)
+    n_p = len(p_names)
+
+    def call(diff: Sequence[torch.Tensor]) -> Any:
+        return torch.func.functional_call(mod, dict(zip(p_names, diff[:n_p])),
+                                          args.rebuild(diff[n_p:]))
+
+    return _run(_Target(call, xs, p_names + args.checked_names, opts.seed, where), opts)
 
 
-def _run(t: _Target, opts: _Options, dtype: torch.dtype) -> GradcheckResult:
-    with torch.random.fork_rng(devices=_devices(t.xs)):
-        result = _check_target(t, opts, dtype)
-        if opts.second_order:
-            t2 = _second_order_target(t, opts.seed)
-            result = _merge_second(result, _check_target(t2, opts, dtype))
-    return result
+def _wrt(where: str, wrt: Any, params: List[str]) -> Tuple[set, Optional[set]]:
+    """(parameter names, input names; None: every floating-point input) that ``wrt`` selects."""
+    if isinstance(wrt, str):
+        if wrt not in _WRT:
+            raise GraddbgValueError(f"{where}: wrt={wrt!r} is not supported; use one of {_WRT} "
+                                    f"or a list of parameter/input names")
+        return (set(params) if wrt in ("all", "params") else set(),
+                None if wrt in ("all", "inputs") else set())
+    if not isinstance(wrt, (list, tuple, set, frozenset)) or not all(isinstance(w, str) for w in wrt):
+        raise GraddbgTypeError(f"{where}: wrt must be 'all', 'params', 'inputs' or a list of "
+                               f"names (str), got {wrt!r}")
+    return {w for w in wrt if w in params}, {w for w in wrt if w not in params}
 
 
-def gradcheck(fn: Callable[..., Any], *inputs: Any, mode: str = "full",
-              eps: Optional[float] = None, atol: Optional[float] = None,
-              rtol: Optional[float] = None, forward_ad: bool = False,
-              second_order: bool = False, nondet_tol: Optional[float] = None,
-              dtype: Optional[torch.dtype] = torch.float64, kinks: str = "allow",
-              seed: int = 0, probes: int = 2, max_entries: int = 2 ** 27,
-              localise_entries: int = 1_000_000, compress: bool = True) -> GradcheckResult:
+# --------------------------------------------------------------------------- public API
+
+
+@_options_in_signature
+def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> GradcheckResult:
     """Compare the derivatives of ``fn`` at ``inputs`` with central finite differences.
 
     Differentiable inputs are the floating-point tensors with ``requires_grad=True``,
     anywhere in ``inputs`` (nested tuples, lists, dicts); every other argument passes
-    through. ``fn`` may return a tensor or tuples/lists/dicts of tensors (integer outputs
-    are ignored). Inputs are checked on float64 copies (``dtype=None`` keeps their dtype;
-    anything below float64 emits a ``PrecisionWarning``); ``eps``/``atol``/``rtol`` default
-    from ``TOLERANCES``. ``mode="full"`` checks every Jacobian entry (``max_entries``
-    bounds its size; a sparse one is checked colour group by colour group, see below);
-    ``mode="fast"`` checks ``probes`` random projections per input
+    through. ``fn`` may return a tensor or tuples/lists/dicts/dataclasses of tensors
+    (integer outputs are ignored). Inputs are checked on float64 copies (``dtype=None``
+    keeps their dtype; anything below float64 emits a ``PrecisionWarning``);
+    ``eps``/``atol``/``rtol`` default from ``TOLERANCES``. ``mode="full"`` checks every
+    Jacobian entry (``max_entries`` bounds its size; a sparse one is checked colour group
+    by colour group, ``compress=True``, see the module's documentation; ``result.colours``
+    says whether it was); ``mode="fast"`` checks ``probes`` random projections per input
     and, on a failure, re-runs full mode on inputs with at most ``localise_entries``
     Jacobian entries. Use full mode for functions up to a few thousand elements and to
     find single wrong entries; fast mode for anything larger (it finds scaled, dropped
@@ -1364,23 +1587,10 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, mode: str = "full",
     twice: a difference beyond ``nondet_tol`` (default: the comparison tolerance) is
     reported as nondeterminism. Entries whose one-sided differences disagree, with the
     analytic value being one of them, are listed as non-differentiable points and do not
-    fail the check unless ``kinks="fail"``. An ``nn.Module`` as ``fn`` is checked by
-    :func:`check_module` (parameters and floating-point inputs).
-
-    Compression (full mode, ``compress=True``, not with ``forward_ad``): when the
-    analytic Jacobian has at least 128 columns and a column colouring of its nonzero
-    pattern needs at most a quarter as many colours as columns, columns that share no
-    row are perturbed together with random weights in [0.5, 1] and each row of the
-    difference is compared, under the entry tolerance, with the analytic entry of the
-    colour's one column in that row (or with zero). Each entry of the Jacobian is in
-    exactly one such comparison, so a wrong entry (also a wrong zero, as from a wrong
-    permutation or a forgotten term) fails its colour; a failing colour is bisected and
-    its columns are recomputed one by one, so the table holds the exact entries, worst
-    first, as without compression. It cuts the evaluations from one or two per input
-    element to one or two per colour (forward-difference screen, central differences
-    where it does not clear): 2 in all for ``sort``, ``slice_scatter`` or elementwise
-    ops (one colour, two weight draws).
-    ``result.colours`` is the number of colours (None when not used).
+    fail the check unless ``kinks="fail"``. ``seed`` seeds the probes and the RNG the
+    function sees. An ``nn.Module`` as ``fn`` is checked as by :func:`check_module`.
+    Bad arguments (an unknown keyword, a bad value, no input that requires grad, an
+    output that is not a tensor) raise ``TypeError`` or ``ValueError``.
 
     >>> import torch
     >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
@@ -1393,47 +1603,22 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, mode: str = "full",
     >>> r.ok, r.colours, r.n_evaluations, r.n_compared
     (True, 1, 2, 250000)
     """
+    opts = _Options.parse("gradcheck", options)
     if isinstance(fn, torch.nn.Module):
-        return check_module(fn, *inputs, mode=mode, eps=eps, atol=atol, rtol=rtol,
-                            forward_ad=forward_ad, second_order=second_order,
-                            nondet_tol=nondet_tol, dtype=dtype, kinks=kinks, seed=seed,
-                            probes=probes, max_entries=max_entries,
-                            localise_entries=localise_entries, compress=compress)
-    if not callable(fn):
-        raise GraddbgError(f"gradcheck: fn must be callable, got {type(fn).__name__}")
-    _check_dtype(dtype)
-    leaves, spec, pos, names, xs = _prepare(inputs, dtype, lambda n, x: x.requires_grad)
-    if not xs:
-        raise GraddbgError(
-            "gradcheck: no input requires grad; give at least one floating-point tensor "
-            "with requires_grad=True (got " +
-            (", ".join(type(v).__name__ if not isinstance(v, torch.Tensor) else
-                       f"Tensor({v.dtype}, requires_grad={v.requires_grad})"
-                       for v in pytree.tree_leaves(inputs)) or "no inputs") + ")")
-    run_dtype = xs[0].dtype
-    opts = _options(run_dtype, mode, eps, atol, rtol, nondet_tol, forward_ad, second_order,
-                    kinks, seed, probes, max_entries, localise_entries, compress)
-    _warn_precision(xs, names)
-
-    flat_args = len(leaves) == len(inputs)          # no nesting: skip the pytree round trip
-
-    def call(diff: Sequence[torch.Tensor]) -> Any:
-        args = list(leaves)
-        for p, x in zip(pos, diff):
-            args[p] = x
-        return fn(*args) if flat_args else fn(*pytree.tree_unflatten(args, spec))
-
-    return _run(_Target(call, xs, names, seed), opts, run_dtype)
+        return _check_module("gradcheck", fn, inputs, "all", opts)
+    return _check_function("gradcheck", fn, inputs, opts)
 
 
+@_options_in_signature
 def check_module(module: torch.nn.Module, *inputs: Any,
-                 wrt: Union[str, Sequence[str]] = "all", **kw: Any) -> GradcheckResult:
+                 wrt: Union[str, Sequence[str]] = "all", **options: Any) -> GradcheckResult:
     """Check a module's gradients w.r.t. its parameters and/or inputs, on a copy.
 
     ``wrt``: ``"params"`` (parameters with ``requires_grad``), ``"inputs"`` (every
     floating-point tensor in ``inputs``), ``"all"`` (both), or a list of names
     (parameter names as ``named_parameters()`` gives them, inputs as ``input0``,
-    ``input1['key']``...). The module is deep-copied and converted to float64 (``dtype``
+    ``input1['key']``...). A DDP, DataParallel or ``torch.compile`` wrapper is checked as
+    the module it wraps. The module is deep-copied and converted to float64 (``dtype``
     keyword, as in :func:`gradcheck`) and called through ``torch.func.functional_call``:
     the module and tensors passed in are never changed. Other keywords as
     :func:`gradcheck`.
@@ -1444,79 +1629,17 @@ def check_module(module: torch.nn.Module, *inputs: Any,
     >>> r.ok, lin.weight.dtype
     (True, torch.float32)
     """
-    if isinstance(module, type):
-        raise GraddbgError(f"check_module: module must be an nn.Module instance, got the class "
-                           f"{module.__name__}; instantiate it first ({module.__name__}(...))")
-    if not isinstance(module, torch.nn.Module):
-        raise GraddbgError(f"check_module: module must be a torch.nn.Module, got "
-                           f"{type(module).__name__}; use gradcheck() for functions")
-    dtype = kw.pop("dtype", torch.float64)
-    _check_dtype(dtype)
-    params = [n for n, p in module.named_parameters() if p.requires_grad]
-    if isinstance(wrt, str):
-        if wrt not in _WRT:
-            raise GraddbgError(f"check_module: wrt={wrt!r} is not supported; use one of {_WRT} "
-                               f"or a list of parameter/input names")
-        want_params = set(params) if wrt in ("all", "params") else set()
-        want_inputs: Optional[set] = None if wrt in ("all", "inputs") else set()
-    else:
-        wanted = list(wrt)
-        if not all(isinstance(w, str) for w in wanted):
-            raise GraddbgError(f"check_module: wrt must be 'all', 'params', 'inputs' or a list "
-                               f"of names (str), got {wrt!r}")
-        want_params = {w for w in wanted if w in params}
-        want_inputs = {w for w in wanted if w not in params}
-    leaves, spec, pos, in_names, xs_in = _prepare(
-        inputs, dtype, lambda n, x: want_inputs is None or n in want_inputs)
-    if want_inputs:
-        unknown = sorted(want_inputs - set(in_names))
-        if unknown:
-            raise GraddbgError(
-                f"check_module: wrt names {unknown} are neither trainable parameters nor "
-                f"floating-point inputs; parameters: {params[:20]}"
-                f"{' ...' if len(params) > 20 else ''}; inputs: {in_names}")
-    mod = copy.deepcopy(module)
-    if dtype is not None:
-        mod = mod.to(dtype)
-    own = dict(mod.named_parameters())
-    p_names = [n for n in params if n in want_params]
-    xs = [own[n].detach().clone() for n in p_names] + xs_in
-    names = p_names + in_names
-    if not xs:
-        raise GraddbgError(
-            f"check_module: nothing to check for wrt={wrt!r}: the module has no trainable "
-            f"parameters selected and no floating-point input was selected")
-    run_dtype = xs[0].dtype
-    opts = _options(run_dtype, **_kw_options(kw))
-    _warn_precision(xs, names)
-    n_p = len(p_names)
-
-    def call(diff: Sequence[torch.Tensor]) -> Any:
-        args = list(leaves)
-        for p, x in zip(pos, diff[n_p:]):
-            args[p] = x
-        return torch.func.functional_call(mod, dict(zip(p_names, diff[:n_p])),
-                                          tuple(pytree.tree_unflatten(args, spec)))
-
-    return _run(_Target(call, xs, names, opts.seed), opts, run_dtype)
+    opts = _Options.parse("check_module", options, extra=("wrt",))
+    return _check_module("check_module", module, inputs, wrt, opts)
 
 
-def _kw_options(kw: Dict[str, Any]) -> Dict[str, Any]:
-    known = dict(mode="full", eps=None, atol=None, rtol=None, nondet_tol=None, forward_ad=False,
-                 second_order=False, kinks="allow", seed=0, probes=2, max_entries=2 ** 27,
-                 localise_entries=1_000_000, compress=True)
-    unknown = sorted(set(kw) - set(known))
-    if unknown:
-        raise GraddbgError(f"check_module: unknown keyword(s) {unknown}; accepted: "
-                           f"{sorted(known) + ['dtype', 'wrt']}")
-    known.update(kw)
-    return known
-
-
+@_options_in_signature
 def assert_gradients_close(fn_or_module: Union[Callable[..., Any], torch.nn.Module],
-                           *inputs: Any, **kw: Any) -> None:
-    """Run :func:`gradcheck` (or :func:`check_module` for a module) and raise
-    ``GradientMismatchError`` (an AssertionError) with the result's text on failure.
+                           *inputs: Any, wrt: Union[str, Sequence[str], None] = None,
+                           **options: Any) -> None:
+    """Run :func:`gradcheck` (or :func:`check_module` for a module, with ``wrt``, default
+    ``"all"``) and raise ``GradientMismatchError`` (an AssertionError) with the result's
+    text on failure.
 
     >>> import torch
     >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
@@ -1530,21 +1653,24 @@ def assert_gradients_close(fn_or_module: Union[Callable[..., Any], torch.nn.Modu
     Traceback (most recent call last):
     graddbg._errors.GradientMismatchError: gradcheck FAILED (mode=full, ...
     """
+    where = "assert_gradients_close"
+    opts = _Options.parse(where, options, extra=("wrt",))
     if isinstance(fn_or_module, torch.nn.Module):
-        result = check_module(fn_or_module, *inputs, **kw)
+        result = _check_module(where, fn_or_module, inputs, "all" if wrt is None else wrt, opts)
+    elif wrt is not None:
+        raise GraddbgTypeError(f"{where}: wrt={wrt!r} selects parameters or inputs of an "
+                               f"nn.Module, but fn_or_module is a {type(fn_or_module).__name__}; "
+                               f"a function is checked w.r.t. every input that requires grad")
     else:
-        result = gradcheck(fn_or_module, *inputs, **kw)
+        result = _check_function(where, fn_or_module, inputs, opts)
     if not result.ok:
         raise GradientMismatchError(str(result), result)
 
 
-class _CallableModule(types.ModuleType):
-    """``graddbg.gradcheck`` names both this module and its main function: importing the
-    submodule rebinds the package attribute to the module, so the module is callable and
-    ``graddbg.gradcheck(fn, *inputs)`` works either way."""
-
-    def __call__(self, fn: Callable[..., Any], *inputs: Any, **kw: Any) -> GradcheckResult:
-        return gradcheck(fn, *inputs, **kw)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+# ``graddbg.gradcheck`` is the function above, as ``torch.autograd.gradcheck`` is a function
+# that shadows its module: ``graddbg/__init__.py`` imports this module while the package
+# itself is imported, so its ``gradcheck`` attribute is bound to the function before any
+# ``import graddbg.gradcheck`` could bind it to this module (the import system does that
+# only on a module's first import, after its code has run: code here could not undo it).
+# The module stays reachable as ``sys.modules["graddbg.gradcheck"]`` and through
+# ``from graddbg.gradcheck import check_module``.
