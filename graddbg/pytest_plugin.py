@@ -9,12 +9,13 @@ back after it, and hands the test the gradcheck helpers::
         graddbg_check.assert_gradients_close(MySquare.apply, x)
         assert graddbg_check.gradcheck(MySquare.apply, x, mode="fast").ok
 
-The seed is 0, or ``--graddbg-seed N`` on the command line. Importing this module costs
-nothing beyond pytest itself: torch and graddbg.gradcheck are imported when the fixture
-is first used.
+The seed is 0, or ``--graddbg-seed N`` on the command line (an int in [0, 2**32), the
+range every one of those generators accepts). Importing this module costs nothing beyond
+pytest itself: torch and graddbg.gradcheck are imported when the fixture is first used.
 """
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from typing import Any, Iterator
@@ -22,6 +23,34 @@ from typing import Any, Iterator
 import pytest
 
 __all__ = ["GradcheckHelpers", "graddbg_check"]
+
+_SEEDS = 2 ** 32        # numpy.random.seed takes [0, 2**32); torch and random take more
+
+
+def _check_seed(seed: Any, where: str) -> int:
+    """``seed`` if it is an int in [0, 2**32); else a TypeError / ValueError naming ``where``."""
+    from graddbg._errors import GraddbgTypeError, GraddbgValueError
+
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise GraddbgTypeError(f"{where}: seed={seed!r} must be an int in [0, 2**32), got "
+                               f"{type(seed).__name__}")
+    if not 0 <= seed < _SEEDS:
+        raise GraddbgValueError(f"{where}: seed={seed} must be an int in [0, 2**32) (the seeds "
+                                f"Python's, torch's and numpy's generators all accept)")
+    return seed
+
+
+def _seed_option(text: str) -> int:
+    """The value of ``--graddbg-seed`` (pytest reports a bad one as a usage error, after
+    ``argument --graddbg-seed:``)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed < _SEEDS:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected an int in [0, 2**32) (the seeds "
+                                         f"Python's, torch's and numpy's generators all accept)")
+    return seed
 
 
 class GradcheckHelpers:
@@ -35,7 +64,7 @@ class GradcheckHelpers:
     """
 
     def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
+        self.seed = _check_seed(seed, "GradcheckHelpers")
 
     def gradcheck(self, fn: Any, *inputs: Any, **kw: Any) -> Any:
         """``graddbg.gradcheck`` (see there)."""
@@ -61,8 +90,9 @@ class GradcheckHelpers:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("graddbg")
-    group.addoption("--graddbg-seed", type=int, default=0, dest="graddbg_seed",
-                    help="seed of the RNGs set by the graddbg_check fixture (default 0)")
+    group.addoption("--graddbg-seed", type=_seed_option, default=0, dest="graddbg_seed",
+                    help="seed of the RNGs set by the graddbg_check fixture: an int in "
+                         "[0, 2**32) (default 0)")
 
 
 @pytest.fixture
@@ -70,7 +100,8 @@ def graddbg_check(request: pytest.FixtureRequest) -> Iterator[GradcheckHelpers]:
     """Seed the RNGs (put back after the test) and return the gradcheck helpers."""
     import torch
 
-    seed = int(request.config.getoption("graddbg_seed", default=0) or 0)
+    helpers = GradcheckHelpers(request.config.getoption("graddbg_seed", default=0))
+    seed = helpers.seed
     py_state = random.getstate()
     numpy = sys.modules.get("numpy")
     np_state = numpy.random.get_state() if numpy is not None else None
@@ -81,7 +112,7 @@ def graddbg_check(request: pytest.FixtureRequest) -> Iterator[GradcheckHelpers]:
         if numpy is not None:
             numpy.random.seed(seed)
         try:
-            yield GradcheckHelpers(seed)
+            yield helpers
         finally:
             random.setstate(py_state)
             if numpy is not None and np_state is not None:

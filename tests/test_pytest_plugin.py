@@ -99,3 +99,36 @@ def test_helpers_in_process():
     assert helpers.check_module(torch.nn.Linear(2, 2), torch.randn(1, 2), wrt="params").ok
     helpers.assert_gradients_close(torch.tanh, x)
     assert repr(helpers) == "GradcheckHelpers(seed=3)"
+
+
+@pytest.mark.parametrize("seed, error, match", [
+    (-1, ValueError, r"GradcheckHelpers: seed=-1 must be an int in \[0, 2\*\*32\)"),
+    (2 ** 32, ValueError, r"seed=4294967296 must be an int in \[0, 2\*\*32\)"),
+    ("0", TypeError, r"GradcheckHelpers: seed='0' must be an int in \[0, 2\*\*32\), got str"),
+    (True, TypeError, r"seed=True must be an int"),
+])
+def test_bad_seed_is_a_value_or_type_error(seed, error, match):
+    with pytest.raises(error, match=match):
+        GradcheckHelpers(seed=seed)
+
+
+@pytest.mark.parametrize("value", ["-1", "seven"])
+def test_bad_seed_option_is_a_usage_error_naming_it(tmp_path, value):
+    (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--graddbg-seed={value}",
+           str(tmp_path / "test_nothing.py")]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 4, out.stdout + out.stderr          # pytest's usage error
+    assert (f"argument --graddbg-seed: got '{value}', expected an int in [0, 2**32)"
+            in out.stderr), out.stderr
+
+
+def test_helpers_pass_bad_arguments_on_as_value_or_type_errors():
+    helpers = GradcheckHelpers()
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^gradcheck: mode='slow' is not supported"):
+        helpers.gradcheck(torch.sin, x, mode="slow")
+    with pytest.raises(TypeError, match=r"^check_module\(module=...\): got the class Linear"):
+        helpers.check_module(torch.nn.Linear, x)
+    with pytest.raises(TypeError, match=r"^assert_gradients_close: unknown keyword\(s\) \['atoll'\]"):
+        helpers.assert_gradients_close(torch.sin, x, atoll=1.0)
