@@ -546,7 +546,7 @@ class Watch:
         self._rng: Optional[Tensor] = None
         self._replaying = False
         self._temp_handles: List[Any] = []
-        self._closure_step = False
+        self._closure_step = self._closure_seen = False
         self._in_policy = False
         self._errors_warned: set = set()
 
@@ -595,9 +595,14 @@ class Watch:
         if opt is not None:
             hooks.add(opt.register_step_pre_hook(self._on_opt_pre))
             hooks.add(opt.register_step_post_hook(self._on_opt_post))
-        else:
-            for p in self._params:
-                hooks.add(p.register_post_accumulate_grad_hook(self._on_param_grad))
+        # the end of a backward pass is seen from the model's output (when its own forward
+        # ran) or from parameters' gradients: every parameter without an optimizer (each
+        # backward is a step), a few spread over the model with one (when the model is
+        # called through another method, as a LightningModule's training_step does)
+        P = len(self._params)
+        for i in (range(P) if opt is None else sorted({(k * P) // 8 for k in range(8)} | {P - 1})):
+            if 0 <= i < P:
+                hooks.add(self._params[i].register_post_accumulate_grad_hook(self._on_param_grad))
         if self._acts is not None:
             self._acts.attach(hooks, self._guard, self._alive)
 
@@ -693,8 +698,10 @@ class Watch:
         # with an optimizer the boundary is its step; launch now what the step needs, so
         # that a clip between backward and step does not hide the pre-clip gradient
         prev = self._pending
-        if self._closure_step and prev is not None and prev.step == self._step:
-            return  # step(closure) evaluated again (LBFGS): the first evaluation's gradients count
+        if self._closure_step:
+            if self._closure_seen:
+                return  # step(closure) evaluated again (LBFGS): the first evaluation's gradients count
+            self._closure_seen = True
         scale = self._scale()
         if prev is not None and prev.step == self._step and scale is not None and prev.scale is not None \
                 and scale < prev.scale:
@@ -728,7 +735,7 @@ class Watch:
         if closure is not None:
             # step(closure): the closure runs backward inside the step; the gradients it
             # computes are read after the step (the first evaluation's, for LBFGS)
-            self._closure_step = True
+            self._closure_step, self._closure_seen = True, False
             if self._step % self._cfg.every == 0 and self._update.due(self._step):
                 self._update.before_step(self._step, self._params)
             return None
@@ -763,7 +770,9 @@ class Watch:
         due_nf = cfg.nonfinite is not None and step % cfg.nonfinite.every == 0
         grads, launch, scale, clipped = self._launch()
         if not (due_stats or due_nf or (cfg.ddp_every and step % cfg.ddp_every == 0)):
-            self._flags.add(self._reader, launch, step)  # no read this step: flags stay on the device
+            # no read this step: flags stay on the device (of the gradients as the optimizer
+            # will use them, when they changed since the backward pass)
+            self._flags.add(self._reader, self._reader.launch(grads) if clipped else launch, step)
             self._history.append(StepRecord(step, None, math.nan, math.nan, False, scale, self._lr()))
             self._finish_step()
             return
@@ -772,9 +781,9 @@ class Watch:
         got = rb.fetch()
         self.host_syncs += 1  # (counted on the CPU too: the same code path as on a GPU)
         st, bad, first_bad = self._read_stats(launch, got, grads, scale)
-        gn = st.global_norm
-        rec = StepRecord(step, st if due_stats else None, gn, float(got["clip"][0]) if "clip" in got else math.nan,
-                         False, scale, self._lr(), hist=parts["hist"](got))
+        clip_norm, bad = self._after_change(got, parts["clip_live"], bad)
+        rec = StepRecord(step, st if due_stats else None, st.global_norm, clip_norm, False, scale, self._lr(),
+                         hist=parts["hist"](got))
         self._history.append(rec)
         if self._acts is not None:
             self._acts.record(step, parts["fwd"], parts["bwd"], got)
@@ -803,12 +812,16 @@ class Watch:
 
     def _queue_reads(self, rb: Readback, launch: Any, grads: List[Optional[Tensor]], clipped: bool,
                      due_stats: bool) -> Dict[str, Any]:
-        """Everything this step reads back, into ``rb``: the statistics, the post-clip
-        norm, histograms, the accumulated flags, the last update ratio, activations."""
+        """Everything this step reads back, into ``rb``: the statistics, the norms of the
+        gradients as the optimizer will use them when they changed since the backward pass
+        (a clip), histograms, the accumulated flags, the last update ratio, activations."""
+        parts: Dict[str, Any] = {"clip_live": None}
         self._reader.add_to(rb, launch)
-        live = [g for g in grads if g is not None]
-        if clipped and due_stats and live:
-            rb.add("clip", torch.linalg.vector_norm(torch.stack(torch._foreach_norm(live)).double()))
+        if clipped:  # changed in place since the backward pass (a clip, unscale_, a hand edit)
+            live = [i for i, g in enumerate(grads) if g is not None and type(g) is Tensor and g.layout == torch.strided]
+            if live:
+                rb.add("clip_norms", torch.stack(torch._foreach_norm([grads[i] for i in live])))
+                parts["clip_live"] = live
         hist_due = due_stats and self._cfg.hist_every is not None and self._step % self._cfg.hist_every == 0
         if hist_due:
             rb.add("hist", self._histograms(grads))
@@ -817,8 +830,9 @@ class Watch:
             rb.add("update", self._update.pending[1])
         fwd, bwd = self._acts.take(rb) if self._acts is not None else ([], [])
         P = len(self._params)
-        return {"fwd": fwd, "bwd": bwd,
-                "hist": (lambda got: got["hist"].reshape(P, -1).astype(np.int64)) if hist_due else (lambda got: None)}
+        parts.update(fwd=fwd, bwd=bwd,
+                     hist=(lambda got: got["hist"].reshape(P, -1).astype(np.int64)) if hist_due else (lambda got: None))
+        return parts
 
     def _read_stats(self, launch: Any, got: Dict[str, np.ndarray], grads: List[Optional[Tensor]],
                     scale: float) -> Tuple[StepStats, np.ndarray, int]:
@@ -842,6 +856,17 @@ class Watch:
         if prior is not None:
             bad, first = bad | prior, first_prior
         return st, bad, first
+
+    def _after_change(self, got: Dict[str, np.ndarray], live: Optional[List[int]],
+                      bad: np.ndarray) -> Tuple[float, np.ndarray]:
+        """The post-clip global norm, and the non-finite mask widened by gradients that went
+        non-finite after the backward pass (a clip of an Inf makes NaN; so does a hand edit)."""
+        if live is None:
+            return math.nan, bad
+        norms = got["clip_norms"]
+        post = np.zeros(len(bad), dtype=bool)
+        post[np.asarray(live)[~np.isfinite(norms)]] = True
+        return math.sqrt(float(np.dot(norms, norms))), bad | post
 
     def _detect(self, step: int, st: StepStats, bad: np.ndarray, first_bad: int, due_stats: bool,
                 parts: Dict[str, Any], got: Dict[str, np.ndarray]) -> List[Tuple[Anomaly, Any]]:

@@ -23,12 +23,6 @@ import graddbg
 import graddbg.callbacks as gcb
 
 REL = 1e-5
-NOTES = "/tmp/notes/callbacks.md"
-# graddbg.watch records the first micro-batch's gradient when the last one's backward runs
-# inside step(closure), as under Lightning's automatic optimisation with accumulation
-CLOSURE_ACCUMULATION = pytest.mark.xfail(
-    strict=True, reason=f"watch bug, see {NOTES} (1): step(closure) after an accumulation micro-batch "
-                        f"records the first micro-batch's gradient")
 BATCHES, ACCUMULATE = 8, 2
 OPT_STEPS = BATCHES // ACCUMULATE
 
@@ -116,7 +110,6 @@ def lightning_run(tmp_path_factory):
     return trainer, module, cb
 
 
-@CLOSURE_ACCUMULATION
 def test_lightning_global_norm_equals_torch_before_clipping(lightning_run):
     trainer, module, cb = lightning_run
     assert len(module.pre) == OPT_STEPS
@@ -131,8 +124,6 @@ def test_lightning_without_accumulation_global_norm_equals_torch(tmp_path):
     assert cb.watch.steps["clipped_norm"].tolist() == pytest.approx(module.post, rel=REL)
 
 
-@pytest.mark.xfail(strict=True, reason=f"watch bug, see {NOTES} (2): with an optimizer, the end of a backward "
-                                       f"pass is seen only when the watched module's own forward() ran")
 def test_lightning_training_step_that_skips_forward_records_the_pre_clip_norm(tmp_path):
     """Many LightningModules call ``self.net(x)`` in training_step, never ``self(x)``."""
     cb = gcb.LightningCallback()
@@ -208,7 +199,7 @@ def test_lightning_training_that_raises_closes_the_watch_and_keeps_the_record(tm
     assert len(cb.watch.steps) == 2 and cb.report_path().exists()
 
 
-@pytest.mark.parametrize("nan_at", [2, pytest.param(3, marks=CLOSURE_ACCUMULATION)],
+@pytest.mark.parametrize("nan_at", [2, 3],
                          ids=["first-micro-batch", "micro-batch-in-the-closure"])
 def test_lightning_nonfinite_raise_stops_fit_with_the_anomaly(tmp_path, nan_at):
     cb = gcb.LightningCallback(localize=False)
