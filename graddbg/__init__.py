@@ -39,6 +39,12 @@ from graddbg._errors import (  # noqa: F401 (re-exported)
 
 __version__ = "0.1.0"
 
+# ``graddbg.gradcheck`` is the function, as ``torch.autograd.gradcheck`` is: importing a
+# submodule binds the package attribute to the module (once, after the submodule's code has
+# run) unless the package imported it first. So the package imports it here (it costs
+# torch's import); ``from graddbg.gradcheck import check_module`` still reaches the module.
+from graddbg.gradcheck import gradcheck  # noqa: E402  (after the errors it uses)
+
 # public name -> module that defines it (resolved lazily, see __getattr__)
 _LAZY = {
     "watch": "graddbg.hooks",

@@ -10,8 +10,8 @@ back after it, and hands the test the gradcheck helpers::
         assert graddbg_check.gradcheck(MySquare.apply, x, mode="fast").ok
 
 The seed is 0, or ``--graddbg-seed N`` on the command line (an int in [0, 2**32), the
-range every one of those generators accepts). Importing this module costs nothing beyond
-pytest itself: torch and graddbg.gradcheck are imported when the fixture is first used.
+range every one of those generators accepts). Importing this module (pytest does, at start-up,
+through the pytest11 entry point) imports graddbg, hence torch.
 """
 from __future__ import annotations
 
