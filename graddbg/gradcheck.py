@@ -1519,6 +1519,7 @@ def _check_module(where: str, module: Any, inputs: Tuple[Any, ...], wrt: Any,
         raise GraddbgTypeError(f"{where}(module=...): must be a torch.nn.Module, got "
                                f"{type(module).__name__}; use gradcheck() for functions")
     module = unwrap(check_model(module, where, "module"))      # DDP, compiled: the user's module
+    _refuse_sharded(where, module)
     params = [n for n, p in module.named_parameters() if p.requires_grad]
     want_params, want_inputs = _wrt(where, wrt, params)
     args = _prepare(where, inputs, opts.dtype, lambda n, x: want_inputs is None or n in want_inputs)
@@ -1610,6 +1611,19 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> Gradcheck
 
 
 @_options_in_signature
+def _refuse_sharded(where: str, module: torch.nn.Module) -> None:
+    """Finite differences need the whole module in one process: a module whose parameters
+    are DTensors (FSDP2's fully_shard, HSDP, tensor parallel) is refused with what to pass."""
+    sharded = [n for n, p in module.named_parameters() if hasattr(p, "device_mesh") and hasattr(p, "to_local")]
+    if sharded:
+        raise GraddbgValueError(
+            f"{where}(module=...): {type(module).__name__} holds sharded (DTensor) parameters, e.g. "
+            f"{sharded[0]!r} ({len(sharded)} in all), from fully_shard / HSDP / tensor parallelism; finite "
+            f"differences need the whole module in one process. Check the module before sharding it (the "
+            f"same class built on one process), or one of its layers built unsharded with the same "
+            f"weights (parameters' .full_tensor()).")
+
+
 def check_module(module: torch.nn.Module, *inputs: Any,
                  wrt: Union[str, Sequence[str]] = "all", **options: Any) -> GradcheckResult:
     """Check a module's gradients w.r.t. its parameters and/or inputs, on a copy.

@@ -103,3 +103,24 @@ def main(case: str, rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
     with open(os.path.join(out, f"{case}-rank{rank}.json"), "w") as f:
         json.dump(record, f)
+
+
+def check_module_refuses(rank: int, world: int, port: int, out: str) -> None:
+    """check_module on a fully_shard-ed model: a ValueError saying what to pass instead."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        import graddbg
+
+        m = _shard("fsdp", model())
+        try:
+            graddbg.check_module(m, torch.randn(2, 6))
+            record = {"raised": None}
+        except ValueError as e:
+            record = {"raised": str(e)}
+    except BaseException:
+        record = {"error": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out, f"check-rank{rank}.json"), "w") as f:
+        json.dump(record, f)

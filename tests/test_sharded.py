@@ -20,10 +20,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(case: str, world: int, out) -> dict:
+def _launch(case: str, world: int, out, target=None) -> dict:
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=worker.main, args=(case, r, world, port, str(out)), daemon=True) for r in range(world)]
+    if target is None:
+        procs = [ctx.Process(target=worker.main, args=(case, r, world, port, str(out)), daemon=True)
+                 for r in range(world)]
+    else:
+        procs = [ctx.Process(target=target, args=(r, world, port, str(out)), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -77,3 +81,11 @@ def test_mixed_sharded_and_plain_parameters(tmp_path):
     assert r0["names"] == r0["model_names"]
     for step in ("0", "1", "2"):
         assert all(math.isfinite(v) and v > 0 for v in r0["norms"][step].values())
+
+
+@pytest.mark.timeout(300)
+def test_check_module_refuses_a_sharded_model_saying_what_to_pass(tmp_path):
+    results = _launch("check", 2, tmp_path, target=worker.check_module_refuses)
+    for rec in results.values():
+        assert rec["raised"] is not None
+        assert "sharded (DTensor) parameters" in rec["raised"] and "before sharding" in rec["raised"]
