@@ -4,6 +4,9 @@ they render with no console errors and no resource loads.
     python bench/report_browser.py                 # builds two reports and checks them
     python bench/report_browser.py report.html ... # checks existing reports
     python bench/report_browser.py --screenshot out.png   # also saves a screenshot
+    python bench/report_browser.py --params 5000   # a large model's (aggregated) report
+
+The synthetic report's build time is printed (wall clock and CPU), also without chromium.
 
 For each report: chromium loads the file:// URL with console logging on stderr and dumps
 the DOM; the check fails on any console message, any "Failed to load resource", or a DOM
@@ -83,7 +86,8 @@ def control_page(tmp: Path) -> List[str]:
 
 
 def synthetic_run(n_steps: int = 1000, n_params: int = 100):
-    """1,000 steps x 100 parameters with a NaN burst, an Inf, 1e38 and histograms."""
+    """``n_steps`` x ``n_params`` (default 1,000 x 100) with a NaN burst, an Inf, 1e38 and
+    histograms; name and module are categoricals, as ``w.stats`` holds them."""
     import numpy as np
     import pandas as pd
 
@@ -100,8 +104,10 @@ def synthetic_run(n_steps: int = 1000, n_params: int = 100):
     norm[100, 50] = 1e38
     nonfinite = np.where(np.isfinite(norm), 0, 5).astype(np.int64)
     stats = pd.DataFrame({
-        "step": np.repeat(np.arange(S, dtype=np.int64), P), "name": np.tile(names, S),
-        "module": np.tile(modules, S), "numel": np.full(S * P, 256, dtype=np.int64),
+        "step": np.repeat(np.arange(S, dtype=np.int64), P),
+        "name": pd.Categorical.from_codes(np.tile(np.arange(P), S), categories=pd.Index(names, dtype=object)),
+        "module": pd.Categorical(np.tile(np.array(modules, dtype=object), S)),
+        "numel": np.full(S * P, 256, dtype=np.int64),
         "norm": norm.ravel(), "absmax": norm.ravel() / 4, "nonfinite": nonfinite.ravel(),
         "update_ratio": np.exp(rng.normal(math.log(1e-3), 0.7, S * P)),
         "has_grad": np.ones(S * P, dtype=bool)})
@@ -151,33 +157,42 @@ def recorded_report(tmp: Path) -> Path:
     return w.report(tmp / "recorded.html", graph=g)
 
 
+def build_reports(tmp: Path, n_params: int, n_steps: int) -> List[Path]:
+    """The synthetic report (timed: wall clock and CPU) and the recorded one."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from graddbg.report import write_report
+
+    run = synthetic_run(n_steps, n_params)
+    t0, c0 = time.perf_counter(), time.process_time()
+    path = write_report(run, tmp / f"synthetic-{n_steps}x{n_params}.html")
+    print(f"built the {n_steps} steps x {n_params} parameters report ({len(run.stats):,} rows) in "
+          f"{time.perf_counter() - t0:.1f} s wall, {time.process_time() - c0:.1f} s CPU: "
+          f"{path.stat().st_size / 1e6:.2f} MB")
+    return [path, recorded_report(tmp)]
+
+
 def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="*", help="existing report files (default: build two)")
     parser.add_argument("--screenshot", help="also save a PNG screenshot of the first report")
+    parser.add_argument("--params", type=int, default=100,
+                        help="parameters of the synthetic run (default 100; 5000 shows the "
+                             "aggregated report of a large model)")
+    parser.add_argument("--steps", type=int, default=1000, help="steps of the synthetic run")
     args = parser.parse_args(argv)
-    if not os.path.exists(CHROMIUM):
-        print(f"{CHROMIUM} is missing: install Debian's chromium with `apt-get install -y "
-              "chromium` (as root) and run this again.", file=sys.stderr)
-        return 2
     with tempfile.TemporaryDirectory(prefix="graddbg-report-browser-") as d:
         tmp = Path(d)
+        paths = [Path(p) for p in args.reports] or build_reports(tmp, args.params, args.steps)
+        if not os.path.exists(CHROMIUM):
+            print(f"{CHROMIUM} is missing: install Debian's chromium with `apt-get install -y "
+                  "chromium` (as root) and run this again.", file=sys.stderr)
+            return 2
         seen = control_page(tmp)
         if not seen:
             print("control page: the console error was NOT captured; this check cannot see "
                   "console errors with this chromium", file=sys.stderr)
             return 1
         print(f"control page: console capture works ({seen[0].strip()[:100]})")
-        if args.reports:
-            paths = [Path(p) for p in args.reports]
-        else:
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-            from graddbg.report import write_report
-
-            t0 = time.perf_counter()
-            paths = [write_report(synthetic_run(), tmp / "synthetic-1000x100.html")]
-            print(f"built the 1000 x 100 report in {time.perf_counter() - t0:.1f} s")
-            paths.append(recorded_report(tmp))
         problems = []
         for i, p in enumerate(paths):
             found = check_report(p, args.screenshot if i == 0 else None)

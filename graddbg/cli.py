@@ -1,37 +1,89 @@
 """The ``graddbg`` command line: ``demo``, ``run`` and ``report``.
 
-Exit codes: 0 healthy, 1 anomalies found (see ``--fail-on``) or the script failed,
-2 usage errors.
+Exit codes: 0 healthy, 1 anomalies found (see ``--fail-on``), the script failed or an
+output could not be written, 2 usage errors and bad input (one line on stderr, no
+traceback); ``graddbg run`` stopped by a signal exits 128 + its number (130 for Ctrl-C,
+143 for SIGTERM, 129 for SIGHUP) after writing what was recorded, and a script that calls
+``sys.exit(code)`` exits as Python would (its message printed, 1 for a string).
 """
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import pathlib
 import runpy
+import signal
 import sys
+import tempfile
+import threading
 import time
 import traceback
 import weakref
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from graddbg._errors import GraddbgError, GradientAnomalyError
+from graddbg._errors import GraddbgError, GraddbgValueError, GradientAnomalyError
+from graddbg.run import write_atomic
 
 __all__ = ["main", "demo", "run_script", "report"]
 
 POLICIES = ("raise", "warn", "skip", "record", "none")
 FAIL_ON = ("any", "nonfinite", "never")
+SAVE_EVERY = 30.0  # seconds between the statistics snapshots of `graddbg run`
 
 
-class UsageError(Exception):
-    """A bad command line: exit code 2."""
+class UsageError(GraddbgValueError):
+    """A bad command line or bad input: exit code 2, one line on stderr."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (no usage dump)."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
 
 def _policy(value: str) -> Optional[str]:
     return None if value == "none" else value
+
+
+def _out_folder(out: Any, arg: str = "--out") -> Tuple[pathlib.Path, bool]:
+    """The output folder, created if needed and checked writable before anything runs:
+    (folder, whether it was created here). A folder that cannot be made or written is a
+    UsageError."""
+    if not isinstance(out, (str, os.PathLike)):
+        raise UsageError(f"{arg}: expected a folder name, got {type(out).__name__}")
+    folder = pathlib.Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{arg}: {str(folder)!r} exists and is not a folder")
+    existed = folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{arg}: cannot create the folder {str(folder)!r}: {e.strerror or e}") from None
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise UsageError(f"{arg}: cannot write in the folder {str(folder)!r}: {e.strerror or e}") from None
+    return folder, not existed
+
+
+def _out_file(out: Any, arg: str = "--out") -> pathlib.Path:
+    """An output file whose folder exists and is writable (checked before any work)."""
+    path = pathlib.Path(out)
+    if path.is_dir():
+        raise UsageError(f"{arg}: {str(path)!r} is a folder; give a file name such as "
+                         f"{str(path / 'report.html')!r}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise UsageError(f"{arg}: the folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{arg}: cannot write in the folder {str(folder)!r}")
+    return path
 
 
 # --------------------------------------------------------------------------- output helpers
@@ -116,22 +168,37 @@ def demo(out: str = "graddbg-out", steps: int = 120, *, nan_step: int = 30, jump
     Writes ``report.html``, ``graph.svg`` (the annotated autograd graph) and
     ``stats.parquet`` to ``out`` and returns their paths and the watch.
     """
-    import graddbg
-
+    for arg, value in (("steps", steps), ("nan_step", nan_step), ("jump_step", jump_step)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if arg == "steps" else 0):
+            raise UsageError(f"demo({arg}=...) must be an int >= {1 if arg == 'steps' else 0}, got {value!r}")
     stream = stream or sys.stdout
+    outdir, _ = _out_folder(out, "out")
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     model = demo_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     true_w = torch.randn(16, generator=gen)
-    outdir = pathlib.Path(out)
-    outdir.mkdir(parents=True, exist_ok=True)
     print(f"graddbg demo: training {sum(p.numel() for p in model.parameters())} parameters for {steps} "
           f"steps, faults planted at step {nan_step} (0/0 in a normalisation) and step {jump_step} "
           f"(learning rate x1000 for one step)", file=stream)
+    w = _demo_train(model, true_w, gen, steps, nan_step, jump_step)
+    print("\nper-parameter summary:", file=stream)
+    print(_table(w.summary(), ["name", "numel", "norm_mean", "norm_max", "nonfinite_steps",
+                               "update_ratio_mean"]), file=stream)
+    print("\nanomalies caught:", file=stream)
+    print(_anomaly_lines(w.anomalies), file=stream)
+    files = _demo_files(w, model, true_w, gen, outdir, stream)
+    print(f"\nwrote {files['report']}\n      {files['graph']}\n      {files['stats']}", file=stream)
+    print(f"done in {time.perf_counter() - t0:.1f} s", file=stream)
+    return {"watch": w, "files": files}
+
+
+def _demo_train(model: nn.Module, true_w: torch.Tensor, gen: torch.Generator, steps: int,
+                nan_step: int, jump_step: int) -> Any:
+    import graddbg
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     bar = Progress(steps)
-    loss_value = float("nan")
     with graddbg.watch(model, opt, nonfinite="skip", explode=graddbg.Explode(factor=20, policy="record"),
                        histograms=10, update_every=5) as w:
         for i in range(steps):
@@ -141,21 +208,19 @@ def demo(out: str = "graddbg-out", steps: int = 120, *, nan_step: int = 30, jump
             if i in (jump_step, jump_step + 1):
                 for g in opt.param_groups:  # fault 2: a one-step learning-rate spike
                     g["lr"] = g["lr"] * 1000.0 if i == jump_step else g["lr"] / 1000.0
-            y = torch.tanh(x @ true_w)[:, None]
-            loss = nn.functional.mse_loss(model(x), y)
+            loss = nn.functional.mse_loss(model(x), torch.tanh(x @ true_w)[:, None])
             loss.backward()
             opt.step()
             opt.zero_grad()
-            loss_value = loss.item()
-            bar.update(i + 1, f"loss {loss_value:.4g}  anomalies {len(w.anomalies)}")
-    summary = w.summary()
-    print("\nper-parameter summary:", file=stream)
-    print(_table(summary, ["name", "numel", "norm_mean", "norm_max", "nonfinite_steps", "update_ratio_mean"]),
-          file=stream)
-    print("\nanomalies caught:", file=stream)
-    print(_anomaly_lines(w.anomalies), file=stream)
+            bar.update(i + 1, f"loss {loss.item():.4g}  anomalies {len(w.anomalies)}")
+    return w
 
-    # the annotated autograd graph of one more (healthy) step
+
+def _demo_files(w: Any, model: nn.Module, true_w: torch.Tensor, gen: torch.Generator,
+                outdir: pathlib.Path, stream: Any) -> Dict[str, pathlib.Path]:
+    """The annotated autograd graph of one more (healthy) step, the report and the run."""
+    import graddbg
+
     x = torch.randn(8, 16, generator=gen)
     graph = graddbg.graph(lambda: nn.functional.mse_loss(model(x), torch.tanh(x @ true_w)[:, None]),
                           model=model, grads=True, watch=w)
@@ -163,14 +228,11 @@ def demo(out: str = "graddbg-out", steps: int = 120, *, nan_step: int = 30, jump
     try:
         graph.render(files["graph"], format="svg")
     except GraddbgError as e:  # no `dot`: keep the DOT text and say so
-        files["graph"] = outdir / "graph.dot"
-        files["graph"].write_text(graph.source)
+        files["graph"] = write_atomic(outdir / "graph.dot", graph.source)
         print(f"note: {e}", file=stream)
-    w.report(files["report"], graph=graph)
     w.save(files["stats"])
-    print(f"\nwrote {files['report']}\n      {files['graph']}\n      {files['stats']}", file=stream)
-    print(f"done in {time.perf_counter() - t0:.1f} s", file=stream)
-    return {"watch": w, "files": files}
+    w.report(files["report"], graph=graph)
+    return files
 
 
 # --------------------------------------------------------------------------- run
@@ -188,10 +250,13 @@ class _ParamHolder(nn.Module):
 class ScriptWatcher:
     """Attaches a watch to every optimizer a script steps, through PyTorch's global
     optimizer and module hook registries (no monkeypatching): a model is the outermost
-    module called whose parameters the optimizer holds."""
+    module called whose parameters the optimizer holds. ``after_step`` (optional) is
+    called after every optimizer step (``graddbg run`` writes its snapshots there)."""
 
-    def __init__(self, watch_kwargs: Dict[str, Any]) -> None:
+    def __init__(self, watch_kwargs: Dict[str, Any],
+                 after_step: Optional[Callable[[], None]] = None) -> None:
         self.kwargs = watch_kwargs
+        self.after_step = after_step
         self.watches: List[Any] = []
         self._seen: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self._roots: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -206,6 +271,8 @@ class ScriptWatcher:
             self._handles.append(module_mod.register_module_forward_pre_hook(self._pre))
             self._handles.append(module_mod.register_module_forward_hook(self._post, always_call=True))
             self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._on_step))
+            if self.after_step is not None:
+                self._handles.append(optim_mod.register_optimizer_step_post_hook(self._after))
         except BaseException:
             self._remove()
             raise
@@ -236,6 +303,10 @@ class ScriptWatcher:
         self.watches.append(w)
         # this step's boundary: the watch's own step hook joins the hooks being run now
 
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.after_step is not None:
+            self.after_step()
+
     def _remove(self) -> None:
         for h in self._handles:
             h.remove()
@@ -247,62 +318,224 @@ class ScriptWatcher:
             w.close()
 
 
+def _outputs(outdir: pathlib.Path, i: int) -> Tuple[pathlib.Path, pathlib.Path]:
+    """(statistics, report) of the i-th watch: stats.parquet, report.html, stats-2.parquet, ..."""
+    suffix = "" if i == 0 else f"-{i + 1}"
+    return outdir / f"stats{suffix}.parquet", outdir / f"report{suffix}.html"
+
+
+class Snapshots:
+    """Saves every watch's statistics (``stats.parquet``, atomically) every ``every``
+    seconds while the script runs, so that a hard kill (``kill -9``, an out-of-memory
+    kill) loses at most the last interval. Called after each optimizer step; a snapshot
+    that takes long pushes the next one back (saving takes at most about a tenth of the
+    run). A snapshot that cannot be written is said once on stderr; training goes on."""
+
+    def __init__(self, outdir: pathlib.Path, every: float, watches: List[Any]) -> None:
+        import pandas  # noqa: F401 - imported now, not on the clock of the first snapshot
+        import pyarrow.parquet  # noqa: F401
+
+        self.outdir, self.every, self.watches = outdir, every, watches
+        self.due = time.monotonic() + every if every > 0 else math.inf
+        self.saved = 0
+        self.failed = False
+
+    def __call__(self) -> None:
+        if time.monotonic() < self.due:
+            return
+        t0 = time.monotonic()
+        try:
+            for i, w in enumerate(self.watches):
+                w.save(_outputs(self.outdir, i)[0])
+            self.saved += 1
+        except Exception as e:  # a full disk must not stop the training
+            if not self.failed:
+                print(f"graddbg run: could not write a snapshot ({e}); training goes on",
+                      file=sys.stderr)
+            self.failed = True
+        spent = time.monotonic() - t0
+        self.due = time.monotonic() + max(self.every, 10.0 * spent)
+
+
+class _Terminated(BaseException):
+    """SIGTERM / SIGHUP under ``graddbg run``: unwinds the script like KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class Signals:
+    """While entered (in the main thread), SIGTERM and SIGHUP raise ``_Terminated`` in the
+    script once, as Ctrl-C raises KeyboardInterrupt, so that what was recorded is written
+    before the exit; a signal after that (while the results are being written) is only
+    remembered. The previous handlers are put back on exit."""
+
+    NAMES = ("SIGTERM", "SIGHUP")
+
+    def __init__(self) -> None:
+        self.previous: Dict[int, Any] = {}
+        self.armed = False
+        self.received: Optional[int] = None
+        self.pid = os.getpid()
+
+    def __enter__(self) -> "Signals":
+        if threading.current_thread() is threading.main_thread():
+            try:
+                for name in self.NAMES:
+                    signum = getattr(signal, name, None)
+                    if signum is not None:
+                        self.previous[signum] = signal.signal(signum, self._handle)
+            except BaseException:
+                self.__exit__()
+                raise
+        self.armed = True
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self.pid:  # a forked child (a DataLoader worker): die as it would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.received is None:
+            self.received = signum
+        if self.armed:
+            self.armed = False
+            raise _Terminated(signum)
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def __exit__(self, *exc: Any) -> None:
+        self.armed = False
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self.previous = {}
+
+
+def _check_run_args(script: Any, every: Any, policies: Dict[str, Any], fail_on: Any,
+                    save_every: Any) -> pathlib.Path:
+    """Every argument of run_script checked before anything runs (UsageError: exit 2)."""
+    if not isinstance(script, (str, os.PathLike)) or not pathlib.Path(script).is_file():
+        raise UsageError(f"script: {script!r} does not exist or is not a file")
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise UsageError(f"--every must be >= 1, got {every!r}")
+    for arg, value in policies.items():
+        if value not in POLICIES:
+            raise UsageError(f"--{arg}: got {value!r}; accepted: {', '.join(POLICIES)}")
+    if fail_on not in FAIL_ON:
+        raise UsageError(f"--fail-on: got {fail_on!r}; accepted: {', '.join(FAIL_ON)}")
+    if isinstance(save_every, bool) or not isinstance(save_every, (int, float)) \
+            or not math.isfinite(save_every) or save_every < 0:
+        raise UsageError(f"--save-every must be a number of seconds >= 0 (0: only at exit), "
+                         f"got {save_every!r}")
+    return pathlib.Path(script)
+
+
 def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", every: int = 1,
                nonfinite: str = "raise", explode: str = "warn", vanish: str = "none",
-               fail_on: str = "any", stream: Any = None) -> int:
-    """Run ``script`` unchanged with every optimizer it steps watched; write the report
-    at exit, also when the script crashes or is interrupted. Returns the exit code."""
+               fail_on: str = "any", save_every: float = SAVE_EVERY, stream: Any = None) -> int:
+    """Run ``script`` unchanged with every optimizer it steps watched; write the statistics
+    and the report at exit, also when the script crashes, is interrupted (Ctrl-C) or is
+    stopped by SIGTERM / SIGHUP, and the statistics every ``save_every`` seconds on the way.
+    Every argument and the ``out`` folder are checked before the script starts (a
+    ``UsageError``, which is a ``ValueError``). Returns the exit code."""
     stream = stream or sys.stdout
-    path = pathlib.Path(script)
-    if not path.is_file():
-        raise UsageError(f"script: {script!r} does not exist or is not a file")
-    outdir = pathlib.Path(out)
-    kwargs = dict(every=every, nonfinite=_policy(nonfinite), explode=_policy(explode), vanish=_policy(vanish))
-    import graddbg
-
-    for k, v in kwargs.items():  # validate the options before running anything
-        if k != "every" and v is not None:
-            graddbg.anomaly.check_policy(v, f"--{k}")
-    old_argv = sys.argv[:]
-    sys.argv = [str(path), *args]
-    sys.path.insert(0, str(path.resolve().parent))
-    status, failure = 0, None
+    policies = {"nonfinite": nonfinite, "explode": explode, "vanish": vanish}
+    path = _check_run_args(script, every, policies, fail_on, save_every)
+    outdir, created = _out_folder(out)
+    kwargs = dict(every=every, **{k: _policy(v) for k, v in policies.items()})
     watcher = ScriptWatcher(kwargs)
+    watcher.after_step = Snapshots(outdir, float(save_every), watcher.watches)
+    with Signals() as signals:
+        status, failure = _execute(path, args, watcher, signals)
+        if failure:
+            print(f"graddbg run: {failure}", file=sys.stderr)
+        status = _finish(watcher.watches, outdir, created, status, fail_on, stream)
+    if signals.received is not None and status == 0:  # a signal while the results were written
+        status = 128 + signals.received
+    return status
+
+
+def _execute(path: pathlib.Path, args: Sequence[str], watcher: ScriptWatcher,
+             signals: Signals) -> Tuple[int, Optional[str]]:
+    """Run the script as ``__main__``: (exit status, what went wrong or None)."""
+    old_argv, folder = sys.argv[:], str(path.resolve().parent)
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, folder)
     try:
         with watcher:
             try:
                 runpy.run_path(str(path), run_name="__main__")
-            except SystemExit as e:
-                status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except KeyboardInterrupt:
-                failure, status = "interrupted", 130
-            except GradientAnomalyError as e:
-                failure, status = f"stopped by graddbg: {e}", 1
-            except BaseException:
-                failure, status = "the script raised:\n" + traceback.format_exc(), 1
+            finally:
+                signals.disarm()
+    except _Terminated as e:
+        return 128 + e.signum, f"terminated by {signal.Signals(e.signum).name}; saving what was recorded"
+    except SystemExit as e:
+        return _exit_status(e.code), None
+    except KeyboardInterrupt:
+        return 130, "interrupted"
+    except GradientAnomalyError as e:
+        return 1, f"stopped by graddbg: {e}"
+    except BaseException as e:
+        return 1, "the script raised:\n" + _script_traceback(e, path)
     finally:
         sys.argv = old_argv
-        if sys.path and sys.path[0] == str(path.resolve().parent):
+        if sys.path and sys.path[0] == folder:
             sys.path.pop(0)
-    anomalies = [a for w in watcher.watches for a in w.anomalies]
-    if failure:
-        print(f"graddbg run: {failure}", file=sys.stderr)
-    if not watcher.watches:
+    return 0, None
+
+
+def _exit_status(code: Any) -> int:
+    """The exit status of ``sys.exit(code)``, as Python gives it: None is 0, an int itself,
+    anything else is printed on stderr and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _script_traceback(exc: BaseException, script: pathlib.Path) -> str:
+    """The traceback from the script's own frames on (graddbg's and runpy's left out)."""
+    target = os.path.realpath(script)
+    tb = exc.__traceback__
+    while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != target:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+
+def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int,
+            fail_on: str, stream: Any) -> int:
+    """Write each watch's statistics and report; the exit status."""
+    if not watches:
         print("graddbg run: the script stepped no optimizer; nothing was watched", file=stream)
+        if created:
+            try:
+                outdir.rmdir()  # leave no empty folder behind
+            except OSError:
+                pass
         return status
-    outdir.mkdir(parents=True, exist_ok=True)
-    for i, w in enumerate(watcher.watches):
-        suffix = "" if i == 0 else f"-{i + 1}"
-        rep = w.report(outdir / f"report{suffix}.html")
-        w.save(outdir / f"stats{suffix}.parquet")
+    written = True
+    for i, w in enumerate(watches):
+        stats_path, report_path = _outputs(outdir, i)
+        try:
+            w.save(stats_path)  # the data first: it is what a report can be made from again
+            rep = w.report(report_path)
+        except GraddbgError as e:
+            print(f"graddbg run: error: {e}", file=sys.stderr)
+            written = False
+            continue
         print(f"graddbg run: watched {w.meta['model']} with {w.meta['optimizer']} for {w.current_step} "
               f"steps; {len(w.anomalies)} anomalies; report: {rep}", file=stream)
+    anomalies = [a for w in watches for a in w.anomalies]
     if anomalies:
         print(_anomaly_lines(anomalies), file=stream)
     counted = [a for a in anomalies if a.kind != "overflow"]
     if fail_on == "nonfinite":
         counted = [a for a in counted if a.kind == "nonfinite"]
-    if fail_on != "never" and counted and status == 0:
+    if status == 0 and ((fail_on != "never" and counted) or not written):
         status = 1
     return status
 
@@ -310,19 +543,24 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", ev
 # --------------------------------------------------------------------------- report
 
 def report(run_path: str, out: str) -> pathlib.Path:
-    """Render a saved run (``w.save``) as an HTML report."""
+    """Render a saved run (``w.save``) as an HTML report. A missing or invalid run file,
+    or an ``out`` that cannot be written, is a UsageError (exit 2)."""
     import graddbg
 
-    if not pathlib.Path(run_path).is_file():
+    if not isinstance(run_path, (str, os.PathLike)) or not pathlib.Path(run_path).is_file():
         raise UsageError(f"run: {run_path!r} does not exist (expected a file written by Watch.save)")
-    run = graddbg.load(run_path)
-    return run.report(out)
+    target = _out_file(out)
+    try:
+        run = graddbg.load(run_path)
+    except GraddbgError as e:
+        raise UsageError(str(e)) from None
+    return run.report(target)
 
 
 # --------------------------------------------------------------------------- main
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="graddbg", description="Find out what is wrong with your gradients.")
+    p = _Parser(prog="graddbg", description="Find out what is wrong with your gradients.")
     sub = p.add_subparsers(dest="command", metavar="{demo,run,report}")
     d = sub.add_parser("demo", help="train a small model with planted faults and show watch catch them")
     d.add_argument("--out", default="graddbg-out", help="output folder (default: graddbg-out)")
@@ -335,6 +573,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--vanish", choices=POLICIES, default="none")
     r.add_argument("--fail-on", choices=FAIL_ON, default="any",
                    help="which anomalies make the exit code 1 (default: any)")
+    r.add_argument("--save-every", type=float, default=SAVE_EVERY, metavar="SECONDS",
+                   help=f"write the statistics every SECONDS while the script runs, so that a "
+                        f"hard kill loses at most that much (default: {SAVE_EVERY:g}; 0: only at exit)")
     r.add_argument("script", help="the training script")
     r.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     rep = sub.add_parser("report", help="render a saved run (stats.parquet) as HTML")
@@ -343,37 +584,43 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "demo":
+        if args.steps < 1:
+            raise UsageError(f"--steps must be >= 1, got {args.steps}")
+        res = demo(args.out, steps=args.steps, nan_step=min(30, args.steps - 1),
+                   jump_step=min(80, args.steps - 1))
+        return 0 if res["files"]["report"].exists() else 1
+    if args.command == "run":
+        return run_script(args.script, args.args, out=args.out, every=args.every,
+                          nonfinite=args.nonfinite, explode=args.explode, vanish=args.vanish,
+                          fail_on=args.fail_on, save_every=args.save_every)
+    path = report(args.run, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``graddbg`` console script and ``python -m graddbg``."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse: 2 for usage errors, 0 for --help
-        return int(e.code or 0)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return _exit_status(e.code)
     if args.command is None:
-        parser.print_help(sys.stderr)
+        print(parser.format_usage().strip(), file=sys.stderr)
         return 2
     try:
-        if args.command == "demo":
-            if args.steps < 1:
-                raise UsageError(f"--steps must be >= 1, got {args.steps}")
-            res = demo(args.out, steps=args.steps, nan_step=min(30, args.steps - 1),
-                       jump_step=min(80, args.steps - 1))
-            return 0 if res["files"]["report"].exists() else 1
-        if args.command == "run":
-            if args.every < 1:
-                raise UsageError(f"--every must be >= 1, got {args.every}")
-            return run_script(args.script, args.args, out=args.out, every=args.every,
-                              nonfinite=args.nonfinite, explode=args.explode, vanish=args.vanish,
-                              fail_on=args.fail_on)
-        if args.command == "report":
-            path = report(args.run, args.out)
-            print(f"wrote {path}")
-            return 0
+        return _command(args)
     except UsageError as e:
         print(f"graddbg {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 2
+    except GraddbgError as e:  # an output that could not be written
+        print(f"graddbg {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

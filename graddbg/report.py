@@ -13,7 +13,13 @@ network, no external assets, no script. It holds:
   DOT text, or a root tensor).
 
 Every piece of text is HTML-escaped. Long series are reduced in the plots (each bucket's
-min and max), so 1,000 steps x 100 parameters stay well under 5 MB.
+min and max), so 1,000 steps x 100 parameters stay well under 5 MB. Large runs (more than
+``MAX_PARAMS_SHOWN`` parameters, or more than ``MAX_ROWS_EXACT`` rows) are aggregated: the
+flow, norm and heatmap plots and the module table show at most ``MAX_GROUPS`` module groups
+(norms rolled up as the root of the sum of squares), and the parameter table, the update
+ratio plot and the histograms show a chosen few parameters (every one with NaN/Inf, the
+largest and the smallest gradients), so 5,000 parameters x 1,000 steps render in seconds.
+The file is written atomically (:func:`graddbg.run.replacing`).
 
 matplotlib and pandas are imported inside the functions.
 """
@@ -29,7 +35,9 @@ import pathlib
 import re
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from graddbg._errors import DotNotFoundError
+from graddbg._errors import DotNotFoundError, GraddbgTypeError, GraddbgValueError
+from graddbg._model import module_of
+from graddbg.run import _file_target, write_atomic
 
 if TYPE_CHECKING:  # pragma: no cover - type names only
     import pandas
@@ -42,6 +50,10 @@ MAX_ANOMALY_ROWS = 500
 MAX_SUMMARY_ROWS = 2000
 MAX_PLOT_POINTS = 600
 MAX_HIST_PANELS = 6
+MAX_PARAMS_SHOWN = 200  # parameters shown one by one; more are aggregated
+MAX_ROWS_EXACT = 1_000_000  # rows summarised exactly (run.summary()); more are aggregated
+MAX_GROUPS = 48  # module groups in the aggregated plots and table
+MAX_LINES = 10  # module groups drawn as lines in the aggregated norms plot
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:0;
@@ -90,13 +102,9 @@ def write_report(run: Any, path: PathLike, *, graph: Any = None,
     ...     "<svg" in p.read_text()
     True
     """
-    path = pathlib.Path(os.fspath(path))
-    if path.is_dir():
-        raise IsADirectoryError(f"path: {str(path)!r} is a directory; give a file name "
-                                f"such as {str(path / 'report.html')!r}")
+    path = _file_target(path, "report.html")
     text = render_report(run, graph=graph, title=title)
-    path.write_text(text, encoding="utf-8")
-    return path
+    return write_atomic(path, text)
 
 
 def render_report(run: Any, *, graph: Any = None, title: Optional[str] = None) -> str:
@@ -117,27 +125,32 @@ def render_report(run: Any, *, graph: Any = None, title: Optional[str] = None) -
     stats = getattr(run, "stats", None)
     steps = getattr(run, "steps", None)
     if not isinstance(stats, pd.DataFrame) or not isinstance(steps, pd.DataFrame):
-        raise TypeError("run must have DataFrame attributes stats and steps (a Watch, a "
-                        f"graddbg.Run, or graddbg.load(path)); got {type(run).__name__}")
+        raise GraddbgTypeError("run must have DataFrame attributes stats and steps (a Watch, a "
+                               f"graddbg.Run, or graddbg.load(path)); got {type(run).__name__}")
+    if title is not None and not isinstance(title, str):
+        raise GraddbgTypeError(f"title must be a str or None; got {type(title).__name__}")
     anomalies = list(getattr(run, "anomalies", None) or [])
     histograms = getattr(run, "histograms", None)
     activations = getattr(run, "activations", None)
     meta = dict(getattr(run, "meta", None) or {})
     if title is None:
         title = f"graddbg report: {meta['model']}" if meta.get("model") else "graddbg report"
-
-    sections: List[Tuple[str, str, str]] = []  # (id, heading, body html)
-    sections.append(("summary", "Run summary", _summary_html(stats, steps, anomalies, meta)))
-    sections.append(("anomalies", f"Anomalies ({len(anomalies)})", _anomalies_html(anomalies)))
-    sections.append(("plots", "Plots", _plots_html(stats, steps, anomalies, histograms)))
-    sections.append(("parameters", "Per-parameter summary", _summary_table_html(run, stats, "param")))
-    sections.append(("modules", "Per-module summary", _summary_table_html(run, stats, "module")))
+    view = _View.of(run, stats)
+    sections: List[Tuple[str, str, str]] = [  # (id, heading, body html)
+        ("summary", "Run summary", _summary_html(view, steps, anomalies, meta)),
+        ("anomalies", f"Anomalies ({len(anomalies)})", _anomalies_html(anomalies)),
+        ("plots", "Plots", _plots_html(view, steps, anomalies, histograms)),
+        ("parameters", "Per-parameter summary", _summary_table_html(view, "param")),
+        ("modules", "Per-module summary", _summary_table_html(view, "module"))]
     if activations is not None and len(activations):
         sections.append(("activations", "Activation gradients (per module)",
                          _activations_html(activations)))
     if graph is not None:
         sections.append(("graph", "Autograd graph", _graph_html(graph, run)))
+    return _page(title, sections)
 
+
+def _page(title: str, sections: Sequence[Tuple[str, str, str]]) -> str:
     from graddbg import __version__
 
     esc = html.escape
@@ -236,17 +249,15 @@ def _anomaly_dicts(anomalies: Sequence[Any]) -> List[Dict[str, Any]]:
     return out
 
 
-def _summary_html(stats: "pandas.DataFrame", steps: "pandas.DataFrame",
+def _summary_html(view: "_View", steps: "pandas.DataFrame",
                   anomalies: Sequence[Any], meta: Dict[str, Any]) -> str:
     import numpy as np
 
     esc = html.escape
+    stats = view.stats
     n_steps = len(steps)
     n_rec = int(stats["step"].nunique()) if "step" in stats.columns else 0
-    names = list(dict.fromkeys(stats["name"])) if "name" in stats.columns else []
-    numel = 0
-    if "numel" in stats.columns and len(stats):
-        numel = int(stats.drop_duplicates("name")["numel"].sum())
+    names, numel = view.names, view.numel
     kinds: Dict[str, int] = {}
     for a in _anomaly_dicts(anomalies):
         kinds[str(a.get("kind"))] = kinds.get(str(a.get("kind")), 0) + 1
@@ -321,7 +332,7 @@ def _inline_svg(svg: str, prefix: str) -> str:
     handlers or external links."""
     start = svg.find("<svg")
     if start < 0:
-        raise ValueError("not SVG text (no <svg> element)")
+        raise GraddbgValueError("not SVG text (no <svg> element)")
     svg = svg[start:]
     svg = re.sub(r'\s+xmlns(?::\w+)?="[^"]*"', "", svg)
     svg = _SCRIPT_RE.sub("", svg)
@@ -343,41 +354,67 @@ def _figure_svg(fig: "Figure", prefix: str) -> str:
     return _inline_svg(buf.getvalue(), prefix)
 
 
-def _plots_html(stats: "pandas.DataFrame", steps: "pandas.DataFrame", anomalies: Sequence[Any],
-                histograms: Optional["pandas.DataFrame"]) -> str:
+def _plot_jobs(view: "_View", steps: "pandas.DataFrame", anomalies: Sequence[Any],
+               histograms: Optional["pandas.DataFrame"]) -> List[Tuple[str, str, Any]]:
+    """(figure id, caption, a function making the figure or None) for every plot."""
     import numpy as np
 
     from graddbg import plots
 
-    if len(stats) == 0:
-        return '<p class="note">No step was recorded, so there is nothing to plot.</p>'
-    jobs: List[Tuple[str, str, Any]] = []
+    stats = view.plot_stats
+    per = " per module group" if view.compact else ""
     last = int(stats["step"].max())
-    jobs.append(("flow", f"Gradient flow at the last recorded step ({last})",
-                 lambda: plots.flow(stats, step=last)))
+    jobs: List[Tuple[str, str, Any]] = [
+        ("flow", f"Gradient flow{per} at the last recorded step ({last})",
+         lambda: plots.flow(stats, step=last))]
     if "nonfinite" in stats.columns:
         bad = stats.loc[stats["nonfinite"] > 0, "step"]
         if len(bad) and int(bad.min()) != last:
             first_bad = int(bad.min())
             jobs.append(("flow-first-nonfinite",
-                         f"Gradient flow at the first step with NaN/Inf ({first_bad})",
+                         f"Gradient flow{per} at the first step with NaN/Inf ({first_bad})",
                          lambda: plots.flow(stats, step=first_bad)))
-    jobs.append(("norms", "Gradient norms over steps",
-                 lambda: plots.norms(stats, steps, anomalies=anomalies,
+    jobs.append(("norms", "Gradient norms over steps" + (", global and the module groups "
+                                                          "with NaN/Inf or the largest norms" if per else ""),
+                 lambda: plots.norms(stats, steps, anomalies=anomalies, names=view.lines,
                                      max_points=MAX_PLOT_POINTS)))
-    jobs.append(("heatmap", "Gradient norm per parameter and step",
+    jobs.append(("heatmap", f"Gradient norm per {'module group' if per else 'parameter'} and step",
                  lambda: plots.norms(stats, steps, anomalies=anomalies, heatmap=True,
                                      max_points=MAX_PLOT_POINTS)))
-    if "update_ratio" in stats.columns and np.isfinite(stats["update_ratio"].to_numpy(float)).any():
-        jobs.append(("update", "Update / weight ratio",
-                     lambda: plots.update_ratio(stats, anomalies=anomalies,
-                                                max_points=MAX_PLOT_POINTS)))
+    ratios = view.stats["update_ratio"] if "update_ratio" in view.stats.columns else None
+    caption = "Update / weight ratio" + (f" ({view.sample_note})" if per else "")
+    if ratios is not None and np.isfinite(ratios.to_numpy(float)).any():
+        frame = view.rows(view.sample) if per else view.stats
+        jobs.append(("update", caption, lambda: plots.update_ratio(
+            frame, anomalies=anomalies, max_points=MAX_PLOT_POINTS)))
     else:
-        jobs.append(("update", "Update / weight ratio", None))
+        jobs.append(("update", caption, None))
     if histograms is not None and len(histograms):
-        jobs.append(("hist", "Histograms of |grad|", lambda: plots.hist(histograms, stats=stats, max_panels=MAX_HIST_PANELS)))
-    out = []
-    for fid, caption, make in jobs:
+        jobs.append(("hist", "Histograms of |grad|" + (" of the parameters with NaN/Inf or the "
+                                                       "largest norms" if per else ""),
+                     lambda: _hist_figure(view, histograms)))
+    return jobs
+
+
+def _hist_figure(view: "_View", histograms: "pandas.DataFrame") -> "Figure":
+    from graddbg import plots
+
+    if not view.compact:
+        return plots.hist(histograms, stats=view.stats, max_panels=MAX_HIST_PANELS)
+    have = set(str(n) for n in histograms["name"].unique())
+    codes = [i for i in view.ranked if view.names[i] in have][:MAX_HIST_PANELS]
+    names = [view.names[i] for i in sorted(codes)]
+    wanted = histograms[histograms["name"].isin(names)]
+    return plots.hist(wanted, names=names, stats=view.rows(sorted(codes)),
+                      max_panels=MAX_HIST_PANELS)
+
+
+def _plots_html(view: "_View", steps: "pandas.DataFrame", anomalies: Sequence[Any],
+                histograms: Optional["pandas.DataFrame"]) -> str:
+    if len(view.stats) == 0:
+        return '<p class="note">No step was recorded, so there is nothing to plot.</p>'
+    out = [f'<p class="note">{html.escape(view.plot_note)}</p>'] if view.compact else []
+    for fid, caption, make in _plot_jobs(view, steps, anomalies, histograms):
         out.append(f'<h3 id="fig-{fid}">{html.escape(caption)}</h3>')
         if make is None:
             out.append('<p class="note">No update ratios were recorded (watch() needs the '
@@ -395,6 +432,22 @@ def _plots_html(stats: "pandas.DataFrame", steps: "pandas.DataFrame", anomalies:
     return "".join(out)
 
 
+def _summary_table_html(view: "_View", by: str) -> str:
+    """The per-parameter (``by="param"``) or per-module summary table."""
+    if len(view.stats) == 0:
+        return '<p class="note">No step was recorded.</p>'
+    what = "per-parameter" if by == "param" else "per-module"
+    try:
+        frame = view.table(by)
+    except Exception as e:
+        return _error(f"the {what} summary", e)
+    note = ""
+    if view.compact:
+        note = f'<p class="note">{html.escape(view.table_note(by))}</p>'
+    return note + _frame_table(frame, max_rows=MAX_SUMMARY_ROWS, bad_col="nonfinite_total",
+                               cls=f"{by}-summary")
+
+
 def _call_summary(run: Any, stats: "pandas.DataFrame", by: str) -> "pandas.DataFrame":
     fn = getattr(run, "summary", None)
     if callable(fn):
@@ -402,19 +455,6 @@ def _call_summary(run: Any, stats: "pandas.DataFrame", by: str) -> "pandas.DataF
     from graddbg.stats import summarize
 
     return summarize(stats, by=by)
-
-
-def _summary_table_html(run: Any, stats: "pandas.DataFrame", by: str) -> str:
-    """The per-parameter (``by="param"``) or per-module summary table."""
-    if len(stats) == 0:
-        return '<p class="note">No step was recorded.</p>'
-    what = "per-parameter" if by == "param" else "per-module"
-    try:
-        frame = _call_summary(run, stats, by)
-    except Exception as e:
-        return _error(f"the {what} summary", e)
-    return _frame_table(frame, max_rows=MAX_SUMMARY_ROWS, bad_col="nonfinite_total",
-                        cls=f"{by}-summary")
 
 
 def _activations_html(activations: "pandas.DataFrame") -> str:
@@ -446,7 +486,7 @@ def _check_graph(graph: Any) -> None:
     if graph is None or hasattr(graph, "_repr_svg_") or isinstance(graph, (str, bytes)) \
             or _is_root(graph):
         return
-    raise TypeError("graph must be None, a graddbg.graph(...) result, SVG or DOT text, or a "
+    raise GraddbgTypeError("graph must be None, a graddbg.graph(...) result, SVG or DOT text, or a "
                     f"root tensor (such as the loss); got {type(graph).__name__}")
 
 
@@ -496,3 +536,284 @@ def _graph_html(graph: Any, run: Any) -> str:
     if dot is not None and svg is None:
         out.append(f"<pre>{esc(dot)}</pre>")
     return "".join(out)
+
+
+# --------------------------------------------------------------------------- large runs
+
+@dataclasses.dataclass
+class _View:
+    """What the report shows of a run's statistics: every row (a small run), or module
+    groups and a few chosen parameters (a large run: ``compact``)."""
+
+    run: Any
+    stats: "pandas.DataFrame"
+    names: List[str]  # parameters in forward order (first appearance)
+    codes: Any  # each row's index into names (numpy, -1 for a missing name)
+    numel: int  # elements of all parameters
+    compact: bool = False
+    groups: Any = None  # compact: per (step, module group) rows with the columns of stats
+    group_sizes: Dict[str, int] = dataclasses.field(default_factory=dict)
+    n_modules: int = 0
+    lines: Optional[List[str]] = None  # compact: the module groups drawn as lines
+    ranked: List[int] = dataclasses.field(default_factory=list)  # notable parameters, first first
+    shown: List[int] = dataclasses.field(default_factory=list)  # ranked, in forward order
+    sample: List[int] = dataclasses.field(default_factory=list)  # in the update-ratio plot
+    sample_note: str = ""
+
+    @classmethod
+    def of(cls, run: Any, stats: "pandas.DataFrame") -> "_View":
+        import numpy as np
+        import pandas as pd
+
+        if "name" not in stats.columns or len(stats) == 0:
+            return cls(run, stats, [], np.zeros(len(stats), dtype=np.int64), 0)
+        codes, uniques = pd.factorize(stats["name"], sort=False)
+        names = [str(n) for n in uniques]
+        # factorize numbers names in order of appearance: a new one raises the running max
+        first = np.flatnonzero(np.diff(np.maximum.accumulate(codes), prepend=-1) > 0)
+        try:
+            numel = int(np.nansum(stats["numel"].to_numpy(dtype=float)[first]))
+        except (KeyError, TypeError, ValueError):
+            numel = 0
+        view = cls(run, stats, names, codes, numel)
+        if (len(names) > MAX_PARAMS_SHOWN or len(stats) > MAX_ROWS_EXACT) \
+                and {"step", "norm"} <= set(stats.columns):
+            _aggregate(view, first)
+        return view
+
+    @property
+    def plot_stats(self) -> "pandas.DataFrame":
+        return self.groups if self.compact else self.stats
+
+    @property
+    def plot_note(self) -> str:
+        return (f"This run has {len(self.names):,} parameters in {self.n_modules:,} modules, "
+                f"too many to draw one by one: the flow, norm and heatmap plots show "
+                f"{len(self.group_sizes)} module groups, each group's norm being the root of "
+                f"the sum of its parameters' squared norms, its max |grad| the largest of "
+                f"theirs. The per-parameter table below lists the parameters worth a look.")
+
+    def table_note(self, by: str) -> str:
+        if by == "param":
+            return (f"{len(self.shown)} of {len(self.names):,} parameters: every one with "
+                    f"NaN/Inf, then the largest and the smallest gradient norms, in forward "
+                    f"order. Run.summary() (w.summary()) has all of them.")
+        return (f"{len(self.group_sizes)} groups of the {self.n_modules:,} modules, in forward "
+                f"order (a run of consecutive modules is labelled 'first … last'); "
+                f"Run.summary(by='module') has every module.")
+
+    def rows(self, codes: Sequence[int]) -> "pandas.DataFrame":
+        """The rows of the parameters ``codes``, unused categories dropped."""
+        import numpy as np
+
+        sub = self.stats[np.isin(self.codes, np.asarray(list(codes), dtype=np.int64))]
+        for col in ("name", "module"):
+            if col in sub.columns and str(sub[col].dtype) == "category":
+                sub = sub.assign(**{col: sub[col].cat.remove_unused_categories()})
+        return sub
+
+    def table(self, by: str) -> "pandas.DataFrame":
+        from graddbg.stats import summarize
+
+        if not self.compact:
+            return _call_summary(self.run, self.stats, by)
+        if by == "param":
+            return summarize(self.rows(self.shown), by="param")
+        frame = summarize(self.groups, by="param").drop(columns=["module"]).rename(columns={"name": "module"})
+        frame["params"] = [self.group_sizes[m] for m in frame["module"]]
+        return frame[["module", "params", "numel", "steps", "norm_mean", "norm_max",
+                      "norm_last", "nonfinite_total"]]
+
+
+def _aggregate(view: _View, first: Any) -> None:
+    """Fill the compact parts of ``view``: module groups, notable parameters, a sample."""
+    import numpy as np
+
+    modules = _param_modules(view.stats, view.names, first)
+    labels = _group_labels(modules)
+    view.groups, view.group_sizes = _group_frame(view.stats, view.codes, labels)
+    view.n_modules = len(set(modules))
+    view.lines = _group_lines(view.groups)
+    figures = _param_figures(view.stats, view.codes, len(view.names))
+    view.ranked = _notable(figures, MAX_PARAMS_SHOWN)
+    view.shown = sorted(view.ranked)
+    P, top = len(view.names), min(10, MAX_PARAMS_SHOWN // 2)
+    even = np.unique(np.linspace(0, P - 1, min(P, MAX_PARAMS_SHOWN - top)).round().astype(np.int64))
+    upd = figures["update"]
+    largest = [int(i) for i in np.argsort(-np.where(np.isfinite(upd), upd, -np.inf))[:top]
+               if np.isfinite(upd[i])]
+    view.sample = sorted(set(even.tolist()) | set(largest))
+    view.sample_note = (f"{len(view.sample)} of {P:,} parameters: evenly spaced in forward "
+                        f"order, and the {len(largest)} largest ratios")
+    view.compact = True
+
+
+def _param_modules(stats: "pandas.DataFrame", names: List[str], first: Any) -> List[str]:
+    """Each parameter's module ("" for the root), from the module column or its name."""
+    if "module" not in stats.columns:
+        return [module_of(n) for n in names]
+    values = stats["module"].iloc[first].to_numpy(dtype=object)
+    return [m if isinstance(m, str) else "" for m in values]
+
+
+def _group_labels(modules: Sequence[str]) -> List[str]:
+    """One label per parameter: its module while there are at most MAX_GROUPS modules;
+    else its module path cut at the deepest depth that gives at most MAX_GROUPS groups,
+    or, when that gives only a few (a model that is one long list of blocks), runs of
+    consecutive modules one level deeper, labelled "first … last"."""
+    order = list(dict.fromkeys(modules))
+    if len(order) <= MAX_GROUPS:
+        return [m or "(root)" for m in modules]
+
+    def cut(m: str, d: int) -> str:
+        return ".".join(m.split(".")[:d]) or "(root)"
+
+    depth = 0
+    while len({cut(m, depth + 1) for m in order}) <= MAX_GROUPS:
+        depth += 1
+    label = {m: cut(m, depth) for m in order}
+    if len(set(label.values())) < MAX_GROUPS // 4:
+        label = _runs({m: cut(m, depth + 1) for m in order})
+    return [label[m] for m in modules]
+
+
+def _runs(prefix: Dict[str, str]) -> Dict[str, str]:
+    """Module -> label of the run of consecutive prefixes (at most MAX_GROUPS runs) it is in."""
+    import numpy as np
+
+    seq = list(dict.fromkeys(prefix.values()))
+    label: Dict[str, str] = {}
+    for chunk in np.array_split(np.arange(len(seq)), MAX_GROUPS):
+        if len(chunk):
+            a, b = seq[chunk[0]], seq[chunk[-1]]
+            for i in chunk:
+                label[seq[i]] = a if a == b else f"{a} … {b}"
+    return {m: label[p] for m, p in prefix.items()}
+
+
+def _group_frame(stats: "pandas.DataFrame", codes: Any, labels: List[str]) -> Tuple[Any, Dict[str, int]]:
+    """Per (step, group) rows with the columns of stats: norm = root of the sum of squares
+    (NaN/Inf when a parameter's is), absmax = max, nonfinite and numel = sums."""
+    import numpy as np
+    import pandas as pd
+
+    groups = list(dict.fromkeys(labels))
+    index = {g: i for i, g in enumerate(groups)}
+    G, ok = len(groups), codes >= 0
+    gcode = np.array([index[l] for l in labels], dtype=np.int64)[codes[ok]]
+    steps, scode = _sorted_codes(stats["step"].to_numpy()[ok])
+    key = scode.astype(np.int64) * G + gcode
+    n = len(steps) * G
+
+    def total(w: Any) -> Any:
+        return np.bincount(key, weights=np.asarray(w, dtype=float), minlength=n)
+
+    has = stats["has_grad"].to_numpy(dtype=bool)[ok] if "has_grad" in stats.columns else np.ones(len(key), bool)
+    v = stats["norm"].to_numpy(dtype=float)[ok]
+    fin = has & np.isfinite(v)
+    top = np.nan_to_num(_group_max(key, np.where(fin, v, np.nan), n))  # scaled: 1e38 ** 2 is no Inf
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(fin & (top[key] > 0), v / top[key], 0.0)
+    norm = top * np.sqrt(total(ratio * ratio))
+    norm[total(has & np.isinf(v)) > 0] = np.inf
+    norm[total(has & np.isnan(v)) > 0] = np.nan
+    anyhas = total(has) > 0
+    norm[~anyhas] = np.nan
+    data = {"step": np.repeat(steps, G), "name": np.tile(np.array(groups, dtype=object), len(steps))}
+    data["module"] = data["name"]
+    data["numel"] = total(stats["numel"].to_numpy(dtype=float)[ok]).astype(np.int64) \
+        if "numel" in stats.columns else np.zeros(n, np.int64)
+    data["norm"] = norm
+    if "absmax" in stats.columns:
+        absmax = np.where(has, stats["absmax"].to_numpy(dtype=float)[ok], np.nan)
+        data["absmax"] = _group_max(key, absmax, n)
+    nonfinite = stats["nonfinite"].to_numpy(dtype=float)[ok] if "nonfinite" in stats.columns else 0.0
+    data["nonfinite"] = total(np.broadcast_to(nonfinite, key.shape)).astype(np.int64)
+    data["update_ratio"] = np.full(n, np.nan)
+    data["has_grad"] = anyhas
+    present = np.bincount(key, minlength=n) > 0
+    frame = pd.DataFrame(data)[present].reset_index(drop=True)
+    from collections import Counter
+
+    return frame, dict(Counter(labels))
+
+
+def _sorted_codes(values: Any) -> Tuple[Any, Any]:
+    """(sorted unique values, each value's index among them): np.unique's answer, by hashing."""
+    import numpy as np
+    import pandas as pd
+
+    codes, uniques = pd.factorize(values, sort=False)
+    order = np.argsort(uniques, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return np.asarray(uniques)[order], rank[codes]
+
+
+def _group_max(key: Any, values: Any, n: int) -> Any:
+    """The largest of ``values`` per key in range(n), NaN skipped (NaN where none)."""
+    import numpy as np
+
+    out = np.full(n, np.nan)
+    np.fmax.at(out, key, values)
+    return out
+
+
+def _group_lines(groups: "pandas.DataFrame") -> List[str]:
+    """The module groups drawn as lines: those with NaN/Inf first, then the largest peaks."""
+    import numpy as np
+
+    norm = groups["norm"].to_numpy(dtype=float)
+    bad = groups.loc[~np.isfinite(norm) & groups["has_grad"].to_numpy(), "name"]
+    peak = groups.assign(_n=np.where(np.isfinite(norm), norm, np.nan)).groupby("name", sort=False)["_n"].max()
+    order = list(dict.fromkeys(list(bad) + list(peak.sort_values(ascending=False, na_position="last").index)))
+    chosen = set(order[:MAX_LINES])
+    return [g for g in dict.fromkeys(groups["name"]) if g in chosen]
+
+
+def _param_figures(stats: "pandas.DataFrame", codes: Any, P: int) -> Dict[str, Any]:
+    """Per parameter: bad (any NaN/Inf), peak and mean of the finite norms, largest update ratio."""
+    import numpy as np
+    import pandas as pd
+
+    ok = codes >= 0
+    c = codes[ok]
+    has = stats["has_grad"].to_numpy(dtype=bool)[ok] if "has_grad" in stats.columns else np.ones(len(c), bool)
+    norm = stats["norm"].to_numpy(dtype=float)[ok]
+    fin = has & np.isfinite(norm)
+    bad = has & ~np.isfinite(norm)
+    if "nonfinite" in stats.columns:
+        bad |= stats["nonfinite"].to_numpy(dtype=float)[ok] > 0
+
+    def largest(values: Any) -> Any:
+        return _group_max(c, values, P)
+
+    n_fin = np.bincount(c, weights=fin.astype(float), minlength=P)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.bincount(c, weights=np.where(fin, norm, 0.0), minlength=P) / n_fin
+    upd = np.full(P, np.nan)
+    if "update_ratio" in stats.columns:
+        u = stats["update_ratio"].to_numpy(dtype=float)[ok]
+        upd = largest(np.where(np.isfinite(u), u, np.nan))
+    return {"bad": np.bincount(c, weights=bad.astype(float), minlength=P) > 0,
+            "peak": largest(np.where(fin, norm, np.nan)), "mean": mean, "update": upd}
+
+
+def _notable(figures: Dict[str, Any], k: int) -> List[int]:
+    """Up to ``k`` parameters, most notable first: every one with NaN/Inf, then by turns
+    the largest peak norm and the smallest mean norm."""
+    import numpy as np
+
+    chosen = [int(i) for i in np.flatnonzero(figures["bad"])][:k]
+    seen = set(chosen)
+    peak, mean = figures["peak"], figures["mean"]
+    big = np.argsort(-np.where(np.isfinite(peak), peak, -np.inf), kind="stable")
+    small = np.argsort(np.where(np.isfinite(mean), mean, np.inf), kind="stable")
+    for a, b in zip(big, small):
+        for i in (int(a), int(b)):
+            if len(chosen) < k and i not in seen and (np.isfinite(peak[i]) or np.isfinite(mean[i])):
+                seen.add(i)
+                chosen.append(i)
+        if len(chosen) >= k:
+            break
+    return chosen

@@ -12,31 +12,146 @@ anomalies through ``Anomaly.to_dict``, ``meta``, column dtypes) and the other ta
 (``steps``, ``histograms``, ``activations``) as base64-encoded parquet under
 ``graddbg.<table>``.
 
+Files are written atomically (:func:`replacing`: a temporary file in the same folder,
+then ``os.replace``), so a failed write leaves the previous file whole. :func:`load`
+validates everything it reads and raises a :class:`~graddbg.GraddbgError` naming the
+file and what is wrong with it.
+
 pandas and pyarrow are imported inside the functions that need them.
 """
 from __future__ import annotations
 
 import base64
+import binascii
+import contextlib
+import dataclasses
 import io
 import json
+import math
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Union
+import secrets
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Union
 
-from graddbg._errors import GraddbgError
+from graddbg._errors import GraddbgError, GraddbgTypeError, GraddbgValueError
 from graddbg.anomaly import Anomaly
 
 if TYPE_CHECKING:  # pragma: no cover - type names only
     import pandas
     from matplotlib.figure import Figure
 
-__all__ = ["Run", "load", "FORMAT_VERSION"]
+__all__ = ["Run", "load", "FORMAT_VERSION", "replacing", "write_atomic"]
 
 FORMAT_VERSION = 1
 _META_KEY = b"graddbg"
 _TABLES = ("steps", "histograms", "activations")
 PathLike = Union[str, "os.PathLike[str]"]
 
+# what load() insists on: the columns every table needs, and the kind of known columns
+_REQUIRED = {"stats": ("step", "name"), "steps": ("step",),
+             "histograms": ("step", "name", "lo", "hi", "count"),
+             "activations": ("step", "module", "grad_norm", "out_nonfinite")}
+_NUMBER = ("int", "float")
+_KINDS = {
+    "stats": {"step": ("int",), "name": ("text",), "module": ("text",), "numel": ("int",),
+              "norm": _NUMBER, "absmax": _NUMBER, "nonfinite": ("int",),
+              "update_ratio": _NUMBER, "has_grad": ("bool",)},
+    "steps": {"step": ("int",), "global_norm": _NUMBER, "clipped_norm": _NUMBER,
+              "nonfinite": ("int",), "overflow": ("bool",), "scale": _NUMBER,
+              "recorded": ("bool",), "lr": _NUMBER},
+    "histograms": {"step": ("int",), "name": ("text",), "lo": _NUMBER, "hi": _NUMBER,
+                   "count": ("int",)},
+    "activations": {"step": ("int",), "module": ("text",), "grad_norm": _NUMBER,
+                    "out_nonfinite": ("int",)},
+}
+
+
+# ---------------------------------------------------------------------- atomic files
+
+@contextlib.contextmanager
+def replacing(path: PathLike) -> Iterator[pathlib.Path]:
+    """Write ``path`` atomically: yields a temporary path in the same folder for the
+    writer to fill; when the block ends without error the file is flushed to disk and
+    renamed over ``path`` (``os.replace``). When writing fails (a full disk, a file size
+    limit, no permission) the temporary file is removed, the previous ``path`` is left
+    whole, and a :class:`GraddbgError` names the path.
+
+    >>> import tempfile, os
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     with replacing(os.path.join(d, "a.txt")) as tmp:
+    ...         _ = tmp.write_text("hello")
+    ...     sorted(os.listdir(d))
+    ['a.txt']
+    """
+    path = _as_path(path, "path")
+    tmp = path.with_name(f".{path.name[:120]}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except OSError as e:
+        raise _write_error(path, e) from e
+    done = False
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+        done = True
+    except OSError as e:
+        raise _write_error(path, e) from e
+    finally:
+        if not done:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    with contextlib.suppress(OSError):  # make the rename itself durable where we can
+        _fsync(path.parent, directory=True)
+
+
+def write_atomic(path: PathLike, data: Union[str, bytes]) -> pathlib.Path:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` through :func:`replacing`.
+
+    >>> import tempfile, os
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     write_atomic(os.path.join(d, "r.html"), "<p>hi</p>").read_text()
+    '<p>hi</p>'
+    """
+    if not isinstance(data, (str, bytes)):
+        raise GraddbgTypeError(f"write_atomic(data=...) must be str or bytes; got {type(data).__name__}")
+    path = _as_path(path, "path")
+    with replacing(path) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    return path
+
+
+def _fsync(path: pathlib.Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_error(path: pathlib.Path, e: OSError) -> GraddbgError:
+    reason = os.strerror(e.errno) if e.errno else (e.strerror or str(e))  # pyarrow adds its own words
+    kept = "the previous file is left as it was" if path.exists() else "nothing was written"
+    return GraddbgError(f"could not write {str(path)!r}: {reason}; {kept}")
+
+
+def _as_path(path: Any, arg: str) -> pathlib.Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise GraddbgTypeError(f"{arg}: expected a file name (str or os.PathLike); "
+                               f"got {type(path).__name__}")
+    return pathlib.Path(os.fspath(path))
+
+
+def _file_target(path: Any, example: str) -> pathlib.Path:
+    """``path`` as a Path to write a file to; a folder is a usage error."""
+    path = _as_path(path, "path")
+    if path.is_dir():
+        raise GraddbgValueError(f"path: {str(path)!r} is a directory; give a file name such "
+                                f"as {str(path / example)!r}")
+    return path
+
+
+# ---------------------------------------------------------------------- Run
 
 class Run:
     """The data of one recorded run (see the run contract), with plots, report and export.
@@ -63,14 +178,14 @@ class Run:
                                      ("activations", activations, True)):
             if not isinstance(value, pd.DataFrame) and not (optional and value is None):
                 accepted = "a pandas DataFrame" + (" or None" if optional else "")
-                raise TypeError(f"Run({arg}=...) must be {accepted}; got {type(value).__name__}")
+                raise GraddbgTypeError(f"Run({arg}=...) must be {accepted}; got {type(value).__name__}")
         anomalies = list(anomalies)
         for a in anomalies:
             if not isinstance(a, Anomaly):
-                raise TypeError(f"Run(anomalies=...) must hold graddbg.anomaly.Anomaly records; "
-                                f"got {type(a).__name__}")
+                raise GraddbgTypeError(f"Run(anomalies=...) must hold graddbg.anomaly.Anomaly "
+                                       f"records; got {type(a).__name__}")
         if meta is not None and not isinstance(meta, dict):
-            raise TypeError(f"Run(meta=...) must be a dict or None; got {type(meta).__name__}")
+            raise GraddbgTypeError(f"Run(meta=...) must be a dict or None; got {type(meta).__name__}")
         self.stats = stats
         self.steps = steps
         self.anomalies: List[Anomaly] = anomalies
@@ -91,7 +206,13 @@ class Run:
         :func:`graddbg.stats.summarize`."""
         from graddbg.stats import summarize
 
-        return summarize(self.stats, by=by)
+        try:
+            return summarize(self.stats, by=by)
+        except KeyError as e:
+            missing = [c for c in _KINDS["stats"] if c not in self.stats.columns] or [str(e)]
+            raise GraddbgValueError(f"summary(by={by!r}): this run's stats have no column "
+                                    f"{', '.join(map(repr, missing))}; its columns are "
+                                    f"{[str(c) for c in self.stats.columns]}") from None
 
     def plot(self, kind: str = "flow", **kw: Any) -> "Figure":
         """A matplotlib Figure of this run: ``kind`` is "flow", "norms", "heatmap", "update"
@@ -118,7 +239,9 @@ class Run:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: PathLike) -> pathlib.Path:
-        """Write the run to one parquet file (no pickle) that :func:`load` reads back.
+        """Write the run to one parquet file (no pickle) that :func:`load` reads back. The
+        write is atomic: on failure the previous file at ``path`` is left whole and a
+        :class:`GraddbgError` names the path.
 
         >>> import pandas as pd, tempfile, os
         >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "norm": [float("nan")]}),
@@ -128,42 +251,40 @@ class Run:
         >>> back.stats.equals(run.stats)
         True
         """
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        path = pathlib.Path(os.fspath(path))
-        if path.is_dir():
-            raise IsADirectoryError(f"path: {str(path)!r} is a directory; give a file name "
-                                    f"such as {str(path / 'run.parquet')!r}")
-        table = pa.Table.from_pandas(self.stats)
-        doc = {
-            "format": "graddbg.run",
-            "version": FORMAT_VERSION,
-            "anomalies": [a.to_dict() for a in self.anomalies],
-            "meta": self.meta,
-            "dtypes": {"stats": _dtypes(self.stats)},
-            "tables": [],
+        path = _file_target(path, "run.parquet")
+        table = self._table()
+        with replacing(path) as tmp:
+            pq.write_table(table, tmp, compression="zstd")
+        return path
+
+    def _table(self) -> Any:
+        """The stats table with the rest of the run in its schema metadata."""
+        import pyarrow as pa
+
+        doc: Dict[str, Any] = {
+            "format": "graddbg.run", "version": FORMAT_VERSION,
+            "anomalies": [a.to_dict() for a in self.anomalies], "meta": self.meta,
+            "dtypes": {"stats": _dtypes(self.stats)}, "tables": [],
+            "categories": {"stats": _category_dtypes(self.stats)},
         }
-        extra: Dict[bytes, bytes] = {}
+        metadata: Dict[bytes, bytes] = {}
         for name in _TABLES:
             frame = getattr(self, name)
-            if frame is None:
-                continue
-            doc["tables"].append(name)
-            doc["dtypes"][name] = _dtypes(frame)
-            buf = io.BytesIO()
-            pq.write_table(pa.Table.from_pandas(frame), buf, compression="zstd")
-            extra[b"graddbg." + name.encode()] = base64.b64encode(buf.getvalue())
+            if frame is not None:
+                doc["tables"].append(name)
+                doc["dtypes"][name] = _dtypes(frame)
+                doc["categories"][name] = _category_dtypes(frame)
+                metadata[b"graddbg." + name.encode()] = base64.b64encode(_parquet_bytes(frame))
         try:
             text = json.dumps(doc, allow_nan=True)
-        except TypeError as e:
-            raise TypeError(f"Run.meta must hold JSON-able values only (str, numbers, bool, "
-                            f"None, lists, dicts): {e}") from e
-        metadata = dict(table.schema.metadata or {})
-        metadata[_META_KEY] = text.encode("utf-8")
-        metadata.update(extra)
-        pq.write_table(table.replace_schema_metadata(metadata), path, compression="zstd")
-        return path
+        except (TypeError, ValueError) as e:
+            raise GraddbgTypeError(f"Run.meta must hold JSON-able values only (str, numbers, "
+                                   f"bool, None, lists, dicts): {e}") from e
+        table = pa.Table.from_pandas(self.stats)
+        metadata = {**(table.schema.metadata or {}), _META_KEY: text.encode("utf-8"), **metadata}
+        return table.replace_schema_metadata(metadata)
 
     def to_tensorboard(self, writer: Any, *, prefix: str = "graddbg") -> None:
         """Write the run to TensorBoard: per-step scalars (global norm, non-finite count,
@@ -180,20 +301,28 @@ class Run:
         >>> with tempfile.TemporaryDirectory() as d:
         ...     run.to_tensorboard(d)
         """
+        if not isinstance(prefix, str):
+            raise GraddbgTypeError(f"to_tensorboard(prefix=...) must be a str; got {type(prefix).__name__}")
         if isinstance(writer, (str, os.PathLike)):
             SummaryWriter = _summary_writer_class()
             with SummaryWriter(log_dir=os.fspath(writer)) as w:
                 _write_tensorboard(self, w, prefix)
             return
         if not hasattr(writer, "add_scalar"):
-            raise TypeError("writer must be a tensorboard SummaryWriter (something with "
-                            f"add_scalar) or a log directory; got {type(writer).__name__}")
+            raise GraddbgTypeError("writer must be a tensorboard SummaryWriter (something with "
+                                   f"add_scalar) or a log directory; got {type(writer).__name__}")
         _write_tensorboard(self, writer, prefix)
         writer.flush()
 
 
+# ---------------------------------------------------------------------- load
+
 def load(path: PathLike) -> Run:
-    """Read a run written by ``Watch.save`` / :meth:`Run.save`.
+    """Read a run written by ``Watch.save`` / :meth:`Run.save`. Everything read is
+    checked: a file that is not such a run, or whose metadata or tables were damaged or
+    edited (bad JSON, wrong types, bad base64, incomplete anomalies, an unknown format
+    version, missing columns, wrong column types) raises a :class:`GraddbgError` that
+    names the file and what is wrong.
 
     >>> import pandas as pd, tempfile, os
     >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"]}), pd.DataFrame({"step": [1]}),
@@ -202,58 +331,246 @@ def load(path: PathLike) -> Run:
     ...     load(run.save(os.path.join(d, "run.parquet"))).meta
     {'model': 'Linear'}
     """
-    import pyarrow.parquet as pq
-
-    path = pathlib.Path(os.fspath(path))
+    path = _as_path(path, "path")
     if not path.exists():
         raise FileNotFoundError(f"path: no such file {str(path)!r}")
-    try:
-        table = pq.read_table(path)
-    except Exception as e:  # pyarrow raises its own ArrowInvalid for non-parquet input
-        raise GraddbgError(f"path: {str(path)!r} is not a parquet file written by "
-                           f"Watch.save / Run.save ({type(e).__name__}: {e})") from e
+    if path.is_dir():
+        raise GraddbgValueError(f"path: {str(path)!r} is a directory; expected a file written "
+                                f"by Watch.save / Run.save")
+    table = _read_parquet(path)
     metadata = table.schema.metadata or {}
-    if _META_KEY not in metadata:
-        raise GraddbgError(f"path: {str(path)!r} is a parquet file but not a graddbg run "
-                           f"(it has no 'graddbg' metadata); write runs with Watch.save or "
-                           f"Run.save")
-    doc = json.loads(metadata[_META_KEY].decode("utf-8"))
-    version = doc.get("version")
-    if doc.get("format") != "graddbg.run" or not isinstance(version, int) \
-            or version > FORMAT_VERSION:
-        raise GraddbgError(f"path: {str(path)!r} holds graddbg run format version {version!r}; "
-                           f"this graddbg reads versions up to {FORMAT_VERSION} (upgrade graddbg)")
-    dtypes = doc.get("dtypes", {})
-    stats = _restore(table.to_pandas(), dtypes.get("stats", {}))
-    frames: Dict[str, Any] = {}
+    doc = _read_doc(path, metadata)
+    dtypes = {"": doc.get("dtypes") or {}, "categories": doc.get("categories") or {}}
+    frames = {"stats": _frame(path, "stats", table, dtypes)}
     for name in _TABLES:
-        raw = metadata.get(b"graddbg." + name.encode())
-        if name in doc.get("tables", []) and raw is not None:
-            sub = pq.read_table(io.BytesIO(base64.b64decode(raw)))
-            frames[name] = _restore(sub.to_pandas(), dtypes.get(name, {}))
-        else:
-            frames[name] = None
+        frames[name] = _subtable(path, name, metadata, dtypes) if name in (doc.get("tables") or []) else None
     steps = frames["steps"]
     if steps is None:
         import pandas as pd
 
         steps = pd.DataFrame({"step": pd.Series([], dtype="int64")})
-    anomalies = [Anomaly.from_dict(d) for d in doc.get("anomalies", [])]
-    return Run(stats, steps, anomalies, histograms=frames["histograms"],
+    anomalies = _anomalies(path, doc.get("anomalies") or [])
+    return Run(frames["stats"], steps, anomalies, histograms=frames["histograms"],
                activations=frames["activations"], meta=doc.get("meta") or {})
 
 
+def _Invalid(path: pathlib.Path, what: str) -> GraddbgError:
+    """What load() raises for a damaged or edited file."""
+    return GraddbgError(f"path: {str(path)!r} is not a valid graddbg run: {what}")
+
+
+def _read_parquet(path: pathlib.Path) -> Any:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises its own ArrowInvalid for non-parquet input
+        raise GraddbgError(f"path: {str(path)!r} is not a parquet file written by "
+                           f"Watch.save / Run.save ({type(e).__name__}: {e})") from e
+    if _META_KEY not in (table.schema.metadata or {}):
+        raise GraddbgError(f"path: {str(path)!r} is a parquet file but not a graddbg run "
+                           f"(it has no 'graddbg' metadata); write runs with Watch.save or "
+                           f"Run.save")
+    return table
+
+
+def _read_doc(path: pathlib.Path, metadata: Dict[bytes, bytes]) -> Dict[str, Any]:
+    """The JSON document of the metadata, its version and the types of its fields checked."""
+    try:
+        doc = json.loads(metadata[_META_KEY].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _Invalid(path, f"its 'graddbg' metadata is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise _Invalid(path, f"its 'graddbg' metadata is a JSON {type(doc).__name__}, expected an object")
+    if doc.get("format") != "graddbg.run":
+        raise _Invalid(path, f"metadata 'format' is {doc.get('format')!r}, expected 'graddbg.run'")
+    version = doc.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise _Invalid(path, f"unknown format version {version!r} (versions are integers from 1)")
+    if version > FORMAT_VERSION:
+        raise GraddbgError(f"path: {str(path)!r} holds graddbg run format version {version!r}; "
+                           f"this graddbg reads versions up to {FORMAT_VERSION} (upgrade graddbg)")
+    for key, want, ok in (("anomalies", "a list", lambda v: isinstance(v, list)),
+                          ("meta", "an object", lambda v: isinstance(v, dict)),
+                          ("tables", "a list of table names", _table_names),
+                          ("dtypes", "an object of table -> {column: dtype}", _dtype_doc),
+                          ("categories", "an object of table -> {column: dtype}", _dtype_doc)):
+        if doc.get(key) is not None and not ok(doc[key]):
+            raise _Invalid(path, f"metadata {key!r} must be {want}; got {_describe(doc[key])}")
+    return doc
+
+
+def _table_names(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, str) and t in _TABLES for t in v)
+
+
+def _dtype_doc(v: Any) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(cols, dict) and all(isinstance(c, str) and isinstance(t, str) for c, t in cols.items())
+        for cols in v.values())
+
+
+def _describe(v: Any) -> str:
+    text = json.dumps(v, default=str)
+    return f"{type(v).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _subtable(path: pathlib.Path, name: str, metadata: Dict[bytes, bytes],
+              dtypes: Dict[str, Any]) -> "pandas.DataFrame":
+    import pyarrow.parquet as pq
+
+    raw = metadata.get(b"graddbg." + name.encode())
+    if raw is None:
+        raise _Invalid(path, f"table {name!r} is listed in the metadata but missing")
+    try:
+        data = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise _Invalid(path, f"table {name!r} is not valid base64 ({e})") from None
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except Exception as e:  # pyarrow's ArrowInvalid and friends
+        raise _Invalid(path, f"table {name!r} is not parquet ({type(e).__name__}: {e})") from None
+    return _frame(path, name, table, dtypes)
+
+
+def _frame(path: pathlib.Path, name: str, table: Any, dtypes: Dict[str, Any]) -> "pandas.DataFrame":
+    """The table as a DataFrame with its recorded dtypes, its columns checked."""
+    try:
+        frame = table.to_pandas()
+    except Exception as e:  # damaged pandas metadata
+        raise _Invalid(path, f"table {name!r} cannot be read ({type(e).__name__}: {e})") from None
+    recorded = dtypes[""].get(name) or {}
+    frame = _restore(frame, recorded, dtypes["categories"].get(name) or {})
+    missing = [c for c in _REQUIRED[name] if c not in frame.columns]
+    missing += [c for c in recorded if c not in frame.columns and c not in missing]
+    if missing:
+        raise _Invalid(path, f"table {name!r} has no column {', '.join(map(repr, missing))} "
+                             f"(its columns: {[str(c) for c in frame.columns]})")
+    for col in frame.columns:
+        kind = _kind(frame[col].dtype)
+        want = _KINDS[name].get(str(col))
+        was = _kind_of_name(recorded.get(str(col)))
+        if (want is not None and kind not in want) or (was not in (None, "other") and kind != was):
+            expected = " or ".join(want) if want is not None else was
+            raise _Invalid(path, f"column {str(col)!r} of table {name!r} holds {frame[col].dtype} "
+                                 f"values, expected {expected}")
+    return frame
+
+
+def _kind(dtype: Any) -> str:
+    """"int", "float", "bool", "text" or "other": what a column holds, whatever its dtype."""
+    import pandas as pd
+    from pandas.api import types
+
+    if isinstance(dtype, pd.CategoricalDtype):
+        return "text" if _kind(dtype.categories.dtype) == "text" else "other"
+    if types.is_bool_dtype(dtype):
+        return "bool"
+    if types.is_integer_dtype(dtype):
+        return "int"
+    if types.is_float_dtype(dtype):
+        return "float"
+    if types.is_string_dtype(dtype) or types.is_object_dtype(dtype):
+        return "text"
+    return "other"
+
+
+def _kind_of_name(dtype: Optional[str]) -> Optional[str]:
+    if dtype is None:
+        return None
+    if dtype == "category":  # the categories' type is not in the name
+        return "text"
+    from pandas.api.types import pandas_dtype
+
+    try:
+        return _kind(pandas_dtype(dtype))
+    except (TypeError, ValueError):
+        return "other"
+
+
+# the types of Anomaly's fields in JSON (value/threshold: numbers, or 'nan'/'inf' strings)
+_ANOMALY_TYPES = {"step": (int,), "kind": (str,), "name": (str, type(None)),
+                  "module": (str, type(None)), "op": (str, type(None)),
+                  "value": (int, float, str, type(None)), "threshold": (int, float, str, type(None)),
+                  "source": (str, type(None)), "message": (str,), "rank": (int, type(None)),
+                  "params": (list, type(None)), "reproduced": (bool, type(None))}
+
+
+def _anomalies(path: pathlib.Path, items: List[Any]) -> List[Anomaly]:
+    fields = dataclasses.fields(Anomaly)
+    required = [f.name for f in fields
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    out = []
+    for i, d in enumerate(items):
+        where = f"anomaly {i}"
+        if not isinstance(d, dict):
+            raise _Invalid(path, f"{where} is a JSON {type(d).__name__}, expected an object")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise _Invalid(path, f"{where} has no field {', '.join(map(repr, missing))}")
+        for key, value in d.items():
+            bad = _bad_anomaly_field(key, value)
+            if bad:
+                raise _Invalid(path, f"{where}: field {key!r} {bad}")
+        try:
+            out.append(Anomaly.from_dict(d))
+        except (TypeError, ValueError) as e:
+            raise _Invalid(path, f"{where} cannot be read ({e})") from None
+    return out
+
+
+def _bad_anomaly_field(key: str, value: Any) -> Optional[str]:
+    """What is wrong with one field of an anomaly record, or None."""
+    types = _ANOMALY_TYPES.get(key)
+    if types is None:
+        return None  # a field of a later version: Anomaly.from_dict leaves it out
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        return f"is {_describe(value)}, expected {names}"
+    if key in ("value", "threshold") and isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return f"is {value[:40]!r}, expected a number or 'nan' / 'inf' / '-inf'"
+    if key == "params" and value is not None and not all(isinstance(p, str) for p in value):
+        return "must be a list of parameter names"
+    return None
+
+
 # ---------------------------------------------------------------------- helpers
+
+def _parquet_bytes(frame: "pandas.DataFrame") -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pandas(frame), buf, compression="zstd")
+    return buf.getvalue()
+
 
 def _dtypes(frame: "pandas.DataFrame") -> Dict[str, str]:
     return {str(c): str(t) for c, t in frame.dtypes.items()}
 
 
-def _restore(frame: "pandas.DataFrame", dtypes: Dict[str, str]) -> "pandas.DataFrame":
-    """Put back dtypes that parquet does not keep (object columns read back as strings)."""
+def _category_dtypes(frame: "pandas.DataFrame") -> Dict[str, str]:
+    """The dtype of each categorical column's categories (parquet keeps only their values)."""
+    return {str(c): str(t.categories.dtype) for c, t in frame.dtypes.items() if str(t) == "category"}
+
+
+def _restore(frame: "pandas.DataFrame", dtypes: Dict[str, str],
+             categories: Dict[str, str]) -> "pandas.DataFrame":
+    """Put back dtypes that parquet does not keep (object columns, and the categories of
+    categorical ones, read back as strings)."""
+    import pandas as pd
+
     for col, dtype in dtypes.items():
         if col in frame.columns and dtype == "object" and str(frame[col].dtype) != "object":
             frame[col] = frame[col].astype(object)
+    for col, dtype in categories.items():
+        if col in frame.columns and dtype == "object" and str(frame[col].dtype) == "category" \
+                and str(frame[col].cat.categories.dtype) != "object":
+            cats = pd.Index(frame[col].cat.categories.to_numpy(dtype=object), dtype=object)
+            frame[col] = pd.Categorical.from_codes(frame[col].cat.codes, categories=cats)
     return frame
 
 
@@ -268,8 +585,6 @@ def _summary_writer_class() -> Any:
 
 def _finite(x: Any) -> bool:
     try:
-        import math
-
         return x is not None and math.isfinite(float(x))
     except (TypeError, ValueError):
         return False

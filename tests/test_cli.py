@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import html.parser
+import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
 
@@ -97,29 +100,195 @@ def test_report_renders_a_saved_run(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["run", "missing_script.py"], "script: 'missing_script.py' does not exist"),
-    (["run", "--every", "0", str(SCRIPTS / "healthy_train.py")], "--every must be >= 1, got 0"),
-    (["run", "--nonfinite", "explode", "x.py"], "invalid choice: 'explode'"),
-    (["report", "nope.parquet"], "run: 'nope.parquet' does not exist"),
-    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["run", "missing_script.py"], "graddbg run: error: script: 'missing_script.py' does not exist"),
+    (["run", "--every", "0", str(SCRIPTS / "healthy_train.py")], "graddbg run: error: --every must be >= 1, got 0"),
+    (["run", "--every", "two", "x.py"], "graddbg run: error: argument --every: invalid int value: 'two'"),
+    (["run", "--nonfinite", "explode", "x.py"], "graddbg run: error: argument --nonfinite: invalid choice: 'explode'"),
+    (["run", "--save-every", "-1", str(SCRIPTS / "healthy_train.py")],
+     "graddbg run: error: --save-every must be a number of seconds >= 0"),
+    (["report", "nope.parquet"], "graddbg report: error: run: 'nope.parquet' does not exist"),
+    (["demo", "--steps", "0"], "graddbg demo: error: --steps must be >= 1, got 0"),
+    (["frobnicate"], "graddbg: error: argument {demo,run,report}: invalid choice: 'frobnicate'"),
     ([], "usage: graddbg"),
 ])
-def test_usage_errors_exit_2(args, message, capsys):
+def test_usage_errors_exit_2_with_one_line(args, message, capsys):
     assert cli.main(args) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_run_script_arguments_are_checked_as_value_errors(tmp_path):
+    script = str(SCRIPTS / "healthy_train.py")
+    for kw, message in ((dict(fail_on="sometimes"), "--fail-on: got 'sometimes'; accepted: any, nonfinite, never"),
+                        (dict(vanish="loud"), "--vanish: got 'loud'; accepted: raise, warn, skip, record, none"),
+                        (dict(every=1.5), "--every must be >= 1, got 1.5"),
+                        (dict(save_every=float("nan")), "--save-every must be a number of seconds >= 0")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cli.run_script(script, [], out=str(tmp_path / "o"), **kw)
+    assert not (tmp_path / "o").exists()  # nothing ran, nothing was created
+
+
+def test_out_inside_a_regular_file_exits_2_before_the_script_runs(tmp_path):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("a file, not a folder")
+    marker = tmp_path / "ran.txt"
+    res = _graddbg("run", "--out", str(blocker / "out"), str(SCRIPTS / "marker.py"), str(marker))
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr == f"graddbg run: error: --out: cannot create the folder {str(blocker / 'out')!r}: " \
+                         "Not a directory\n"
+    assert not marker.exists()  # the script never ran
+    res = _graddbg("run", "--out", str(blocker), str(SCRIPTS / "marker.py"), str(marker))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "exists and is not a folder" in res.stderr
+    assert not marker.exists()
+
+
+def test_report_of_a_bad_file_prints_one_line_and_exits_2(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet at all")
+    res = _graddbg("report", str(bad), "--out", str(tmp_path / "r.html"))
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith(f"graddbg report: error: path: {str(bad)!r} is not a parquet file")
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_report_of_a_tampered_run_and_to_a_missing_folder_exit_2(tmp_path, capsys):
+    import json
+
+    import pyarrow.parquet as pq
+
+    model = torch.nn.Linear(3, 1)
+    with graddbg.watch(model) as w:
+        model(torch.randn(2, 3)).sum().backward()
+    path = w.save(tmp_path / "run.parquet")
+    assert cli.main(["report", str(path), "--out", str(tmp_path / "no" / "r.html")]) == 2
+    assert capsys.readouterr().err == f"graddbg report: error: --out: the folder {str(tmp_path / 'no')!r} " \
+                                      "does not exist\n"
+    table = pq.read_table(path)
+    md = dict(table.schema.metadata)
+    doc = json.loads(md[b"graddbg"])
+    doc["version"] = -7
+    md[b"graddbg"] = json.dumps(doc).encode()
+    pq.write_table(table.replace_schema_metadata(md), path)
+    assert cli.main(["report", str(path), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown format version -7" in err and str(path) in err
+
+
+@pytest.mark.parametrize("code,status,printed", [("fatal: bad config", 1, "fatal: bad config\n"),
+                                                 ("3", 3, ""), ("0", 0, "")])
+def test_sys_exit_in_the_script_exits_as_python_does(code, status, printed, tmp_path, capsys):
+    assert cli.main(["run", "--out", str(tmp_path), str(SCRIPTS / "exit_train.py"), code]) == status
+    assert capsys.readouterr().err == printed
+    assert sorted(graddbg.load(tmp_path / "stats.parquet").stats["step"].unique()) == [0, 1]
+
+
+def test_a_script_that_raises_shows_its_own_traceback(tmp_path, capsys):
+    script = tmp_path / "boom.py"
+    script.write_text("def f():\n    raise KeyError('missing key')\nf()\n")
+    assert cli.main(["run", "--out", str(tmp_path / "o"), str(script)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("graddbg run: the script raised:\nTraceback (most recent call last):\n"
+                          f'  File "{script}", line 3, in <module>')
+    assert "KeyError: 'missing key'" in err and "runpy" not in err and "cli.py" not in err
+    assert not (tmp_path / "o").exists()  # nothing watched: the folder made for it is gone
+
+
+@pytest.mark.parametrize("name,status", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_signal_inside_the_script_saves_and_restores_the_handlers(name, status, tmp_path, capsys):
+    signum = getattr(signal, name)
+    seen = []
+    sentinel = lambda s, f: seen.append(s)  # noqa: E731 - stands in for the caller's own handler
+    previous = signal.signal(signum, sentinel)
+    try:
+        code = cli.run_script(str(SCRIPTS / "self_signal.py"), [name], out=str(tmp_path))
+        assert signal.getsignal(signum) is sentinel  # put back
+    finally:
+        signal.signal(signum, previous)
+    assert code == status and seen == []  # graddbg's handler took it, the caller's was back after
+    out, err = capsys.readouterr()
+    assert "trained past the signal" not in out
+    assert f"graddbg run: terminated by {name}; saving what was recorded" in err
+    run = graddbg.load(tmp_path / "stats.parquet")
+    assert sorted(run.stats["step"].unique()) == [0, 1, 2]
+    assert (tmp_path / "report.html").stat().st_size > 1000
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_of_the_script_still_dies_by_sigterm(tmp_path):
+    res = _graddbg("run", "--out", str(tmp_path), str(SCRIPTS / "fork_child.py"))
+    assert res.returncode == 0, res.stderr
+    assert "child killed by signal 15" in res.stdout and "Traceback" not in res.stderr
+
+
+def _start(tmp_path, *extra):
+    """`graddbg run` of slow_train.py in a subprocess (output to files, so no pipe fills
+    up), returned once the script has trained 21 steps."""
+    import time
+
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    logs.mkdir()
+    with open(logs / "stdout", "w") as so, open(logs / "stderr", "w") as se:
+        proc = subprocess.Popen([sys.executable, "-m", "graddbg", "run", "--out", str(out), *extra,
+                                 str(SCRIPTS / "slow_train.py")], stdout=so, stderr=se,
+                                stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while "step 20\n" not in (logs / "stdout").read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"slow_train.py did not start: {(logs / 'stderr').read_text()}")
+        time.sleep(0.05)
+    return proc, out, lambda: (logs / "stderr").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,status", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_run_stopped_by_a_signal_leaves_a_loadable_run_and_a_report(name, status, tmp_path):
+    proc, tmp_path, stderr = _start(tmp_path, "--save-every", "0")
+    proc.send_signal(getattr(signal, name))
+    proc.wait(timeout=180)
+    err = stderr()
+    assert proc.returncode == status, err
+    assert f"graddbg run: terminated by {name}" in err and "Traceback" not in err
+    run = graddbg.load(tmp_path / "stats.parquet")
+    assert run.stats["step"].nunique() >= 21  # steps 0..20 at least, nothing lost
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert page.rstrip().endswith("</html>") and "<svg" in page
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "stats.parquet"]  # no temp file
+
+
+@pytest.mark.slow
+def test_kill_9_leaves_the_last_snapshot(tmp_path):
+    import time
+
+    proc, tmp_path, _ = _start(tmp_path, "--save-every", "0.2")
+    stats = tmp_path / "stats.parquet"
+    deadline, steps = time.monotonic() + 120, 0
+    while steps < 21 and time.monotonic() < deadline:  # a snapshot with step 20 in it
+        time.sleep(0.1)
+        steps = graddbg.load(stats).stats["step"].nunique() if stats.exists() else 0
+    proc.kill()
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    run = graddbg.load(stats)  # every snapshot is whole: written aside, then renamed
+    assert run.stats["step"].nunique() >= 21
+    assert run.stats["name"].unique().tolist() == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert not (tmp_path / "report.html").exists()
 
 
 def test_run_leaves_no_global_hooks(tmp_path):
     from torch.nn.modules import module as module_mod
     from torch.optim import optimizer as optim_mod
 
-    before = (len(module_mod._global_forward_hooks), len(module_mod._global_forward_pre_hooks),
-              len(optim_mod._global_optimizer_pre_hooks))
+    def counts():
+        return (len(module_mod._global_forward_hooks), len(module_mod._global_forward_pre_hooks),
+                len(optim_mod._global_optimizer_pre_hooks), len(optim_mod._global_optimizer_post_hooks),
+                signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP))
+
+    before = counts()
     code = cli.run_script(str(SCRIPTS / "healthy_train.py"), [], out=str(tmp_path))
     assert code == 0
-    after = (len(module_mod._global_forward_hooks), len(module_mod._global_forward_pre_hooks),
-             len(optim_mod._global_optimizer_pre_hooks))
-    assert before == after
+    assert counts() == before
 
 
 def test_quickstart_example_prints_the_summary_table():

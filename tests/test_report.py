@@ -333,3 +333,86 @@ def test_report_graph_without_dot_keeps_the_dot_text(tmp_path, monkeypatch):
     page = Page(text)
     check_self_contained(text, page)
     assert "onload" not in text and "graph-t" in page.ids
+
+
+# ----------------------------------------------------------------------------- large runs
+
+def test_a_large_run_is_shown_as_module_groups_and_notable_parameters(monkeypatch, tmp_path):
+    from graddbg import report
+
+    monkeypatch.setattr(report, "MAX_PARAMS_SHOWN", 3)  # PARAMS has 8: aggregated
+    monkeypatch.setattr(report, "MAX_GROUPS", 4)  # 5 modules: top-level modules instead
+    run = make_run(n_steps=6, nan=[(3, "layers.1.weight")], huge=[(2, "embed.weight")],
+                   zero=["head.bias"], categorical=True)
+    text = write_report(run, tmp_path / "big.html").read_text()
+    page = Page(text)
+    check_self_contained(text, page)
+    assert page.errors == [] and page.tags["svg"] == 6
+    assert "This run has 8 parameters in 5 modules" in page.sections["plots"]
+    # the parameters worth a look: the NaN one, then the largest and the smallest norms
+    rows = page.table("param-summary")["rows"]
+    assert [r[0] for r in rows] == ["embed.weight", "layers.1.weight", "head.bias"]
+    assert "3 of 8 parameters" in page.sections["parameters"]
+    # module groups: root of the sum of the squared norms, compared with a naive reference
+    t = page.table("module-summary")
+    assert [r[0] for r in t["rows"]] == ["embed", "layers", "head", "(root)"]
+    assert [r[1] for r in t["rows"]] == ["1", "4", "2", "1"]
+    st = run.stats.assign(name=run.stats["name"].astype(str))
+    last = st[st.step == 6]
+    want = math.sqrt(sum(last[last.name.str.startswith("layers.")].norm ** 2))
+    got = float(t["rows"][1][t["header"].index("norm_last")])
+    assert got == pytest.approx(want, rel=1e-3)
+    assert t["rows"][1][t["header"].index("nonfinite_total")] == "64"  # the NaN step of layers.1.weight
+    assert re.findall(r'<h3 id="fig-([a-z-]+)">', text) == \
+        ["flow", "flow-first-nonfinite", "norms", "heatmap", "update", "hist"]
+
+
+def test_module_groups_keep_huge_norms_finite_and_nonfinite_ones_marked():
+    from graddbg.report import _group_frame
+
+    stats = pd.DataFrame({"step": [1, 1, 1, 2, 2, 2], "name": ["a.w", "a.b", "c.w"] * 2,
+                          "module": ["a", "a", "c"] * 2, "numel": [4, 2, 3] * 2,
+                          "norm": [1e38, 1e37, 0.5, math.nan, 2.0, math.inf],
+                          "absmax": [1e38, 1e37, 0.4, math.nan, 1.5, math.inf],
+                          "nonfinite": [0, 0, 0, 4, 0, 1], "has_grad": [True] * 6})
+    frame, sizes = _group_frame(stats, np.array([0, 1, 2] * 2), ["a", "a", "c"])
+    assert sizes == {"a": 2, "c": 1}
+    g = frame.set_index(["step", "name"])
+    assert g.loc[(1, "a"), "norm"] == pytest.approx(math.sqrt(1e76 + 1e74) * 1.0, rel=1e-12)  # no overflow
+    assert g.loc[(1, "a"), "absmax"] == 1e38 and g.loc[(1, "a"), "numel"] == 6
+    assert math.isnan(g.loc[(2, "a"), "norm"]) and g.loc[(2, "a"), "nonfinite"] == 4
+    assert g.loc[(2, "c"), "norm"] == math.inf
+
+
+def test_module_group_labels():
+    from graddbg.report import MAX_GROUPS, _group_labels
+
+    chain = [f"blocks.{i}" for i in range(2500)]  # one long list of blocks: runs of them
+    labels = _group_labels(chain)
+    assert len(set(labels)) == MAX_GROUPS
+    assert labels[0] == "blocks.0 … blocks.52" and labels[-1] == "blocks.2448 … blocks.2499"
+    assert labels == sorted(labels, key=labels.index)  # contiguous, in forward order
+    llm = ["model.embed"] + [f"model.layers.{i}.{m}" for i in range(30) for m in ("attn", "mlp")] + ["lm_head", ""]
+    labels = _group_labels(llm)
+    assert list(dict.fromkeys(labels))[:3] == ["model.embed", "model.layers.0", "model.layers.1"]
+    assert labels[-2:] == ["lm_head", "(root)"] and len(set(labels)) == 33
+    assert _group_labels(["a", "b", ""]) == ["a", "b", "(root)"]
+
+
+@pytest.mark.slow  # 5,000,000 rows: about 5 s of CPU
+def test_report_of_5000_params_by_1000_steps_renders_in_seconds(tmp_path):
+    run = big_frames(n_steps=1000, n_params=5000)
+    t0, c0 = time.perf_counter(), time.process_time()
+    path = write_report(run, tmp_path / "huge.html")
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    text = path.read_text()
+    page = Page(text)
+    check_self_contained(text, page)
+    assert page.errors == [] and page.tags["svg"] == 6
+    names = [r[0] for r in page.table("param-summary")["rows"]]
+    assert len(names) == 200 and {"blocks.3.bias", "blocks.10.weight", "blocks.25.weight"} <= set(names)
+    assert len(page.table("module-summary")["rows"]) == 48
+    assert path.stat().st_size < 5 * 1024 * 1024
+    print(f"report of 5000 params x 1000 steps: {wall:.1f} s wall, {cpu:.1f} s CPU, "
+          f"{path.stat().st_size / 1e6:.2f} MB")
+    assert cpu < 30, cpu  # was 210 s before aggregation

@@ -13,8 +13,8 @@ import torch
 
 import graddbg
 from graddbg import GraddbgError
-from graddbg._errors import CoverageWarning
-from graddbg.run import FORMAT_VERSION, Run, load
+from graddbg._errors import CoverageWarning, GraddbgTypeError, GraddbgValueError
+from graddbg.run import FORMAT_VERSION, Run, load, replacing, write_atomic
 from test_plots import PARAMS, make_frames
 
 
@@ -139,19 +139,12 @@ def test_load_errors(tmp_path):
     text.write_text("hello")
     with pytest.raises(GraddbgError, match="is not a parquet file written by"):
         load(text)
-    import pyarrow.parquet as pq
-    r = make_run(n_steps=2, histograms=False)
-    path = r.save(tmp_path / "future.parquet")
-    table = pq.read_table(path)
-    md = dict(table.schema.metadata)
-    doc = json.loads(md[b"graddbg"])
-    doc["version"] = FORMAT_VERSION + 1
-    md[b"graddbg"] = json.dumps(doc).encode()
-    pq.write_table(table.replace_schema_metadata(md), path)
-    with pytest.raises(GraddbgError, match="format version 2; this graddbg reads versions up to 1"):
-        load(path)
-    with pytest.raises(IsADirectoryError, match="is a directory"):
-        r.save(tmp_path)
+    with pytest.raises(GraddbgValueError, match="is a directory; expected a file"):
+        load(tmp_path)
+    with pytest.raises(GraddbgValueError, match="is a directory; give a file name such as"):
+        make_run(n_steps=2, histograms=False).save(tmp_path)
+    with pytest.raises(GraddbgTypeError, match="expected a file name .str or os.PathLike.; got int"):
+        make_run(n_steps=2, histograms=False).save(3)
 
 
 def test_run_constructor_checks_its_arguments():
@@ -162,8 +155,10 @@ def test_run_constructor_checks_its_arguments():
         Run(f["stats"], f["steps"], histograms=[1])
     with pytest.raises(TypeError, match="must hold graddbg.anomaly.Anomaly records; got dict"):
         Run(f["stats"], f["steps"], anomalies=[{"step": 1}])
-    with pytest.raises(TypeError, match="JSON-able"):
+    with pytest.raises(GraddbgTypeError, match="JSON-able"):
         Run(f["stats"], f["steps"], meta={"x": object()}).save("unused.parquet")
+    with pytest.raises(GraddbgTypeError, match=r"Run\(meta=...\) must be a dict or None; got list"):
+        Run(f["stats"], f["steps"], meta=[1])
     r = Run(f["stats"], f["steps"])
     assert repr(r) == "Run(recorded_steps=2, steps=2, params=8, anomalies=0)"
 
@@ -186,6 +181,13 @@ def test_summary_by_param_and_module_match_naive_reference(run):
     assert m.loc["layers.0", "params"] == 2
     with pytest.raises(ValueError, match="by"):
         run.summary(by="layer")
+
+
+def test_summary_of_a_run_without_the_columns_it_needs_names_them():
+    r = Run(pd.DataFrame({"step": [1], "name": ["w"]}), pd.DataFrame({"step": [1]}))
+    with pytest.raises(GraddbgValueError, match=r"summary\(by='param'\): this run's stats have no "
+                                                r"column 'module', 'numel', 'norm', .*; its columns are \['step', 'name'\]"):
+        r.summary()
 
 
 def test_plot_delegates_to_plots(run):
@@ -308,3 +310,199 @@ def test_real_run_plots_show_what_happened():
     assert any("NaN/Inf" in t.get_text() for t in fig.axes[0].texts)
     ax = w.plot("update").axes[0]
     assert {"guide", "series:head.weight"} <= {l.get_gid() for l in ax.get_lines()}
+
+
+# ----------------------------------------------------------------------------- tampered files
+
+def _rewrite(path, *, doc=None, meta=None, stats=None):
+    """Rewrite a saved run in place: ``doc(d)`` edits the JSON document, ``meta(md)`` the
+    raw metadata dict, ``stats(df)`` returns the stats table to store instead."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    md = dict(table.schema.metadata)
+    if doc is not None:
+        d = json.loads(md[b"graddbg"])
+        doc(d)
+        md[b"graddbg"] = json.dumps(d).encode()
+    if meta is not None:
+        meta(md)
+    if stats is not None:
+        new = pa.Table.from_pandas(stats(table.to_pandas()))
+        md = {**{k: v for k, v in md.items() if k != b"pandas"}, b"pandas": new.schema.metadata[b"pandas"]}
+        table = new
+    pq.write_table(table.replace_schema_metadata(md), path)
+
+
+def _nested(name, frame_edit):
+    """A meta edit that replaces the base64 table ``name`` by ``frame_edit(frame)``."""
+    import base64
+    import io
+
+    def edit(md):
+        key = b"graddbg." + name.encode()
+        frame = pd.read_parquet(io.BytesIO(base64.b64decode(md[key])))
+        buf = io.BytesIO()
+        frame_edit(frame).to_parquet(buf)
+        md[key] = base64.b64encode(buf.getvalue())
+    return edit
+
+
+def _set(key, value):
+    return lambda d: d.__setitem__(key, value)
+
+
+def _anomaly(**change):
+    def edit(d):
+        d["anomalies"][0].update(change)
+        for k, v in list(change.items()):
+            if v is _DROP:
+                del d["anomalies"][0][k]
+    return edit
+
+
+_DROP = object()
+
+TAMPERED = {
+    # the JSON document
+    "bad-json": (dict(meta=lambda md: md.__setitem__(b"graddbg", b"{not json")), "metadata is not valid JSON"),
+    "not-utf8": (dict(meta=lambda md: md.__setitem__(b"graddbg", b"\xff\xfe{}")), "metadata is not valid JSON"),
+    "document-is-a-list": (dict(meta=lambda md: md.__setitem__(b"graddbg", b"[1, 2]")),
+                           "metadata is a JSON list, expected an object"),
+    "wrong-format": (dict(doc=_set("format", "other.run")), "metadata 'format' is 'other.run'"),
+    "anomalies-not-a-list": (dict(doc=_set("anomalies", {"a": 1})), "metadata 'anomalies' must be a list; got dict"),
+    "meta-is-a-list": (dict(doc=_set("meta", [1, 2])), "metadata 'meta' must be an object; got list"),
+    "unknown-table": (dict(doc=_set("tables", ["steps", "secrets"])), "metadata 'tables' must be a list of table names"),
+    "dtypes-not-a-mapping": (dict(doc=_set("dtypes", {"stats": ["int64"]})), "metadata 'dtypes' must be an object"),
+    # the version
+    "version-negative": (dict(doc=_set("version", -7)), "unknown format version -7"),
+    "version-zero": (dict(doc=_set("version", 0)), "unknown format version 0"),
+    "version-string": (dict(doc=_set("version", "1")), "unknown format version '1'"),
+    "version-bool": (dict(doc=_set("version", True)), "unknown format version True"),
+    "version-missing": (dict(doc=lambda d: d.pop("version")), "unknown format version None"),
+    "version-future": (dict(doc=_set("version", FORMAT_VERSION + 1)),
+                       f"format version {FORMAT_VERSION + 1}; this graddbg reads versions up to {FORMAT_VERSION}"),
+    # the anomalies
+    "anomaly-not-an-object": (dict(doc=_set("anomalies", [3])), "anomaly 0 is a JSON int, expected an object"),
+    "anomaly-missing-fields": (dict(doc=_set("anomalies", [{"step": 1}])), "anomaly 0 has no field 'kind', 'name'"),
+    "anomaly-missing-message": (dict(doc=_anomaly(message=_DROP)), "anomaly 0 has no field 'message'"),
+    "anomaly-step-a-string": (dict(doc=_anomaly(step="five")), "anomaly 0: field 'step' is str \"five\", expected int"),
+    "anomaly-step-a-bool": (dict(doc=_anomaly(step=True)), "field 'step' is bool true, expected int"),
+    "anomaly-value-not-a-number": (dict(doc=_anomaly(value="lots")), "field 'value' is 'lots', expected a number"),
+    "anomaly-kind-a-list": (dict(doc=_anomaly(kind=["nonfinite"])), "field 'kind' is list"),
+    "anomaly-params-not-names": (dict(doc=_anomaly(params=[1, 2])), "field 'params' must be a list of parameter names"),
+    # the other tables
+    "bad-base64": (dict(meta=lambda md: md.__setitem__(b"graddbg.steps", b"!!not base64!!")),
+                   "table 'steps' is not valid base64"),
+    "base64-not-parquet": (dict(meta=lambda md: md.__setitem__(b"graddbg.steps", b"aGVsbG8=")),
+                           "table 'steps' is not parquet"),
+    "listed-table-missing": (dict(meta=lambda md: md.pop(b"graddbg.histograms")),
+                             "table 'histograms' is listed in the metadata but missing"),
+    "steps-without-step": (dict(meta=_nested("steps", lambda f: f.drop(columns=["step"]))),
+                           "table 'steps' has no column 'step'"),
+    "histogram-counts-as-text": (dict(meta=_nested("histograms", lambda f: f.assign(count=f["count"].astype(str)))),
+                                 "column 'count' of table 'histograms' holds"),
+    # the statistics table
+    "stats-without-name": (dict(stats=lambda f: f.drop(columns=["name"])), "table 'stats' has no column 'name'"),
+    "stats-without-norm": (dict(stats=lambda f: f.drop(columns=["norm"])), "table 'stats' has no column 'norm'"),
+    "stats-step-as-text": (dict(stats=lambda f: f.assign(step=f["step"].astype(str))),
+                           "column 'step' of table 'stats' holds"),
+    "stats-norm-as-text": (dict(stats=lambda f: f.assign(norm=f["norm"].astype(str))),
+                           "column 'norm' of table 'stats' holds"),
+    "stats-has-grad-as-float": (dict(stats=lambda f: f.assign(has_grad=f["has_grad"].astype(float))),
+                                "column 'has_grad' of table 'stats' holds float64 values, expected bool"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_load_of_a_tampered_file_names_the_file_and_the_fault(case, tmp_path):
+    edits, message = TAMPERED[case]
+    path = make_run(n_steps=3, nan=[(2, "head.bias")]).save(tmp_path / "run.parquet")
+    load(path)  # whole before the edit
+    _rewrite(path, **edits)
+    with pytest.raises(GraddbgError) as info:
+        load(path)
+    text = str(info.value)
+    assert repr(str(path)) in text and message in text, text
+    assert type(info.value).__module__ == "graddbg._errors"  # not JSONDecodeError, KeyError, ...
+
+
+def test_load_accepts_fields_and_keys_of_a_later_minor_version(tmp_path):
+    path = make_run(n_steps=2, nan=[(2, "head.bias")]).save(tmp_path / "run.parquet")
+    _rewrite(path, doc=lambda d: (d.__setitem__("future", {"x": 1}), d["anomalies"][0].__setitem__("hint", "x")))
+    assert load(path).anomalies[0].step == 2
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+def test_replacing_leaves_the_previous_file_when_the_writer_fails(tmp_path):
+    target = tmp_path / "a.txt"
+    write_atomic(target, "first")
+    with pytest.raises(ZeroDivisionError):
+        with replacing(target) as tmp:
+            tmp.write_text("half written")
+            1 / 0
+    assert target.read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+    with pytest.raises(GraddbgError, match=r"could not write '.*nowhere/a.txt': No such file or directory; "
+                                           r"nothing was written"):
+        write_atomic(tmp_path / "nowhere" / "a.txt", b"x")
+    with pytest.raises(GraddbgTypeError, match="must be str or bytes; got int"):
+        write_atomic(target, 3)
+
+
+_FULL_DISK = r"""
+import json, math, resource, signal, sys
+import numpy as np, pandas as pd, torch
+import graddbg
+from graddbg.report import render_report, write_report
+from graddbg.run import Run
+
+out = sys.argv[1]
+rng = np.random.default_rng(1)
+n = 20_000
+big = Run(pd.DataFrame({"step": np.arange(n), "name": ["w"] * n, "module": [""] * n, "numel": [4] * n,
+                        "norm": rng.random(n), "absmax": rng.random(n), "nonfinite": [0] * n}),
+          pd.DataFrame({"step": np.arange(n), "global_norm": rng.random(n)}))
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+with graddbg.watch(model, opt) as w:
+    for _ in range(30):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+render_report(w)  # every import done, every cache written before the limit
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.RLIM_INFINITY))
+results = {}
+for what, write in (("run", lambda: big.save(out + "/run.parquet")),
+                    ("watch", lambda: w.save(out + "/watch.parquet")),
+                    ("report", lambda: write_report(big, out + "/report.html"))):
+    try:
+        write()
+        results[what] = "written"
+    except graddbg.GraddbgError as e:
+        results[what] = str(e)
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_a_save_that_runs_out_of_space_leaves_the_previous_file_whole(tmp_path):
+    import subprocess
+
+    small = make_run(n_steps=2, histograms=False)
+    before = {"run": small.save(tmp_path / "run.parquet"), "watch": small.save(tmp_path / "watch.parquet"),
+              "report": small.report(tmp_path / "report.html")}
+    content = {k: p.read_bytes() for k, p in before.items()}
+    res = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    for what, path in before.items():
+        assert results[what].startswith(f"could not write {str(path)!r}: File too large; the previous "
+                                        f"file is left as it was"), results[what]
+        assert path.read_bytes() == content[what], what  # byte-identical
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "run.parquet", "watch.parquet"]
+    assert_runs_equal(load(before["run"]), load(tmp_path / "run.parquet"))
