@@ -27,6 +27,15 @@ Three ways to get clusters:
 - ``with trace_modules(model) as tr: out = model(x)`` then ``graph(out, model=tr)`` (exact);
 - ``graph(out, model=model)`` with ``out`` computed beforehand: the forward pass is gone,
   so only parameters (by ownership) and the ops that consume them directly are clustered.
+
+Sharded models. Tensor-parallel (DTensor) parameters are the leaves of the graph and are
+named as they are. FSDP2 (``fully_shard``, HSDP) runs each module's forward on gathered,
+unsharded copies of its parameters, which ``named_parameters()`` never returns: a traced
+forward (the first two ways above) records them as each module's forward holds them, so the
+graph shows the unsharded model's names, shapes and classes (``Linear``, not
+``FSDPLinear``); ``out`` computed beforehand on such a model is refused with that fix. On
+FSDP2, ``grads=True`` runs a backward pass that gathers parameters again: call it on every
+rank; the gradients drawn are those of this rank's batch, before any reduction.
 """
 from __future__ import annotations
 
@@ -181,6 +190,9 @@ class ModuleTrace:
         self._stack: List[Tuple[int, ModulePath]] = []
         self._thread = threading.get_ident()
         self._probe_leaf = torch.empty(0, requires_grad=True)
+        #: qualified name -> the parameter a module held while its forward ran, where that
+        #: differs from the registered one: FSDP2 swaps in gathered, unsharded copies
+        self.forward_params: Dict[str, torch.Tensor] = {}
 
     def _probe(self) -> Optional[int]:
         """The sequence number the next autograd node of this thread will get."""
@@ -204,6 +216,13 @@ class ModuleTrace:
         self._stack.append((id(module), path))
         self._mark()
 
+    def _note_params(self, module: nn.Module, prefix: str) -> None:
+        """Remember ``module``'s own parameters as its forward saw them (plain tensors in
+        place of the DTensor shards that ``named_parameters()`` gives outside the forward)."""
+        for name, p in module._parameters.items():
+            if p is not None and not _is_dtensor(p):
+                self.forward_params[prefix + name] = p
+
     def _exit(self, module: nn.Module) -> None:
         # pop up to and including this module (robust to a forward that raised inside)
         while self._stack:
@@ -219,9 +238,45 @@ class ModuleTrace:
         return self._paths[i] if i >= 0 else ()
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A DTensor (FSDP2, HSDP or tensor-parallel parameter), without importing it."""
+    return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def _sharded_owners(model: nn.Module) -> Dict[int, str]:
+    """id(module) -> its name prefix (``"enc."``; ``""`` for the root) for every module of a
+    model with DTensor parameters, whose forward may run on other tensors (FSDP2 gathers
+    them); empty for any other model (nothing to record)."""
+    inner = unwrap(model)
+    if not any(_is_dtensor(p) for p in inner.parameters()):
+        return {}
+    return {id(m): (clean_name(q) + "." if q else "") for q, m in inner.named_modules(remove_duplicate=True)}
+
+
+def _fsdp_resharded(model: nn.Module) -> bool:
+    """Whether ``model`` uses FSDP2 (``fully_shard``) and holds sharded parameters now: the
+    leaves of a forward already run are gathered copies that only a traced forward names."""
+    if not torch.distributed.is_available() or not any(_is_dtensor(p) for p in model.parameters()):
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover (a torch without FSDP2)
+        return False
+    return any(isinstance(m, FSDPModule) for m in unwrap(model).modules())
+
+
+def _class_name(module: nn.Module) -> str:
+    """The user's class of ``module``: ``Linear`` for the ``FSDPLinear`` that FSDP2's
+    ``fully_shard`` makes of a ``Linear`` (a subclass defined in torch.distributed.fsdp)."""
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("torch.distributed.fsdp"):
+            return cls.__name__
+    return type(module).__name__
+
+
 def _module_paths(model: nn.Module) -> Dict[int, Tuple[ModulePath, str]]:
     """id(submodule) -> (path, class name) for every submodule of the unwrapped model."""
-    return {id(m): (tuple(clean_name(q).split(".")), type(m).__name__)
+    return {id(m): (tuple(clean_name(q).split(".")), _class_name(m))
             for q, m in unwrap(model).named_modules(remove_duplicate=True) if q}
 
 
@@ -246,6 +301,7 @@ def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
     trace = ModuleTrace(check_model(model, "trace_modules"))
     paths = _module_paths(model)  # the root is left out: ops of model.forward stay top-level
     trace.module_types.update(paths.values())
+    owners = _sharded_owners(model)  # (global hooks run before FSDP2's own: params gathered)
 
     def pre_hook(module: nn.Module, args: Any) -> None:
         entry = paths.get(id(module))
@@ -253,7 +309,11 @@ def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
             trace._enter(module, entry[0])
 
     def post_hook(module: nn.Module, args: Any, output: Any) -> None:
-        if id(module) in paths and threading.get_ident() == trace._thread:
+        if threading.get_ident() != trace._thread:
+            return
+        if owners and id(module) in owners:
+            trace._note_params(module, owners[id(module)])
+        if id(module) in paths:
             trace._exit(module)
 
     handles: List[Any] = []
@@ -311,9 +371,20 @@ def _named_roots(roots: Any) -> List[Tuple[str, torch.Tensor]]:
     return found
 
 
-def _named_params(module: Optional[nn.Module], params: Any) -> Dict[str, torch.Tensor]:
-    """Names for parameters: the model's (without wrapper prefixes), then ``params``."""
+def _named_params(module: Optional[nn.Module], params: Any,
+                  trace: Optional[ModuleTrace] = None) -> Dict[str, torch.Tensor]:
+    """Names for parameters: the model's (without wrapper prefixes), as its traced forward
+    held them (FSDP2's gathered copies), then ``params``."""
+    if module is not None and trace is None and _fsdp_resharded(module):
+        raise GraddbgValueError(
+            "graph(model=...): the model is sharded with FSDP2 (fully_shard) and its forward ran "
+            "before graph() was called, so the parameters in the autograd graph are the gathered "
+            "copies FSDP made during that forward, which only a traced forward can name; pass the "
+            "forward as a callable: graph(lambda: model(x).sum(), model=model), or trace it: "
+            "with graddbg.graphviz.trace_modules(model) as tr: out = model(x), then graph(out, model=tr)")
     named = {clean_name(q): p for q, p in unwrap(module).named_parameters()} if module is not None else {}
+    if trace is not None:
+        named.update(trace.forward_params)
     if params is None:
         return named
     if not isinstance(params, Mapping):
@@ -386,7 +457,7 @@ def extract(
     _check_options(style, max_nodes, extras=["grads=True"] if grads else [])
     trace, module = _resolve_model(model)
     named_roots = _named_roots(roots)
-    named = _named_params(module, params)
+    named = _named_params(module, params, trace)
     if style == "torchviz":
         return _extract_torchviz(named_roots, named, show_saved)
     with _gc_paused():
