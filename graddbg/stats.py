@@ -62,6 +62,10 @@ _EXTRAS = ("mean", "std", "zero_frac")
 #: and on every recorded step on accelerators, where it is one more fused launch
 CPU_ABSMAX_EVERY = 10
 
+# gradients of at most this many entries are reduced with float64 accumulation (as cheap
+# as float32 at that size, where launches cost more than data; exact over the whole range)
+_SMALL = 1 << 16
+
 # a float32/float16/bfloat16 norm below sqrt(numel) * this may have lost squares to
 # underflow (about sqrt(smallest normal / 2 eps)): it is recomputed, scaled, in float64
 _UNDERFLOW = {torch.float32: 2.3e-16, torch.float16: 2.3e-16, torch.bfloat16: 2.3e-16,
@@ -69,6 +73,15 @@ _UNDERFLOW = {torch.float32: 2.3e-16, torch.float16: 2.3e-16, torch.bfloat16: 2.
 
 #: fixed log-spaced bin edges of |grad| for histograms: [0, 1e-12), [1e-12, ...), ..., [1e4, inf)
 HIST_EDGES = tuple(10.0 ** (e / 2) for e in range(-24, 9))
+
+
+def _tiny(p: Tensor) -> float:
+    """Below ``sqrt(numel) *`` this a norm may have lost squares to underflow: float32
+    (and narrower) gradients reduced in their own dtype; float64 ones; never for small
+    float32 gradients, which are reduced with float64 accumulation."""
+    if not p.is_floating_point() or (p.numel() <= _SMALL and p.dtype != torch.float64):
+        return 0.0
+    return _UNDERFLOW.get(p.dtype, 0.0)
 
 
 def validate_stats(stats: Union[str, Iterable[str]]) -> Tuple[str, ...]:
@@ -217,14 +230,15 @@ class StepReader:
         self.extras = tuple(s for s in _EXTRAS if s in stats)
         self.want_absmax = "absmax" in stats
         self.columns = ("norm", "absmax") + self.extras
-        self._tiny = np.array([_UNDERFLOW.get(p.dtype, 0.0) for p in params]) * np.sqrt(self.numel)
+        self._tiny = np.array([_tiny(p) for p in params]) * np.sqrt(self.numel)
         self._groups: Dict[Tuple[int, ...], List[Tuple[List[int], str, Any, Any]]] = {}
         self._shards = _Shards()
         #: read-backs made by :meth:`rescue`
         self.extra_reads = 0
 
     def _grouping(self, present: List[int], grads: Sequence[Optional[Tensor]]) -> List[Tuple[List[int], str]]:
-        """``[(indices, kind)]``: one ``"batched"`` group per device and dtype, one
+        """``[(indices, kind)]``: one ``"batched"`` group per device and dtype (and one
+        ``"small"`` group of those of at most ``_SMALL`` entries, reduced in float64), one
         ``"sharded"`` group of DTensor gradients, then the other special gradients one by
         one (``"single"``); cached for the set of parameters that have a gradient (and
         checked against the first gradient of each group, in case the model moved)."""
@@ -242,8 +256,8 @@ class StepReader:
             elif _special(g):
                 special.append(i)
             else:
-                by.setdefault((g.device, g.dtype), []).append(i)
-        groups = [(ix, "batched", *key_) for key_, ix in by.items()]
+                by.setdefault((g.device, g.dtype, g.numel() <= _SMALL), []).append(i)
+        groups = [(ix, "small" if small else "batched", dev, dt) for (dev, dt, small), ix in by.items()]
         if sharded:
             groups.append((sharded, "sharded", grads[sharded[0]].device, grads[sharded[0]].dtype))
         groups += [([i], "single", grads[i].device, grads[i].dtype) for i in special]
@@ -265,14 +279,14 @@ class StepReader:
                     out.sharded = (len(out.groups), ix, [grads[i] for i in ix])
                     ts = [_local_shard(grads[i]) for i in ix]
                 else:
-                    ts = [grads[i] for i in ix] if kind == "batched" else [_dense(grads[ix[0]])]
-                self._reduce(ts, out)
+                    ts = [_dense(grads[ix[0]])] if kind == "single" else [grads[i] for i in ix]
+                self._reduce(ts, out, exact=kind == "small")
                 out.groups.append(ix)
                 out.order.extend(ix)
         return out
 
-    def _reduce(self, ts: List[Tensor], out: _Launch) -> None:
-        norms = torch._foreach_norm(ts)
+    def _reduce(self, ts: List[Tensor], out: _Launch, exact: bool = False) -> None:
+        norms = torch._foreach_norm(ts, 2, dtype=torch.float64) if exact else torch._foreach_norm(ts)
         out.norms.append(torch.stack(norms) if len(norms) > 1 else norms[0].reshape(1))
         if out.absmax:
             out.maxes.append(_absmax(ts))
@@ -333,7 +347,9 @@ class StepReader:
         count NaN/Inf entries where a norm is non-finite. ``div`` is a loss scale that the
         caller divides the statistics by. Returns whether a read-back was made."""
         with np.errstate(invalid="ignore"):
-            suspect = st.has_grad & (~np.isfinite(st.norm) | ((st.norm * div < self._tiny) & (st.absmax != 0)))
+            # (a tiny norm is suspect where the largest magnitude was read and is not 0: on the
+            # CPU that is every 10th recorded step by default, on accelerators every one)
+            suspect = st.has_grad & (~np.isfinite(st.norm) | ((st.norm * div < self._tiny) & (st.absmax > 0)))
         idx = np.nonzero(suspect)[0]
         if not len(idx):
             return False
