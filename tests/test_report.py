@@ -416,3 +416,16 @@ def test_report_of_5000_params_by_1000_steps_renders_in_seconds(tmp_path):
     print(f"report of 5000 params x 1000 steps: {wall:.1f} s wall, {cpu:.1f} s CPU, "
           f"{path.stat().st_size / 1e6:.2f} MB")
     assert cpu < 30, cpu  # was 210 s before aggregation
+
+
+def test_report_arguments_are_checked(tmp_path):
+    from graddbg import GraddbgError
+
+    run = tiny_run()
+    with pytest.raises(TypeError, match="run must have DataFrame attributes stats and steps .*; got int"):
+        render_report(3)
+    with pytest.raises(TypeError, match="title must be a str or None; got int") as info:
+        render_report(run, title=3)
+    assert isinstance(info.value, GraddbgError)
+    with pytest.raises(ValueError, match="is a directory; give a file name such as .*report.html"):
+        write_report(run, tmp_path)

@@ -128,6 +128,15 @@ def test_round_trip_keeps_object_dtypes_and_missing_tables(tmp_path):
     assert back.histograms is None and back.activations is None and back.anomalies == []
 
 
+def test_round_trip_keeps_categorical_names_as_watch_stores_them(tmp_path):
+    f = make_frames(3, categorical=True)
+    r = Run(f["stats"], f["steps"], f["anomalies"], histograms=f["histograms"], meta=f["meta"])
+    assert str(r.stats["name"].dtype) == "category"
+    back = load(r.save(tmp_path / "r.parquet"))
+    assert_runs_equal(r, back)  # categories keep their dtype (object), not parquet's strings
+    assert back.stats["name"].cat.categories.dtype == r.stats["name"].cat.categories.dtype
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="path: no such file"):
         load(tmp_path / "missing.parquet")
