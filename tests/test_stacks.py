@@ -345,3 +345,48 @@ def test_accelerate_prepared_optimizer_is_unwrapped():
     assert len(w.steps) == 4
     assert w.steps["global_norm"].tolist() == pytest.approx(seen, rel=1e-6)
     assert (w.steps["clipped_norm"] <= 0.0100001).all()
+
+
+# ------------------------------------------------------------------ a real model from transformers
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")  # a dev dependency (pyproject's [dev])
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    model.gradient_checkpointing_enable()
+    model.train()
+    return model
+
+
+def test_gpt2_with_checkpointing_matches_torchs_norms_and_reports_tied_weights_once():
+    model = _tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    seen = []
+    with graddbg.watch(model, opt, update_every=1) as w:
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            seen.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+            opt.step()
+            opt.zero_grad()
+    names = [n for n, _ in model.named_parameters()]
+    assert w.stats[w.stats.step == 0]["name"].astype(str).tolist() == names  # lm_head tied to wte: once
+    assert w.steps["global_norm"].tolist() == pytest.approx(seen, rel=1e-5)
+    assert w.anomalies == []
+
+
+def test_gpt2_nan_weight_is_blamed_on_the_weight():
+    model = _tiny_gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("nan")
+    ids = torch.randint(0, 50, (2, 12))
+    with pytest.raises(graddbg.NonFiniteError) as info:
+        with graddbg.watch(model, opt):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+    assert info.value.anomaly.name == "transformer.h.1.mlp.c_fc.weight"
+    assert info.value.anomaly.module == "transformer.h.1.mlp.c_fc"
+    with pytest.raises(graddbg.NonFiniteError, match="non-finite parameter transformer.h.1.mlp.c_fc.weight"):
+        with graddbg.find_nonfinite(model):
+            model(input_ids=ids, labels=ids).loss.backward()
