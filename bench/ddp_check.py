@@ -1,26 +1,31 @@
-"""Cost of graddbg.ddp_verify.check_gradients when run on every step of DDP training.
+"""Cost of graddbg.ddp_verify.check_gradients on every step of DDP training, against its floor.
 
 gloo, 2 ranks on 127.0.0.1, the 8M-parameter MLP of bench/_models.py, 1 torch thread per
-rank by default. The figure the target refers to (<= 5% of a step when run every step) is
-measured as training runs it: blocks of K DDP steps (forward, backward with its gradient
-all-reduce, optimizer step) with check_gradients between backward and optimizer step
-("checked") against blocks of K plain steps ("plain"), the blocks interleaved
-(plain, checked, plain, checked, ...) so that both see the same machine load, each after
-one untimed step of its own kind (the first step after another kind of block starts with
-colder caches, a cost of the interleaving that training does not pay); each repeat
-gives a ratio (checked - plain) / plain and the script prints their median and spread.
-A check taken alone right after a step also pays for waiting on the slower rank, a wait
-that a training loop pays anyway at its next all-reduce; that standalone figure is printed
-too, with the time of the local fingerprints alone, the same for tolerance mode, where
-the time of a checked step goes on each rank (forward, backward, check, optimizer, and
-inside the check its fingerprints and its header exchange, which waits for the other
-rank), and the bytes the check hands to collectives against those of an all_reduce of every gradient
-(target: >= 1000x fewer), counted by wrapping the process group's allgather / allreduce
-in this process only.
+rank by default. Measured as training runs it: blocks of K DDP steps (forward, backward
+with its gradient all-reduce, optimizer step), interleaved in each repeat:
+
+- plain:     the bare step;
+- bitwise:   check_gradients(model) between backward and optimizer step;
+- floor:     in its place, the least any such check can do: one read of the gradients
+             (one ``torch._foreach_norm`` over all of them) plus one rendezvous of the
+             ranks (an all_gather of a 7-integer header, the check's own size);
+- plain_tol, tolerance: the same for check_gradients(model, rtol=1e-6).
+
+Each block starts after one untimed step of its own kind (the first step after another
+kind of block starts with colder caches, a cost of the interleaving that training does not
+pay). The script prints each kind's cost as a share of a plain step, and the ratio
+check_overhead / floor_overhead (target <= 1.5x), three ways: from the blocks (the median
+over repeats of each kind's extra time per step), from the calls timed inside the steps
+(the check call against the floor call, per rank), and standalone (each right after a
+plain step and a barrier). Then where a checked step's time goes on each rank (forward, backward, check,
+optimizer; inside the check its fingerprints and its rendezvous, which waits for the
+other rank), and the bytes the check hands to collectives against those of an all_reduce
+of every gradient (target: >= 1000x fewer), counted by wrapping the process group's
+allgather / allreduce in this process only.
 
     .venv/bin/python bench/ddp_check.py [--repeats 40] [--steps 10] [--threads 1]
 
-``--fingerprints`` instead times the local fingerprint candidates on 32 MB of float32 in
+``--fingerprints`` instead times the local fingerprint kernels on 32 MB of float32 in
 this process (no distributed run), interleaved, against one read of the same data
 (torch._foreach_norm), the floor for anything that reads every element once.
 
@@ -43,6 +48,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+HEADER_INTS = 7     # the check's header: 7 int64 per rank
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -52,8 +59,7 @@ def _free_port() -> int:
 
 class _ByteCounter:
     """Counts the bytes of the tensors this rank hands to all-gathers and all-reduces, at
-    the process group's own methods (which torch.distributed.all_gather / all_reduce call,
-    and which the check calls directly)."""
+    the process group's own methods (which torch.distributed.all_gather / all_reduce call)."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -86,152 +92,201 @@ def _spread(values: list) -> str:
     return f"median {statistics.median(v):.2f}, min {v[0]:.2f}, max {v[-1]:.2f}"
 
 
+class _Bench:
+    """One rank's model, its training step and the calls that go between backward and step."""
+
+    KINDS = ("plain", "bitwise", "floor", "plain_tol", "tolerance")
+    PHASES = ("forward", "backward", "check", "optimizer")
+
+    def __init__(self, rank: int, world: int) -> None:
+        from _models import mlp8m
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from graddbg import ddp_verify
+
+        self.v, self.rank, self.world = ddp_verify, rank, world
+        torch.manual_seed(0)
+        net, make_batch, self.loss_fn = mlp8m()
+        self.model = DDP(net)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x, self.y = make_batch()
+        self.header = torch.zeros(HEADER_INTS, dtype=torch.int64)
+        self.gathered = [torch.zeros_like(self.header) for _ in range(world)]
+        # per kind: the phases of every timed step; for bitwise also inside the check
+        self.phases = {k: {p: [] for p in self.PHASES + ("fingerprints", "rendezvous")}
+                       for k in self.KINDS}
+        self.recording = None
+        ddp_verify.fingerprints = self._timed("fingerprints", ddp_verify.fingerprints)
+        ddp_verify._rendezvous = self._timed("rendezvous", ddp_verify._rendezvous)
+
+    def _timed(self, name, fn):
+        def wrapper(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                if self.recording is not None:
+                    self.phases[self.recording][name].append(time.perf_counter() - t0)
+        return wrapper
+
+    def grads(self) -> list:
+        return [p.grad for p in self.model.parameters()]
+
+    def floor(self) -> None:
+        """One read of every gradient and one rendezvous of the ranks."""
+        torch._foreach_norm(self.grads())
+        dist.all_gather(self.gathered, self.header)
+
+    def between(self, kind: str) -> None:
+        if kind in ("bitwise", "tolerance"):
+            report = self.v.check_gradients(self.model, **({"rtol": 1e-6} if kind == "tolerance" else {}))
+            assert report.ok, str(report)
+        elif kind == "floor":
+            self.floor()
+
+    def step(self, kind: str) -> None:
+        t = [time.perf_counter()]
+        self.opt.zero_grad(set_to_none=False)
+        out = self.model(self.x)
+        t.append(time.perf_counter())
+        self.loss_fn(out, self.y).backward()
+        t.append(time.perf_counter())
+        self.between(kind)
+        t.append(time.perf_counter())
+        self.opt.step()
+        t.append(time.perf_counter())
+        if self.recording is not None:
+            for name, a, b in zip(self.PHASES, t, t[1:]):
+                self.phases[kind][name].append(b - a)
+
+    def block(self, kind: str, steps: int) -> float:
+        self.recording = None
+        self.step(kind)                        # untimed: caches warm for this kind
+        dist.barrier()
+        self.recording = kind
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step(kind)
+        elapsed = time.perf_counter() - t0
+        self.recording = None
+        return elapsed
+
+
+def _standalone(b: _Bench, repeats: int) -> dict:
+    """Medians (and minima) of each part alone, each right after a plain step of its own
+    (the gradients just written, as in training) and a barrier."""
+    grads = b.grads()
+    parts = {"check": lambda: b.between("bitwise"), "floor": b.floor,
+             "check_tol": lambda: b.between("tolerance"),
+             "fingerprints": lambda: b.v.fingerprints(grads),
+             "read": lambda: torch._foreach_norm(grads),
+             "gather": lambda: dist.all_gather(b.gathered, b.header)}
+    times = {k: [] for k in ("step", *parts)}
+    for _ in range(repeats):
+        for key, fn in parts.items():
+            for name, call in (("step", lambda: b.step("plain")), (key, fn)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()} | {
+        f"min_{k}": min(v) for k, v in times.items()}
+
+
 def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads: int,
             queue) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    from _models import mlp8m
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from graddbg import ddp_verify
-
-    torch.manual_seed(0)
-    net, make_batch, loss_fn = mlp8m()
-    model = DDP(net)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = make_batch()
-
-    def check(**kw) -> None:
-        report = ddp_verify.check_gradients(model, **kw)
-        assert report.ok, str(report)
-
-    # where a checked step's time goes, on every rank: the phases of the step, and inside
-    # the bitwise check its local fingerprints and its header exchange (which waits for
-    # the other ranks); recorded in the bitwise blocks and the plain blocks beside them
-    phases = {"plain": {k: [] for k in ("forward", "backward", "check", "optimizer")},
-              "bitwise": {k: [] for k in ("forward", "backward", "check", "optimizer",
-                                          "fingerprints", "exchange")}}
-    recording: list = [None]
-
-    def timed(name, fn):
-        def wrapper(*args, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                if recording[0] == "bitwise":
-                    phases["bitwise"][name].append(time.perf_counter() - t0)
-        return wrapper
-
-    ddp_verify.fingerprints = timed("fingerprints", ddp_verify.fingerprints)
-    ddp_verify._exchange_header = timed("exchange", ddp_verify._exchange_header)
-
-    def step(check_kw=None) -> None:
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
-        out = model(x)
-        t1 = time.perf_counter()
-        loss_fn(out, y).backward()
-        t2 = time.perf_counter()
-        if check_kw is not None:
-            check(**check_kw)
-        t3 = time.perf_counter()
-        opt.step()
-        t4 = time.perf_counter()
-        if recording[0] in phases:
-            for name, dt in zip(("forward", "backward", "check", "optimizer"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                phases[recording[0]][name].append(dt)
-
-    def block(key, check_kw=None) -> float:
-        # one untimed step of the block's own kind first: after a block of another kind
-        # (the tolerance check's float64 passes, say) the first step starts with colder caches
-        kind, recording[0] = recording[0], None
-        step(check_kw)
-        recording[0] = kind
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            t1 = time.perf_counter()
-            step(check_kw)
-            single[key].append(time.perf_counter() - t1)
-        return time.perf_counter() - t0
-
+    b = _Bench(rank, world)
     for _ in range(3):
-        step({})
-        step({"rtol": 1e-6})
-    # Every step: interleaved blocks of K plain and K checked steps.
-    kinds = (("plain", None), ("bitwise", {}), ("plain_tol", None), ("tolerance", {"rtol": 1e-6}))
-    blocks = {k: [] for k, _ in kinds}
-    single = {k: [] for k, _ in kinds}          # every step's own time, for robust medians
+        for kind in _Bench.KINDS:
+            b.step(kind)
+    blocks = {k: [] for k in _Bench.KINDS}
     for _ in range(repeats):
-        for key, kw in kinds:
-            recording[0] = key
-            blocks[key].append(block(key, kw))
-    recording[0] = None
-    queue.put({"rank": rank, "phases": {mode: {k: statistics.median(v) for k, v in ph.items()}
-                                        for mode, ph in phases.items()}})
-
-    # Standalone: one check right after a step, and its parts.
-    grads = [p.grad for p in model.parameters()]
-    times = {"step": [], "check": [], "check_tol": [], "fingerprints": [], "read": [],
-             "barrier": [], "store": [], "gather": []}
-    store = dist.distributed_c10d._get_default_store()
-    header = torch.zeros(7, dtype=torch.int64)
-    gathered = [torch.zeros_like(header) for _ in range(world)]
-    parts = (("step", step), ("check", check), ("check_tol", lambda: check(rtol=1e-6)),
-             ("fingerprints", lambda: ddp_verify.fingerprints(grads)),
-             ("read", lambda: torch._foreach_norm(grads)),
-             ("barrier", lambda: dist.monitored_barrier(timeout=timedelta(seconds=60))),
-             ("store", lambda: store.set(f"bench/{rank}", "1")),
-             ("gather", lambda: dist.all_gather(gathered, header)))
-    for _ in range(max(5, 2 * repeats)):
-        for key, fn in parts:
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - t0)
-
+        for kind in _Bench.KINDS:
+            blocks[kind].append(b.block(kind, steps))
+    queue.put({"rank": rank, "phases": {k: {p: statistics.median(v) if v else float("nan")
+                                            for p, v in ph.items()} for k, ph in b.phases.items()}})
+    alone = _standalone(b, max(5, 2 * repeats))
     with _ByteCounter() as c:
-        check()
-    check_bytes, check_calls = c.bytes, c.calls
+        b.between("bitwise")
     with _ByteCounter() as a:
-        for g in grads:
+        for g in b.grads():
             dist.all_reduce(g.clone())
-    grad_bytes = a.bytes
     if rank == 0:
-        queue.put({"rank": "summary", "blocks": blocks, "single": single} | {k: statistics.median(v) for k, v in times.items()} | {
-            f"min_{k}": min(v) for k, v in times.items()} | {
-            "check_bytes": check_bytes, "check_calls": check_calls, "grad_bytes": grad_bytes,
-            "params": sum(p.numel() for p in model.parameters()),
-            "tensors": len(grads)})
+        queue.put({"rank": "summary", "blocks": blocks, "alone": alone,
+                   "check_bytes": c.bytes, "check_calls": c.calls, "grad_bytes": a.bytes,
+                   "params": sum(p.numel() for p in b.model.parameters()),
+                   "tensors": len(b.grads())})
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _fingerprint_candidates(repeats: int, threads: int) -> None:
+def _print_blocks(r: dict, repeats: int, k: int) -> None:
+    b = r["blocks"]
+    print(f"every step ({repeats} interleaved repeats of blocks of {k} steps; rank 0's clock):")
+    extra = {}
+    for label, plain, kind, note in (
+            ("bitwise check", "plain", "bitwise", "   (target <= 5%)"),
+            ("floor: read + gather", "plain", "floor", ""),
+            ("tolerance rtol=1e-6", "plain_tol", "tolerance", "")):
+        ratios = [100 * (c - p) / p for p, c in zip(b[plain], b[kind])]
+        extra[kind] = statistics.median([(c - p) * 1e3 / k for p, c in zip(b[plain], b[kind])])
+        step_ms = statistics.median(b[plain]) * 1e3 / k
+        print(f"  {label:22s} plain step {step_ms:7.2f} ms, adds {extra[kind]:6.2f} ms/step = "
+              f"{statistics.median(ratios):5.2f}% of a step{note}")
+        print(f"  {'':22s} spread of the per-repeat ratios in %: {_spread(ratios)}")
+    ratio = (f"{extra['bitwise'] / extra['floor']:.2f}x" if extra["floor"] > 0 else
+             "undefined (the floor's overhead was not above the noise)")
+    print(f"  check overhead / floor overhead (blocks): {ratio}   (target <= 1.5x)")
+
+
+def _print_phases(ranks: list) -> None:
+    print("inside the every-step blocks, per rank (medians, ms): plain | floor | bitwise-checked step")
+    for g in ranks:
+        pl, fl, bw = (g["phases"][k] for k in ("plain", "floor", "bitwise"))
+        print(f"  rank {g['rank']}: " + " ".join(
+            f"{n} {pl[n] * 1e3:.2f} | {fl[n] * 1e3:.2f} | {bw[n] * 1e3:.2f}" for n in _Bench.PHASES)
+            + f"; in the check: fingerprints {bw['fingerprints'] * 1e3:.2f}, rendezvous "
+              f"{bw['rendezvous'] * 1e3:.2f}")
+        print(f"  rank {g['rank']}: check overhead / floor overhead (calls inside the step): "
+              f"{bw['check'] / fl['check']:.2f}x   (target <= 1.5x)")
+
+
+def _print_standalone(r: dict, repeats: int) -> None:
+    a = r["alone"]
+    print(f"standalone (median of {max(5, 2 * repeats)}, each right after a plain step and a barrier):")
+    print(f"  DDP step (fwd + bwd + all-reduce + SGD):  {a['step'] * 1e3:8.2f} ms")
+    print(f"  check_gradients, bitwise:                 {a['check'] * 1e3:8.2f} ms  "
+          f"= {100 * a['check'] / a['step']:.2f}% of a step (includes waiting for the slower rank)")
+    print(f"  floor (one read + one all_gather):        {a['floor'] * 1e3:8.2f} ms  "
+          f"= {100 * a['floor'] / a['step']:.2f}% of a step; check / floor = "
+          f"{a['check'] / a['floor']:.2f}x")
+    print(f"    the check's local fingerprints {a['fingerprints'] * 1e3:.2f} ms = "
+          f"{a['fingerprints'] / a['read']:.2f}x one read of the gradients (torch._foreach_norm, "
+          f"{a['read'] * 1e3:.2f} ms); one all_gather of {8 * HEADER_INTS} B {a['gather'] * 1e3:.2f} ms")
+    print(f"    least-disturbed repeats (minimum of each): step {a['min_step'] * 1e3:.2f} ms, "
+          f"check {a['min_check'] * 1e3:.2f} ms, floor {a['min_floor'] * 1e3:.2f} ms")
+    print(f"  check_gradients, tolerance (rtol=1e-6):   {a['check_tol'] * 1e3:8.2f} ms  "
+          f"= {100 * a['check_tol'] / a['step']:.2f}% of a step")
+
+
+def _fingerprint_kernels(repeats: int, threads: int) -> None:
     """Local fingerprint kernels on 32 MB of float32, interleaved, as multiples of one read."""
     from graddbg import ddp_verify
 
     torch.set_num_threads(threads)
     x = torch.randn(8 * 1024 * 1024)
     w = x.view(torch.int32)
-
-    def old_two_sums() -> None:      # the previous fingerprint: row and column sums, blocked
-        col = torch.zeros(1024, dtype=torch.int32)
-        for block in w.view(-1, 1024).split(64):
-            block.sum(1, dtype=torch.int32)
-            col += block.sum(0, dtype=torch.int32)
-
     candidates = {
         "one read: torch._foreach_norm": lambda: torch._foreach_norm([x]),
-        "fingerprints(bitwise), as shipped": lambda: ddp_verify.fingerprints([x]),
+        "fingerprints(bitwise)": lambda: ddp_verify.fingerprints([x]),
         "  its kernel: int32 block sums (1024 words)": lambda: w.view(-1, 1024).sum(
             1, dtype=torch.int32),
         "int32 block sums accumulated in int64": lambda: w.view(-1, 1024).sum(
             1, dtype=torch.int64),
-        "previous: row + column sums, blocked": old_two_sums,
-        "tolerance float64 sums, as shipped": lambda: ddp_verify._float_sums(x),
+        "fingerprints(tolerance)": lambda: ddp_verify.fingerprints([x], mode="tolerance"),
     }
     times = {k: [] for k in candidates}
     for fn in candidates.values():
@@ -253,61 +308,27 @@ def _fingerprint_candidates(repeats: int, threads: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=40, help="interleaved block pairs")
+    parser.add_argument("--repeats", type=int, default=40, help="interleaved repeats of the blocks")
     parser.add_argument("--steps", type=int, default=10, help="DDP steps per block (K)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--fingerprints", action="store_true",
-                        help="time the local fingerprint candidates only (one process)")
+                        help="time the local fingerprint kernels only (one process)")
     args = parser.parse_args()
     if args.fingerprints:
-        _fingerprint_candidates(args.repeats, args.threads)
+        _fingerprint_kernels(args.repeats, args.threads)
         return
     world, port = 2, _free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_worker, args=(world, port, args.repeats, args.steps, args.threads, queue),
                        nprocs=world, start_method="spawn", join=True)
     got = [queue.get() for _ in range(world + 1)]
     r = next(g for g in got if g["rank"] == "summary")
     ranks = sorted((g for g in got if g["rank"] != "summary"), key=lambda g: g["rank"])
-    b, k = r["blocks"], args.steps
     print(f"mlp8m: {r['params'] / 1e6:.2f}M parameters in {r['tensors']} tensors, gloo, "
           f"{world} ranks, {args.threads} thread(s) per rank")
-    print(f"every step ({args.repeats} interleaved repeats of {k} plain steps vs {k} steps "
-          f"each followed by check_gradients; rank 0's clock):")
-    for label, plain, checked, target in (("bitwise", "plain", "bitwise", "   (target <= 5%)"),
-                                          ("tolerance rtol=1e-6", "plain_tol", "tolerance", "")):
-        ratios = [100 * (c - p) / p for p, c in zip(b[plain], b[checked])]
-        step_ms = statistics.median(b[plain]) * 1e3 / k
-        extra_ms = [(c - p) * 1e3 / k for p, c in zip(b[plain], b[checked])]
-        print(f"  {label:20s} plain step {step_ms:7.2f} ms, check adds "
-              f"{statistics.median(extra_ms):6.2f} ms/step = {statistics.median(ratios):5.2f}% "
-              f"of a step{target}")
-        print(f"  {'':20s} spread of the per-repeat ratios in %: {_spread(ratios)}")
-        p_med, c_med = (statistics.median(r["single"][key]) for key in (plain, checked))
-        print(f"  {'':20s} median single step: plain {p_med * 1e3:.2f} ms, checked "
-              f"{c_med * 1e3:.2f} ms: {100 * (c_med - p_med) / p_med:.2f}%")
-    print("inside the every-step blocks, per rank (medians, ms): plain step | bitwise-checked step; "
-          "the check's fingerprints and header exchange")
-    for g in ranks:
-        pl, bw = g["phases"]["plain"], g["phases"]["bitwise"]
-        print(f"  rank {g['rank']}: " + " ".join(f"{n} {pl[n] * 1e3:.2f} | {bw[n] * 1e3:.2f}" for n in
-                                              ("forward", "backward", "check", "optimizer"))
-              + f"; fingerprints {bw['fingerprints'] * 1e3:.2f}, exchange {bw['exchange'] * 1e3:.2f}")
-    print(f"standalone (median of {max(5, 2 * args.repeats)}, each right after a barrier):")
-    print(f"  DDP step (fwd + bwd + all-reduce + SGD):  {r['step'] * 1e3:8.2f} ms")
-    print(f"  check_gradients, bitwise:                 {r['check'] * 1e3:8.2f} ms  "
-          f"= {100 * r['check'] / r['step']:.2f}% of a step (includes waiting for the slower rank)")
-    print(f"    of which local fingerprints (no communication) {r['fingerprints'] * 1e3:.2f} ms "
-          f"= {100 * r['fingerprints'] / r['step']:.2f}%, {r['fingerprints'] / r['read']:.2f}x "
-          f"one read of the gradients (torch._foreach_norm, {r['read'] * 1e3:.2f} ms)")
-    print(f"    the check's communication alone: one store.set (the check-in) {r['store'] * 1e3:.2f} ms, one "
-          f"all_gather of 56 B {r['gather'] * 1e3:.2f} ms (for comparison, one monitored "
-          f"barrier {r['barrier'] * 1e3:.2f} ms: the check no longer runs one)")
-    print(f"    least-disturbed repeats (minimum of each): step {r['min_step'] * 1e3:.2f} ms, "
-          f"check {r['min_check'] * 1e3:.2f} ms = {100 * r['min_check'] / r['min_step']:.2f}%")
-    print(f"  check_gradients, tolerance (rtol=1e-6):   {r['check_tol'] * 1e3:8.2f} ms  "
-          f"= {100 * r['check_tol'] / r['step']:.2f}% of a step")
+    _print_blocks(r, args.repeats, args.steps)
+    _print_phases(ranks)
+    _print_standalone(r, args.repeats)
     print(f"bytes per rank into collectives: check {r['check_bytes']} B in {r['check_calls']} "
           f"all_gathers, all_reduce of all gradients "
           f"{r['grad_bytes']} B: {r['grad_bytes'] / r['check_bytes']:.0f}x fewer   (target >= 1000x)")

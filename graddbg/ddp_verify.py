@@ -1,30 +1,32 @@
 """Cross-rank consistency checks: do gradients, parameters and buffers agree on every rank?
 
 Every check is *collective*: every rank of the group calls it at the same point of the
-program, and every rank gets the same :class:`ConsistencyReport`. A check costs:
+program, and every rank gets the same :class:`ConsistencyReport`. A check is a short
+list of steps (see ``_check``):
 
-1. local fingerprints of every tensor, computed on the tensors' own device (one streaming
-   integer reduction per tensor that reads it once, no host synchronisation), stacked
-   into a small ``[tensors x k]`` integer table, and a digest of that table (two hashes
-   modulo primes near 2**31);
-2. a check-in: this rank writes its count of checks entered to the process group's
-   store (a ``set``, which awaits no reply; nothing waits on it);
-3. one all-gather of a 7-integer header, on a gloo group (the group itself when it is a
-   gloo group, a gloo side group otherwise, created once per group and cached, see
-   :func:`prepare`), waited for at most ``timeout``: a hash of the names, shapes and
-   dtypes of the tensors, a hash of what was asked, the digest, and the time the rank
-   started waiting. It is also the rendezvous: when some rank never arrives, the others'
-   wait times out and every rank that did arrive raises :class:`DDPTimeoutError` naming
-   the ranks whose counters are behind its own, instead of hanging; a rank that arrives
-   after the others gave up sees from their times that it is late, and raises too. A
-   rank whose fingerprinting fails says so in its header, so that every rank raises.
-   Ranks whose models differ raise :class:`DDPInconsistencyError` naming the first
-   difference (only then are the names themselves exchanged). When every digest is
-   equal the check is over: consistent.
-   (Where the store cannot be reached, a monitored barrier on that gloo group, run in a
-   helper thread during step 1, names the missing ranks instead, and the header goes
-   over the group itself.)
-4. Only when the digests differ, one all-gather of the fingerprint tables, to find which
+1. the arguments, validated once (bad ones raise ``GraddbgValueError`` /
+   ``GraddbgTypeError`` on the calling rank, before any collective);
+2. local fingerprints of every tensor (:func:`fingerprints`), computed with torch's own
+   kernels on the tensors' device, the same code on CPU and GPU: one streaming integer
+   reduction per tensor that reads it once, then a few kernels over the small table of
+   block sums, no host synchronisation; the result is an int64 ``[tensors x k]`` table
+   and its digest (two hashes modulo primes near 2**31), one host synchronisation;
+3. the rendezvous: this rank writes its count of checks entered to the process group's
+   store (a ``set``, which awaits no reply), then one all-gather of a 7-integer header
+   on a gloo group (the group itself when it is a gloo group, a gloo side group
+   otherwise, created once per group and cached, see :func:`prepare`), waited for at
+   most ``timeout``: a hash of the names, shapes and dtypes of the tensors, their count,
+   a hash of what was asked, the world size, the digest, and the time the rank started
+   waiting. When some rank never arrives, the others' wait times out and every rank that
+   did arrive raises :class:`DDPTimeoutError` naming the ranks whose counters are behind
+   its own, instead of hanging; a rank that arrives after the others gave up sees from
+   their times that it is late, and raises too. (Where the store cannot be reached, a
+   monitored barrier on that gloo group names the missing ranks first.)
+4. the structure, before any value: a rank whose fingerprinting failed says so in its
+   header, so that every rank raises; ranks whose models differ raise
+   :class:`DDPInconsistencyError` naming the first difference (only then are the names
+   themselves exchanged). When every digest is equal the check is over: consistent.
+5. only when the digests differ, one all-gather of the fingerprint tables, to find which
    tensors differ on which ranks; with ``details=True``, then, the differing tensors
    themselves (and only those) to report the largest difference per rank. Whole tensors
    never travel otherwise.
@@ -40,7 +42,8 @@ two ranks disagree when a count differs or a sum differs by more than elementwis
 ``|a - b| <= atol + rtol * |b|`` allows. A tolerance mismatch is therefore certain; a
 pass means the sums agree within those bounds. Tolerance mode exchanges the sums first
 and the counts only for tensors whose sums are not finite on some rank. It casts every
-element to float64: prefer the bitwise mode for checks on every step.
+element to float64 (in slices of bounded size): prefer the bitwise mode for checks on
+every step.
 
 When several ranks disagree, the reference is the largest group of ranks that agree
 (ties go to the group holding the lowest rank), and every other rank is reported.
@@ -70,8 +73,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import math
 import re
-import threading
 import time
 from datetime import timedelta
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
@@ -80,7 +83,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graddbg._errors import DDPInconsistencyError, DDPTimeoutError, GraddbgError
+from graddbg._errors import (DDPInconsistencyError, DDPTimeoutError, GraddbgError,
+                             GraddbgTypeError, GraddbgValueError)
+from graddbg._model import check_model, clean_name, unwrap
 
 __all__ = [
     "ConsistencyReport",
@@ -93,14 +98,14 @@ __all__ = [
 ]
 
 _BLOCK = 1024                   # words per block: the bitwise fingerprint sums each block once
-_WEIGHT_MULTS = (0x5BD1E995, 0x27D4EB2F)        # odd multipliers: one per hash (_cell_plan)
-_PRIME = 2_147_483_647          # 2**31 - 1: the digest of a whole table uses primes below 2**31
+_WEIGHT_MULTS = (0x5BD1E995, 0x27D4EB2F)        # odd multipliers: one per hash (_finish)
+_DIGEST_PRIMES = (2_147_483_647, 2_147_483_629)  # the digest of a table: two primes below 2**31
 _MULT = 1_103_515_245           # digest weight of position i is (i + 1) * _MULT mod the prime
+_CHUNK = 1 << 20                # tolerance sums cast at most this many elements at a time
 _MAX_DETAIL_TENSORS = 16        # details=True gathers at most this many differing tensors
 _DETAIL_BYTES = 1 << 25         # ... in slices of at most this many bytes over all ranks
 _MAX_STR_ROWS = 10              # str(report) shows at most this many rows
 _BITWISE_K = 4                  # present, word sum, two block hashes
-_PY_DIGEST = 1024                # tables of at most this many values are digested in Python
 _TOLERANCE_K = 7                # present, nan, +inf, -inf, sum, sum of squares, sum of |x|
 
 Timeout = Union[timedelta, float, int]
@@ -117,276 +122,78 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; asynchronous only towards an accelerator (a non-blocking copy
-    to the host could be read before it has landed)."""
-    return t.to(device, non_blocking=device.type != "cpu")
-
-
-def _words(t: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The bytes of ``t`` as words: (body, last).
-
-    8-byte elements: int64 words, one per element, ``last`` is None. Otherwise int32 words
-    (little-endian; 1- and 2-byte elements packed 4 or 2 to a word); when the byte count
-    is not a multiple of 4, ``last`` is one more int32 word holding the 1 to 3 bytes left
-    over, zero-padded. No copy unless ``t`` is not contiguous (or, for 1- and 2-byte
-    elements, its start is not aligned to a word). Contiguous real 4- and 8-byte tensors
-    keep their shape (their words in row-major order all the same); others come flat.
-    """
-    size = t.element_size()
-    if (size == 4 or size == 8) and t.layout == torch.strided and not t.is_complex() \
-            and t.is_contiguous():     # the common case, in one launch: words in t's shape
-        return t.view(torch.int32 if size == 4 else torch.int64), None
-    flat = _flat(t).contiguous()       # a no-op unless t is a strided 1-D view
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` as flat words: int64 for 8-byte elements, else little-endian
+    int32 (1- and 2-byte elements packed 4 or 2 to a word, the last word zero-padded).
+    A view, unless ``t`` is not contiguous, its byte count is not a multiple of 4 or its
+    start is not on a word boundary."""
+    flat = _flat(t).contiguous()
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    size = flat.element_size()
-    if size == 8:
-        return flat.view(torch.int64), None
-    if size == 4:
-        return flat.view(torch.int32), None
-    per = 4 // size
-    n = flat.numel()
-    m = n - n % per
-    body = flat[:m]
+    if flat.element_size() in (4, 8):
+        return flat.view(torch.int32 if flat.element_size() == 4 else torch.int64)
+    raw = flat.view(torch.uint8)
+    if raw.numel() % 4:
+        raw = torch.cat([raw, raw.new_zeros(-raw.numel() % 4)])
     try:
-        words = body.view(torch.int32)
+        return raw.view(torch.int32)
     except RuntimeError:                 # a view that does not start on a word boundary
-        words = body.clone().view(torch.int32)
-    last = None
-    if m < n:
-        rest = flat[m:].view(torch.uint8)
-        padded = torch.zeros(4, dtype=torch.uint8, device=flat.device)
-        padded[: rest.numel()] = rest
-        last = padded.view(torch.int32)
-    return words, last
+        return raw.clone().view(torch.int32)
 
 
-def _cells(words: torch.Tensor, last: Optional[torch.Tensor]) -> Tuple[List[torch.Tensor], bool]:
-    """The block sums of one tensor's words (see :func:`_words`), in one read: "cells".
+def _cells(words: torch.Tensor) -> List[torch.Tensor]:
+    """The block sums of one tensor's words, in one read: "cells", as int32 values.
 
-    int32 words: one cell per block of ``_BLOCK`` words, its sum modulo 2**32 (a signed
-    int32 value). int64 words (8-byte elements): each block's sum modulo 2**64 gives two
-    cells, its low and its high 32 bits. Returns (pieces, wide) with wide for int64 words.
+    int32 words: one cell per block of ``_BLOCK`` words (the last block may be partial; no
+    words at all is one block), its sum modulo 2**32. int64 words (8-byte elements): each
+    block's sum modulo 2**64 gives two cells, its low and its high 32 bits.
     """
-    wide = words.dtype == torch.int64
     n = words.numel()
     full = n // _BLOCK
     parts = []
     if full:                # wrapping integer sums: one streaming pass, no cast, no copy
-        body = words if n == full * _BLOCK else words.reshape(-1)[: full * _BLOCK]
-        parts.append(body.view(full, _BLOCK).sum(1, dtype=words.dtype))
-    if n > full * _BLOCK or last is not None or not full:
-        rest = words.reshape(-1)[full * _BLOCK:].sum(dtype=words.dtype).reshape(1)
-        if last is not None:                                     # add it modulo 2**32
-            rest = (rest.to(torch.int64) + last.to(torch.int64)).to(torch.int32)
-        parts.append(rest)
-    if wide:
-        parts = [p.view(torch.int32) for p in parts]             # (low, high) per block
-    return parts, wide
+        parts.append(words[: full * _BLOCK].view(full, _BLOCK).sum(1, dtype=words.dtype))
+    if n > full * _BLOCK or not full:
+        parts.append(words[full * _BLOCK:].sum(dtype=words.dtype).reshape(1))
+    return [p.view(torch.int32) for p in parts]                  # int64: (low, high) pairs
 
 
-def _small_cells(pieces: List[torch.Tensor], counts: List[int]) -> torch.Tensor:
-    """One cell each for several tensors of fewer than ``_BLOCK`` int32 words, in a few
-    kernels for all of them: ``pieces`` are their words laid end to end, ``counts`` how
-    many words each has. Each cell is the sum of its words modulo 2**32 (signed)."""
-    running = torch.cat([torch.zeros(1, dtype=torch.int64, device=pieces[0].device),
-                         torch.cat([p.reshape(-1) for p in pieces]).to(torch.int64).cumsum(0)])
-    ends = _constant(("ends", tuple(counts), str(running.device)), lambda: torch.tensor(
-        counts, dtype=torch.int64).cumsum(0).to(running.device))
-    starts = ends - torch.tensor(counts, dtype=torch.int64).to(running.device)
-    return (running[ends] - running[starts]).to(torch.int32)      # wraps modulo 2**32
+def _finish(cells: torch.Tensor, counts: List[int], wide: List[bool]) -> torch.Tensor:
+    """The ``[tensors, 4]`` bitwise table from the cells of every tensor laid end to end
+    (``counts[k]`` cells for tensor k, none for an absent one; ``wide[k]``: its cells are
+    the halves of 64-bit block sums). Per tensor, modulo 2**64 (int64 arithmetic wraps):
+    the word sum (each cell shifted into place: by 32 bits for a high half) and two hashes
+    ``sum(w_i * cell_i)`` with the odd weights ``w_i = 2 * ((i * mult) mod 2**31) + 1`` of
+    the cell's position i in its tensor, distinct for i < 2**31."""
+    device, total, n = cells.device, cells.numel(), len(counts)
+    starts = list(itertools.accumulate(counts, initial=0))[:-1]
+    plan = torch.tensor([starts, wide, counts], dtype=torch.int64).to(device)
+    owner = torch.repeat_interleave(plan[2], output_size=total)      # the tensor of each cell
+    pos = torch.arange(total, device=device) - plan[0][owner]         # its position there
+    u = cells.to(torch.int64)                                        # signed 32-bit values
+    placed = u << ((plan[1][owner] & pos & 1) * 32) if any(wide) else u
+    doubled = torch.tensor(_WEIGHT_MULTS, dtype=torch.int64).to(device)[:, None] * 2
+    weights = (pos * doubled).bitwise_and_((1 << 32) - 1).add_(1)      # [2, cells]
+    terms = torch.cat([placed[None], u * weights])                   # [3, cells]
+    slots = owner + torch.arange(0, 3 * n, n, device=device)[:, None]  # (row, tensor), flat
+    sums = torch.zeros(3 * n, dtype=torch.int64, device=device).scatter_add_(
+        0, slots.reshape(-1), terms.reshape(-1))     # wraps modulo 2**64; 1-D: deterministic
+    return torch.cat([(plan[2] > 0).to(torch.int64), sums]).view(4, n).t().contiguous()
 
 
-def _cell_plan(layout: Tuple[Tuple[int, bool, bool], ...],
-               device: torch.device) -> Tuple[torch.Tensor, ...]:
-    """For the cells of several tensors laid end to end (those of the large tensors in
-    order, then one cell per small tensor, see _small_cells): where each tensor's cells
-    start and end, the present flags, the shift that puts each cell in place in the word
-    sum (0, or 32 for the high half of a 64-bit block sum) and the [2, cells] odd weights
-    of the two hashes (the weight of the cell at position i of its tensor is
-    2 * ((i * mult) mod 2**31) + 1: odd, and distinct for i < 2**31)."""
-    def build() -> Tuple[torch.Tensor, ...]:
-        order = [i for i, (_, _, small) in enumerate(layout) if not small] + \
-                [i for i, (_, _, small) in enumerate(layout) if small]
-        counts = [layout[i][0] for i in order]
-        ends_in_order = torch.tensor(counts, dtype=torch.int64).cumsum(0) if counts else \
-            torch.zeros(0, dtype=torch.int64)
-        ends = torch.zeros(len(layout), dtype=torch.int64)
-        ends[torch.tensor(order, dtype=torch.int64)] = ends_in_order
-        starts = ends - torch.tensor([c for c, _, _ in layout], dtype=torch.int64)
-        position = torch.cat([torch.arange(c, dtype=torch.int64) for c in counts]) \
-            if counts else torch.zeros(0, dtype=torch.int64)
-        wide = torch.repeat_interleave(torch.tensor([layout[i][1] for i in order],
-                                                    dtype=torch.bool),
-                                       torch.tensor(counts, dtype=torch.int64))
-        shift = torch.where(wide & (position % 2 == 1), 32, 0).to(torch.int64)
-        weights = torch.stack([(position * m).bitwise_and_((1 << 31) - 1).mul_(2).add_(1)
-                               for m in _WEIGHT_MULTS])
-        present = torch.tensor([c > 0 for c, _, _ in layout], dtype=torch.int64)
-        return tuple(x.to(device) for x in (starts, ends, present, shift, weights))
-    return _constant(("cells", layout, str(device)), build)
-
-
-# Constant index tensors, by (what, size or layout, device): the same model asks for the
-# same ones at every check, so they are built once. Bounded; cleared when full.
-_CONSTANTS: dict = {}
-
-
-def _constant(key: tuple, build: Any) -> Any:
-    value = _CONSTANTS.get(key)
-    if value is None:
-        if len(_CONSTANTS) > 64:
-            _CONSTANTS.clear()
-        value = _CONSTANTS[key] = build()
-    return value
-
-
-# CPU fingerprints finish on the host in numpy (see _bitwise_fingerprints); False makes
-# them take the torch path that accelerators take (the tests compare the two)
-_HOST_FINISH = True
-
-
-def _scan(tensors: Sequence[Optional[torch.Tensor]], host: bool) -> Tuple[List[Any], List[Tuple[int, bool, bool]]]:
-    """The one pass over the data: every tensor's cells (see :func:`_cells`), in order,
-    then one cell per tensor of fewer than ``_BLOCK`` int32 words, summed together (see
-    :func:`_small_cells`); and the layout ``(cells, wide, small)`` per tensor. ``host``:
-    the small tensors' sums in numpy (CPU tensors only)."""
-    cells: List[Any] = []
-    layout: List[Tuple[int, bool, bool]] = []
-    small_pieces: List[torch.Tensor] = []
-    small_counts: List[int] = []
-    small_device = None
+def _bitwise_table(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """The bitwise table (see :func:`fingerprints`) on the first tensor's device."""
+    home = next(t.device for t in tensors if t is not None)
+    cells: List[torch.Tensor] = []
+    counts: List[int] = []
+    wide: List[bool] = []
     for t in tensors:
-        if t is None:
-            layout.append((0, False, False))
-            continue
-        words, last = _words(t)
-        if words.dtype == torch.int32 and words.numel() < _BLOCK and \
-                (small_device is None or words.device == small_device):
-            small_device = words.device             # batched: one cell, summed with the others
-            small_pieces += [words] if last is None else [words, last]
-            small_counts.append(words.numel() + (last is not None))
-            layout.append((1, False, True))
-            continue
-        parts, wide = _cells(words, last)
-        cells += parts
-        layout.append((sum(p.numel() for p in parts), wide, False))
-    if small_counts:
-        cells.append(_small_cells_host(small_pieces, small_counts) if host
-                     else _small_cells(small_pieces, small_counts))
-    return cells, layout
-
-
-def _bitwise_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
-                          device: torch.device) -> torch.Tensor:
-    if _HOST_FINISH and device.type == "cpu" and all(t is None or t.is_cpu for t in tensors):
-        return _bitwise_fingerprints_host(tensors)
-    cells, layout = _scan(tensors, host=False)
-    cells = [_to(c, device) for c in cells]
-    starts, ends, present, shift, weights = _cell_plan(tuple(layout), device)
-    u = torch.cat(cells).to(torch.int64) if cells else \
-        torch.zeros(0, dtype=torch.int64, device=device)         # signed 32-bit values
-    placed = torch.bitwise_left_shift(u, shift) if any(w for _, w, _ in layout) else u
-    # Word sum and the two hashes of every tensor, all modulo 2**64 (int64 arithmetic wraps):
-    # running sums over all cells, differenced at the tensors' boundaries.
-    terms = torch.cat([placed.unsqueeze(0), u * weights])          # [3, cells]
-    running = torch.cat([torch.zeros(3, 1, dtype=torch.int64, device=device),
-                         terms.cumsum(1)], dim=1)
-    sums = running[:, ends] - running[:, starts]                   # [3, tensors]
-    return torch.cat([present.unsqueeze(0), sums]).t().contiguous()
-
-
-def _small_cells_host(pieces: List[torch.Tensor], counts: List[int]) -> Any:
-    """:func:`_small_cells` of CPU words, in numpy: int64 sums of each tensor's words, not
-    yet wrapped (the finish casts them to int32, which wraps them modulo 2**32). Two numpy
-    calls: inside a training step each costs tens of µs, cold."""
-    import numpy as np
-
-    words = np.concatenate([p.numpy() for p in pieces], axis=None, dtype=np.int64)
-    if 0 in counts:            # reduceat cannot sum an empty run: running sums instead
-        running = np.concatenate([[0], words.cumsum()])
-        ends = np.cumsum(counts)
-        return running[ends] - running[ends - np.array(counts)]
-    return np.add.reduceat(words, list(itertools.accumulate(counts, initial=0))[:-1])
-
-
-class _HostFinish:
-    """The host finish of one layout of cells (see :func:`_bitwise_fingerprints_host`): its
-    constants, and work buffers reused from check to check. A training loop checks the
-    same model at every step; fresh buffers of a few hundred kB would be fresh pages to
-    fault in each time, inside the step, and every numpy call there costs tens of µs
-    (cold): the finish is four of them."""
-
-    def __init__(self, layout: Tuple[Tuple[int, bool, bool], ...]) -> None:
-        import numpy as np
-
-        starts, _, present, shift, weights = (x.numpy() for x in _cell_plan(layout, torch.device("cpu")))
-        cells = int(weights.shape[1])
-        order = sorted((i for i, (c, _, _) in enumerate(layout) if c > 0), key=lambda i: int(starts[i]))
-        self.rows = np.array(order, dtype=np.int64)           # the tensors, in their cells' order
-        self.seg_starts = np.array([int(starts[i]) for i in order], dtype=np.int64)
-        # row 0 places each cell in the word sum: u << shift, that is u * 2**shift modulo 2**64
-        self.factors = np.concatenate([np.left_shift(np.ones((1, cells), dtype=np.int64), shift), weights])
-        self.template = np.zeros((len(layout), _BITWISE_K), dtype=np.int64)
-        self.template[:, 0] = present
-        self.u = np.empty(cells, dtype=np.int32)
-        self.terms = np.empty((3, cells), dtype=np.int64)
-        self.lock = threading.Lock()
-
-    def __call__(self, cells: List[Any]) -> torch.Tensor:
-        import numpy as np
-
-        table = self.template.copy()
-        if not len(self.rows):
-            return torch.from_numpy(table)
-        arrays = [c if isinstance(c, np.ndarray) else c.numpy() for c in cells]
-        mine = self.lock.acquire(blocking=False)     # another thread inside: fresh buffers
-        try:
-            u = self.u if mine else np.empty_like(self.u)
-            terms = self.terms if mine else np.empty_like(self.terms)
-            # signed 32-bit values (the small tensors' int64 sums wrap modulo 2**32 here)
-            np.concatenate(arrays, out=u, casting="same_kind")
-            np.multiply(u, self.factors, out=terms)               # as int64: wraps mod 2**64
-            # the word sum and the two hashes of every tensor, modulo 2**64 (numpy's integer
-            # arithmetic wraps, as torch's does): sums over each tensor's cells
-            table[self.rows, 1:] = np.add.reduceat(terms, self.seg_starts, axis=1).T
-        finally:
-            if mine:
-                self.lock.release()
-        return torch.from_numpy(table)
-
-
-def _bitwise_fingerprints_host(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """:func:`_bitwise_fingerprints` of CPU tensors, bit for bit the same table: the block
-    sums (the one pass over the data) in torch, the rest (a few thousand cells: shifts,
-    weights, sums per tensor) in numpy, with constants and buffers kept per layout. Inside
-    a training step each torch launch on those few cells costs tens of microseconds, cold;
-    numpy's loops cost a few."""
-    cells, layout = _scan(tensors, host=True)
-    key = tuple(layout)
-    return _constant(("host-finish", key), lambda: _HostFinish(key))(cells)
-
-
-def _position_weights(n: int, device: torch.device, prime: int = _PRIME) -> torch.Tensor:
-    """Weight of position i: (i + 1) * _MULT mod prime, distinct for every i < prime."""
-    return _constant(("weights", n, str(device), prime), lambda: torch.arange(
-        1, n + 1, device=device, dtype=torch.int64).mul_(_MULT).remainder_(prime))
-
-
-_DIGEST_PRIMES = (2_147_483_647, 2_147_483_629)   # two primes below 2**31
-
-
-def _digest_ints(values: List[int]) -> List[int]:
-    """:func:`_digest` of a table given as its values (row-major), in Python: for the small
-    tables of most models this costs less than a few tensor launches inside a step."""
-    out = []
-    n = len(values)
-    for p in _DIGEST_PRIMES:
-        weights = _constant(("weight-ints", n, p),
-                            lambda: _position_weights(n, torch.device("cpu"), p).tolist())
-        out.append(sum((v % p) * w % p for v, w in zip(values, weights)))
-    return out
+        words = None if t is None else _words(t)
+        parts = [] if words is None else _cells(words)
+        cells += [p.to(home) for p in parts]
+        counts.append(sum(p.numel() for p in parts))
+        wide.append(words is not None and words.dtype == torch.int64)
+    return _finish(torch.cat(cells), counts, wide)
 
 
 def _digest(table: torch.Tensor) -> torch.Tensor:
@@ -396,60 +203,56 @@ def _digest(table: torch.Tensor) -> torch.Tensor:
     difference is a multiple of both primes (about 2**62) or the differences cancel in both
     weighted sums at once.
     """
-    flat = table.reshape(-1)
-    out = [flat.remainder(p).mul_(_position_weights(flat.numel(), flat.device, p))
-               .remainder_(p).sum() for p in _DIGEST_PRIMES]
-    return torch.stack(out) if flat.numel() else torch.zeros(2, dtype=torch.int64, device=flat.device)
+    flat = table.reshape(1, -1)
+    primes = torch.tensor(_DIGEST_PRIMES, dtype=torch.int64).to(flat.device)[:, None]
+    weights = torch.arange(1, flat.shape[1] + 1, device=flat.device).mul_(_MULT).remainder(primes)
+    return flat.remainder(primes).mul_(weights).remainder_(primes).sum(1)
 
 
-_CHUNK = 1 << 16     # CPU float64 sums go chunk by chunk, each chunk cast while in cache
+def _float_sums(x: torch.Tensor, counts: bool) -> torch.Tensor:
+    """float64 ``[sum, sum of squares, sum of |x|]`` of a flat tensor (NaN/Inf propagate),
+    or with ``counts`` ``[nan, +inf, -inf, sum, ...]``: the counts, then the sums of the
+    finite elements. Cast to float64 in slices of at most ``_CHUNK`` elements, one buffer
+    for all of them (bounded memory that stays in cache)."""
+    acc = torch.zeros(6 if counts else 3, dtype=torch.float64, device=x.device)
+    buffer = torch.empty(min(x.numel(), _CHUNK), dtype=torch.float64, device=x.device)
+    for piece in x.split(_CHUNK):
+        d = buffer[: piece.numel()].copy_(piece)
+        parts = []
+        if counts:
+            parts = [torch.isnan(d).sum(), (d == math.inf).sum(), (d == -math.inf).sum()]
+            d.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        acc += torch.stack([p.to(torch.float64) for p in parts] +
+                           [d.sum(), torch.dot(d, d), d.abs_().sum()])
+    return acc
 
 
-def _float_sums(x: torch.Tensor) -> torch.Tensor:
-    """float64 [sum, sum of squares, sum of |x|] of a flat tensor (NaN/Inf propagate)."""
-    if x.device.type != "cpu" or x.numel() <= _CHUNK:
-        if x.dtype == torch.float64 and x.numel() > _CHUNK:       # no copy: three reads
-            return torch.stack([x.sum(), torch.dot(x, x), torch.linalg.vector_norm(x, 1)])
-        d = x.to(torch.float64, copy=True)
-        return torch.stack([d.sum(), torch.dot(d, d), d.abs_().sum()])
-    # CPU: chunk by chunk, each cast into one float64 buffer that stays in cache
-    pieces = x.split(_CHUNK)
-    acc = torch.empty(len(pieces), 3, dtype=torch.float64)
-    buf = torch.empty(_CHUNK, dtype=torch.float64)
-    for i, piece in enumerate(pieces):
-        d = buf[: piece.numel()]
-        d.copy_(piece)
-        torch.sum(d, dim=0, out=acc[i, 0])
-        torch.dot(d, d, out=acc[i, 1])
-        torch.sum(d.abs_(), dim=0, out=acc[i, 2])
-    return acc.sum(0)
+def _tolerance_row(t: Optional[torch.Tensor], counts: bool) -> torch.Tensor:
+    """``[present, nan, +inf, -inf, sum, sumsq, sumabs]`` with the sums over the finite
+    elements (``counts``), or the cheap first round ``[present, sum, sumsq, sumabs]`` over
+    every element; zeros for an absent tensor."""
+    if t is None:
+        return torch.zeros(_TOLERANCE_K if counts else 4, dtype=torch.int64)
+    sums = _float_sums(_flat(t), counts)
+    one = torch.ones(1, dtype=torch.int64, device=sums.device)
+    if not counts:
+        return torch.cat([one, sums.view(torch.int64)])
+    return torch.cat([one, sums[:3].to(torch.int64), sums[3:].view(torch.int64)])
 
 
-def _tolerance_quick(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """[present, sum, sumsq, sumabs]: the cheap first round of tolerance mode."""
-    x = _flat(t)
-    one = torch.ones(1, dtype=torch.int64, device=x.device)
-    return _to(torch.cat([one, _float_sums(x).view(torch.int64)]), device)
+def _tolerance_table(tensors: Sequence[Optional[torch.Tensor]], device: torch.device,
+                     counts: bool = True) -> torch.Tensor:
+    """The tolerance rows of every tensor (see :func:`_tolerance_row`), on ``device``."""
+    k = _TOLERANCE_K if counts else 4
+    if not tensors:
+        return torch.zeros(0, k, dtype=torch.int64, device=device)
+    return torch.stack([_tolerance_row(t, counts).to(device) for t in tensors])
 
 
-def _tolerance_row(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """[present, nan, +inf, -inf, sum, sumsq, sumabs] with the sums over finite elements."""
-    x = _flat(t)
-    if not (x.is_floating_point()):
-        counts = torch.zeros(3, dtype=torch.int64, device=x.device)
-    else:
-        counts = torch.stack([torch.isnan(x).sum(), (x == float("inf")).sum(),
-                              (x == float("-inf")).sum()])
-        x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-    one = torch.ones(1, dtype=torch.int64, device=x.device)
-    return _to(torch.cat([one, counts, _float_sums(x).view(torch.int64)]), device)
-
-
-def _tolerance_fingerprints(tensors: Sequence[Optional[torch.Tensor]],
-                            device: torch.device) -> torch.Tensor:
-    rows = [torch.zeros(_TOLERANCE_K, dtype=torch.int64, device=device) if t is None
-            else _tolerance_row(t, device) for t in tensors]
-    return torch.stack(rows)
+def _tolerance_quick_table(tensors: Sequence[Optional[torch.Tensor]],
+                           device: torch.device) -> torch.Tensor:
+    """Round one of tolerance mode: ``[present, sum, sumsq, sumabs]`` per tensor."""
+    return _tolerance_table(tensors, device, counts=False)
 
 
 def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitwise",
@@ -475,8 +278,7 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitw
       two 32-bit words that lie in different blocks (two float32 elements, say) escapes
       a hash only when the difference of the two words is one of at most six values
       determined by the two blocks (their weights and sums), and it must escape both;
-    * not detected: any reordering of the words inside one block (a block sum does not
-      depend on their order).
+    * not detected: any reordering of the words inside one block.
 
     Other changes are caught unless they cancel in the word sum and in both hashes at
     once (heuristically, for changes not built to cancel, about 1 in 2**64). NaNs compare by
@@ -485,7 +287,8 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitw
     ``mode="tolerance"``: ``present, nan, posinf, neginf`` and the float64
     ``sum, sum_of_squares, sum_abs`` of the finite elements, stored bit for bit in int64
     (``table[:, 4:].view(torch.float64)``). ``None`` entries get ``present == 0``.
-    The table lands on ``device`` (default: the first tensor's device).
+    Computed on the tensors' device; the table lands on ``device`` (default: the first
+    tensor's device).
 
     >>> a = torch.tensor([1.0, float("nan"), 3.0])
     >>> b = a.clone(); b[2] = 3.0000002
@@ -496,15 +299,15 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitw
     (True, False, 0)
     """
     if mode not in ("bitwise", "tolerance"):
-        raise GraddbgError(f"fingerprints(mode=...): got {mode!r}; accepted: 'bitwise', 'tolerance'")
+        raise GraddbgValueError(f"fingerprints(mode=...): got {mode!r}; accepted: 'bitwise', "
+                                f"'tolerance'")
     if device is None:
         device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
-    if not tensors:
-        k = _BITWISE_K if mode == "bitwise" else _TOLERANCE_K
-        return torch.zeros(0, k, dtype=torch.int64, device=device)
-    if mode == "bitwise":
-        return _bitwise_fingerprints(tensors, device)
-    return _tolerance_fingerprints(tensors, device)
+    if mode == "tolerance":
+        return _tolerance_table(tensors, device)
+    if all(t is None for t in tensors):
+        return torch.zeros(len(tensors), _BITWISE_K, dtype=torch.int64, device=device)
+    return _bitwise_table(tensors).to(device)
 
 
 # --------------------------------------------------------------------------- the report
@@ -600,89 +403,120 @@ class ConsistencyReport:
         return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- plumbing
-def _unwrap(model: Any, fn: str) -> nn.Module:
-    if isinstance(model, type) and issubclass(model, nn.Module):
-        raise GraddbgError(f"{fn}(model=...): got the class {model.__name__}, expected an "
-                           f"nn.Module instance; instantiate it first")
-    if not isinstance(model, nn.Module):
-        raise GraddbgError(f"{fn}(model=...): got {type(model).__name__}, expected an nn.Module "
-                           f"(a DistributedDataParallel wrapper or a plain module)")
-    seen = 0
-    while seen < 8:
-        seen += 1
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            mods = model.__dict__.get("_modules")  # (not hasattr: a Module raises and formats a message)
-            orig = mods.get("_orig_mod") if isinstance(mods, dict) else getattr(model, "_orig_mod", None)
-            if not isinstance(orig, nn.Module):  # torch.compile's wrapper holds the model there
-                break
-            model = orig
-    return model
+# --------------------------------------------------------------------------- arguments
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """One check's arguments, validated once (see :func:`_options`)."""
+
+    fn: str
+    kind: str
+    group: Any
+    atol: float
+    rtol: float
+    timeout: timedelta
+    details: bool
+    raise_on_mismatch: bool
+
+    @property
+    def mode(self) -> str:
+        return "bitwise" if self.atol == 0 and self.rtol == 0 else "tolerance"
+
+    @property
+    def call(self) -> str:
+        """What was asked; every rank must ask the same (its hash is in the header)."""
+        return (f"{self.fn}(mode={self.mode}, atol={self.atol!r}, rtol={self.rtol!r}, "
+                f"details={self.details})")
 
 
-def _validate(fn: str, group: Any, atol: float, rtol: float, timeout: Timeout) -> timedelta:
-    if not (dist.is_available() and dist.is_initialized()):
+def _tolerance_arg(fn: str, arg: str, value: Any) -> float:
+    accepted = "accepted: a finite number >= 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise GraddbgTypeError(f"{fn}({arg}=...): got {value!r} ({type(value).__name__}); {accepted}")
+    try:
+        number = float(value)
+    except OverflowError:           # an int too large for a float
+        number = math.inf
+    if not (number >= 0 and math.isfinite(number)):
+        raise GraddbgValueError(f"{fn}({arg}=...): got {value!r}; {accepted}")
+    return number
+
+
+def _timeout_arg(fn: str, timeout: Any) -> timedelta:
+    if isinstance(timeout, bool) or not isinstance(timeout, (timedelta, int, float)):
+        raise GraddbgTypeError(f"{fn}(timeout=...): got {timeout!r} ({type(timeout).__name__}); "
+                               f"accepted: a datetime.timedelta or a number of seconds > 0")
+    try:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        if seconds > 0 and math.isfinite(seconds):
+            return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+    except OverflowError:
+        pass
+    shown = timeout if isinstance(timeout, timedelta) else repr(timeout)
+    raise GraddbgValueError(f"{fn}(timeout=...): got {shown}; accepted: a positive duration "
+                            f"(a datetime.timedelta or a finite number of seconds > 0)")
+
+
+def _group_arg(fn: str, group: Any) -> None:
+    """A bad ``group`` is an argument error; no process group at all is a state error."""
+    if not dist.is_available():
+        raise GraddbgError(f"{fn}: this build of torch has no torch.distributed")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise GraddbgTypeError(f"{fn}(group=...): got {type(group).__name__}; accepted: None (the "
+                               f"default group) or a torch.distributed.ProcessGroup")
+    if not dist.is_initialized():
         raise GraddbgError(f"{fn}: torch.distributed is not initialized; call "
                            f"torch.distributed.init_process_group(...) on every rank first "
                            f"(or launch with torchrun)")
-    for arg, val in (("atol", atol), ("rtol", rtol)):
-        if isinstance(val, bool) or not isinstance(val, (int, float)) or not val >= 0 \
-                or val == float("inf"):
-            raise GraddbgError(f"{fn}({arg}=...): got {val!r}; accepted: a finite number >= 0")
-    if isinstance(timeout, bool) or not isinstance(timeout, (timedelta, int, float)):
-        raise GraddbgError(f"{fn}(timeout=...): got {timeout!r}; accepted: a datetime.timedelta "
-                           f"or a number of seconds > 0")
-    if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
-    if timeout.total_seconds() <= 0:
-        raise GraddbgError(f"{fn}(timeout=...): got {timeout}; accepted: a positive duration")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise GraddbgError(f"{fn}(group=...): got {type(group).__name__}; accepted: None (the "
-                           f"default group) or a torch.distributed.ProcessGroup")
-    if _group_info(group) is None:
-        raise GraddbgError(f"{fn}(group=...): this process (global rank {dist.get_rank()}) is not "
-                           f"a member of the group; call the check only on its members")
-    return timeout
+    if dist.get_rank(group) < 0:
+        raise GraddbgValueError(f"{fn}(group=...): this process (global rank {dist.get_rank()}) is "
+                                f"not a member of the group; call the check only on its members")
 
 
+def _options(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, timeout: Any,
+             details: bool, raise_on_mismatch: bool) -> _Options:
+    check_model(model, fn)
+    options = _Options(fn, kind, group, _tolerance_arg(fn, "atol", atol),
+                       _tolerance_arg(fn, "rtol", rtol), _timeout_arg(fn, timeout),
+                       bool(details), bool(raise_on_mismatch))
+    _group_arg(fn, group)
+    return options
+
+
+def _collect(model: nn.Module, kind: str) -> Tuple[List[str], List[Optional[torch.Tensor]], List[tuple]]:
+    """Names, tensors (a gradient may be None) and metadata (name, shape, dtype, and for
+    gradients requires_grad) of what ``kind`` checks, without DDP's ignored ones."""
+    ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
+    items: Iterable = model.named_buffers() if kind == "buffers" else model.named_parameters()
+    names: List[str] = []
+    tensors: List[Optional[torch.Tensor]] = []
+    meta: List[tuple] = []
+    for name, t in items:
+        if name in ignore:
+            continue
+        names.append(clean_name(name))
+        entry = (names[-1], tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        if kind == "gradients":
+            entry += (bool(t.requires_grad),)
+        tensors.append(t.grad if kind == "gradients" else t)
+        meta.append(entry)
+    return names, tensors, meta
+
+
+# --------------------------------------------------------------------------- groups
 def _backend(group: Any) -> str:
     return str(dist.get_backend(group)).lower()
 
 
-# What a check asks of its group at every call, by the group's id: (the group, its backend,
-# this process's rank in it, its size, this rank's counter key). Fixed for the group's
-# life; the entry keeps the group alive, so that its id is not reused. Bounded.
-_GROUPS: dict = {}
-
-
-def _group_info(group: Any) -> Optional[Tuple[str, int, int, str]]:
-    """``(backend, rank, world size, counter key)`` of ``group`` for this process, or None
-    when this process is not a member. Each is a few torch.distributed calls, and inside a
-    training step every call counts."""
-    g = group if group is not None else dist.group.WORLD
-    entry = _GROUPS.get(id(g))
-    if entry is None or entry[0] is not g:
-        rank = dist.get_rank(group)
-        if rank < 0:
-            return None
-        if len(_GROUPS) > 16:
-            _GROUPS.clear()
-        entry = _GROUPS[id(g)] = (g, _backend(group), rank, dist.get_world_size(group),
-                                  _counter_key(group, dist.get_rank()))
-    return entry[1:]
-
-
-def _comm_device(group: Any, tensors: Iterable[Optional[torch.Tensor]]) -> torch.device:
-    backend = _group_info(group)[0]
+def _comm_device(group: Any, tensors: Sequence[Optional[torch.Tensor]],
+                 model: nn.Module) -> torch.device:
+    """The device the group's collectives take tensors on."""
+    backend = _backend(group)
     if backend in ("gloo", "mpi"):
         return torch.device("cpu")
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    first = next((t.device for t in tensors if t is not None), torch.device("cpu"))
-    if "cpu:" in backend and first.type == "cpu":
-        return first
+    first = next((t.device for t in tensors if t is not None),
+                 next((p.device for p in model.parameters()), torch.device("cpu")))
     if first.type == "cuda" and first.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return first
@@ -695,11 +529,12 @@ _SIDE_GROUPS: dict = {}
 
 
 def _barrier_group(group: Any, timeout: timedelta, force_side: bool = False) -> Any:
-    if not force_side and _group_info(group)[0] == "gloo":   # monitored_barrier takes pure gloo only
+    """The gloo group the header goes over: ``group`` itself when it is a gloo group, else
+    a gloo side group of the same ranks (``monitored_barrier`` and timed waits need gloo)."""
+    if not force_side and _backend(group) == "gloo":
         return group
     key = id(group if group is not None else dist.group.WORLD)
-    entry = _SIDE_GROUPS.get(key)
-    if entry is None:
+    if key not in _SIDE_GROUPS:
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         try:
             side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
@@ -710,9 +545,8 @@ def _barrier_group(group: Any, timeout: timedelta, force_side: bool = False) -> 
                 f"missing ranks (ranks {ranks}); some rank did not arrive within {timeout}. "
                 f"Call graddbg.ddp_verify.prepare() on every rank right after "
                 f"init_process_group. Cause: {err}") from err
-        entry = (group, side)
-        _SIDE_GROUPS[key] = entry
-    return entry[1]
+        _SIDE_GROUPS[key] = (group, side)
+    return _SIDE_GROUPS[key][1]
 
 
 def prepare(group: Any = None, *, timeout: Timeout = timedelta(seconds=300)) -> None:
@@ -725,40 +559,40 @@ def prepare(group: Any = None, *, timeout: Timeout = timedelta(seconds=300)) -> 
 
     >>> prepare()  # doctest: +SKIP
     """
-    timeout = _validate("prepare", group, 0.0, 0.0, timeout)
+    timeout = _timeout_arg("prepare", timeout)
+    _group_arg("prepare", group)
     _barrier_group(group, timeout)
 
 
+# --------------------------------------------------------------------------- the rendezvous
+def _timeout_error(fn: str, group: Any, timeout: timedelta, missing: List[int], what: str,
+                   said: str) -> DDPTimeoutError:
+    """A DDPTimeoutError naming the ranks that did not enter the check (``missing``; when
+    they are not known, ``what`` did not complete), carrying them as ``missing_ranks``."""
+    rank, world, secs = dist.get_rank(group), dist.get_world_size(group), timeout.total_seconds()
+    if missing:
+        message = (f"{fn}: rank(s) {missing} of the group (world size {world}) did not enter "
+                   f"the check within {secs:g} s (seen from rank {rank}).")
+    else:
+        message = f"{fn}: {what} did not complete within {secs:g} s (seen from rank {rank})."
+    error = DDPTimeoutError(f"{message} Every rank must call {fn} at the same point of the "
+                            f"program. After this error the process group may not be usable. "
+                            f"(torch.distributed said: {said.strip()[:300]})")
+    error.missing_ranks = missing  # type: ignore[attr-defined]
+    return error
+
+
 def _barrier(fn: str, group: Any, timeout: timedelta) -> None:
-    bgroup = _barrier_group(group, timeout)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    """A monitored barrier on the gloo group, naming the ranks that do not arrive (the
+    rendezvous where the process group's store cannot be reached)."""
     try:
-        dist.monitored_barrier(bgroup, timeout=timeout, wait_all_ranks=True)
+        dist.monitored_barrier(_barrier_group(group, timeout), timeout=timeout, wait_all_ranks=True)
     except RuntimeError as err:
-        text = str(err)
-        found = re.search(r"Ranks? ([\d,\s]+) failed to pass monitoredBarrier", text)
-        secs = timeout.total_seconds()
-        if found:
-            missing = [int(r) for r in re.findall(r"\d+", found.group(1))]
-            message = (f"{fn}: rank(s) {missing} of the group (world size {world}) did not "
-                       f"enter the check within {secs:g} s (seen from rank {rank}). Every rank "
-                       f"must call {fn} at the same point of the program.")
-        else:
-            missing = []
-            message = (f"{fn}: rank {rank} entered the check, but the group did not complete its "
-                       f"barrier within {secs:g} s: rank 0, or a rank that rank 0 names in its own "
-                       f"error, did not enter it. Every rank must call {fn} at the same point "
-                       f"of the program.")
-        error = DDPTimeoutError(f"{message} (torch.distributed said: {text.strip()[:300]})")
-        error.missing_ranks = missing  # type: ignore[attr-defined]
-        raise error from err
-
-
-def _barrier_into(fn: str, group: Any, timeout: timedelta, errors: List[BaseException]) -> None:
-    try:
-        _barrier(fn, group, timeout)
-    except BaseException as err:  # re-raised by the calling thread
-        errors.append(err)
+        found = re.search(r"Ranks? ([\d,\s]+) failed to pass monitoredBarrier", str(err))
+        missing = [int(r) for r in re.findall(r"\d+", found.group(1))] if found else []
+        raise _timeout_error(fn, group, timeout, missing, "the group's barrier (rank 0, or a "
+                             "rank that rank 0 names in its own error, did not enter it)",
+                             str(err)) from err
 
 
 def _store() -> Any:
@@ -783,57 +617,54 @@ def _check_in(group: Any, store: Any) -> int:
     """Count this rank into a check on ``group``: how many checks it has entered so far.
 
     The count is kept here and written to the process group's store with ``set``, which
-    awaits no reply (``add`` would be a round trip inside every check), right before the
-    exchange: the other ranks read it only after their exchange has timed out, seconds
-    later. A failed write is let go (it only names missing ranks after a timeout): every
-    rank must take part in the same exchange."""
-    key = _group_info(group)[3]
+    awaits no reply, right before the exchange: the other ranks read it only after their
+    exchange has timed out. A failed write is let go (it only names missing ranks after a
+    timeout): every rank must take part in the same exchange."""
+    key = _counter_key(group, dist.get_rank())
     entry = (id(dist.group.WORLD), key)
     count = _ENTERED[entry] = _ENTERED.get(entry, 0) + 1
     try:
-        store.set(key, str(count))
+        if store is not None:
+            store.set(key, str(count))
     except Exception:
         pass
     return count
 
 
-def _entered(store: Any, key: str) -> int:
-    """How many checks the rank of ``key`` has entered, as its last ``set`` says (0: none)."""
+def _behind(group: Any, arrived: int) -> Optional[List[int]]:
+    """The ranks of ``group`` whose counters in the store say they entered fewer than
+    ``arrived`` checks; None when the store cannot be read (who is missing is unknown)."""
+    store = _store()
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    keys = [_counter_key(group, global_rank) for global_rank in ranks]
     try:
-        return int(store.get(key)) if store.check([key]) else 0
-    except Exception:   # unreadable: count it as absent, the error then names it
-        return 0
+        entered = [int(store.get(key)) if store.check([key]) else 0 for key in keys]
+    except Exception:   # no store, or its host is gone
+        return None
+    return [r for r, count in enumerate(entered) if count < arrived]
 
 
-def _exchange_header(fn: str, header: torch.Tensor, group: Any, exchange_group: Any,
-                     timeout: timedelta, arrived: int) -> List[List[int]]:
-    """All-gather the headers over the gloo ``exchange_group``, waiting at most ``timeout``;
-    on a timeout, name the ranks that have entered fewer checks than this one."""
-    _, rank, world, _ = _group_info(group)
-    out = [torch.empty_like(header) for _ in range(world)]
-    # the process group's own all-gather: torch.distributed.all_gather checks and looks up
-    # what the check has checked and looked up already (two dozen Python calls in the step)
-    pg = exchange_group if exchange_group is not None else dist.group.WORLD
-    work = pg.allgather([out], [header])
+def _rendezvous(options: _Options, header: List[int]) -> List[List[int]]:
+    """Check in, then all-gather the headers over the gloo group, waiting at most the
+    timeout (see the module docstring, step 3): every rank's header, in rank order, with
+    the time it started waiting (µs) last."""
+    exchange = _barrier_group(options.group, options.timeout)
+    store = _store()
+    if store is None:
+        _barrier(options.fn, options.group, options.timeout)
+    arrived = _check_in(options.group, store)
+    wire = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
+    out = [torch.empty_like(wire) for _ in range(dist.get_world_size(options.group))]
+    work = dist.all_gather(out, wire, group=exchange, async_op=True)
     try:
-        work.wait(timeout=timeout)
+        work.wait(timeout=options.timeout)
     except RuntimeError as err:
-        store = _store()
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        counts = [_entered(store, _counter_key(group, g)) for g in ranks]
-        missing = [r for r, c in enumerate(counts) if c < arrived]
-        secs = timeout.total_seconds()
-        if missing:
-            message = (f"{fn}: rank(s) {missing} of the group (world size {world}) did not "
-                       f"enter the check within {secs:g} s (seen from rank {rank}). Every rank "
-                       f"must call {fn} at the same point of the program.")
-        else:
-            message = (f"{fn}: every rank of the group entered the check, but the exchange "
-                       f"did not complete within {secs:g} s (seen from rank {rank}).")
-        error = DDPTimeoutError(f"{message} After this error the process group may not be "
-                                f"usable. (torch.distributed said: {str(err).strip()[:200]})")
-        error.missing_ranks = missing  # type: ignore[attr-defined]
-        raise error from err
+        behind = _behind(options.group, arrived)
+        what = ("every rank entered the check, but the exchange" if behind == [] else
+                "the exchange (the process group's store could not be read to name the ranks "
+                "that did not enter it)")
+        raise _timeout_error(options.fn, options.group, options.timeout, behind or [], what,
+                             str(err)) from err
     return [row.tolist() for row in out]
 
 
@@ -845,8 +676,7 @@ def _late_ranks_error(fn: str, starts: Sequence[int], timeout: timedelta, rank: 
     the margin, min(1 s, timeout / 10)."""
     secs = timeout.total_seconds()
     limit = (secs - min(1.0, secs / 10)) * 1e6
-    first = min(starts)
-    late = [r for r, t in enumerate(starts) if t - first > limit]
+    late = [r for r, t in enumerate(starts) if t - min(starts) > limit]
     if late:
         error = DDPTimeoutError(
             f"{fn}: rank(s) {late} entered the check more than {secs:g} s after the first rank "
@@ -856,48 +686,15 @@ def _late_ranks_error(fn: str, starts: Sequence[int], timeout: timedelta, rank: 
         raise error
 
 
-def _hash64(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def _meta_hash(meta: List[tuple]) -> int:
-    """The hash of a model's metadata: asked for at every check, computed once."""
-    key = tuple(meta)
-    return _constant(("meta-hash", key), lambda: _hash64(repr(meta)))
-
-
-def _call_hash(call: str) -> int:
-    return _constant(("call-hash", call), lambda: _hash64(call))
-
-
 def _all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    out = [torch.empty_like(tensor) for _ in range(world)]
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, tensor.contiguous(), group=group)
     return torch.stack(out)
 
 
-def _collect(model: nn.Module, kind: str) -> Tuple[List[str], List[Optional[torch.Tensor]], List[tuple]]:
-    ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
-    names: List[str] = []
-    tensors: List[Optional[torch.Tensor]] = []
-    meta: List[tuple] = []
-    if kind == "buffers":
-        items: Iterable = model.named_buffers()
-    else:
-        items = model.named_parameters()
-    for name, t in items:
-        if name in ignore:
-            continue
-        names.append(name)
-        entry = (name, tuple(t.shape), str(t.dtype).replace("torch.", ""))
-        if kind == "gradients":
-            entry += (bool(t.requires_grad),)
-            tensors.append(t.grad)
-        else:
-            tensors.append(t)
-        meta.append(entry)
-    return names, tensors, meta
+# --------------------------------------------------------------------------- the verdict
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 def _describe(entry: Optional[tuple]) -> str:
@@ -1065,14 +862,6 @@ def _details(found: List[Tuple[int, int, int, str]], tensors: List[Optional[torc
     return result
 
 
-def _tolerance_quick_table(tensors: List[Optional[torch.Tensor]],
-                           device: torch.device) -> torch.Tensor:
-    if not tensors:
-        return torch.zeros(0, 4, dtype=torch.int64, device=device)
-    return torch.stack([torch.zeros(4, dtype=torch.int64, device=device) if t is None
-                        else _tolerance_quick(t, device) for t in tensors])
-
-
 def _tolerance_finish(first: torch.Tensor, tensors: List[Optional[torch.Tensor]], group: Any,
                       device: torch.device) -> torch.Tensor:
     """From the round-one tables ([W, P, 4]: present and float64 sums) to [W, P, 7].
@@ -1095,91 +884,86 @@ def _tolerance_finish(first: torch.Tensor, tensors: List[Optional[torch.Tensor]]
     return table
 
 
-def _check(fn: str, kind: str, model: Any, group: Any, atol: float, rtol: float,
-           timeout: Timeout, details: bool, raise_on_mismatch: bool) -> ConsistencyReport:
-    module = _unwrap(model, fn)
-    timeout = _validate(fn, group, atol, rtol, timeout)
-    mode = "bitwise" if atol == 0 and rtol == 0 else "tolerance"
-    names, tensors, meta = _collect(module, kind)
-    device = _comm_device(group, itertools.chain(module.parameters(), tensors))  # (read lazily)
-    _, rank, world, _ = _group_info(group)
-    call = (f"{fn}(mode={mode}, atol={float(atol)!r}, rtol={float(rtol)!r}, "
-            f"details={bool(details)})")
-
-    # The local work, then the check-in (a counter per rank in the process group's store)
-    # and the header exchange itself, on a gloo group, waited for at most `timeout`. A rank
-    # that does not arrive makes the others' wait time out; the counters then name it.
-    # Without a store to count in, a monitored barrier (in a helper thread, overlapping
-    # the local work) comes first instead.
-    exchange_group = _barrier_group(group, timeout)     # created here, in the calling thread
-    store = _store()
-    helper, barrier_errors = None, []
-    if store is None:
-        helper = threading.Thread(target=_barrier_into, args=(fn, group, timeout, barrier_errors),
-                                  name="graddbg-ddp-barrier", daemon=True)
-        helper.start()
-    local_error: Optional[BaseException] = None
+# --------------------------------------------------------------------------- the check
+def _local(options: _Options, tensors: List[Optional[torch.Tensor]], meta: List[tuple],
+           device: torch.device) -> Tuple[Optional[torch.Tensor], List[int], Optional[BaseException]]:
+    """This rank's fingerprint table (round one in tolerance mode) on ``device`` and its
+    header: [metadata hash, tensor count, call hash, world size, digest a, digest b]. A
+    failure is told to the other ranks (a header of -1s), so that every rank raises."""
     try:
-        if mode == "bitwise":
-            local = fingerprints(tensors, mode=mode, device=device)
+        if options.mode == "bitwise":
+            local = fingerprints(tensors, device=device)
         else:
             local = _tolerance_quick_table(tensors, device)
-        digest = _digest_ints(local.reshape(-1).tolist()) if local.numel() <= _PY_DIGEST \
-            else _digest(local).tolist()
-        header = [_meta_hash(meta), len(meta), _call_hash(call), world] + digest
-    except Exception as err:   # tell the other ranks, so that every rank raises, none hangs
-        local_error = err
-        header = [-1] * 6
-    if helper is not None:
-        helper.join(timeout.total_seconds() + 60.0)   # the barrier has its own timeout
-        if helper.is_alive():
-            raise DDPTimeoutError(f"{fn}: the monitored barrier did not return within {timeout} "
-                                  f"(+60 s); the process group is not usable")
-        if barrier_errors:
-            raise barrier_errors[0]
-    else:
-        arrived = _check_in(group, store)
-    # last in the header: when this rank starts waiting, in µs
-    wire = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
-    if helper is not None:
-        rows = _all_gather(wire.to(device), group).cpu().tolist()
-    else:
-        rows = _exchange_header(fn, wire, group, exchange_group, timeout, arrived)
-    # (then a few Python comparisons: no launches inside the step)
-    _late_ranks_error(fn, [r[6] for r in rows], timeout, rank)
+        header = [_hash64(repr(meta)), len(meta), _hash64(options.call),
+                  dist.get_world_size(options.group)] + _digest(local).tolist()
+        return local, header, None
+    except Exception as err:
+        return None, [-1] * 6, err
+
+
+def _raise_unless_comparable(options: _Options, rows: List[List[int]], meta: List[tuple],
+                             error: Optional[BaseException]) -> None:
+    """On every rank alike: a rank that came too late, a rank that could not fingerprint,
+    ranks holding different models or asking different checks."""
+    _late_ranks_error(options.fn, [row[6] for row in rows], options.timeout,
+                      dist.get_rank(options.group))
     failed = [r for r, row in enumerate(rows) if all(v == -1 for v in row[:4])]
     if failed:
         raise DDPInconsistencyError(
-            f"{fn}: rank(s) {failed} could not compute their fingerprints"
-            + (f" ({type(local_error).__name__}: {local_error})" if local_error else
-               "; see the error on those ranks")) from local_error
+            f"{options.fn}: rank(s) {failed} could not compute their fingerprints"
+            + (f" ({type(error).__name__}: {error})" if error else
+               "; see the error on those ranks")) from error
     if any(row[:4] != rows[0][:4] for row in rows):
-        _structure_error(fn, kind, call, meta, group)  # raises on every rank
-    agree = all(row[4:6] == rows[0][4:6] for row in rows)
-    if agree and mode == "bitwise":      # every table the same: nothing differs
-        table, found = None, []
-    else:
-        if agree:
-            first = local.cpu().unsqueeze(0).expand(world, *local.shape)
-        else:
-            first = _all_gather(local, group).cpu()                      # find who differs
-        table = first if mode == "bitwise" else _tolerance_finish(first, tensors, group, device)
-        found = _verdict(table, names, meta, mode, float(atol), float(rtol))
-    measured = _details(found, tensors, meta, group, device) if (details and found) else {}
+        _structure_error(options.fn, options.kind, options.call, meta, options.group)
 
+
+def _compare(options: _Options, rows: List[List[int]], local: torch.Tensor, names: List[str],
+             tensors: List[Optional[torch.Tensor]], meta: List[tuple],
+             device: torch.device) -> Tuple[Optional[torch.Tensor], List[Tuple[int, int, int, str]]]:
+    """Every rank's table ``[W, P, k]`` (None when every digest agrees in bitwise mode:
+    nothing differs) and the entries that disagree (see :func:`_verdict`)."""
+    agree = all(row[4:6] == rows[0][4:6] for row in rows)
+    if agree and options.mode == "bitwise":
+        return None, []
+    if agree:
+        first = local.cpu().unsqueeze(0).expand(len(rows), *local.shape)
+    else:
+        first = _all_gather(local, options.group).cpu()                  # find who differs
+    table = first if options.mode == "bitwise" else \
+        _tolerance_finish(first, tensors, options.group, device)
+    return table, _verdict(table, names, meta, options.mode, options.atol, options.rtol)
+
+
+def _report(options: _Options, names: List[str], meta: List[tuple], table: Optional[torch.Tensor],
+            found: List[Tuple[int, int, int, str]], measured: dict) -> ConsistencyReport:
     rows = []
     for p, r, ref, reason in found:
         extra = measured.get((p, r))
         rows.append(Mismatch(
             name=names[p], rank=r, reference_rank=ref, reason=reason, shape=meta[p][1],
-            dtype=meta[p][2], fingerprint=_fp_text(table[r, p], mode),
-            reference_fingerprint=_fp_text(table[ref, p], mode),
+            dtype=meta[p][2], fingerprint=_fp_text(table[r, p], options.mode),
+            reference_fingerprint=_fp_text(table[ref, p], options.mode),
             **({} if extra is None else dict(zip(
                 ("max_abs_diff", "n_diff", "index", "value", "reference_value"), extra)))))
-    report = ConsistencyReport(ok=not rows, world_size=world, rank=rank, kind=kind, mode=mode,
-                               checked=len(names), rows=tuple(rows), atol=float(atol),
-                               rtol=float(rtol))
-    if rows and raise_on_mismatch:
+    return ConsistencyReport(ok=not rows, world_size=dist.get_world_size(options.group),
+                             rank=dist.get_rank(options.group), kind=options.kind,
+                             mode=options.mode, checked=len(names), rows=tuple(rows),
+                             atol=options.atol, rtol=options.rtol)
+
+
+def _check(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, timeout: Any,
+           details: bool, raise_on_mismatch: bool) -> ConsistencyReport:
+    options = _options(fn, kind, model, group, atol, rtol, timeout, details, raise_on_mismatch)
+    names, tensors, meta = _collect(unwrap(model), kind)
+    device = _comm_device(group, tensors, model)
+    local, header, error = _local(options, tensors, meta, device)
+    rows = _rendezvous(options, header)
+    _raise_unless_comparable(options, rows, meta, error)
+    table, found = _compare(options, rows, local, names, tensors, meta, device)
+    measured = _details(found, tensors, meta, group, device) if (details and found) else {}
+    report = _report(options, names, meta, table, found, measured)
+    if not report.ok and options.raise_on_mismatch:
         raise DDPInconsistencyError(f"{fn}: the ranks disagree (raise_on_mismatch=True)\n{report}",
                                     report=report)
     return report

@@ -78,6 +78,15 @@ def _main(world: str, rank: int, nprocs: int, port: int, out: str, device: str) 
         with open(path + ".tmp", "w") as f:
             json.dump(record, f, default=str)
         os.replace(path + ".tmp", path)
+    # Rank 0 hosts the store, which the others may still read (a check that timed out
+    # reads the counters there): it leaves only when every rank is done, or after 60 s.
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"worker-done/{rank}", "1")
+    if rank == 0:
+        try:
+            store.wait([f"worker-done/{r}" for r in range(nprocs)], timedelta(seconds=60))
+        except Exception:
+            pass
     # A world may end with a failed barrier, so the group is left without destroying it.
     os._exit(0)
 

@@ -1,5 +1,6 @@
 """bench/ddp_check.py runs end to end (1 repeat of 1 step): a benchmark that breaks when
-the code it measures changes is caught here, not when someone next wants its figures."""
+the code it measures changes is caught here, not when someone next wants its figures.
+(Its figures themselves are not asserted: one repeat on a shared machine says nothing.)"""
 from __future__ import annotations
 
 import os
@@ -29,3 +30,14 @@ def test_ddp_check_benchmark_runs_and_counts_the_bytes_the_check_exchanges():
     assert grads == 4 * 8_403_978 and fewer >= 1000          # the 8.4M float32 parameters
     for line in ("bitwise", "inside the every-step blocks", "check_gradients, bitwise:"):
         assert line in proc.stdout
+    # the floor (one read of the gradients + one rendezvous), measured beside the check,
+    # and the check's overhead as a multiple of the floor's, from the blocks, from the
+    # calls inside the step (one line per rank) and standalone
+    assert re.search(r"floor: read \+ gather +plain step +[\d.]+ ms, adds +-?[\d.]+ ms/step", proc.stdout)
+    assert re.search(r"check overhead / floor overhead \(blocks\): (-?[\d.]+x|undefined)", proc.stdout)
+    inside = re.findall(r"rank (\d): check overhead / floor overhead \(calls inside the step\): "
+                        r"([\d.]+)x", proc.stdout)
+    assert [r for r, _ in inside] == ["0", "1"] and all(float(x) > 0 for _, x in inside)
+    alone = re.search(r"floor \(one read \+ one all_gather\): +([\d.]+) ms .* check / floor = "
+                      r"([\d.]+)x", proc.stdout)
+    assert alone and float(alone.group(1)) > 0 and float(alone.group(2)) > 0

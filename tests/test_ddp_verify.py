@@ -18,6 +18,7 @@ import torch.distributed as dist
 import _ddp_workers as workers
 from conftest import requires_cuda
 from graddbg import DDPInconsistencyError, DDPTimeoutError, GraddbgError, ddp_verify
+from graddbg._errors import GraddbgTypeError, GraddbgValueError
 
 # --------------------------------------------------------------------------- references
 
@@ -95,86 +96,44 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # --------------------------------------------------------------------------- fingerprints
 
 
-@pytest.fixture(params=["host", "torch"])
-def finish(request, monkeypatch):
-    """CPU fingerprints finish in numpy on the host; accelerators' in torch: both, bit for bit."""
-    monkeypatch.setattr(ddp_verify, "_HOST_FINISH", request.param == "host")
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_bitwise_fingerprint_matches_naive_reference(shape, dtype, finish):
+def test_bitwise_fingerprint_matches_naive_reference(shape, dtype):
     t = _tensor(shape, dtype)
     assert _fp(t) == naive_bitwise(t)
 
 
-def test_host_and_torch_finishes_give_the_same_tables(monkeypatch):
+def test_a_batch_of_mixed_tensors_matches_the_reference_one_by_one():
+    """Every dtype and shape, a NaN, an empty tensor, None, a transposed view and a large
+    float64 tensor in one call: each row is the naive reference's."""
     ts = [_tensor(s, d, seed=i) for i, (s, d) in enumerate(zip(SHAPES * 2, DTYPES + DTYPES[::-1]))]
     ts += [None, torch.zeros(0), _tensor((64, 70), torch.float32).t(), _tensor((300000,), torch.float64)]
     ts[3][0] = float("nan")
-    got = {}
-    for host in (True, False):
-        monkeypatch.setattr(ddp_verify, "_HOST_FINISH", host)
-        got[host] = ddp_verify.fingerprints(ts)
-    assert torch.equal(got[True], got[False])
+    table = ddp_verify.fingerprints(ts)
+    for i, t in enumerate(ts):
+        assert table[i].tolist() == ([0, 0, 0, 0] if t is None else naive_bitwise(t)), i
 
 
-def test_host_finish_reuses_its_buffers_across_calls_and_threads(monkeypatch):
-    """The host finish keeps work buffers per layout: tensors of the same layout with other
-    values, one call after another and from several threads at once, each get their own
-    table (the torch path's)."""
-    import threading
-
-    shapes = [(2500,), (7,), (3, 1100), (0,), (2, 1024), (5,)]
-    dtypes = [torch.float32, torch.float16, torch.float64, torch.float32, torch.bfloat16, torch.float32]
-    sets = [[_tensor(s, d, seed=10 * k + i) for i, (s, d) in enumerate(zip(shapes, dtypes))]
-            for k in range(4)]
-    monkeypatch.setattr(ddp_verify, "_HOST_FINISH", False)
-    expected = [ddp_verify.fingerprints(ts) for ts in sets]
-    assert len({tuple(e.reshape(-1).tolist()) for e in expected}) == len(sets)
-    monkeypatch.setattr(ddp_verify, "_HOST_FINISH", True)
-    for _ in range(2):
-        for ts, want in zip(sets, expected):
-            assert torch.equal(ddp_verify.fingerprints(ts), want)
-    wrong = []
-
-    def work(k):
-        for i in range(40):
-            j = (k + i) % len(sets)
-            if not torch.equal(ddp_verify.fingerprints(sets[j]), expected[j]):
-                wrong.append((k, i))
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not wrong
+def test_small_tensors_word_sums_wrap_modulo_2_32():
+    """Tensors of fewer than _BLOCK words (one cell each) whose word sums pass 2**31,
+    batched with empty ones: the same as the reference."""
+    big = torch.full((1000,), 0x7FFFFFF0, dtype=torch.int32)
+    ts = [big.view(10, 100), torch.zeros(0, dtype=torch.int32), torch.tensor([-5, 3], dtype=torch.int32),
+          -big, big[:999]]
+    table = ddp_verify.fingerprints(ts)
+    assert [table[i].tolist() for i in range(len(ts))] == [naive_bitwise(t) for t in ts]
 
 
-def test_small_tensors_host_sums_wrap_like_the_torch_ones():
-    """Tensors of fewer than _BLOCK words: one cell each, their word sum modulo 2**32 (the
-    host sums in int64 and the finish wraps them), empty ones and shaped ones included."""
-    big = torch.full((1000,), 0x7FFFFFF0, dtype=torch.int32)          # sums past 2**31
-    pieces = [big.view(10, 100), torch.zeros(0, dtype=torch.int32), torch.tensor([-5, 3], dtype=torch.int32),
-              -big]
-    counts = [1000, 0, 2, 1000]
-    want = ddp_verify._small_cells(pieces, counts).tolist()
-    got = ddp_verify._small_cells_host(pieces, counts)
-    assert [((int(v) + 2**31) % 2**32) - 2**31 for v in got] == want
-    no_empty = [pieces[0], pieces[2]]
-    got = ddp_verify._small_cells_host(no_empty, [1000, 2])
-    assert [((int(v) + 2**31) % 2**32) - 2**31 for v in got] == ddp_verify._small_cells(no_empty, [1000, 2]).tolist()
-
-
-def test_python_digest_equals_the_tensor_digest():
+def test_digest_is_the_weighted_sum_modulo_two_primes():
     rng = random.Random(3)
     extremes = [-(2**63), 2**63 - 1, -1, 0, 2_147_483_647, -2_147_483_629]
     for n in (0, 1, 7, 400):
         values = [rng.choice(extremes) if rng.random() < 0.3 else rng.randrange(-(2**63), 2**63)
                   for _ in range(4 * n)]
-        table = torch.tensor(values, dtype=torch.int64).reshape(n, 4)
-        assert ddp_verify._digest_ints(values) == ddp_verify._digest(table).tolist()
+        want = [sum((v % p) * ((i + 1) * ddp_verify._MULT % p) for i, v in enumerate(values)) % p
+                for p in ddp_verify._DIGEST_PRIMES]
+        got = ddp_verify._digest(torch.tensor(values, dtype=torch.int64).reshape(n, 4)).tolist()
+        assert [g % p for g, p in zip(got, ddp_verify._DIGEST_PRIMES)] == want
 
 
 def test_bitwise_fingerprint_wraps_a_partial_block_and_its_padded_last_word():
@@ -187,7 +146,7 @@ def test_bitwise_fingerprint_wraps_a_partial_block_and_its_padded_last_word():
     assert _fp(h) == naive_bitwise(h)
 
 
-def test_bitwise_fingerprint_batches_like_one_at_a_time(finish):
+def test_bitwise_fingerprint_batches_like_one_at_a_time():
     ts = [_tensor(s, d, seed=i) for i, (s, d) in enumerate(zip(SHAPES, DTYPES))]
     table = ddp_verify.fingerprints(ts + [None] + ts[:2])
     assert table.shape == (len(ts) + 3, 4)
@@ -297,6 +256,8 @@ def test_fingerprints_of_other_layouts_and_dtypes():
                        ddp_verify.fingerprints([noncontig.contiguous()]))
     z = torch.randn(5, dtype=torch.complex64)
     assert _fp(z) == naive_bitwise(torch.view_as_real(z))
+    z = torch.randn(1500, dtype=torch.complex128)                     # 8-byte words
+    assert _fp(z) == naive_bitwise(torch.view_as_real(z))
     assert _fp(torch.tensor([True, False, True]))[1] == 0x00010001   # bytes 1 0 1, zero-padded
     assert _fp(torch.empty(0)) == [1, 0, 0, 0]
     assert ddp_verify.fingerprints([]).shape == (0, 4)
@@ -309,7 +270,8 @@ def test_fingerprints_of_other_layouts_and_dtypes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2500,), (3, 50000)], ids=str)   # last: chunked
-def test_tolerance_fingerprint_matches_naive_reference(shape, dtype):
+def test_tolerance_fingerprint_matches_naive_reference(shape, dtype, monkeypatch):
+    monkeypatch.setattr(ddp_verify, "_CHUNK", 4096)     # float64 casts in slices of 4096
     t = _tensor(shape, dtype)
     t.reshape(-1)[0] = float("nan")
     t.reshape(-1)[-1] = float("-inf")
@@ -329,8 +291,33 @@ def test_tolerance_fingerprint_matches_naive_reference(shape, dtype):
     assert got == pytest.approx(ref[4:], rel=1e-12)
 
 
+def test_fingerprints_under_deterministic_algorithms(device):
+    """Users debugging gradients often run with torch.use_deterministic_algorithms(True):
+    the fingerprint kernels must not refuse it (on CUDA, a 2-D scatter_add_ would)."""
+    ts = [_tensor((2500,), torch.float32), None, _tensor((7,), torch.float64), _tensor((3, 5), torch.bfloat16)]
+    ts = [None if t is None else t.to(device) for t in ts]
+    want = ddp_verify.fingerprints([None if t is None else t.cpu() for t in ts])
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = ddp_verify.fingerprints(ts)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert got.device == ts[0].device and torch.equal(got.cpu(), want)
+
+
+def test_fingerprints_leave_their_tensors_unchanged():
+    ts = [_tensor((2500,), torch.float64), -_tensor((7,), torch.float32), _tensor((5,), torch.float16)]
+    ts[0][3] = -math.inf
+    before = [t.clone() for t in ts]
+    for mode in ("bitwise", "tolerance"):
+        ddp_verify.fingerprints(ts, mode=mode)
+    ddp_verify._tolerance_quick_table(ts, torch.device("cpu"))
+    assert all(torch.equal(t, b) for t, b in zip(ts, before))
+
+
 def test_fingerprints_rejects_unknown_mode():
-    with pytest.raises(GraddbgError, match=r"mode=.*'exact'.*accepted: 'bitwise', 'tolerance'"):
+    with pytest.raises(GraddbgValueError, match=r"mode=.*'exact'.*accepted: 'bitwise', 'tolerance'"):
         ddp_verify.fingerprints([torch.ones(2)], mode="exact")
 
 
@@ -408,6 +395,57 @@ def test_report_fields_and_argument_errors_in_a_one_rank_world(one_rank_world):
         ddp_verify.check_gradients("model")
     with pytest.raises(GraddbgError, match=r"group=.*got int.*ProcessGroup"):
         ddp_verify.check_gradients(model, group=3)
+
+
+BAD_ARGUMENTS = {  # keyword arguments -> (the error's class, what its message names)
+    "atol negative": (dict(atol=-1e-3), GraddbgValueError, r"check_parameters\(atol=...\): got -0.001; accepted: a finite number >= 0"),
+    "rtol infinite": (dict(rtol=math.inf), GraddbgValueError, r"rtol=...\): got inf; accepted"),
+    "rtol NaN": (dict(rtol=math.nan), GraddbgValueError, r"rtol=...\): got nan; accepted"),
+    "atol a string": (dict(atol="1e-3"), GraddbgTypeError, r"atol=...\): got '1e-3' \(str\); accepted: a finite number"),
+    "atol a bool": (dict(atol=True), GraddbgTypeError, r"atol=...\): got True \(bool\)"),
+    "timeout a string": (dict(timeout="soon"), GraddbgTypeError, r"timeout=...\): got 'soon' \(str\); accepted: a datetime.timedelta"),
+    "timeout negative": (dict(timeout=-2), GraddbgValueError, r"timeout=...\): got -2; accepted: a positive duration"),
+    "timeout NaN": (dict(timeout=math.nan), GraddbgValueError, r"timeout=...\): got nan; accepted"),
+    "timeout too large": (dict(timeout=1e30), GraddbgValueError, r"timeout=...\): got 1e\+30; accepted"),
+    "group a string": (dict(group="world"), GraddbgTypeError, r"group=...\): got str; accepted: None \(the default group\) or a torch.distributed.ProcessGroup"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_bad_arguments_are_value_or_type_errors_naming_the_argument(case, one_rank_world):
+    kwargs, error, message = BAD_ARGUMENTS[case]
+    with pytest.raises(error, match=message) as info:
+        ddp_verify.check_parameters(torch.nn.Linear(2, 2), **kwargs)
+    assert isinstance(info.value, GraddbgError)
+    assert isinstance(info.value, ValueError if error is GraddbgValueError else TypeError)
+
+
+def test_bad_arguments_are_reported_before_the_missing_process_group(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(GraddbgTypeError, match=r"model=...\): got the class Linear.*instantiate it first"):
+        ddp_verify.check_gradients(torch.nn.Linear)
+    with pytest.raises(GraddbgValueError, match="atol"):
+        ddp_verify.check_gradients(torch.nn.Linear(2, 2), atol=-1.0)
+    with pytest.raises(GraddbgError, match="not initialized") as info:    # a state, not an argument
+        ddp_verify.check_gradients(torch.nn.Linear(2, 2))
+    assert not isinstance(info.value, (ValueError, TypeError))
+
+
+@pytest.mark.timeout(60)
+def test_missing_ranks_are_named_from_the_store_or_not_at_all(one_rank_world, monkeypatch):
+    """After a timed-out exchange, the counters in the store name the ranks that did not
+    enter the check; when the store cannot be read, no rank is blamed."""
+    ddp_verify.check_parameters(torch.nn.Linear(2, 2))
+    entered = ddp_verify._ENTERED[(id(dist.group.WORLD), ddp_verify._counter_key(None, 0))]
+    assert ddp_verify._behind(None, entered) == []
+    assert ddp_verify._behind(None, entered + 1) == [0]
+
+    class Gone:
+        def check(self, keys):
+            raise RuntimeError("connection reset")
+    monkeypatch.setattr(ddp_verify, "_store", lambda: Gone())
+    assert ddp_verify._behind(None, entered) is None
 
 
 def test_report_str_is_bounded():
@@ -602,8 +640,9 @@ def test_different_architectures_raise_a_clear_error_on_every_rank(two):
 @distributed
 def test_bad_arguments_raise_before_any_collective(two):
     for rec in _scenario(two, "bad_args", 2):
-        assert rec["atol"]["error"] == "GraddbgError" and "atol" in rec["atol"]["message"]
-        assert "timeout" in rec["timeout"]["message"]
+        assert rec["atol"]["error"] == "GraddbgValueError" and "atol" in rec["atol"]["message"]
+        assert rec["timeout"]["error"] == "GraddbgTypeError" and "timeout" in rec["timeout"]["message"]
+        assert rec["model"]["error"] == "GraddbgTypeError"
         assert "instantiate it first" in rec["model"]["message"]
         assert rec["after"]["ok"]
 
