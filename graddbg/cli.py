@@ -21,13 +21,13 @@ import time
 import traceback
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
 from graddbg._errors import GraddbgError, GraddbgValueError, GradientAnomalyError
-from graddbg.run import write_atomic
+from graddbg._io import write_atomic
 
 __all__ = ["main", "demo", "run_script", "report"]
 
@@ -238,20 +238,113 @@ def _demo_files(w: Any, model: nn.Module, true_w: torch.Tensor, gen: torch.Gener
 # --------------------------------------------------------------------------- run
 
 class _ParamHolder(nn.Module):
-    """Stands for a model graddbg never saw called: the optimizer's parameters, by group."""
+    """Stands for a model graddbg never saw: the optimizer's parameters, by group (when no
+    module owning them was called, as with bare tensors trained directly)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__()
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, p in enumerate(group["params"]):
-                self.register_parameter(f"group{gi}_param{pi}", p)
+        # kept aside, not registered: an optimizer may hold plain tensors, not Parameters
+        self.held = [(f"group{gi}_param{pi}", p) for gi, group in enumerate(optimizer.param_groups)
+                     for pi, p in enumerate(group["params"])]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+        seen: Set[int] = set()
+        for name, p in self.held:
+            if not (remove_duplicate and id(p) in seen):
+                seen.add(id(p))
+                yield prefix + ("." if prefix else "") + name, p
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        for _, p in self.named_parameters():
+            yield p
+
+
+def _held(optimizer: torch.optim.Optimizer) -> Set[int]:
+    return {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+
+def _frame_modules(limit: int = 256) -> List[nn.Module]:
+    """The modules the calling frames hold in their local variables (``self`` of a
+    LightningModule's ``optimizer_step``, a ``model`` of a training function), and in the
+    globals of the script run as ``__main__``; innermost frame first."""
+    found: List[nn.Module] = []
+    frame: Any = sys._getframe(1)
+    try:
+        for _ in range(limit):
+            if frame is None:
+                break
+            names = frame.f_locals
+            values = list(names.values())
+            if frame.f_globals is not names and frame.f_globals.get("__name__") == "__main__":
+                values += list(frame.f_globals.values())
+            found += [v for v in values if isinstance(v, nn.Module)]
+            frame = frame.f_back
+    finally:
+        del frame
+    return found
+
+
+def _choose(candidates: Iterable[nn.Module], held: Set[int]) -> Optional[nn.Module]:
+    """The model of an optimizer holding the parameters ``held`` (by id), among
+    ``candidates``: the modules owning most of them; of those, the ones with the fewest
+    trainable parameters (not a container that also holds an EMA copy or a second model);
+    of those, the outermost (a LightningModule rather than the submodule its
+    training_step calls, a wrapper rather than what it wraps). None when none owns any."""
+    scored, seen = [], set()
+    for m in candidates:
+        if id(m) in seen or isinstance(m, _ParamHolder):
+            continue
+        seen.add(id(m))
+        params = list(m.parameters())
+        n = sum(id(p) in held for p in params)
+        if n:
+            scored.append((m, n, sum(bool(p.requires_grad) for p in params)))
+    if not scored:
+        return None
+    most = max(n for _, n, _ in scored)
+    fewest = min(t for _, n, t in scored if n == most)
+    kept = [m for m, n, t in scored if n == most and t == fewest]
+    inner = [{id(s) for s in m.modules()} for m in kept]
+    return max(zip(kept, inner), key=lambda mi: sum(id(o) in mi[1] for o in kept))[0]
+
+
+def _has_closure(args: Any, kwargs: Any) -> bool:
+    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
+
+
+class _Deferred:
+    """An optimizer whose first step began before any module owning its parameters was
+    called (the step's closure makes the first forward pass): the watch of a stand-in
+    (``_ParamHolder``) and the step's arguments, kept until that forward pass replaces the
+    stand-in or the step ends (the stand-in stays: no module owns the parameters)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any, watch: Any) -> None:
+        self.optimizer = weakref.ref(optimizer)
+        self.held = _held(optimizer)
+        self.args, self.kwargs, self.watch = args, kwargs, watch
 
 
 class ScriptWatcher:
-    """Attaches a watch to every optimizer a script steps, through PyTorch's global
-    optimizer and module hook registries (no monkeypatching): a model is the outermost
-    module called whose parameters the optimizer holds. ``after_step`` (optional) is
-    called after every optimizer step (``graddbg run`` writes its snapshots there)."""
+    """Watches what a script trains, through PyTorch's global optimizer and module hook
+    registries (no monkeypatching):
+
+    - every optimizer the script steps, from its first step, with its model: of the
+      outermost modules called and the modules that the calling frames hold, the one that
+      owns the optimizer's parameters (see :func:`_choose`). When the first step begins
+      before any such module was called and has a closure (LBFGS in pytorch/examples'
+      time_sequence_prediction: the closure makes the first forward pass), the model is
+      the module owning them that the closure calls first: its watch replaces, within that
+      step, the stand-in (``_ParamHolder``) watched from the step's start, which stays only
+      when no module owns the parameters;
+    - without any optimizer (an update by hand, as in word_language_model): the first
+      outermost module called with grad enabled whose output requires grad and which has
+      trainable parameters, each backward pass a step. If an optimizer stepping the same
+      parameters comes later, its watch replaces that one.
+
+    ``after_step`` (optional) is called after every optimizer step and, while only a watch
+    without an optimizer runs, before each outermost forward pass (``graddbg run`` writes
+    its snapshots there)."""
 
     def __init__(self, watch_kwargs: Dict[str, Any],
                  after_step: Optional[Callable[[], None]] = None) -> None:
@@ -260,8 +353,12 @@ class ScriptWatcher:
         self.watches: List[Any] = []
         self._seen: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self._roots: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._deferred: Dict[int, _Deferred] = {}
+        self._free: Optional[Tuple[Any, "weakref.ref[nn.Module]"]] = None  # (watch, model)
+        self._looking = True  # for a model without an optimizer (until any watch starts)
         self._depth = 0
         self._handles: List[Any] = []
+        self._failed = False
 
     def __enter__(self) -> "ScriptWatcher":
         from torch.nn.modules import module as module_mod
@@ -271,8 +368,7 @@ class ScriptWatcher:
             self._handles.append(module_mod.register_module_forward_pre_hook(self._pre))
             self._handles.append(module_mod.register_module_forward_hook(self._post, always_call=True))
             self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._on_step))
-            if self.after_step is not None:
-                self._handles.append(optim_mod.register_optimizer_step_post_hook(self._after))
+            self._handles.append(optim_mod.register_optimizer_step_post_hook(self._after))
         except BaseException:
             self._remove()
             raise
@@ -281,31 +377,101 @@ class ScriptWatcher:
     def _pre(self, module: nn.Module, args: Any) -> None:
         if self._depth == 0:
             self._roots.add(module)
+            if self._deferred:
+                self._safely(self._resolve_deferred, module)
+            if self._free is not None and self.after_step is not None:
+                self.after_step()
         self._depth += 1
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self._looking:
+            self._safely(self._maybe_watch_free, module, output)
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer in self._seen:
+            d = self._deferred.get(id(optimizer))
+            if d is not None:  # the first step raised before its end: this one
+                d.args, d.kwargs = args, kwargs
             return
         self._seen.add(optimizer)
+        self._safely(self._first_step, optimizer, args, kwargs)
+
+    def _first_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        model = _choose([*self._roots, *_frame_modules()], _held(optimizer))
+        w = self._start(model if model is not None else _ParamHolder(optimizer), optimizer)
+        # this step's boundary: the watch's own step hook joins the hooks being run now
+        if model is None and _has_closure(args, kwargs):  # the closure may call the model
+            self._deferred[id(optimizer)] = _Deferred(optimizer, args, kwargs, w)
+
+    def _resolve_deferred(self, module: nn.Module) -> None:
+        """The first forward pass, inside a deferred optimizer's first step, of a module
+        owning its parameters: its model's watch replaces the stand-in's (which has read
+        nothing of this step yet), in the step under way."""
+        for key, d in list(self._deferred.items()):
+            opt = d.optimizer()
+            if opt is None or not any(id(p) in d.held for p in module.parameters()):
+                continue
+            del self._deferred[key]
+            d.watch.close()
+            self.watches.remove(d.watch)
+            model = _choose([module, *self._roots, *_frame_modules()], d.held)
+            w = self._start(model if model is not None else module, opt)
+            w._on_opt_pre(opt, d.args, d.kwargs)  # the step began before this watch did
+
+    def _maybe_watch_free(self, module: nn.Module, output: Any) -> None:
+        """A model trained without an optimizer: the first outermost module called with
+        grad enabled, its output requiring grad, with trainable parameters."""
+        from graddbg._model import tensors_in
+        from graddbg.hooks import _in_backward
+
+        if not torch.is_grad_enabled() or _in_backward() or isinstance(module, torch.jit.ScriptModule):
+            return
+        if not any(t.requires_grad for t in tensors_in(output)):
+            return
+        if not any(p.requires_grad for p in module.parameters()):
+            return  # a loss function, a frozen encoder
+        w = self._start(module, None)
+        self._free = (w, weakref.ref(module))
+
+    def _start(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:
         import graddbg
 
-        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        best, best_n = None, 0
-        for m in list(self._roots):
-            n = sum(id(p) in held for p in m.parameters())
-            if n > best_n:
-                best, best_n = m, n
-        model = best if best is not None else _ParamHolder(optimizer)
+        if optimizer is not None:
+            self._retire_free(_held(optimizer))
         w = graddbg.watch(model, optimizer, **self.kwargs)
         self.watches.append(w)
-        # this step's boundary: the watch's own step hook joins the hooks being run now
+        self._looking = False
+        return w
+
+    def _retire_free(self, held: Set[int]) -> None:
+        """An optimizer now steps the parameters of the model watched without one: its
+        watch (from this step on) replaces that one."""
+        if self._free is None:
+            return
+        w, ref = self._free
+        model = ref()
+        if model is not None and not any(id(p) in held for p in model.parameters()):
+            return
+        self._free = None
+        w.close()
+        self.watches.remove(w)
 
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._deferred.pop(id(optimizer), None)  # no module owning them ran: the stand-in stays
         if self.after_step is not None:
             self.after_step()
+
+    def _safely(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Choosing and starting a watch never takes the script down: a failure is said
+        once on stderr, and the script goes on unwatched by it."""
+        try:
+            fn(*args)
+        except Exception as e:
+            if not self._failed:
+                print(f"graddbg run: could not start watching ({type(e).__name__}: {e}); "
+                      f"the script goes on", file=sys.stderr)
+            self._failed = True
 
     def _remove(self) -> None:
         for h in self._handles:
@@ -314,8 +480,12 @@ class ScriptWatcher:
 
     def __exit__(self, *exc: Any) -> None:
         self._remove()
+        self._deferred.clear()
         for w in self.watches:
             w.close()
+        if self._free is not None and self._free[0].current_step == 0 and not self._free[0].anomalies:
+            self.watches.remove(self._free[0])  # forward passes only, never a backward: nothing to show
+        self._free = None
 
 
 def _outputs(outdir: pathlib.Path, i: int) -> Tuple[pathlib.Path, pathlib.Path]:
@@ -435,7 +605,9 @@ def _check_run_args(script: Any, every: Any, policies: Dict[str, Any], fail_on: 
 def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", every: int = 1,
                nonfinite: str = "raise", explode: str = "warn", vanish: str = "none",
                fail_on: str = "any", save_every: float = SAVE_EVERY, stream: Any = None) -> int:
-    """Run ``script`` unchanged with every optimizer it steps watched; write the statistics
+    """Run ``script`` unchanged with what it trains watched (every optimizer it steps, with
+    its model; without an optimizer, the model it runs backward through, a step per
+    backward pass: see :class:`ScriptWatcher`); write the statistics
     and the report at exit, also when the script crashes, is interrupted (Ctrl-C) or is
     stopped by SIGTERM / SIGHUP, and the statistics every ``save_every`` seconds on the way.
     Every argument and the ``out`` folder are checked before the script starts (a
@@ -510,7 +682,8 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
             fail_on: str, stream: Any) -> int:
     """Write each watch's statistics and report; the exit status."""
     if not watches:
-        print("graddbg run: the script stepped no optimizer; nothing was watched", file=stream)
+        print("graddbg run: the script stepped no optimizer and ran no backward pass through a module; "
+              "nothing was watched", file=stream)
         if created:
             try:
                 outdir.rmdir()  # leave no empty folder behind
@@ -527,8 +700,10 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
             print(f"graddbg run: error: {e}", file=sys.stderr)
             written = False
             continue
-        print(f"graddbg run: watched {w.meta['model']} with {w.meta['optimizer']} for {w.current_step} "
-              f"steps; {len(w.anomalies)} anomalies; report: {rep}", file=stream)
+        how = (f"with {w.meta['optimizer']}" if w.meta["optimizer"]
+               else "without an optimizer (a step per backward pass)")
+        print(f"graddbg run: watched {w.meta['model']} {how} for {w.current_step} steps; "
+              f"{len(w.anomalies)} anomalies; report: {rep}", file=stream)
     anomalies = [a for w in watches for a in w.anomalies]
     if anomalies:
         print(_anomaly_lines(anomalies), file=stream)
@@ -565,7 +740,7 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a small model with planted faults and show watch catch them")
     d.add_argument("--out", default="graddbg-out", help="output folder (default: graddbg-out)")
     d.add_argument("--steps", type=int, default=120, help="training steps (default: 120)")
-    r = sub.add_parser("run", help="run a training script with every optimizer watched")
+    r = sub.add_parser("run", help="run a training script with what it trains watched")
     r.add_argument("--out", default="graddbg-out", help="output folder (default: graddbg-out)")
     r.add_argument("--every", type=int, default=1, help="record statistics every N steps")
     r.add_argument("--nonfinite", choices=POLICIES, default="raise")

@@ -12,10 +12,10 @@ anomalies through ``Anomaly.to_dict``, ``meta``, column dtypes) and the other ta
 (``steps``, ``histograms``, ``activations``) as base64-encoded parquet under
 ``graddbg.<table>``.
 
-Files are written atomically (:func:`replacing`: a temporary file in the same folder,
-then ``os.replace``), so a failed write leaves the previous file whole. :func:`load`
-validates everything it reads and raises a :class:`~graddbg.GraddbgError` naming the
-file and what is wrong with it.
+Files are written atomically (:func:`replacing` of ``graddbg._io``, importable from here
+too: a temporary file in the same folder, then ``os.replace``), so a failed write leaves
+the previous file whole. :func:`load` validates everything it reads and raises a
+:class:`~graddbg.GraddbgError` naming the file and what is wrong with it.
 
 pandas and pyarrow are imported inside the functions that need them.
 """
@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import dataclasses
 import io
 import json
 import math
 import os
 import pathlib
-import secrets
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Union
 
 from graddbg._errors import GraddbgError, GraddbgTypeError, GraddbgValueError
+from graddbg._io import _as_path, replacing, write_atomic
 from graddbg.anomaly import Anomaly
 
 if TYPE_CHECKING:  # pragma: no cover - type names only
@@ -66,81 +65,7 @@ _KINDS = {
 }
 
 
-# ---------------------------------------------------------------------- atomic files
-
-@contextlib.contextmanager
-def replacing(path: PathLike) -> Iterator[pathlib.Path]:
-    """Write ``path`` atomically: yields a temporary path in the same folder for the
-    writer to fill; when the block ends without error the file is flushed to disk and
-    renamed over ``path`` (``os.replace``). When writing fails (a full disk, a file size
-    limit, no permission) the temporary file is removed, the previous ``path`` is left
-    whole, and a :class:`GraddbgError` names the path.
-
-    >>> import tempfile, os
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     with replacing(os.path.join(d, "a.txt")) as tmp:
-    ...         _ = tmp.write_text("hello")
-    ...     sorted(os.listdir(d))
-    ['a.txt']
-    """
-    path = _as_path(path, "path")
-    tmp = path.with_name(f".{path.name[:120]}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    except OSError as e:
-        raise _write_error(path, e) from e
-    done = False
-    try:
-        yield tmp
-        _fsync(tmp)
-        os.replace(tmp, path)
-        done = True
-    except OSError as e:
-        raise _write_error(path, e) from e
-    finally:
-        if not done:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-    with contextlib.suppress(OSError):  # make the rename itself durable where we can
-        _fsync(path.parent, directory=True)
-
-
-def write_atomic(path: PathLike, data: Union[str, bytes]) -> pathlib.Path:
-    """Write ``data`` (text as UTF-8, or bytes) to ``path`` through :func:`replacing`.
-
-    >>> import tempfile, os
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     write_atomic(os.path.join(d, "r.html"), "<p>hi</p>").read_text()
-    '<p>hi</p>'
-    """
-    if not isinstance(data, (str, bytes)):
-        raise GraddbgTypeError(f"write_atomic(data=...) must be str or bytes; got {type(data).__name__}")
-    path = _as_path(path, "path")
-    with replacing(path) as tmp:
-        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
-    return path
-
-
-def _fsync(path: pathlib.Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_error(path: pathlib.Path, e: OSError) -> GraddbgError:
-    reason = os.strerror(e.errno) if e.errno else (e.strerror or str(e))  # pyarrow adds its own words
-    kept = "the previous file is left as it was" if path.exists() else "nothing was written"
-    return GraddbgError(f"could not write {str(path)!r}: {reason}; {kept}")
-
-
-def _as_path(path: Any, arg: str) -> pathlib.Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise GraddbgTypeError(f"{arg}: expected a file name (str or os.PathLike); "
-                               f"got {type(path).__name__}")
-    return pathlib.Path(os.fspath(path))
-
+# ---------------------------------------------------------------------- files
 
 def _file_target(path: Any, example: str) -> pathlib.Path:
     """``path`` as a Path to write a file to; a folder is a usage error."""

@@ -276,7 +276,9 @@ def test_kill_9_leaves_the_last_snapshot(tmp_path):
     assert not (tmp_path / "report.html").exists()
 
 
-def test_run_leaves_no_global_hooks(tmp_path):
+@pytest.mark.parametrize("script,args", [("healthy_train.py", []), ("manual_sgd_train.py", ["seen.json"]),
+                                         ("lbfgs_train.py", ["seen.json", "hidden"])])
+def test_run_leaves_no_global_hooks(script, args, tmp_path, monkeypatch):
     from torch.nn.modules import module as module_mod
     from torch.optim import optimizer as optim_mod
 
@@ -285,10 +287,150 @@ def test_run_leaves_no_global_hooks(tmp_path):
                 len(optim_mod._global_optimizer_pre_hooks), len(optim_mod._global_optimizer_post_hooks),
                 signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP))
 
+    monkeypatch.chdir(tmp_path)
     before = counts()
-    code = cli.run_script(str(SCRIPTS / "healthy_train.py"), [], out=str(tmp_path))
+    code = cli.run_script(str(SCRIPTS / script), args, out=str(tmp_path / "out"))
     assert code == 0
     assert counts() == before
+
+
+# ----------------------------------------------------------------------------- what `graddbg run` watches
+
+def _torch_norms(path):
+    """The norms a script recorded with torch itself: {name: norm} per step."""
+    import json
+
+    return json.loads(pathlib.Path(path).read_text())
+
+
+def _assert_norms_equal(run, seen):
+    """One record per step the script saw, each parameter's norm as torch computed it."""
+    norms = run.stats.pivot(index="step", columns="name", values="norm")
+    assert sorted(run.stats["step"].unique()) == list(range(len(seen)))
+    for step, by_name in enumerate(seen):
+        for name, value in by_name.items():
+            assert norms.loc[step, name] == pytest.approx(value, rel=1e-5, abs=1e-12), (step, name)
+
+
+def test_run_without_an_optimizer_watches_the_model_a_step_per_backward(tmp_path, capsys):
+    """word_language_model's default loop: the update by hand, no torch.optim optimizer."""
+    seen_path = tmp_path / "torch.json"
+    code = cli.run_script(str(SCRIPTS / "manual_sgd_train.py"), [str(seen_path)], out=str(tmp_path / "out"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "watched RNNModel without an optimizer (a step per backward pass) for 5 steps" in out
+    seen = _torch_norms(seen_path)
+    run = graddbg.load(tmp_path / "out" / "stats.parquet")
+    assert run.stats["name"].unique().tolist() == list(seen[0]) == [
+        "encoder.weight", "rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.bias_ih_l0", "rnn.bias_hh_l0",
+        "decoder.weight", "decoder.bias"]
+    _assert_norms_equal(run, seen)  # 5 backward passes, 5 steps (the no_grad pass is none), pre-clip norms
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.html", "stats.parquet"]
+    assert "decoder.weight" in (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
+
+
+def test_an_optimizer_replaces_the_watch_without_one(tmp_path, capsys):
+    """A forward and backward pass before the first optimizer step start a watch without an
+    optimizer; the optimizer's watch takes over: one watch, one record per optimizer step."""
+    assert cli.run_script(str(SCRIPTS / "healthy_train.py"), [], out=str(tmp_path)) == 0
+    assert "watched Sequential with SGD for 5 steps" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "stats.parquet"]
+    run = graddbg.load(tmp_path / "stats.parquet")
+    assert run.meta["optimizer"] == "SGD" and sorted(run.stats["step"].unique()) == [0, 1, 2, 3, 4]
+
+
+def test_forward_passes_without_a_backward_watch_nothing(tmp_path, capsys):
+    script = tmp_path / "infer.py"
+    script.write_text("import torch\nm = torch.nn.Linear(3, 1)\nfor _ in range(3):\n    m(torch.randn(2, 3))\n")
+    assert cli.run_script(str(script), [], out=str(tmp_path / "out")) == 0
+    assert "nothing was watched" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["shown", "hidden"])
+def test_run_lbfgs_names_the_model_first_called_in_the_closure(where, tmp_path, capsys):
+    """time_sequence_prediction: LBFGS made before any forward pass, the model first called
+    in the closure; "hidden": no frame calling step() holds the model, only the closure."""
+    seen_path = tmp_path / "torch.json"
+    code = cli.run_script(str(SCRIPTS / "lbfgs_train.py"), [str(seen_path), where], out=str(tmp_path / "out"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "watched Sequence with LBFGS for 3 steps" in out
+    seen = _torch_norms(seen_path)
+    run = graddbg.load(tmp_path / "out" / "stats.parquet")
+    assert run.stats["name"].unique().tolist() == list(seen[0]) == [
+        "lstm1.weight_ih", "lstm1.weight_hh", "lstm1.bias_ih", "lstm1.bias_hh", "linear.weight", "linear.bias"]
+    assert run.stats["module"].unique().tolist() == ["lstm1", "linear"]
+    _assert_norms_equal(run, seen)  # each step's first closure evaluation
+
+
+_BARE_LBFGS = """
+import torch
+w = torch.zeros(3, requires_grad=True)
+opt = torch.optim.LBFGS([w], max_iter=3)
+def closure():
+    opt.zero_grad()
+    loss = ((w - torch.arange(3.0)) ** 2).sum()
+    loss.backward()
+    return loss
+for _ in range(3):
+    opt.step(closure)
+"""
+
+
+def test_run_lbfgs_on_a_bare_tensor_records_every_step(tmp_path, capsys):
+    """No module owns the parameters: the stand-in names them by group, from the first step."""
+    script = tmp_path / "bare.py"
+    script.write_text(_BARE_LBFGS)
+    assert cli.run_script(str(script), [], out=str(tmp_path / "out")) == 0
+    assert "watched _ParamHolder with LBFGS for 3 steps" in capsys.readouterr().out
+    run = graddbg.load(tmp_path / "out" / "stats.parquet")
+    assert run.stats["name"].unique().tolist() == ["group0_param0"]
+    assert run.stats["norm"].iloc[0] == pytest.approx(2 * 5 ** 0.5)  # |2 (w - [0, 1, 2])| at w = 0
+
+
+@pytest.mark.slow
+def test_run_lightning_records_the_lightning_modules_names_per_optimizer_step(tmp_path):
+    pytest.importorskip("lightning")
+    seen_path = tmp_path / "torch.json"
+    res = _graddbg("run", "--out", str(tmp_path / "out"), str(SCRIPTS / "lightning_train.py"), str(seen_path),
+                   str(tmp_path / "trainer"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "watched Tiny with SGD for 4 steps" in res.stdout  # 8 batches, accumulation 2
+    seen = _torch_norms(seen_path)
+    run = graddbg.load(tmp_path / "out" / "stats.parquet")
+    assert run.stats["name"].unique().tolist() == list(seen[0]) == [
+        "net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+    _assert_norms_equal(run, seen)  # what on_before_optimizer_step saw: the accumulated gradients
+
+
+def test_snapshots_without_an_optimizer_are_due_between_backward_passes():
+    """Without an optimizer there is no step hook: the snapshot callback runs before each
+    outermost forward pass once the watch has started (not before, not for submodules)."""
+    calls = []
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    with cli.ScriptWatcher({"explode": None}, after_step=lambda: calls.append(1)) as watcher:
+        for _ in range(4):
+            model(torch.randn(2, 3)).sum().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+    (w,) = watcher.watches
+    assert w.current_step == 4 and len(calls) == 3  # before forward passes 2, 3 and 4
+    assert w.stats["name"].unique().tolist() == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_the_model_of_an_optimizer_is_the_outermost_smallest_owner():
+    inner = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    outer = torch.nn.ModuleDict({"net": inner})  # a LightningModule around what it calls
+    ema = torch.nn.ModuleDict({"model": outer, "ema": torch.nn.Linear(2, 2)})  # more trainable parameters
+    held = {id(p) for p in inner.parameters()}
+    assert cli._choose([inner, ema, outer], held) is outer
+    frozen = torch.nn.ModuleDict({"backbone": torch.nn.Linear(2, 2).requires_grad_(False), "head": inner})
+    assert cli._choose([inner, frozen], held) is frozen  # frozen parameters do not count
+    assert cli._choose([inner[0]], held) is inner[0]
+    assert cli._choose([torch.nn.Linear(2, 2)], held) is None
 
 
 def test_quickstart_example_prints_the_summary_table():

@@ -11,6 +11,7 @@ import os
 import pathlib
 import re
 import shutil
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -728,6 +729,49 @@ def test_render_formats(tmp_path, fmt, magic):
     _, g = two_modules_graph(grads=True)
     out = g.render(tmp_path / f"g.{fmt}", format=fmt)
     assert out.read_bytes().startswith(magic)
+
+
+_RENDER_FULL_DISK = r"""
+import resource, signal, sys
+import torch
+from torch import nn
+import graddbg
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+g = graddbg.graph(lambda: model(torch.randn(5, 3)).pow(2).sum(), model=model, grads=True)
+assert len(g.svg().encode()) > 4096  # dot has run once: every import done before the limit
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.RLIM_INFINITY))
+try:
+    g.render(sys.argv[1])
+    print("written")
+except graddbg.GraddbgError as e:
+    print(e)
+"""
+
+
+@needs_dot
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_render_that_runs_out_of_space_leaves_the_previous_svg_whole(tmp_path):
+    import subprocess
+
+    _, g = two_modules_graph()
+    path = g.render(tmp_path / "graph.svg")
+    before = path.read_bytes()
+    res = subprocess.run([sys.executable, "-c", _RENDER_FULL_DISK, str(path)], capture_output=True,
+                         text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"could not write {str(path)!r}: File too large; the previous file is " \
+                                 "left as it was", res.stdout + res.stderr
+    assert path.read_bytes() == before  # byte-identical
+    assert [p.name for p in tmp_path.iterdir()] == ["graph.svg"]  # no temporary file left
+
+
+def test_render_to_a_bad_path_names_the_argument(tmp_path):
+    _, g = two_modules_graph()
+    with pytest.raises(GraddbgTypeError, match="path: expected a file name .*; got int"):
+        g.render(3)
 
 
 def svg_titles(svg: bytes) -> list:

@@ -16,6 +16,7 @@ PKG = pathlib.Path(graddbg.__file__).parent
 ALLOWED = {
     "_errors": set(),
     "_source": set(),
+    "_io": {"_errors"},
     "__init__": {"_errors", "gradcheck"},
     "__main__": {"cli"},
     "_model": {"_errors"},
@@ -26,10 +27,10 @@ ALLOWED = {
     "callbacks": {"_errors", "_model", "hooks"},
     "gradcheck": {"_errors", "_source", "_model"},
     "pytest_plugin": {"_errors", "gradcheck"},
-    "graphviz": {"_errors", "_source", "_model"},
+    "graphviz": {"_errors", "_source", "_model", "_io"},
     "plots": {"_errors"},
     "ddp_verify": {"_errors", "_model", "stats"},
-    "run": {"_errors", "_model", "stats", "anomaly"},
+    "run": {"_errors", "_model", "stats", "anomaly", "_io"},
     "report": {"_errors", "_source", "_model", "stats", "anomaly", "plots", "graphviz", "run"},
     "cli": None,  # on top of everything
 }
