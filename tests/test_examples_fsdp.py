@@ -6,20 +6,17 @@ import math
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from _dist import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "fsdp_train.py"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +24,7 @@ def launched(tmp_path_factory):
     """(completed process, report path) of one torchrun launch of the example."""
     out = tmp_path_factory.mktemp("fsdp") / "report.html"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}",
            str(EXAMPLE), "--steps", "3", "--out", str(out)]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

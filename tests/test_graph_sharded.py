@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from _dist import spawn
 
 WORLD = 2
 
@@ -83,31 +83,13 @@ def _worker(rank: int, port: int, out: str) -> None:
         json.dump(rec, f)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict:
     """What each of 2 spawned gloo ranks saw (one launch for the whole module)."""
     out = tmp_path_factory.mktemp("graph_sharded")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out)), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung"
-    recs = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)}
-    for r, rec in recs.items():
-        assert "error" not in rec, f"rank {r}:\n{rec['error']}"
-    return recs
+    return spawn(_worker, WORLD, lambda r, port: (r, port, str(out)), lambda r: out / f"rank{r}.json")
 
 
 NAMES = {"0.weight": [10, 6], "0.bias": [10], "2.weight": [3, 10], "2.bias": [3]}

@@ -1,42 +1,20 @@
 """watch() under DistributedDataParallel: real processes, gloo, 127.0.0.1."""
 from __future__ import annotations
 
-import json
 import math
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import _watch_ddp_worker as worker
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _dist import spawn
 
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("watch_ddp")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=worker.main, args=(r, 2, port, str(out)), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=150)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung"
-    results = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
-    for r, rec in results.items():
-        assert "error" not in rec, f"rank {r}:\n{rec.get('error')}"
-    return results
+    return spawn(worker.main, 2, lambda r, port: (r, 2, port, str(out)), lambda r: out / f"rank{r}.json", timeout=150)
 
 
 @pytest.mark.timeout(240)

@@ -4,42 +4,19 @@ Every rank's table holds the statistics of the full, unsharded gradients, equal 
 ``p.grad.full_tensor()``'s and the same on every rank."""
 from __future__ import annotations
 
-import json
 import math
-import socket
 
 import pytest
-import torch.multiprocessing as mp
 
 import _sharded_worker as worker
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _dist import spawn
 
 
 def _launch(case: str, world: int, out, target=None) -> dict:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
     if target is None:
-        procs = [ctx.Process(target=worker.main, args=(case, r, world, port, str(out)), daemon=True)
-                 for r in range(world)]
-    else:
-        procs = [ctx.Process(target=target, args=(r, world, port, str(out)), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"{case}: a rank hung"
-    results = {r: json.loads((out / f"{case}-rank{r}.json").read_text()) for r in range(world)}
-    for r, rec in results.items():
-        assert "error" not in rec, f"{case} rank {r}:\n{rec['error']}"
-    return results
+        return spawn(worker.main, world, lambda r, port: (case, r, world, port, str(out)),
+                     lambda r: out / f"{case}-rank{r}.json")
+    return spawn(target, world, lambda r, port: (r, world, port, str(out)), lambda r: out / f"{case}-rank{r}.json")
 
 
 def _check_full_norms(results: dict, steps=(0, 1)) -> None:
