@@ -45,6 +45,7 @@ def test_default_watch_makes_one_synchronisation_per_step_on_cuda():
             opt.zero_grad()
     assert w.host_syncs == 5
     assert w.stats["norm"].notna().all()
+    assert w.stats["absmax"].notna().all()  # read on every recorded step on a GPU (every 10th on the CPU)
 
 
 @requires_cuda
