@@ -1610,7 +1610,6 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> Gradcheck
     return _check_function("gradcheck", fn, inputs, opts)
 
 
-@_options_in_signature
 def _refuse_sharded(where: str, module: torch.nn.Module) -> None:
     """Finite differences need the whole module in one process: a module whose parameters
     are DTensors (FSDP2's fully_shard, HSDP, tensor parallel) is refused with what to pass."""
@@ -1624,6 +1623,7 @@ def _refuse_sharded(where: str, module: torch.nn.Module) -> None:
             f"weights (parameters' .full_tensor()).")
 
 
+@_options_in_signature
 def check_module(module: torch.nn.Module, *inputs: Any,
                  wrt: Union[str, Sequence[str]] = "all", **options: Any) -> GradcheckResult:
     """Check a module's gradients w.r.t. its parameters and/or inputs, on a copy.

@@ -26,6 +26,8 @@ import numbers
 from typing import (TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Sequence,
                     Tuple)
 
+from graddbg._errors import GraddbgTypeError, GraddbgValueError
+
 if TYPE_CHECKING:  # pragma: no cover - type names only, nothing imported at run time
     import numpy
     import pandas
@@ -63,11 +65,11 @@ def _frame(obj: Any, arg: str, columns: Sequence[str]) -> "pandas.DataFrame":
     import pandas as pd
 
     if not isinstance(obj, pd.DataFrame):
-        raise TypeError(f"{arg} must be a pandas DataFrame with columns {list(columns)}; "
+        raise GraddbgTypeError(f"{arg} must be a pandas DataFrame with columns {list(columns)}; "
                         f"got {type(obj).__name__}")
     missing = [c for c in columns if c not in obj.columns]
     if missing:
-        raise ValueError(f"{arg} lacks the columns {missing}; it has {list(obj.columns)} "
+        raise GraddbgValueError(f"{arg} lacks the columns {missing}; it has {list(obj.columns)} "
                          f"(expected the frames recorded by graddbg.watch)")
     plain = {c: obj[c].astype(object) for c in ("name", "module")
              if c in obj.columns and isinstance(obj[c].dtype, pd.CategoricalDtype)}
@@ -150,7 +152,7 @@ def _select_names(stats: "pandas.DataFrame", names: Optional[Sequence[str]]) -> 
     unknown = [n for n in names if n not in set(known)]
     if unknown:
         shown = known[:10] + (["..."] if len(known) > 10 else [])
-        raise ValueError(f"names: unknown parameters {unknown}; recorded parameters are {shown}")
+        raise GraddbgValueError(f"names: unknown parameters {unknown}; recorded parameters are {shown}")
     return list(names)
 
 
@@ -373,12 +375,12 @@ def _flow_step(stats: "pandas.DataFrame", step: Optional[int]) -> int:
     import numpy as np
 
     if len(stats) == 0:
-        raise ValueError("stats: the run recorded no statistics (no step was recorded)")
+        raise GraddbgValueError("stats: the run recorded no statistics (no step was recorded)")
     recorded = np.unique(stats["step"].to_numpy(dtype=np.int64))
     if step is None:
         return int(recorded[-1])
     if int(step) not in recorded:
-        raise ValueError(f"step: {step!r} was not recorded; recorded steps run from "
+        raise GraddbgValueError(f"step: {step!r} was not recorded; recorded steps run from "
                          f"{recorded[0]} to {recorded[-1]} ({len(recorded)} steps)")
     return int(step)
 
@@ -590,7 +592,7 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
     if steps is not None:
         steps = _frame(steps, "steps", ("step",))
     if max_points is not None and int(max_points) < 2:
-        raise ValueError(f"max_points must be at least 2 (or None for all points); got {max_points!r}")
+        raise GraddbgValueError(f"max_points must be at least 2 (or None for all points); got {max_points!r}")
     if heatmap:
         return _norm_heatmap(stats, steps, anomalies, names, max_points)
 
@@ -780,7 +782,7 @@ def update_ratio(stats: "pandas.DataFrame", guide: Optional[float] = 1e-3, *,
     stats = _frame(stats, "stats", ("step", "name"))
     if guide is not None and not (isinstance(guide, (int, float)) and math.isfinite(guide)
                                   and guide > 0):
-        raise ValueError(f"guide must be a positive finite number or None; got {guide!r}")
+        raise GraddbgValueError(f"guide must be a positive finite number or None; got {guide!r}")
     ratios = (stats["update_ratio"].to_numpy(dtype=float) if "update_ratio" in stats.columns
               else np.full(len(stats), np.nan))
     fig = _new_figure(9.0, 4.5)
@@ -917,13 +919,13 @@ def hist(histograms: "pandas.DataFrame", at: Optional[Sequence[int]] = None,
     ('w', 'log')
     """
     if histograms is None:
-        raise ValueError("histograms: none were recorded; pass watch(..., histograms=...) "
+        raise GraddbgValueError("histograms: none were recorded; pass watch(..., histograms=...) "
                          "to record them")
     histograms = _frame(histograms, "histograms", ("step", "name", "lo", "hi", "count"))
     if len(histograms) == 0:
-        raise ValueError("histograms: the frame is empty (no recorded step had histograms)")
+        raise GraddbgValueError("histograms: the frame is empty (no recorded step had histograms)")
     if int(max_panels) < 1:
-        raise ValueError(f"max_panels must be at least 1; got {max_panels!r}")
+        raise GraddbgValueError(f"max_panels must be at least 1; got {max_panels!r}")
     chosen_steps = _hist_steps(histograms, at)
     all_names = _order(histograms["name"])
     chosen = _hist_names(all_names, names, int(max_panels))
@@ -958,7 +960,7 @@ def _hist_steps(histograms: "pandas.DataFrame", at: Any) -> List[int]:
     chosen = [int(s) for s in ([at] if isinstance(at, numbers.Integral) else at)]
     missing = [s for s in chosen if s not in set(recorded)]
     if missing:
-        raise ValueError(f"at: steps {missing} have no histogram; recorded histogram "
+        raise GraddbgValueError(f"at: steps {missing} have no histogram; recorded histogram "
                          f"steps are {recorded[:10]}{' ...' if len(recorded) > 10 else ''}")
     return chosen
 
@@ -970,7 +972,7 @@ def _hist_names(all_names: List[str], names: Any, max_panels: int) -> List[str]:
     chosen = [names] if isinstance(names, str) else list(names)
     unknown = [n for n in chosen if n not in set(all_names)]
     if unknown:
-        raise ValueError(f"names: no histogram for {unknown}; parameters with histograms "
+        raise GraddbgValueError(f"names: no histogram for {unknown}; parameters with histograms "
                          f"are {all_names[:10]}{' ...' if len(all_names) > 10 else ''}")
     return chosen
 
@@ -1044,4 +1046,4 @@ def plot(kind: str, stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame
         return update_ratio(stats, anomalies=anomalies, **kw)
     if kind == "hist":
         return hist(histograms, stats=stats, **kw)
-    raise ValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")
+    raise GraddbgValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")
