@@ -67,6 +67,33 @@ after the backward that should have synchronised. If a loop got its ``no_sync`` 
 wrong (the last micro-batch inside ``no_sync``, an off-by-one), the gradients the
 optimizer is about to use differ across ranks and the check names them;
 :func:`check_parameters` after the step catches weights that have already drifted apart.
+
+Sharded models (FSDP2's ``fully_shard``, HSDP, DTensor tensor parallelism). The checks
+compare replicas, shard by shard. Each rank fingerprints what it holds of every tensor (a
+DTensor's ``to_local()`` shard) and is compared only with its replicas: by default the
+ranks that hold the same shard of every tensor (the same coordinates on every mesh
+dimension over which some tensor is not ``Replicate``), found from the one exchange, which
+then runs over the default group: every rank calls the check, gets the same verdict, and
+ranks are named by their global rank. On HSDP (a ``(replicate, shard)`` mesh) the replica
+groups lie along ``replicate``; under tensor parallelism over ``tp`` with data parallelism
+over ``dp`` (``replicate``, ``DistributedDataParallel(..., device_mesh=mesh["dp"])`` or
+gradients averaged by hand), along ``dp``. ``group=`` may name them instead: a mesh
+dimension name (``group="replicate"``, looked up on the DTensors' mesh, or on the mesh it
+was sliced from), a 1-D ``DeviceMesh`` or a ProcessGroup (each rank passes its own). A
+group that puts ranks holding different shards together is refused (GraddbgValueError,
+naming the tensor and both shards). Pure FSDP (every parameter sharded over the whole
+mesh) has no replicas, and the checks say so (GraddbgValueError) rather than compare
+shards that differ by design; ``graddbg.watch`` gives the statistics of the full gradients
+there. Plain tensors of a sharded model (its buffers, unsharded parameters) are compared
+within the same replica groups, across every rank when a check holds no DTensor.
+``report.replica_groups`` lists the groups compared; a differing shard's row carries its
+``local_shape`` and ``shard`` (placements, mesh, coordinates)::
+
+    mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("replicate", "shard"))
+    model = fully_shard(model, mesh=mesh)                      # HSDP
+    ...
+    loss.backward()
+    report = ddp_verify.check_gradients(model)                 # or group="replicate"
 """
 from __future__ import annotations
 
@@ -328,6 +355,8 @@ class Mismatch:
     index: Optional[Tuple[int, ...]] = None  # details=True: where the largest difference is
     value: Optional[float] = None          # details=True: this rank's value there
     reference_value: Optional[float] = None
+    local_shape: Optional[Tuple[int, ...]] = None  # a DTensor: the shape of this rank's shard
+    shard: Optional[str] = None            # a DTensor: its placements and this rank's coordinates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,7 +366,9 @@ class ConsistencyReport:
     ``ok`` (also ``bool(report)``), ``world_size``, ``rank`` (this process's rank in the
     group), ``kind`` ("gradients", "parameters" or "buffers"), ``mode`` ("bitwise" or
     "tolerance"), ``checked`` (number of tensors compared), ``rows`` (the
-    :class:`Mismatch` records) and ``mismatches``, the same as a DataFrame.
+    :class:`Mismatch` records) and ``mismatches``, the same as a DataFrame. On a sharded
+    model, ``replica_groups`` holds the groups of (global) ranks that were compared with
+    each other, shard by shard; it is empty otherwise (every rank of the group compared).
     """
 
     ok: bool
@@ -349,6 +380,7 @@ class ConsistencyReport:
     rows: Tuple[Mismatch, ...] = ()
     atol: float = 0.0
     rtol: float = 0.0
+    replica_groups: Tuple[Tuple[int, ...], ...] = ()
 
     def __bool__(self) -> bool:
         return self.ok
@@ -380,6 +412,9 @@ class ConsistencyReport:
     def summary(self) -> str:
         """One line: the verdict, the first differing tensor and the ranks."""
         head = f"{self.kind} ({self.mode}) across {self.world_size} ranks"
+        if len(self.replica_groups) > 1:
+            head += (", shard by shard within the replica groups "
+                     + " ".join(str(list(g)) for g in self.replica_groups))
         if self.ok:
             return f"{head}: consistent ({self.checked} tensors)"
         first = self.rows[0]
@@ -410,12 +445,14 @@ class _Options:
 
     fn: str
     kind: str
-    group: Any
+    group: Any                  # the group the fingerprints are exchanged over
     atol: float
     rtol: float
     timeout: timedelta
     details: bool
     raise_on_mismatch: bool
+    sharded: bool = False       # the model holds DTensors: compare shard by shard, within replicas
+    replicas: Optional[Tuple[int, ...]] = None  # sharded, group= given: this rank's replicas
 
     @property
     def mode(self) -> str:
@@ -456,18 +493,42 @@ def _timeout_arg(fn: str, timeout: Any) -> timedelta:
                             f"(a datetime.timedelta or a finite number of seconds > 0)")
 
 
-def _group_arg(fn: str, group: Any) -> None:
-    """A bad ``group`` is an argument error; no process group at all is a state error."""
+def _is_mesh(group: Any) -> bool:
+    return type(group).__name__ == "DeviceMesh" and hasattr(group, "mesh")
+
+
+def _group_type(fn: str, group: Any, sharded: Optional[bool]) -> None:
+    """``group``'s type: None or a ProcessGroup; with a model (``sharded`` not None), a
+    DeviceMesh too, and a mesh dimension name when the model holds DTensors."""
+    if group is None or isinstance(group, dist.ProcessGroup) or (
+            sharded is not None and (_is_mesh(group) or (sharded and isinstance(group, str)))):
+        return
+    accepted = "None (the default group) or a torch.distributed.ProcessGroup"
+    if sharded is not None:
+        accepted += (", a 1-D DeviceMesh, or the name of a DeviceMesh dimension of the model's "
+                     "DTensors (such as 'replicate')")
+    if isinstance(group, str) and sharded is not None:
+        accepted += ("; a dimension name needs a model holding DTensors (fully_shard, "
+                     "parallelize_module), and this model holds none")
+    raise GraddbgTypeError(f"{fn}(group=...): got {type(group).__name__}; accepted: {accepted}")
+
+
+def _group_arg(fn: str, group: Any, sharded: Optional[bool] = None) -> None:
+    """A bad ``group`` is an argument error; no process group at all is a state error.
+    ``sharded``: whether the model holds DTensors (None: there is no model)."""
     if not dist.is_available():
         raise GraddbgError(f"{fn}: this build of torch has no torch.distributed")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise GraddbgTypeError(f"{fn}(group=...): got {type(group).__name__}; accepted: None (the "
-                               f"default group) or a torch.distributed.ProcessGroup")
+    _group_type(fn, group, sharded)
+    if _is_mesh(group) and group.ndim != 1:
+        raise GraddbgValueError(f"{fn}(group=...): got a {group.ndim}-D DeviceMesh "
+                                f"{tuple(group.mesh_dim_names or ())}; accepted: a 1-D mesh, such "
+                                f"as mesh['replicate'], or a dimension name, such as 'replicate'")
     if not dist.is_initialized():
         raise GraddbgError(f"{fn}: torch.distributed is not initialized; call "
                            f"torch.distributed.init_process_group(...) on every rank first "
                            f"(or launch with torchrun)")
-    if dist.get_rank(group) < 0:
+    if (isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0) or \
+            (_is_mesh(group) and group.get_coordinate() is None):
         raise GraddbgValueError(f"{fn}(group=...): this process (global rank {dist.get_rank()}) is "
                                 f"not a member of the group; call the check only on its members")
 
@@ -478,28 +539,136 @@ def _options(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, t
     options = _Options(fn, kind, group, _tolerance_arg(fn, "atol", atol),
                        _tolerance_arg(fn, "rtol", rtol), _timeout_arg(fn, timeout),
                        bool(details), bool(raise_on_mismatch))
-    _group_arg(fn, group)
-    return options
+    mesh = _model_mesh(unwrap(model))
+    _group_arg(fn, group, sharded=mesh is not None)
+    return _resolve(options, mesh)
 
 
-def _collect(model: nn.Module, kind: str) -> Tuple[List[str], List[Optional[torch.Tensor]], List[tuple]]:
-    """Names, tensors (a gradient may be None) and metadata (name, shape, dtype, and for
-    gradients requires_grad) of what ``kind`` checks, without DDP's ignored ones."""
+# --------------------------------------------------------------------------- sharded models
+def _spec(t: Any) -> Optional[Tuple[Any, Tuple[Any, ...], Tuple[int, ...]]]:
+    """(mesh, placements, global shape) of a DTensor (FSDP2, HSDP, tensor parallel), or of
+    a parameter that ``DistributedDataParallel(model, device_mesh=mesh["dp"])`` holds as its
+    local shard of a tensor-parallel DTensor (torch keeps the spec as ``_st_info``); None
+    for a plain tensor. Recognised without importing DTensor."""
+    if hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local"):
+        return t.device_mesh, tuple(t.placements), tuple(t.shape)
+    info = getattr(t, "_st_info", None)
+    if info is not None and hasattr(info, "mesh") and hasattr(info, "placements"):
+        return info.mesh, tuple(info.placements), tuple(info.shape)
+    return None
+
+
+def _held(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """What this rank holds of ``t``: a DTensor's local shard, else ``t``."""
+    if t is not None and hasattr(t, "to_local") and hasattr(t, "device_mesh"):
+        return t.to_local()
+    return t
+
+
+def _layout_entry(spec: tuple, local_shape: Tuple[int, ...]) -> tuple:
+    """Which shard of a tensor this rank holds: the mesh (dimension names and sizes), the
+    placements, this rank's coordinate on every dimension that is not ``Replicate`` (None
+    on those that are) and the local shape. Two ranks holding equal entries hold the same
+    shard, so their local tensors should be equal."""
+    mesh, placements, _ = spec
+    names = tuple(mesh.mesh_dim_names or range(mesh.ndim))
+    coords = mesh.get_coordinate() or [None] * mesh.ndim
+    held = tuple(None if p.is_replicate() else c for p, c in zip(placements, coords))
+    return (names, tuple(mesh.shape), tuple(repr(p) for p in placements), held, local_shape)
+
+
+def _placement_text(entry: tuple) -> str:
+    """Placements and mesh of a layout entry, such as ``(Replicate(), Shard(dim=0)) over
+    the mesh (replicate=2, shard=2)``: the same on every rank."""
+    names, sizes, placements = entry[:3]
+    if all(isinstance(n, str) for n in names):
+        mesh = "the mesh (" + ", ".join(f"{n}={k}" for n, k in zip(names, sizes)) + ")"
+    else:
+        mesh = f"a mesh of shape {tuple(sizes)}"
+    return f"({', '.join(placements)}) over {mesh}"
+
+
+def _shard_text(entry: tuple) -> str:
+    """A layout entry for a person: placements, mesh, the shard's coordinates ("*" on the
+    dimensions it is replicated over) and the local shape."""
+    where = ", ".join("*" if c is None else str(c) for c in entry[3])
+    return f"{_placement_text(entry)}, shard at ({where}), local shape {tuple(entry[4])}"
+
+
+def _model_mesh(model: nn.Module) -> Any:
+    """The DeviceMesh of the model's first DTensor parameter or buffer; None when it has none."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        spec = _spec(t)
+        if spec is not None:
+            return spec[0]
+    return None
+
+
+def _dim_ranks(fn: str, mesh: Any, name: str) -> List[int]:
+    """The global ranks along the mesh dimension ``name`` through this rank: found on the
+    DTensors' mesh or, when that is a slice (``mesh["tp"]``), on the mesh it was cut from."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    for candidate in (mesh, root):
+        names = tuple(candidate.mesh_dim_names or ())
+        coords = candidate.get_coordinate()
+        if name in names and coords is not None:
+            at = tuple(slice(None) if d == names.index(name) else c for d, c in enumerate(coords))
+            return candidate.mesh[at].flatten().tolist()
+    known = sorted(set(mesh.mesh_dim_names or ()) | set(root.mesh_dim_names or ()))
+    raise GraddbgValueError(f"{fn}(group={name!r}): the DeviceMesh of the model's DTensors has no "
+                            f"dimension {name!r}; its dimensions: {known} (init_device_mesh(..., "
+                            f"mesh_dim_names=...) names them)")
+
+
+def _resolve(options: _Options, mesh: Any) -> _Options:
+    """Where the fingerprints go and who is compared with whom.
+
+    A plain model (``mesh`` None): exchanged over ``group`` (a 1-D DeviceMesh: its process
+    group), every rank compared. A model holding DTensors on ``mesh``: exchanged over the
+    default group (every rank takes part and gets the same verdict), each rank compared
+    with its replicas only: the ranks of ``group`` (a dimension name, a 1-D DeviceMesh or a
+    ProcessGroup), or by default the ranks that hold the same shard of every tensor (see
+    :func:`_replica_header`)."""
+    group = options.group
+    if mesh is None:
+        exchange = group.get_group() if _is_mesh(group) else group
+        return dataclasses.replace(options, group=exchange)
+    if group is None:
+        return dataclasses.replace(options, group=None, sharded=True)
+    if isinstance(group, str):
+        ranks = _dim_ranks(options.fn, mesh, group)
+    elif _is_mesh(group):
+        ranks = group.mesh.flatten().tolist()
+    else:
+        ranks = dist.get_process_group_ranks(group)
+    return dataclasses.replace(options, group=None, sharded=True, replicas=tuple(sorted(ranks)))
+
+
+def _collect(model: nn.Module, kind: str) -> Tuple[List[str], List[Optional[torch.Tensor]],
+                                                    List[tuple], List[Optional[tuple]]]:
+    """Names, the tensors this rank holds (a gradient may be None; a DTensor's local
+    shard), metadata (name, global shape, dtype, and for gradients requires_grad) and
+    layouts (see :func:`_layout_entry`; None for a plain tensor) of what ``kind`` checks,
+    without DDP's ignored ones."""
     ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
     items: Iterable = model.named_buffers() if kind == "buffers" else model.named_parameters()
     names: List[str] = []
     tensors: List[Optional[torch.Tensor]] = []
     meta: List[tuple] = []
+    layout: List[Optional[tuple]] = []
     for name, t in items:
         if name in ignore:
             continue
+        source = t.grad if kind == "gradients" else t
+        spec = (_spec(source) if source is not None else None) or _spec(t)
         names.append(clean_name(name))
-        entry = (names[-1], tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        entry = (names[-1], spec[2] if spec else tuple(t.shape), str(t.dtype).replace("torch.", ""))
         if kind == "gradients":
             entry += (bool(t.requires_grad),)
-        tensors.append(t.grad if kind == "gradients" else t)
+        tensors.append(_held(source))
         meta.append(entry)
-    return names, tensors, meta
+        layout.append(None if spec is None else _layout_entry(spec, tuple(_held(t).shape)))
+    return names, tensors, meta, layout
 
 
 # --------------------------------------------------------------------------- groups
@@ -555,7 +724,8 @@ def prepare(group: Any = None, *, timeout: Timeout = timedelta(seconds=300)) -> 
     Needed only for groups of another backend than gloo (NCCL, for instance), and even then
     optional: the first check creates it. Creating a group is collective, so call this
     on every rank of ``group`` at the same point, right after ``init_process_group``,
-    when a later check may be reached by some ranks only.
+    when a later check may be reached by some ranks only. Checks of a model holding
+    DTensors exchange over the default group, whatever their ``group=``: ``prepare()``.
 
     >>> prepare()  # doctest: +SKIP
     """
@@ -778,86 +948,116 @@ def _close(a: torch.Tensor, b: torch.Tensor, numel: int, atol: float, rtol: floa
     return bool(_close_matrix(torch.stack([a, b]), numel, atol, rtol)[0, 1])
 
 
-def _verdict(table: torch.Tensor, names: List[str], meta: List[tuple], mode: str,
-             atol: float, rtol: float) -> List[Tuple[int, int, int, str]]:
-    """(param index, rank, reference rank, reason) for every entry that disagrees.
-
-    The reference of a tensor is the rank that agrees with the most ranks (ties: the lowest
-    rank); every rank that does not agree with it is reported.
-    """
-    world = table.shape[0]
-    equal = (table == table[0:1]).all(dim=2).all(dim=0)
-    out: List[Tuple[int, int, int, str]] = []
-    for p in (~equal).nonzero().flatten().tolist():
-        rows = table[:, p, :]
-        if mode == "bitwise":
-            _, label = torch.unique(rows, dim=0, return_inverse=True)
-            same = label[:, None] == label[None, :]
+def _disagree(rows: torch.Tensor, mode: str, numel: int, atol: float,
+              rtol: float) -> List[Tuple[int, int, str]]:
+    """(row, reference row, reason) for every row of one tensor's fingerprints (``[n, k]``)
+    that does not agree with the reference: the row that agrees with the most rows (ties:
+    the first)."""
+    if mode == "bitwise":
+        _, label = torch.unique(rows, dim=0, return_inverse=True)
+        same = label[:, None] == label[None, :]
+    else:
+        same = _close_matrix(rows, numel, atol, rtol)
+    support = same.sum(dim=1).tolist()
+    ref = max(range(rows.shape[0]), key=lambda r: (support[r], -r))
+    out = []
+    for r in (~same[:, ref]).nonzero().flatten().tolist():
+        if int(rows[r, 0]) != int(rows[ref, 0]):
+            reason = ("no gradient on this rank" if not int(rows[r, 0])
+                      else "has a gradient, the reference rank has none")
+        elif mode == "bitwise":
+            reason = "bits differ"
+        elif not torch.equal(rows[r, 1:4], rows[ref, 1:4]):
+            reason = "NaN/Inf counts differ"
         else:
-            numel = 1
-            for size in meta[p][1]:
-                numel *= size
-            same = _close_matrix(rows, numel, atol, rtol)
-        support = same.sum(dim=1).tolist()
-        ref = max(range(world), key=lambda r: (support[r], -r))
-        for r in (~same[:, ref]).nonzero().flatten().tolist():
-            if int(rows[r, 0]) != int(rows[ref, 0]):
-                reason = ("no gradient on this rank" if not int(rows[r, 0])
-                          else "has a gradient, the reference rank has none")
-            elif mode == "bitwise":
-                reason = "bits differ"
-            elif not torch.equal(rows[r, 1:4], rows[ref, 1:4]):
-                reason = "NaN/Inf counts differ"
-            else:
-                reason = "values differ beyond atol/rtol"
-            out.append((p, r, ref, reason))
+            reason = "values differ beyond atol/rtol"
+        out.append((r, ref, reason))
     return out
 
 
-def _wire(t: Optional[torch.Tensor], shape: Tuple[int, ...], dtype: str,
-          device: torch.device) -> Tuple[torch.Tensor, Tuple[int, ...]]:
-    """What a rank sends of one tensor for details=True: flat float64 (zeros where it has
-    none), and the shape its flat index refers to (complex tensors as their real view)."""
-    real_shape = tuple(shape) + ((2,) if dtype.startswith("complex") else ())
-    if t is None:
-        numel = 1
-        for s in real_shape:
-            numel *= s
-        return torch.zeros(numel, dtype=torch.float64, device=device), real_shape
-    return _flat(t).to(device=device, dtype=torch.float64), real_shape
+def _verdict(table: torch.Tensor, names: List[str], meta: List[tuple], mode: str,
+             atol: float, rtol: float, sets: Optional[List[List[int]]] = None,
+             numels: Optional[List[List[int]]] = None) -> List[Tuple[int, int, int, str]]:
+    """(param index, rank, reference rank, reason) for every entry that disagrees, by
+    parameter, then rank.
+
+    Ranks are compared within each of ``sets`` (default: all together; on a sharded model,
+    the replica groups). The reference of a tensor is the rank of the set that agrees with
+    the most of its ranks (ties: the lowest rank); every rank that does not agree with it is
+    reported. ``numels[r][p]``: how many elements rank r holds of tensor p, for the
+    tolerance bounds (default: the number of elements of ``meta``'s shape).
+    """
+    out: List[Tuple[int, int, int, str]] = []
+    for ranks in sets or [list(range(table.shape[0]))]:
+        sub = table[ranks]
+        equal = (sub == sub[0:1]).all(dim=2).all(dim=0)
+        for p in (~equal).nonzero().flatten().tolist():
+            numel = numels[ranks[0]][p] if numels is not None else math.prod(meta[p][1])
+            out += [(p, ranks[r], ranks[ref], reason)
+                    for r, ref, reason in _disagree(sub[:, p, :], mode, numel, atol, rtol)]
+    return sorted(out)
+
+
+def _local_shapes(meta: List[tuple], layouts: Optional[List[List[Optional[tuple]]]],
+                  world: int) -> List[List[Tuple[int, ...]]]:
+    """``[rank][tensor]``: the shape of what each rank holds (its shard of a DTensor, from
+    every rank's layouts; else the shape in ``meta``)."""
+    plain = [tuple(m[1]) for m in meta]
+    if layouts is None:
+        return [plain] * world
+    return [[tuple(e[-1]) if e is not None else plain[p] for p, e in enumerate(rank_layout)]
+            for rank_layout in layouts]
+
+
+def _wire(t: Optional[torch.Tensor], length: int, device: torch.device) -> torch.Tensor:
+    """What a rank sends of one tensor for details=True: flat float64 (complex tensors as
+    their real view), zero-padded to ``length`` (all zeros where it has none)."""
+    x = torch.zeros(length, dtype=torch.float64, device=device)
+    if t is not None:
+        flat = _flat(t)
+        x[: flat.numel()] = flat.to(device=device, dtype=torch.float64)
+    return x
+
+
+def _largest_differences(x: torch.Tensor, pairs: List[Tuple[int, int]], group: Any) -> dict:
+    """Gather ``x`` from every rank in bounded slices; for each (rank, reference rank) pair:
+    rank -> [largest difference, elements that differ, flat index, value, reference value]."""
+    chunk = max(16, _DETAIL_BYTES // (8 * dist.get_world_size(group)))
+    best = {r: [-1.0, 0, -1, float("nan"), float("nan")] for r, _ in pairs}
+    for start in range(0, x.numel(), chunk):
+        gathered = _all_gather(x[start:start + chunk], group).cpu()
+        for r, ref in pairs:
+            a, b = gathered[r], gathered[ref]
+            same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+            diff = torch.where(same, torch.zeros_like(a), (a - b).abs()).nan_to_num(nan=float("inf"))
+            at = int(diff.argmax())
+            entry = best[r]
+            entry[1] += int((~same).sum())
+            if float(diff[at]) > entry[0]:
+                entry[0], entry[2] = float(diff[at]), start + at
+                entry[3], entry[4] = float(a[at]), float(b[at])
+    return best
 
 
 def _details(found: List[Tuple[int, int, int, str]], tensors: List[Optional[torch.Tensor]],
-             meta: List[tuple], group: Any, device: torch.device) -> dict:
+             meta: List[tuple], shapes: List[List[Tuple[int, ...]]], group: Any,
+             device: torch.device) -> dict:
     """Gather the offending tensors (at most _MAX_DETAIL_TENSORS, in bounded slices) and
-    measure, for each differing rank, the largest difference from its reference rank."""
+    measure, for each differing rank, the largest difference from its reference rank.
+    ``shapes[r][p]``: what rank r holds of tensor p (a shard's index is into the shard)."""
     params = list(dict.fromkeys(p for p, _, _, _ in found))[:_MAX_DETAIL_TENSORS]
-    world = dist.get_world_size(group)
-    chunk = max(16, _DETAIL_BYTES // (8 * world))
     result = {}
     for p in params:
-        x, shape = _wire(tensors[p], meta[p][1], meta[p][2], device)
-        pairs = [(r, ref) for q, r, ref, _ in found if q == p]
-        best = {r: [-1.0, 0, -1, float("nan"), float("nan")] for r, _ in pairs}
-        for start in range(0, x.numel(), chunk):
-            gathered = _all_gather(x[start:start + chunk], group).cpu()
-            for r, ref in pairs:
-                a, b = gathered[r], gathered[ref]
-                same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-                diff = torch.where(same, torch.zeros_like(a), (a - b).abs()).nan_to_num(
-                    nan=float("inf"))
-                at = int(diff.argmax())
-                entry = best[r]
-                entry[1] += int((~same).sum())
-                if float(diff[at]) > entry[0]:
-                    entry[0], entry[2] = float(diff[at]), start + at
-                    entry[3], entry[4] = float(a[at]), float(b[at])
+        complex_ = meta[p][2].startswith("complex")
+        real = [tuple(s[p]) + ((2,) if complex_ else ()) for s in shapes]
+        x = _wire(tensors[p], max(math.prod(shape) for shape in real), device)
+        best = _largest_differences(x, [(r, ref) for q, r, ref, _ in found if q == p], group)
         for r, (worst, n_diff, at, value, ref_value) in best.items():
             if at < 0:
                 result[(p, r)] = (0.0, 0, None, None, None)
                 continue
-            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(at), shape)) \
-                if shape else ()
+            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(at), real[r])) \
+                if real[r] else ()
             result[(p, r)] = (worst, n_diff, index, value, ref_value)
     return result
 
@@ -885,11 +1085,30 @@ def _tolerance_finish(first: torch.Tensor, tensors: List[Optional[torch.Tensor]]
 
 
 # --------------------------------------------------------------------------- the check
+_KEY, _COUNT, _SHARDS = 6, 7, 8     # sharded models' header: replica key, count, layout hash
+
+
+def _replica_header(options: _Options, layout: List[Optional[tuple]]) -> List[int]:
+    """On a sharded model, [replica key, replica count, layout hash] (nothing otherwise:
+    every rank is compared). Ranks with the same key are compared with each other. The key
+    is the hash of the layout (the ranks that hold the same shard of every tensor) unless
+    ``group=`` named the replicas: then the hash of the group's ranks, and the count is
+    their number."""
+    if not options.sharded:
+        return []
+    shards = _hash64(repr(layout))
+    if options.replicas is None:
+        return [shards, 0, shards]
+    return [_hash64(repr(options.replicas)), len(options.replicas), shards]
+
+
 def _local(options: _Options, tensors: List[Optional[torch.Tensor]], meta: List[tuple],
+           layout: List[Optional[tuple]],
            device: torch.device) -> Tuple[Optional[torch.Tensor], List[int], Optional[BaseException]]:
     """This rank's fingerprint table (round one in tolerance mode) on ``device`` and its
-    header: [metadata hash, tensor count, call hash, world size, digest a, digest b]. A
-    failure is told to the other ranks (a header of -1s), so that every rank raises."""
+    header: [metadata hash, tensor count, call hash, world size, digest a, digest b], then
+    on a sharded model the replica fields (:func:`_replica_header`). A failure is told to
+    the other ranks (a header of -1s), so that every rank raises."""
     try:
         if options.mode == "bitwise":
             local = fingerprints(tensors, device=device)
@@ -897,16 +1116,16 @@ def _local(options: _Options, tensors: List[Optional[torch.Tensor]], meta: List[
             local = _tolerance_quick_table(tensors, device)
         header = [_hash64(repr(meta)), len(meta), _hash64(options.call),
                   dist.get_world_size(options.group)] + _digest(local).tolist()
-        return local, header, None
+        return local, header + _replica_header(options, layout), None
     except Exception as err:
-        return None, [-1] * 6, err
+        return None, [-1] * (9 if options.sharded else 6), err
 
 
 def _raise_unless_comparable(options: _Options, rows: List[List[int]], meta: List[tuple],
                              error: Optional[BaseException]) -> None:
     """On every rank alike: a rank that came too late, a rank that could not fingerprint,
     ranks holding different models or asking different checks."""
-    _late_ranks_error(options.fn, [row[6] for row in rows], options.timeout,
+    _late_ranks_error(options.fn, [row[-1] for row in rows], options.timeout,
                       dist.get_rank(options.group))
     failed = [r for r, row in enumerate(rows) if all(v == -1 for v in row[:4])]
     if failed:
@@ -918,51 +1137,153 @@ def _raise_unless_comparable(options: _Options, rows: List[List[int]], meta: Lis
         _structure_error(options.fn, options.kind, options.call, meta, options.group)
 
 
-def _compare(options: _Options, rows: List[List[int]], local: torch.Tensor, names: List[str],
-             tensors: List[Optional[torch.Tensor]], meta: List[tuple],
+def _all_layouts(options: _Options, layout: List[Optional[tuple]], world: int,
+                 wanted: Optional[Iterable[int]] = None) -> List[List[Optional[tuple]]]:
+    """Every rank's layout (a plain model's are all None; a sharded model's come from one
+    small object gather, of the ``wanted`` tensors only when given: None for the others)."""
+    if not options.sharded:
+        return [layout] * world
+    mine: Any = layout if wanted is None else {p: layout[p] for p in wanted}
+    everything: List[Any] = [None] * world
+    dist.all_gather_object(everything, mine, group=options.group)
+    if wanted is None:
+        return everything
+    return [[held.get(p) for p in range(len(layout))] for held in everything]
+
+
+def _shards_differ(options: _Options, ranks: List[int], names: List[str],
+                   layout: List[Optional[tuple]]) -> None:
+    """Raise (on every rank alike) naming the first tensor of which two ranks that
+    ``group=`` puts together hold different shards."""
+    layouts = _all_layouts(options, layout, dist.get_world_size(options.group))
+    for p, name in enumerate(names):
+        held = {r: layouts[r][p] for r in ranks}
+        other = next((r for r in ranks if held[r] != held[ranks[0]]), None)
+        if other is None:
+            continue
+        a, b = ranks[0], other
+        texts = [_shard_text(held[r]) if held[r] is not None else "a plain tensor" for r in (a, b)]
+        raise GraddbgValueError(
+            f"{options.fn}(group=...): ranks {a} and {b} are in one replica group but hold "
+            f"different shards of {name!r} (rank {a}: {texts[0]}; rank {b}: {texts[1]}), so "
+            f"they are not replicas. Pass the mesh dimension over which the tensors are "
+            f"Replicate (such as 'replicate' for HSDP or 'dp' over tensor parallelism), or "
+            f"group=None to find the replicas from the shards every rank holds")
+    raise GraddbgValueError(f"{options.fn}(group=...): the ranks of a replica group hold "
+                            f"different shards ({ranks})")
+
+
+def _no_replicas(options: _Options, names: List[str], layout: List[Optional[tuple]]) -> GraddbgValueError:
+    example = next(((n, e) for n, e in zip(names, layout)
+                    if e is not None and any(c is not None for c in e[3])), None)
+    shown = f" (such as {example[0]!r}: {_placement_text(example[1])})" if example else ""
+    return GraddbgValueError(
+        f"{options.fn}: no replicas to compare: every parameter is sharded over the whole "
+        f"mesh (pure FSDP, or tensor parallelism without data parallelism), so no two of the "
+        f"{dist.get_world_size(options.group)} ranks hold the same shards{shown}, and shards "
+        f"differ by design. HSDP or DDP replicas are what these checks compare: the replicate "
+        f"dimension of HSDP (fully_shard on a 2-D mesh), or data-parallel copies of a "
+        f"tensor-parallel model. For the gradients of a sharded model use graddbg.watch, "
+        f"whose statistics are those of the full gradients, on every rank.")
+
+
+def _replica_sets(options: _Options, rows: List[List[int]], names: List[str],
+                  layout: List[Optional[tuple]]) -> List[List[int]]:
+    """The sets of ranks compared with each other (see :func:`_replica_header`), the same
+    on every rank. Raises on every rank alike when the groups passed do not split the ranks
+    into replica groups, when a group holds different shards, or when no two ranks of a
+    sharded model hold the same shards."""
+    if not options.sharded:
+        return [list(range(len(rows)))]
+    by_key: dict = {}
+    for r, row in enumerate(rows):
+        by_key.setdefault(row[_KEY], []).append(r)
+    sets = list(by_key.values())
+    odd = [s for s in sets if options.replicas is not None and len(s) != rows[s[0]][_COUNT]]
+    if odd:
+        raise GraddbgValueError(
+            f"{options.fn}(group=...): the groups passed do not split the {len(rows)} ranks "
+            f"into replica groups: " + "; ".join(
+                f"rank(s) {s} passed a group of {rows[s[0]][_COUNT]} ranks, but only they "
+                f"passed it" for s in odd)
+            + ". Every rank must pass its own replica group (the same dimension name on every rank)")
+    for s in sets:
+        if any(rows[r][_SHARDS] != rows[s[0]][_SHARDS] for r in s):
+            _shards_differ(options, s, names, layout)
+    if len(rows) > 1 and all(len(s) == 1 for s in sets):
+        raise _no_replicas(options, names, layout)
+    return sets
+
+
+def _gather_tables(options: _Options, local: torch.Tensor, meta: List[tuple],
+                   layout: List[Optional[tuple]]) -> Tuple[torch.Tensor, List[List[int]]]:
+    """Every rank's table ``[W, P, k]`` and ``[rank][tensor]`` how many elements it holds
+    (on a sharded model, a column of the same gather: shards may differ in size)."""
+    world = dist.get_world_size(options.group)
+    if not options.sharded:
+        return _all_gather(local, options.group).cpu(), [[math.prod(m[1]) for m in meta]] * world
+    held = _local_shapes(meta, [layout], 1)[0]
+    numels = torch.tensor([math.prod(shape) for shape in held], dtype=torch.int64)
+    both = _all_gather(torch.cat([local, numels.to(local.device)[:, None]], dim=1), options.group).cpu()
+    return both[:, :, :-1], both[:, :, -1].tolist()
+
+
+def _compare(options: _Options, rows: List[List[int]], sets: List[List[int]], local: torch.Tensor,
+             tensors: List[Optional[torch.Tensor]], meta: List[tuple], layout: List[Optional[tuple]],
              device: torch.device) -> Tuple[Optional[torch.Tensor], List[Tuple[int, int, int, str]]]:
-    """Every rank's table ``[W, P, k]`` (None when every digest agrees in bitwise mode:
-    nothing differs) and the entries that disagree (see :func:`_verdict`)."""
-    agree = all(row[4:6] == rows[0][4:6] for row in rows)
+    """Every rank's table ``[W, P, k]`` (None when, in bitwise mode, every digest agrees
+    with the rest of its replica set: nothing differs) and the entries that disagree (see
+    :func:`_verdict`)."""
+    world = len(rows)
+    agree = all(rows[r][4:6] == rows[s[0]][4:6] for s in sets for r in s)
     if agree and options.mode == "bitwise":
         return None, []
-    if agree:
-        first = local.cpu().unsqueeze(0).expand(len(rows), *local.shape)
+    if agree and len(sets) == 1:
+        first = local.cpu().unsqueeze(0).expand(world, *local.shape)
+        numels = [[math.prod(shape) for shape in _local_shapes(meta, [layout], 1)[0]]] * world
     else:
-        first = _all_gather(local, options.group).cpu()                  # find who differs
+        first, numels = _gather_tables(options, local, meta, layout)     # find who differs
     table = first if options.mode == "bitwise" else \
         _tolerance_finish(first, tensors, options.group, device)
-    return table, _verdict(table, names, meta, options.mode, options.atol, options.rtol)
+    return table, _verdict(table, [], meta, options.mode, options.atol, options.rtol, sets, numels)
 
 
 def _report(options: _Options, names: List[str], meta: List[tuple], table: Optional[torch.Tensor],
-            found: List[Tuple[int, int, int, str]], measured: dict) -> ConsistencyReport:
+            found: List[Tuple[int, int, int, str]], measured: dict, sets: List[List[int]],
+            layouts: Optional[List[List[Optional[tuple]]]]) -> ConsistencyReport:
     rows = []
     for p, r, ref, reason in found:
         extra = measured.get((p, r))
+        held = layouts[r][p] if layouts is not None else None
         rows.append(Mismatch(
             name=names[p], rank=r, reference_rank=ref, reason=reason, shape=meta[p][1],
             dtype=meta[p][2], fingerprint=_fp_text(table[r, p], options.mode),
             reference_fingerprint=_fp_text(table[ref, p], options.mode),
+            local_shape=None if held is None else tuple(held[-1]),
+            shard=None if held is None else _shard_text(held),
             **({} if extra is None else dict(zip(
                 ("max_abs_diff", "n_diff", "index", "value", "reference_value"), extra)))))
     return ConsistencyReport(ok=not rows, world_size=dist.get_world_size(options.group),
                              rank=dist.get_rank(options.group), kind=options.kind,
                              mode=options.mode, checked=len(names), rows=tuple(rows),
-                             atol=options.atol, rtol=options.rtol)
+                             atol=options.atol, rtol=options.rtol,
+                             replica_groups=tuple(map(tuple, sets)) if options.sharded else ())
 
 
 def _check(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, timeout: Any,
            details: bool, raise_on_mismatch: bool) -> ConsistencyReport:
     options = _options(fn, kind, model, group, atol, rtol, timeout, details, raise_on_mismatch)
-    names, tensors, meta = _collect(unwrap(model), kind)
-    device = _comm_device(group, tensors, model)
-    local, header, error = _local(options, tensors, meta, device)
+    names, tensors, meta, layout = _collect(unwrap(model), kind)
+    device = _comm_device(options.group, tensors, model)
+    local, header, error = _local(options, tensors, meta, layout, device)
     rows = _rendezvous(options, header)
     _raise_unless_comparable(options, rows, meta, error)
-    table, found = _compare(options, rows, local, names, tensors, meta, device)
-    measured = _details(found, tensors, meta, group, device) if (details and found) else {}
-    report = _report(options, names, meta, table, found, measured)
+    sets = _replica_sets(options, rows, names, layout)
+    table, found = _compare(options, rows, sets, local, tensors, meta, layout, device)
+    layouts = _all_layouts(options, layout, len(rows), {p for p, *_ in found}) if found else None
+    measured = {} if not (details and found) else _details(
+        found, tensors, meta, _local_shapes(meta, layouts, len(rows)), options.group, device)
+    report = _report(options, names, meta, table, found, measured, sets, layouts)
     if not report.ok and options.raise_on_mismatch:
         raise DDPInconsistencyError(f"{fn}: the ranks disagree (raise_on_mismatch=True)\n{report}",
                                     report=report)
@@ -987,6 +1308,11 @@ def check_gradients(model: nn.Module, *, group: Any = None, atol: float = 0.0, r
     all of them have reached the same verdict. A rank that does not arrive within
     ``timeout`` makes the others raise :class:`DDPTimeoutError`; ranks holding different
     models raise :class:`DDPInconsistencyError` naming the first difference.
+
+    On a model holding DTensors (FSDP2, HSDP, tensor parallel) every rank of the default
+    group calls it, and each rank's shards are compared with its replicas' (see the module
+    docstring); ``group`` may then also be a mesh dimension name (``"replicate"``) or a 1-D
+    ``DeviceMesh``. Pure FSDP has no replicas: ``GraddbgValueError``.
 
     >>> import os, tempfile, torch.distributed as dist
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -1,0 +1,342 @@
+"""Worker processes for tests/test_ddp_mesh.py: ddp_verify's replica checks on sharded
+models (HSDP, FSDP2, tensor parallel under data parallelism), real gloo worlds on 127.0.0.1.
+
+Each world runs its scenarios in one set of spawned processes (spawning and importing torch
+costs seconds). Every rank writes what it observed, scenario by scenario, to
+``<out>/rank<r>.json``; the test process asserts on those files. A scenario that raises
+records the error instead of ending the world.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: str, nprocs: int, out: str, timeout_s: float = 150.0) -> Dict[int, Dict[str, Any]]:
+    """Spawn ``nprocs`` ranks running ``WORLDS[world]``; return {rank: {scenario: record}}."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_main, args=(world, r, nprocs, port, out), daemon=True)
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    results = {}
+    for r in range(nprocs):
+        path = os.path.join(out, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results[r] = json.load(f)
+    if hung:
+        raise AssertionError(f"world {world!r}: ranks {hung} still running after {timeout_s} s; "
+                             f"results so far: {results}")
+    return results
+
+
+def _main(world: str, rank: int, nprocs: int, port: int, out: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=nprocs, timeout=timedelta(seconds=60))
+    record: Dict[str, Any] = {}
+    path = os.path.join(out, f"rank{rank}.json")
+    for name, fn in WORLDS[world]:
+        try:
+            record[name] = fn(rank, nprocs)
+        except Exception as err:  # recorded, asserted on by the test
+            record[name] = {"error": type(err).__name__, "message": str(err),
+                            "traceback": traceback.format_exc()[-3000:]}
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f, default=str)
+        os.replace(path + ".tmp", path)
+    # Rank 0 hosts the store, which the others may still read (a check that timed out
+    # reads the counters there): it leaves only when every rank is done, or after 60 s.
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"worker-done/{rank}", "1")
+    if rank == 0:
+        try:
+            store.wait([f"worker-done/{r}" for r in range(nprocs)], timedelta(seconds=60))
+        except Exception:
+            pass
+    # The last scenario of a world may leave a timed-out exchange behind: no destroy.
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------- helpers
+def _v():
+    from graddbg import ddp_verify
+    return ddp_verify
+
+
+def _summ(report: Any) -> Dict[str, Any]:
+    return {"ok": report.ok, "world_size": report.world_size, "rank": report.rank,
+            "names": report.names, "ranks": report.ranks, "checked": report.checked,
+            "mode": report.mode, "groups": [list(g) for g in report.replica_groups],
+            "rows": [[m.name, m.rank, m.reference_rank, m.reason] for m in report.rows],
+            "shards": [[m.local_shape, m.shard] for m in report.rows],
+            "details": [[m.max_abs_diff, m.n_diff, m.index] for m in report.rows],
+            "text": str(report)}
+
+
+def _raises(fn: Callable[[], Any]) -> Dict[str, Any]:
+    try:
+        result = fn()
+    except Exception as err:
+        return {"error": type(err).__name__, "message": str(err),
+                "value_error": isinstance(err, ValueError), "type_error": isinstance(err, TypeError),
+                "names": list(getattr(getattr(err, "report", None), "names", []) or [])}
+    return {"error": None, "result": _summ(result)}
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 3))
+    m.register_buffer("scale", torch.ones(3))
+    return m
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(100 + seed)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+
+
+def _train(m: nn.Module, seed: int, steps: int = 2) -> None:
+    """``steps`` forward/backward passes; an SGD step after each but the last, so the
+    gradients of the last one are still there to check."""
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    for step in range(steps):
+        x, y = _batch(seed + 10 * step)
+        nn.functional.mse_loss(m(x), y).backward()
+        if step < steps - 1:
+            opt.step()
+            opt.zero_grad()
+
+
+def _sharded(mesh: Any) -> nn.Module:
+    """The MLP with fully_shard on every Linear and on the root, over ``mesh`` (2-D: HSDP)."""
+    from torch.distributed.fsdp import fully_shard
+
+    m = _mlp()
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(m, mesh=mesh)
+
+
+def _hsdp():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return mesh, _sharded(mesh)
+
+
+# --------------------------------------------------------------------------- HSDP, 4 ranks
+def hsdp_healthy(rank, world):
+    """After a normal step every replica agrees, whichever way the replicas are named."""
+    v = _v()
+    mesh, m = _hsdp()
+    _train(m, rank)
+    return {"auto": _summ(v.check_gradients(m)),
+            "named": _summ(v.check_gradients(m, group="replicate")),
+            "mesh": _summ(v.check_gradients(m, group=mesh["replicate"])),
+            "pg": _summ(v.check_gradients(m, group=mesh.get_group("replicate"))),
+            "tolerance": _summ(v.check_gradients(m, rtol=1e-6)),
+            "params": _summ(v.check_parameters(m)),
+            "buffers": _summ(v.check_buffers(m))}
+
+
+def hsdp_perturbed_grad(rank, world):
+    """Rank 2 (replicate 1, shard 0) adds 1e-3 to its shard of 2.weight's gradient."""
+    v = _v()
+    _, m = _hsdp()
+    _train(m, rank)
+    if rank == 2:
+        m[2].weight.grad.to_local()[1, 2] += 1e-3
+    return {"auto": _summ(v.check_gradients(m, details=True)),
+            "named": _summ(v.check_gradients(m, group="replicate")),
+            "tolerance_catches": _summ(v.check_gradients(m, atol=1e-5)),
+            "tolerance_allows": _summ(v.check_gradients(m, atol=1e-2)),
+            "raised": _raises(lambda: v.check_gradients(m, raise_on_mismatch=True))}
+
+
+def hsdp_perturbed_param(rank, world):
+    """Rank 3 (replicate 1, shard 1) adds 1e-3 to its shard of 0.bias (with two replicas
+    the lower rank is the reference, so the higher one is the rank named)."""
+    v = _v()
+    _, m = _hsdp()
+    _train(m, rank)
+    if rank == 3:
+        with torch.no_grad():
+            m[0].bias.to_local()[0] += 1e-3
+    return {"params": _summ(v.check_parameters(m)), "grads": _summ(v.check_gradients(m))}
+
+
+def hsdp_buffer(rank, world):
+    """A plain buffer of a sharded model is compared across every rank."""
+    v = _v()
+    _, m = _hsdp()
+    if rank == 3:
+        m.scale[1] = 2.0
+    return _summ(v.check_buffers(m))
+
+
+def hsdp_wrong_dimension(rank, world):
+    """group='shard' puts ranks holding different shards together: refused on every rank."""
+    v = _v()
+    mesh, m = _hsdp()
+    _train(m, rank, steps=1)
+    return {"named": _raises(lambda: v.check_gradients(m, group="shard")),
+            "pg": _raises(lambda: v.check_parameters(m, group=mesh.get_group("shard")))}
+
+
+def hsdp_bad_args(rank, world):
+    """Bad group= arguments raise on the calling rank, before any collective."""
+    v = _v()
+    mesh, m = _hsdp()
+    return {"unknown": _raises(lambda: v.check_parameters(m, group="nope")),
+            "two_d": _raises(lambda: v.check_parameters(m, group=mesh)),
+            "int": _raises(lambda: v.check_parameters(m, group=3)),
+            "after": _summ(v.check_parameters(m))}
+
+
+def hsdp_groups(rank, world):
+    """A plain model with a 1-D mesh as its group (exchanged over that mesh's group), and
+    ranks passing groups that do not split the world into replica groups."""
+    v = _v()
+    mesh, m = _hsdp()
+    plain = _summ(v.check_parameters(_mlp(), group=mesh["replicate"]))
+    mixed = _raises(lambda: v.check_parameters(m, group="replicate" if rank in (0, 2) else "shard"))
+    return {"plain": plain, "mixed": mixed, "after": _summ(v.check_parameters(m))}
+
+
+def hsdp_skip(rank, world):
+    """Rank 3 never calls the check: the others raise within the timeout, naming it."""
+    v = _v()
+    _, m = _hsdp()
+    if rank == 3:
+        time.sleep(4.0)
+        return {"skipped": True}
+    start = time.monotonic()
+    result = _raises(lambda: v.check_parameters(m, timeout=timedelta(seconds=2)))
+    result["elapsed"] = time.monotonic() - start
+    return result
+
+
+# --------------------------------------------------------------------------- pure FSDP, 2 ranks
+def fsdp_no_replicas(rank, world):
+    """Every parameter is sharded over the whole mesh: nothing to compare, said clearly."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    v = _v()
+    m = _sharded(init_device_mesh("cpu", (world,)))
+    _train(m, rank)
+    return {"grads": _raises(lambda: v.check_gradients(m)),
+            "params": _raises(lambda: v.check_parameters(m)),
+            "world": _raises(lambda: v.check_parameters(m, group=dist.group.WORLD)),
+            "buffers": _summ(v.check_buffers(m)),
+            "after": _summ(v.check_buffers(m))}
+
+
+# --------------------------------------------------------------------------- dp x tp, 4 ranks
+def _tp(mesh_tp: Any) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    return parallelize_module(m, mesh_tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _dp_tp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _tp_step(m: nn.Module, dp: int) -> None:
+    x, y = _batch(dp)      # the same batch across a tensor-parallel group, another per dp rank
+    nn.functional.mse_loss(m(x), y).backward()
+
+
+def dp_tp_replicate(rank, world):
+    """Tensor parallel over 'tp', replicate() (FSDP2's data parallelism) over 'dp'."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    v = _v()
+    mesh = _dp_tp_mesh()
+    m = replicate(_tp(mesh["tp"]), mesh=mesh["dp"])
+    _tp_step(m, mesh.get_coordinate()[0])
+    out = {"placements": [str(tuple(p.placements)) for p in m.parameters()],
+           "auto": _summ(v.check_gradients(m)), "named": _summ(v.check_gradients(m, group="dp"))}
+    if rank == 3:
+        m[0].weight.grad.to_local()[0, 0] += 1e-3
+    out["perturbed"] = _summ(v.check_gradients(m))
+    return out
+
+
+def dp_tp_manual(rank, world):
+    """Tensor parallel over 'tp' (DTensors on the 1-D tp mesh), gradients averaged over
+    'dp' by hand, as DDP does: the replicas lie outside the DTensors' own mesh."""
+    v = _v()
+    mesh = _dp_tp_mesh()
+    m = _tp(mesh["tp"])
+    _tp_step(m, mesh.get_coordinate()[0])
+    for p in m.parameters():
+        g = p.grad.to_local()
+        dist.all_reduce(g, group=mesh.get_group("dp"))
+        g /= 2
+    out = {"auto": _summ(v.check_gradients(m)), "named": _summ(v.check_gradients(m, group="dp")),
+           "wrong": _raises(lambda: v.check_gradients(m, group="tp"))}
+    if rank == 2:
+        m[2].bias.grad.to_local()[1] += 1e-3
+    out["perturbed"] = _summ(v.check_gradients(m, group="dp"))
+    return out
+
+
+def dp_tp_ddp(rank, world):
+    """DistributedDataParallel(model, device_mesh=mesh['dp']) over a tensor-parallel model
+    holds each DTensor parameter as its local shard (spec in ``_st_info``); checked before
+    the first forward (in torch 2.13 the module's parameters are gone after one)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    v = _v()
+    mesh = _dp_tp_mesh()
+    m = DDP(_tp(mesh["tp"]), device_mesh=mesh["dp"])
+    out = {"auto": _summ(v.check_parameters(m))}
+    if rank == 3:
+        with torch.no_grad():
+            m.module[0].weight[2, 1] += 1e-3
+    out["perturbed"] = _summ(v.check_parameters(m))
+    return out
+
+
+WORLDS: Dict[str, List] = {
+    "hsdp": [("healthy", hsdp_healthy), ("perturbed_grad", hsdp_perturbed_grad),
+             ("perturbed_param", hsdp_perturbed_param), ("buffer", hsdp_buffer),
+             ("wrong_dimension", hsdp_wrong_dimension), ("bad_args", hsdp_bad_args),
+             ("groups", hsdp_groups), ("skip", hsdp_skip)],
+    "fsdp": [("no_replicas", fsdp_no_replicas)],
+    "dp_tp": [("replicate", dp_tp_replicate), ("manual", dp_tp_manual), ("ddp", dp_tp_ddp)],
+}
