@@ -532,6 +532,7 @@ class Watch:
         cfg = self._cfg
         self._history = History(self._names, self._numel, self._reader.extras, cfg.history, MAX_ROWS)
         self._update = _UpdateRatio(cfg.update_every if self._optimizer is not None else None)
+        self._ddp_every = cfg.ddp_every
         self._explode_state = cfg.explode.new_state() if cfg.explode else None
         self._vanish_state = cfg.vanish.new_state(len(self._params)) if cfg.vanish else None
         self._acts = _Activations(self._model) if cfg.activations else None
@@ -769,7 +770,7 @@ class Watch:
         due_stats = step % cfg.every == 0
         due_nf = cfg.nonfinite is not None and step % cfg.nonfinite.every == 0
         grads, launch, scale, clipped = self._launch()
-        if not (due_stats or due_nf or (cfg.ddp_every and step % cfg.ddp_every == 0)):
+        if not (due_stats or due_nf or (self._ddp_every and step % self._ddp_every == 0)):
             # no read this step: flags stay on the device (of the gradients as the optimizer
             # will use them, when they changed since the backward pass)
             self._flags.add(self._reader, self._reader.launch(grads) if clipped else launch, step)
@@ -884,7 +885,7 @@ class Watch:
             a = self._vanish_state.check(step, st.norm, st.has_grad, self._names, self._modules)
             if a is not None:
                 found.append((a, cfg.vanish.policy))
-        if cfg.ddp_every is not None and step % cfg.ddp_every == 0:
+        if self._ddp_every is not None and step % self._ddp_every == 0:
             a = self._ddp_check(step)
             if a is not None:
                 found.append((a, cfg.nonfinite.policy if cfg.nonfinite else "raise"))
@@ -997,7 +998,12 @@ class Watch:
         from graddbg import ddp_verify
 
         kw = {} if self._cfg.ddp_timeout is None else {"timeout": self._cfg.ddp_timeout}
-        report = ddp_verify.check_gradients(self._model, **kw)
+        try:
+            report = ddp_verify.check_gradients(self._model, **kw)
+        except GraddbgValueError as err:  # (the same on every rank) e.g. pure FSDP: no replicas
+            self._ddp_every = None
+            warnings.warn(f"graddbg.watch: ddp_check_every is switched off: {err}", GraddbgWarning, stacklevel=2)
+            return None
         self.host_syncs += 1
         if report.ok:
             return None

@@ -62,10 +62,6 @@ _EXTRAS = ("mean", "std", "zero_frac")
 #: and on every recorded step on accelerators, where it is one more fused launch
 CPU_ABSMAX_EVERY = 10
 
-# gradients of at most this many entries are reduced with float64 accumulation (as cheap
-# as float32 at that size, where launches cost more than data; exact over the whole range)
-_SMALL = 1 << 16
-
 # a float32/float16/bfloat16 norm below sqrt(numel) * this may have lost squares to
 # underflow (about sqrt(smallest normal / 2 eps)): it is recomputed, scaled, in float64
 _UNDERFLOW = {torch.float32: 2.3e-16, torch.float16: 2.3e-16, torch.bfloat16: 2.3e-16,
@@ -76,12 +72,8 @@ HIST_EDGES = tuple(10.0 ** (e / 2) for e in range(-24, 9))
 
 
 def _tiny(p: Tensor) -> float:
-    """Below ``sqrt(numel) *`` this a norm may have lost squares to underflow: float32
-    (and narrower) gradients reduced in their own dtype; float64 ones; never for small
-    float32 gradients, which are reduced with float64 accumulation."""
-    if not p.is_floating_point() or (p.numel() <= _SMALL and p.dtype != torch.float64):
-        return 0.0
-    return _UNDERFLOW.get(p.dtype, 0.0)
+    """Below ``sqrt(numel) *`` this a norm may have lost squares to underflow."""
+    return _UNDERFLOW.get(p.dtype, 0.0) if p.is_floating_point() else 0.0
 
 
 def validate_stats(stats: Union[str, Iterable[str]]) -> Tuple[str, ...]:
@@ -233,12 +225,12 @@ class StepReader:
         self._tiny = np.array([_tiny(p) for p in params]) * np.sqrt(self.numel)
         self._groups: Dict[Tuple[int, ...], List[Tuple[List[int], str, Any, Any]]] = {}
         self._shards = _Shards()
+        self._layouts: Dict[Any, Tuple[np.ndarray, np.ndarray]] = {}
         #: read-backs made by :meth:`rescue`
         self.extra_reads = 0
 
     def _grouping(self, present: List[int], grads: Sequence[Optional[Tensor]]) -> List[Tuple[List[int], str]]:
-        """``[(indices, kind)]``: one ``"batched"`` group per device and dtype (and one
-        ``"small"`` group of those of at most ``_SMALL`` entries, reduced in float64), one
+        """``[(indices, kind)]``: one ``"batched"`` group per device and dtype, one
         ``"sharded"`` group of DTensor gradients, then the other special gradients one by
         one (``"single"``); cached for the set of parameters that have a gradient (and
         checked against the first gradient of each group, in case the model moved)."""
@@ -256,8 +248,8 @@ class StepReader:
             elif _special(g):
                 special.append(i)
             else:
-                by.setdefault((g.device, g.dtype, g.numel() <= _SMALL), []).append(i)
-        groups = [(ix, "small" if small else "batched", dev, dt) for (dev, dt, small), ix in by.items()]
+                by.setdefault((g.device, g.dtype), []).append(i)
+        groups = [(ix, "batched", dev, dt) for (dev, dt), ix in by.items()]
         if sharded:
             groups.append((sharded, "sharded", grads[sharded[0]].device, grads[sharded[0]].dtype))
         groups += [([i], "single", grads[i].device, grads[i].dtype) for i in special]
@@ -280,13 +272,13 @@ class StepReader:
                     ts = [_local_shard(grads[i]) for i in ix]
                 else:
                     ts = [_dense(grads[ix[0]])] if kind == "single" else [grads[i] for i in ix]
-                self._reduce(ts, out, exact=kind == "small")
+                self._reduce(ts, out)
                 out.groups.append(ix)
                 out.order.extend(ix)
         return out
 
-    def _reduce(self, ts: List[Tensor], out: _Launch, exact: bool = False) -> None:
-        norms = torch._foreach_norm(ts, 2, dtype=torch.float64) if exact else torch._foreach_norm(ts)
+    def _reduce(self, ts: List[Tensor], out: _Launch) -> None:
+        norms = torch._foreach_norm(ts)
         out.norms.append(torch.stack(norms) if len(norms) > 1 else norms[0].reshape(1))
         if out.absmax:
             out.maxes.append(_absmax(ts))
@@ -319,17 +311,27 @@ class StepReader:
             if parts:
                 rb.add(key, parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]))
 
+    def _layout(self, launch: _Launch) -> Tuple[np.ndarray, np.ndarray]:
+        """(order as an index array, has-gradient mask), made once per set of gradients."""
+        key = (tuple(launch.present), tuple(launch.order))
+        got = self._layouts.get(key)
+        if got is None:
+            if len(self._layouts) > 16:
+                self._layouts.clear()
+            has = np.zeros(len(self.numel), dtype=bool)
+            has[launch.present] = True
+            got = self._layouts[key] = (np.asarray(launch.order, dtype=np.int64), has)
+        return got[0], got[1].copy()
+
     def finish(self, launch: _Launch, got: Dict[str, np.ndarray]) -> StepStats:
         """The host :class:`StepStats` of a launch whose results ``got`` were fetched."""
         P = len(self.numel)
-        order = np.asarray(launch.order, dtype=np.int64)
+        order, has = self._layout(launch)
         norm = np.full(P, np.nan)
         norm[order] = got["norm"]
         absmax = np.full(P, np.nan)
         if launch.absmax:
             absmax[order] = got["absmax"]
-        has = np.zeros(P, dtype=bool)
-        has[launch.present] = True
         extras = None
         if launch.extras:
             extras = np.full((P, len(self.extras)), np.nan)
@@ -342,10 +344,33 @@ class StepReader:
                 st.extras[ix] = np.nan  # (of this rank's shard only: not reported)
         return st
 
+    @staticmethod
+    def _exact_rows(grads: Sequence[Optional[Tensor]], idx: np.ndarray, absmax: np.ndarray) -> Tensor:
+        """``[count, norm, absmax]`` rows of the suspects: one by one (exact counts, float64)
+        for those with a non-finite or unread largest magnitude; batched for the tiny ones
+        whose largest magnitude is known (divided by it, one foreach norm: no square underflows)."""
+        local = [_local_shard(grads[i]) if _sharded(grads[i]) else _dense(grads[i]) for i in idx]
+        known = [k for k, i in enumerate(idx) if np.isfinite(absmax[i]) and absmax[i] > 0 and not _sharded(grads[i])]
+        rows: List[Optional[Tensor]] = [None] * len(idx)
+        if known:
+            scales = [float(absmax[idx[k]]) for k in known]
+            scaled = torch._foreach_div([local[k] for k in known], scales)
+            norms = torch.stack(torch._foreach_norm(scaled)).double() * torch.tensor(scales, dtype=torch.float64,
+                                                                                      device=scaled[0].device)
+            for j, k in enumerate(known):
+                rows[k] = torch.stack([norms.new_zeros(()), norms[j], norms.new_tensor(scales[j])])
+        for k, r in enumerate(rows):
+            if r is None:
+                rows[k] = _exact_row(local[k])
+        return torch.stack([r.to(rows[0].device) for r in rows])
+
     def rescue(self, st: StepStats, grads: Sequence[Optional[Tensor]], div: float = 1.0) -> bool:
         """Recompute in float64, exactly, the norms that are not final (see the class);
         count NaN/Inf entries where a norm is non-finite. ``div`` is a loss scale that the
         caller divides the statistics by. Returns whether a read-back was made."""
+        measured = not np.isnan(st.absmax).all()
+        if not measured and np.isfinite(st.norm[st.has_grad].sum()):
+            return False  # the common step: nothing to recompute
         with np.errstate(invalid="ignore"):
             # (a tiny norm is suspect where the largest magnitude was read and is not 0: on the
             # CPU that is every 10th recorded step by default, on accelerators every one)
@@ -354,8 +379,7 @@ class StepReader:
         if not len(idx):
             return False
         with torch.no_grad():
-            rows = [_exact_row(_local_shard(grads[i]) if _sharded(grads[i]) else _dense(grads[i])) for i in idx]
-            table = torch.stack([r.to(rows[0].device) for r in rows])
+            table = self._exact_rows(grads, idx, st.absmax * div)
             shard_ix = [k for k, i in enumerate(idx) if _sharded(grads[i])]
             if shard_ix:  # every rank has the same suspects: the same collective
                 got = self._shards.exact(table, [grads[idx[k]] for k in shard_ix], shard_ix)

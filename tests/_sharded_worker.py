@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import traceback
+import warnings
 from datetime import timedelta
 
 import torch
@@ -70,7 +71,10 @@ def run(case: str, rank: int) -> dict:
     m = _shard(case, model())
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     ref, record = [], {}
-    with graddbg.watch(m, opt, nonfinite="record", update_every=1) as w:
+    extra = {"ddp_check_every": 1} if case == "fsdp" else {}  # pure FSDP: no replicas to compare
+    with warnings.catch_warnings(record=True) as caught, graddbg.watch(m, opt, nonfinite="record", update_every=1,
+                                                                       **extra) as w:
+        warnings.simplefilter("always")
         for step in range(3):
             x, y = data(rank if case != "tp" else 0, step)
             loss = nn.functional.mse_loss(m(x), y)
@@ -89,6 +93,7 @@ def run(case: str, rank: int) -> dict:
     record["update"] = df["update_ratio"].tolist()
     record["ref"] = ref
     record["anomalies"] = [(a.kind, a.step, a.name, str(a)) for a in w.anomalies]
+    record["warnings"] = [str(c.message) for c in caught]
     return record
 
 

@@ -39,6 +39,8 @@ def test_fsdp2_two_ranks_full_norms_and_a_nan_shard_named_with_its_rank(tmp_path
         (kind, step, name, text), = rec["anomalies"]
         assert (kind, step, name) == ("nonfinite", 2, "2.weight"), rec["anomalies"]
         assert "rank(s) 1" in text
+        switched_off = [m for m in rec["warnings"] if "ddp_check_every is switched off" in m]
+        assert len(switched_off) == 1 and "no replicas" in switched_off[0]
 
 
 @pytest.mark.timeout(300)
