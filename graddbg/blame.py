@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graddbg._errors import GraddbgTypeError, GraddbgValueError, NonFiniteError
-from graddbg._model import module_of, named_tensors, tensors_in, unwrap
+from graddbg._model import module_of, tensors_in, unwrap
 from graddbg._source import _is_internal, user_source_from_stack
 from graddbg.anomaly import Anomaly
 

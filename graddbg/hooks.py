@@ -850,7 +850,7 @@ class Watch:
                     if c in ("mean", "std"):
                         st.extras[:, j] /= div
         if self._reader.rescue(st, grads, div):
-            self.host_syncs += 1  # overflowed, underflowed or non-finite norms only
+            self.host_syncs += 1  # on steps with a non-finite (or overflowed) norm only
         self._ever_grad |= st.has_grad
         bad, first = st.bad, self._step
         prior, first_prior = self._flags.take(got, len(self._params))

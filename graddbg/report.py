@@ -774,7 +774,6 @@ def _group_lines(groups: "pandas.DataFrame") -> List[str]:
 def _param_figures(stats: "pandas.DataFrame", codes: Any, P: int) -> Dict[str, Any]:
     """Per parameter: bad (any NaN/Inf), peak and mean of the finite norms, largest update ratio."""
     import numpy as np
-    import pandas as pd
 
     ok = codes >= 0
     c = codes[ok]

@@ -62,18 +62,8 @@ _EXTRAS = ("mean", "std", "zero_frac")
 #: and on every recorded step on accelerators, where it is one more fused launch
 CPU_ABSMAX_EVERY = 10
 
-# a float32/float16/bfloat16 norm below sqrt(numel) * this may have lost squares to
-# underflow (about sqrt(smallest normal / 2 eps)): it is recomputed, scaled, in float64
-_UNDERFLOW = {torch.float32: 2.3e-16, torch.float16: 2.3e-16, torch.bfloat16: 2.3e-16,
-              torch.float64: 7.1e-147}
-
 #: fixed log-spaced bin edges of |grad| for histograms: [0, 1e-12), [1e-12, ...), ..., [1e4, inf)
 HIST_EDGES = tuple(10.0 ** (e / 2) for e in range(-24, 9))
-
-
-def _tiny(p: Tensor) -> float:
-    """Below ``sqrt(numel) *`` this a norm may have lost squares to underflow."""
-    return _UNDERFLOW.get(p.dtype, 0.0) if p.is_floating_point() else 0.0
 
 
 def validate_stats(stats: Union[str, Iterable[str]]) -> Tuple[str, ...]:
@@ -213,8 +203,7 @@ class StepReader:
     :meth:`Readback.fetch`, :meth:`finish` builds the host :class:`StepStats` and
     :meth:`rescue` recomputes, in float64 and with one more read-back, the rare norms that
     are not final: non-finite ones (to count the NaN/Inf entries exactly, or to find a
-    finite gradient whose squares overflowed) and tiny ones (whose squares may have
-    underflowed).
+    finite gradient whose squares overflowed).
     """
 
     def __init__(self, params: Sequence[Tensor], stats: Sequence[str] = DEFAULT_STATS) -> None:
@@ -222,7 +211,6 @@ class StepReader:
         self.extras = tuple(s for s in _EXTRAS if s in stats)
         self.want_absmax = "absmax" in stats
         self.columns = ("norm", "absmax") + self.extras
-        self._tiny = np.array([_tiny(p) for p in params]) * np.sqrt(self.numel)
         self._groups: Dict[Tuple[int, ...], List[Tuple[List[int], str, Any, Any]]] = {}
         self._shards = _Shards()
         self._layouts: Dict[Any, Tuple[np.ndarray, np.ndarray]] = {}
@@ -347,8 +335,9 @@ class StepReader:
     @staticmethod
     def _exact_rows(grads: Sequence[Optional[Tensor]], idx: np.ndarray, absmax: np.ndarray) -> Tensor:
         """``[count, norm, absmax]`` rows of the suspects: one by one (exact counts, float64)
-        for those with a non-finite or unread largest magnitude; batched for the tiny ones
-        whose largest magnitude is known (divided by it, one foreach norm: no square underflows)."""
+        for those with a non-finite or unread largest magnitude; batched for those whose
+        largest magnitude is known and finite (no NaN/Inf in them: their squares overflowed),
+        divided by it in one foreach norm.""" 
         local = [_local_shard(grads[i]) if _sharded(grads[i]) else _dense(grads[i]) for i in idx]
         known = [k for k, i in enumerate(idx) if np.isfinite(absmax[i]) and absmax[i] > 0 and not _sharded(grads[i])]
         rows: List[Optional[Tensor]] = [None] * len(idx)
@@ -365,16 +354,15 @@ class StepReader:
         return torch.stack([r.to(rows[0].device) for r in rows])
 
     def rescue(self, st: StepStats, grads: Sequence[Optional[Tensor]], div: float = 1.0) -> bool:
-        """Recompute in float64, exactly, the norms that are not final (see the class);
-        count NaN/Inf entries where a norm is non-finite. ``div`` is a loss scale that the
-        caller divides the statistics by. Returns whether a read-back was made."""
-        measured = not np.isnan(st.absmax).all()
-        if not measured and np.isfinite(st.norm[st.has_grad].sum()):
+        """Recompute in float64, exactly, the norms that are not final: non-finite ones (to
+        count the NaN/Inf entries, or to find a finite gradient whose squares overflowed).
+        ``div`` is a loss scale that the caller divides the statistics by. Returns whether a
+        read-back was made (only on steps with a non-finite norm). Tiny norms are left as
+        torch's float32 kernels give them: a gradient whose entries all lie below about
+        1e-19 may show a norm of 0, as ``torch.linalg.vector_norm`` does."""
+        if np.isfinite(st.norm[st.has_grad].sum()):
             return False  # the common step: nothing to recompute
-        with np.errstate(invalid="ignore"):
-            # (a tiny norm is suspect where the largest magnitude was read and is not 0: on the
-            # CPU that is every 10th recorded step by default, on accelerators every one)
-            suspect = st.has_grad & (~np.isfinite(st.norm) | ((st.norm * div < self._tiny) & (st.absmax > 0)))
+        suspect = st.has_grad & ~np.isfinite(st.norm)
         idx = np.nonzero(suspect)[0]
         if not len(idx):
             return False

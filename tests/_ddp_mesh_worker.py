@@ -8,81 +8,21 @@ records the error instead of ending the world.
 """
 from __future__ import annotations
 
-import json
-import os
-import socket
 import time
-import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import _ddp_workers
 
 
 def run_world(world: str, nprocs: int, out: str, timeout_s: float = 150.0) -> Dict[int, Dict[str, Any]]:
-    """Spawn ``nprocs`` ranks running ``WORLDS[world]``; return {rank: {scenario: record}}."""
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_main, args=(world, r, nprocs, port, out), daemon=True)
-             for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    results = {}
-    for r in range(nprocs):
-        path = os.path.join(out, f"rank{r}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                results[r] = json.load(f)
-    if hung:
-        raise AssertionError(f"world {world!r}: ranks {hung} still running after {timeout_s} s; "
-                             f"results so far: {results}")
-    return results
-
-
-def _main(world: str, rank: int, nprocs: int, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=nprocs, timeout=timedelta(seconds=60))
-    record: Dict[str, Any] = {}
-    path = os.path.join(out, f"rank{rank}.json")
-    for name, fn in WORLDS[world]:
-        try:
-            record[name] = fn(rank, nprocs)
-        except Exception as err:  # recorded, asserted on by the test
-            record[name] = {"error": type(err).__name__, "message": str(err),
-                            "traceback": traceback.format_exc()[-3000:]}
-        with open(path + ".tmp", "w") as f:
-            json.dump(record, f, default=str)
-        os.replace(path + ".tmp", path)
-    # Rank 0 hosts the store, which the others may still read (a check that timed out
-    # reads the counters there): it leaves only when every rank is done, or after 60 s.
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"worker-done/{rank}", "1")
-    if rank == 0:
-        try:
-            store.wait([f"worker-done/{r}" for r in range(nprocs)], timedelta(seconds=60))
-        except Exception:
-            pass
-    # The last scenario of a world may leave a timed-out exchange behind: no destroy.
-    os._exit(0)
+    """Spawn ``nprocs`` ranks running ``WORLDS[world]``; return {rank: {scenario: record}}
+    (the spawning and recording of tests/_ddp_workers.py)."""
+    return _ddp_workers.run_world(world, nprocs, out, timeout_s, module=__name__)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -154,7 +94,7 @@ def _hsdp():
 
 
 # --------------------------------------------------------------------------- HSDP, 4 ranks
-def hsdp_healthy(rank, world):
+def hsdp_healthy(rank, world, dev=None):
     """After a normal step every replica agrees, whichever way the replicas are named."""
     v = _v()
     mesh, m = _hsdp()
@@ -168,7 +108,7 @@ def hsdp_healthy(rank, world):
             "buffers": _summ(v.check_buffers(m))}
 
 
-def hsdp_perturbed_grad(rank, world):
+def hsdp_perturbed_grad(rank, world, dev=None):
     """Rank 2 (replicate 1, shard 0) adds 1e-3 to its shard of 2.weight's gradient."""
     v = _v()
     _, m = _hsdp()
@@ -182,7 +122,7 @@ def hsdp_perturbed_grad(rank, world):
             "raised": _raises(lambda: v.check_gradients(m, raise_on_mismatch=True))}
 
 
-def hsdp_perturbed_param(rank, world):
+def hsdp_perturbed_param(rank, world, dev=None):
     """Rank 3 (replicate 1, shard 1) adds 1e-3 to its shard of 0.bias (with two replicas
     the lower rank is the reference, so the higher one is the rank named)."""
     v = _v()
@@ -194,7 +134,7 @@ def hsdp_perturbed_param(rank, world):
     return {"params": _summ(v.check_parameters(m)), "grads": _summ(v.check_gradients(m))}
 
 
-def hsdp_buffer(rank, world):
+def hsdp_buffer(rank, world, dev=None):
     """A plain buffer of a sharded model is compared across every rank."""
     v = _v()
     _, m = _hsdp()
@@ -203,7 +143,7 @@ def hsdp_buffer(rank, world):
     return _summ(v.check_buffers(m))
 
 
-def hsdp_wrong_dimension(rank, world):
+def hsdp_wrong_dimension(rank, world, dev=None):
     """group='shard' puts ranks holding different shards together: refused on every rank."""
     v = _v()
     mesh, m = _hsdp()
@@ -212,7 +152,7 @@ def hsdp_wrong_dimension(rank, world):
             "pg": _raises(lambda: v.check_parameters(m, group=mesh.get_group("shard")))}
 
 
-def hsdp_bad_args(rank, world):
+def hsdp_bad_args(rank, world, dev=None):
     """Bad group= arguments raise on the calling rank, before any collective."""
     v = _v()
     mesh, m = _hsdp()
@@ -222,7 +162,7 @@ def hsdp_bad_args(rank, world):
             "after": _summ(v.check_parameters(m))}
 
 
-def hsdp_groups(rank, world):
+def hsdp_groups(rank, world, dev=None):
     """A plain model with a 1-D mesh as its group (exchanged over that mesh's group), and
     ranks passing groups that do not split the world into replica groups."""
     v = _v()
@@ -232,7 +172,7 @@ def hsdp_groups(rank, world):
     return {"plain": plain, "mixed": mixed, "after": _summ(v.check_parameters(m))}
 
 
-def hsdp_skip(rank, world):
+def hsdp_skip(rank, world, dev=None):
     """Rank 3 never calls the check: the others raise within the timeout, naming it."""
     v = _v()
     _, m = _hsdp()
@@ -246,7 +186,7 @@ def hsdp_skip(rank, world):
 
 
 # --------------------------------------------------------------------------- pure FSDP, 2 ranks
-def fsdp_no_replicas(rank, world):
+def fsdp_no_replicas(rank, world, dev=None):
     """Every parameter is sharded over the whole mesh: nothing to compare, said clearly."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -280,7 +220,7 @@ def _tp_step(m: nn.Module, dp: int) -> None:
     nn.functional.mse_loss(m(x), y).backward()
 
 
-def dp_tp_replicate(rank, world):
+def dp_tp_replicate(rank, world, dev=None):
     """Tensor parallel over 'tp', replicate() (FSDP2's data parallelism) over 'dp'."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -296,7 +236,7 @@ def dp_tp_replicate(rank, world):
     return out
 
 
-def dp_tp_manual(rank, world):
+def dp_tp_manual(rank, world, dev=None):
     """Tensor parallel over 'tp' (DTensors on the 1-D tp mesh), gradients averaged over
     'dp' by hand, as DDP does: the replicas lie outside the DTensors' own mesh."""
     v = _v()
@@ -315,7 +255,7 @@ def dp_tp_manual(rank, world):
     return out
 
 
-def dp_tp_ddp(rank, world):
+def dp_tp_ddp(rank, world, dev=None):
     """DistributedDataParallel(model, device_mesh=mesh['dp']) over a tensor-parallel model
     holds each DTensor parameter as its local shard (spec in ``_st_info``); checked before
     the first forward (in torch 2.13 the module's parameters are gone after one)."""

@@ -7,9 +7,9 @@ records the error instead of ending the world.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -21,19 +21,19 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from _dist import free_port  # noqa: F401 (also used by the tests through this module)
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def run_world(world: str, nprocs: int, out: str, timeout_s: float = 120.0,
-              device: str = "cpu") -> Dict[int, Dict[str, Any]]:
-    """Spawn ``nprocs`` ranks running ``WORLDS[world]``; return {rank: {scenario: record}}."""
+              device: str = "cpu", module: str = __name__) -> Dict[int, Dict[str, Any]]:
+    """Spawn ``nprocs`` ranks running ``WORLDS[world]`` of the worker module ``module``
+    (this one by default; its scenarios take ``(rank, world, device)``); return
+    {rank: {scenario: record}}."""
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_main, args=(world, r, nprocs, port, out, device), daemon=True)
+    procs = [ctx.Process(target=_main, args=(world, r, nprocs, port, out, device, module), daemon=True)
              for r in range(nprocs)]
     for p in procs:
         p.start()
@@ -57,7 +57,7 @@ def run_world(world: str, nprocs: int, out: str, timeout_s: float = 120.0,
     return results
 
 
-def _main(world: str, rank: int, nprocs: int, port: int, out: str, device: str) -> None:
+def _main(world: str, rank: int, nprocs: int, port: int, out: str, device: str, module: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -69,7 +69,7 @@ def _main(world: str, rank: int, nprocs: int, port: int, out: str, device: str) 
     record: Dict[str, Any] = {}
     path = os.path.join(out, f"rank{rank}.json")
     dev = torch.device(device)
-    for name, fn in WORLDS[world]:
+    for name, fn in importlib.import_module(module).WORLDS[world]:
         try:
             record[name] = fn(rank, nprocs, dev)
         except Exception as err:  # recorded, asserted on by the test

@@ -37,3 +37,24 @@ def spawn(target: Callable, world: int, args: Callable[[int, int], Sequence], re
     for r, rec in results.items():
         assert "error" not in rec, f"rank {r}:\n{rec['error']}"
     return results
+
+
+def run_rank(rank: int, world: int, port: int, path: str, body: Callable[[], dict]) -> None:
+    """In a spawned process: join a gloo world on 127.0.0.1, run ``body()`` and write what
+    it returns (or the traceback it raised, as ``error``) to ``path`` as JSON."""
+    import os
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        record = body()
+    except BaseException:
+        record = {"error": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    with open(path, "w") as f:
+        json.dump(record, f)

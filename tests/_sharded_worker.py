@@ -2,15 +2,14 @@
 real gloo processes on 127.0.0.1. Each rank writes what it saw to <out>/<case>-rank<r>.json."""
 from __future__ import annotations
 
-import json
 import os
-import traceback
 import warnings
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from _dist import run_rank
 
 
 def model() -> nn.Module:
@@ -98,34 +97,20 @@ def run(case: str, rank: int) -> dict:
 
 
 def main(case: str, rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    run_rank(rank, world, port, os.path.join(out, f"{case}-rank{rank}.json"), lambda: run(case, rank))
+
+
+def _check_module_record() -> dict:
+    import graddbg
+
+    m = _shard("fsdp", model())
     try:
-        record = run(case, rank)
-    except BaseException:
-        record = {"error": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out, f"{case}-rank{rank}.json"), "w") as f:
-        json.dump(record, f)
+        graddbg.check_module(m, torch.randn(2, 6))
+    except ValueError as e:
+        return {"raised": str(e)}
+    return {"raised": None}
 
 
 def check_module_refuses(rank: int, world: int, port: int, out: str) -> None:
     """check_module on a fully_shard-ed model: a ValueError saying what to pass instead."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        import graddbg
-
-        m = _shard("fsdp", model())
-        try:
-            graddbg.check_module(m, torch.randn(2, 6))
-            record = {"raised": None}
-        except ValueError as e:
-            record = {"raised": str(e)}
-    except BaseException:
-        record = {"error": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out, f"check-rank{rank}.json"), "w") as f:
-        json.dump(record, f)
+    run_rank(rank, world, port, os.path.join(out, f"check-rank{rank}.json"), _check_module_record)

@@ -7,17 +7,13 @@ the unsharded model's names. A forward run before graph() cannot be named, and i
 with the fix."""
 from __future__ import annotations
 
-import json
 import os
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from _dist import spawn
+from _dist import run_rank, spawn
 
 WORLD = 2
 
@@ -69,20 +65,13 @@ def _tp_case(x: torch.Tensor) -> dict:
             "precomputed": _params(graddbg.graph(m(x).sum(), model=m))}
 
 
+def _record() -> dict:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(7))
+    return {"fsdp": _fsdp_case(x), "tp": _tp_case(x)}
+
+
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    try:
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(7))
-        rec = {"fsdp": _fsdp_case(x), "tp": _tp_case(x)}
-    except BaseException:
-        rec = {"error": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(rec, f)
-
-
+    run_rank(rank, WORLD, port, os.path.join(out, f"rank{rank}.json"), _record)
 
 
 @pytest.fixture(scope="module")

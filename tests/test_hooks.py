@@ -92,33 +92,29 @@ def test_huge_finite_gradients_give_exact_finite_norm():
 
 
 @pytest.mark.parametrize("stats", [("norm", "absmax"), ("norm",)])
-def test_vanishing_gradients_keep_their_exact_norm(stats):
-    # squares of 1e-26 are below float32's smallest number: a plain float32 norm is 0.
-    # Where the largest magnitude is read (absmax in stats=; by default every 10th recorded
-    # step on the CPU, every step on GPUs), such norms are recomputed scaled by it, exactly,
-    # with one more read-back for all of them; else they are torch's own float32 norms.
-    # Gradients that really are 0 stay 0.
+def test_vanishing_gradients_get_torchs_own_norm_without_a_second_read(stats):
+    # squares of 1e-26 are below float32's smallest number: torch's float32 norm is 0, and
+    # the watch says what torch says (no second read: a vanishing layer is common, and its
+    # norm is below any threshold either way); the largest magnitude still tells it apart
+    # from a gradient that really is 0
     model = nn.Module()
     model.a = nn.Parameter(torch.zeros(8, 8))
-    model.b = nn.Parameter(torch.zeros(8, 8))
     model.c = nn.Parameter(torch.zeros(30))
     model.big = nn.Parameter(torch.zeros(1 << 17))
     model.zero = nn.Parameter(torch.zeros(1 << 17))
     torch.manual_seed(0)
     with graddbg.watch(model, stats=stats) as w:
-        for p in (model.a, model.b, model.c, model.big):
+        for p in (model.a, model.c, model.big):
             p.grad = torch.randn(p.shape) * 1e-26
         model.zero.grad = torch.zeros(1 << 17)
         w.step()
-    got = w.stats.set_index("name")["norm"]
+    df = w.stats.set_index("name")
     for name, p in model.named_parameters():
-        if "absmax" in stats:
-            assert got[name] == pytest.approx(float(torch.linalg.vector_norm(p.grad.double())), rel=1e-5), name
-        else:
-            assert got[name] == float(torch.linalg.vector_norm(p.grad)), name  # torch's own float32 norm
-    assert got["zero"] == 0.0 and (got["a"] > 0) == ("absmax" in stats)
-    # the step's read-back, and (with absmax) one more for the norms recomputed
-    assert w.host_syncs == (2 if "absmax" in stats else 1)
+        assert df.loc[name, "norm"] == float(torch.linalg.vector_norm(p.grad)), name
+    if "absmax" in stats:
+        assert df.loc["a", "absmax"] > 0 and df.loc["zero", "absmax"] == 0
+    assert w.host_syncs == 1
+    assert [a.kind for a in w.anomalies] == []
 
 
 def test_statistics_of_many_small_layers_equal_reference():

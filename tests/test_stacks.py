@@ -9,7 +9,6 @@ import math
 import os
 import pickle
 import textwrap
-import warnings
 
 import numpy as np
 import pytest
