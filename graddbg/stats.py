@@ -623,10 +623,6 @@ class History:
     def last(self) -> Optional[Dict[str, Any]]:
         return self._steps.last_row()
 
-    @property
-    def rows_kept(self) -> int:
-        return self._rows.n * len(self.names)
-
     def stats_frame(self):
         import pandas as pd
 
