@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import warnings
 import weakref
 from collections import OrderedDict
@@ -390,6 +391,26 @@ class _Activations:
         return pd.DataFrame(self.rows, columns=["step", "module", "grad_norm", "out_nonfinite"])
 
 
+def _warn_if_unseen_scaler(passed: Any) -> None:
+    """At the first optimizer step: a GradScaler that steps the optimizer (it is one of the
+    callers, ``scaler.step(opt)``) but was not given as ``scaler=`` means the recorded
+    statistics are of scaled gradients. Looked for once, in the few frames above the hook."""
+    if passed is not None:
+        return
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, torch.amp.GradScaler) and obj.is_enabled():
+            warnings.warn("graddbg.watch: a torch.amp.GradScaler steps this optimizer but was not passed "
+                          "as scaler=: the statistics are of scaled gradients (multiplied by the loss "
+                          "scale) and the scaler's skipped steps look like non-finite gradients. Pass "
+                          "graddbg.watch(model, opt, scaler=scaler).", GraddbgWarning, stacklevel=2)
+            return
+        frame = frame.f_back
+
+
 def _frozen_parameters(model: nn.Module, watched: Sequence[Tensor]) -> List[Tuple[str, nn.Parameter]]:
     """(clean name, parameter) of the model's parameters that do not require grad now."""
     ids = {id(p) for p in watched}
@@ -548,6 +569,7 @@ class Watch:
         self._replaying = False
         self._temp_handles: List[Any] = []
         self._closure_step = self._closure_seen = False
+        self._scaler_looked = False
         self._in_policy = False
         self._errors_warned: set = set()
 
@@ -732,6 +754,9 @@ class Watch:
     def _on_opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self._closed:
             return None
+        if not self._scaler_looked:
+            self._scaler_looked = True
+            _warn_if_unseen_scaler(self._cfg.scaler)
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # (args[0] is the optimizer)
         if closure is not None:
             # step(closure): the closure runs backward inside the step; the gradients it

@@ -245,7 +245,7 @@ def _anomaly_dicts(anomalies: Sequence[Any]) -> List[Dict[str, Any]]:
         else:
             out.append({k: getattr(a, k, None) for k in
                         ("step", "kind", "name", "module", "op", "value", "threshold",
-                         "source", "message", "rank")})
+                         "source", "message", "rank", "reproduced")})
     return out
 
 
@@ -300,18 +300,29 @@ def _summary_html(view: "_View", steps: "pandas.DataFrame",
     return "".join(out)
 
 
+def _replay_verdict(reproduced: Any) -> str:
+    """What the replay of a non-finite step said (Anomaly.reproduced)."""
+    if reproduced is None:
+        return ""
+    return ("reproduced: a deterministic bug" if reproduced else
+            "NOT reproduced: suspect nondeterminism or faulty hardware")
+
+
 def _anomalies_html(anomalies: Sequence[Any]) -> str:
     if not anomalies:
         return '<p class="note">No anomaly was detected.</p>'
     rows = []
     dicts = _anomaly_dicts(anomalies)
     with_rank = any(d.get("rank") is not None for d in dicts)
+    with_replay = any(d.get("reproduced") is not None for d in dicts)
     header = ["step", "kind", "parameter", "module", "op", "source", "value", "threshold",
-              "message"] + (["rank"] if with_rank else [])
+              "message"] + (["rank"] if with_rank else []) + (["replay"] if with_replay else [])
     for d in dicts[:MAX_ANOMALY_ROWS]:
         row = [d.get("step"), d.get("kind"), d.get("name"), d.get("module"), d.get("op"),
                d.get("source"), d.get("value"), d.get("threshold"), d.get("message")]
-        rows.append(row + ([d.get("rank")] if with_rank else []))
+        row += [d.get("rank")] if with_rank else []
+        row += [_replay_verdict(d.get("reproduced"))] if with_replay else []
+        rows.append(row)
     text = _table(rows, header, bad_rows=[True] * len(rows), cls="anomalies")
     if len(dicts) > MAX_ANOMALY_ROWS:
         text += (f'<p class="note">{len(dicts) - MAX_ANOMALY_ROWS} more anomalies not shown '

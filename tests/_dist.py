@@ -39,9 +39,9 @@ def spawn(target: Callable, world: int, args: Callable[[int, int], Sequence], re
     return results
 
 
-def run_rank(rank: int, world: int, port: int, path: str, body: Callable[[], dict]) -> None:
-    """In a spawned process: join a gloo world on 127.0.0.1, run ``body()`` and write what
-    it returns (or the traceback it raised, as ``error``) to ``path`` as JSON."""
+def run_rank(rank: int, world: int, port: int, path: str, body: Callable[[], dict], backend: str = "gloo") -> None:
+    """In a spawned process: join a world (gloo by default) on 127.0.0.1, run ``body()``
+    and write what it returns (or the traceback it raised, as ``error``) to ``path`` as JSON."""
     import os
     import traceback
     from datetime import timedelta
@@ -49,7 +49,7 @@ def run_rank(rank: int, world: int, port: int, path: str, body: Callable[[], dic
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         record = body()
     except BaseException:

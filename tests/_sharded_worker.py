@@ -22,6 +22,9 @@ def data(rank: int, step: int):
     return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
 
 
+_DEVICE = "cpu"  # "cuda" in the NCCL run (one GPU per rank)
+
+
 def _shard(case: str, m: nn.Module) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -29,12 +32,12 @@ def _shard(case: str, m: nn.Module) -> nn.Module:
     if case == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(_DEVICE, (dist.get_world_size(),))
         return parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     if case == "hsdp":  # replicate x shard
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(_DEVICE, (2, 2), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(_DEVICE, (dist.get_world_size(),))
     for layer in m:
         if isinstance(layer, nn.Linear) and not (case == "mixed" and layer is m[4]):
             fully_shard(layer, mesh=mesh)
@@ -67,7 +70,7 @@ def _plant_nan_after_reduce_scatter(loss: torch.Tensor, param: nn.Parameter) -> 
 def run(case: str, rank: int) -> dict:
     import graddbg
 
-    m = _shard(case, model())
+    m = _shard(case, model().to(_DEVICE))
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     ref, record = [], {}
     extra = {"ddp_check_every": 1} if case == "fsdp" else {}  # pure FSDP: no replicas to compare
@@ -75,7 +78,7 @@ def run(case: str, rank: int) -> dict:
                                                                        **extra) as w:
         warnings.simplefilter("always")
         for step in range(3):
-            x, y = data(rank if case != "tp" else 0, step)
+            x, y = (t.to(_DEVICE) for t in data(rank if case != "tp" else 0, step))
             loss = nn.functional.mse_loss(m(x), y)
             if step == 2 and case == "fsdp" and rank == 1:
                 _plant_nan_after_reduce_scatter(loss, dict(m.named_parameters())["2.weight"])
@@ -98,6 +101,15 @@ def run(case: str, rank: int) -> dict:
 
 def main(case: str, rank: int, world: int, port: int, out: str) -> None:
     run_rank(rank, world, port, os.path.join(out, f"{case}-rank{rank}.json"), lambda: run(case, rank))
+
+
+def main_nccl(case: str, rank: int, world: int, port: int, out: str) -> None:
+    """The same on GPUs: NCCL, one GPU per rank, the meshes on "cuda"."""
+    global _DEVICE
+    _DEVICE = "cuda"
+    torch.cuda.set_device(rank)
+    run_rank(rank, world, port, os.path.join(out, f"{case}-rank{rank}.json"), lambda: run(case, rank),
+             backend="nccl")
 
 
 def _check_module_record() -> dict:

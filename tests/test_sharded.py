@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import _sharded_worker as worker
 from _dist import spawn
@@ -68,3 +69,14 @@ def test_check_module_refuses_a_sharded_model_saying_what_to_pass(tmp_path):
     for rec in results.values():
         assert rec["raised"] is not None
         assert "sharded (DTensor) parameters" in rec["raised"] and "before sharding" in rec["raised"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
+@pytest.mark.timeout(300)
+def test_fsdp2_cuda_nccl_on_two_gpus(tmp_path):
+    results = spawn(worker.main_nccl, 2, lambda r, port: ("fsdp", r, 2, port, str(tmp_path)),
+                    lambda r: tmp_path / f"fsdp-rank{r}.json")
+    _check_full_norms(results)
+    for rec in results.values():
+        assert [(k, s, n) for k, s, n, _ in rec["anomalies"]] == [("nonfinite", 2, "2.weight")]

@@ -9,6 +9,7 @@ import math
 import os
 import pickle
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -389,3 +390,41 @@ def test_gpt2_nan_weight_is_blamed_on_the_weight():
     with pytest.raises(graddbg.NonFiniteError, match="non-finite parameter transformer.h.1.mlp.c_fc.weight"):
         with graddbg.find_nonfinite(model):
             model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_replay_verdict_survives_save_load_and_shows_in_the_report(tmp_path):
+    class Sqrt0(nn.Module):
+        def forward(self, x):
+            return (x - x).sqrt()
+
+    model = nn.Sequential(nn.Linear(3, 3), Sqrt0(), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddbg.watch(model, opt, nonfinite="record") as w:
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    w.save(tmp_path / "run.parquet")
+    assert graddbg.load(tmp_path / "run.parquet").anomalies[0].reproduced is True
+    html = w.report(tmp_path / "report.html").read_text()
+    assert "reproduced: a deterministic bug" in html
+
+
+def test_a_gradscaler_that_was_not_passed_is_named_once():
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    with pytest.warns(graddbg.GraddbgWarning, match="GradScaler steps this optimizer but was not passed") as rec:
+        with graddbg.watch(model, opt):
+            for _ in range(3):
+                scaler.scale(model(torch.randn(4, 3)).sum()).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+    assert sum("GradScaler" in str(r.message) for r in rec) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with graddbg.watch(model, opt, scaler=scaler) as w:  # passed: no warning, unscaled norms
+            scaler.scale(model(torch.randn(4, 3)).sum()).backward()
+            seen = _global_norm(model) / scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+    assert w.steps["global_norm"].iloc[0] == pytest.approx(seen, rel=1e-6)
