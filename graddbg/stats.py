@@ -17,6 +17,7 @@ to the host at once: one synchronisation per recorded step.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -142,9 +143,10 @@ class StepStats:
     def bad(self) -> np.ndarray:
         return self.nonfinite > 0
 
-    @property
+    @functools.cached_property
     def global_norm(self) -> float:
-        """The norm of all gradients together (NaN or Inf when one is)."""
+        """The norm of all gradients together (NaN or Inf when one is); computed once, after
+        the step's norms are final."""
         n = self.norm[self.has_grad]
         return math.sqrt(float(np.dot(n, n)))
 

@@ -238,16 +238,23 @@ def test_a_million_fold_jump_at_step_1_is_flagged_at_step_1():
     assert [(a.kind, a.step) for a in w.anomalies] == [("explode", 1)]
 
 
-def test_replay_verdict_reproduced_for_a_deterministic_nan():
-    class Sqrt0(nn.Module):
-        def forward(self, x):
-            return (x - x).sqrt()
+class _Sqrt0(nn.Module):
+    def forward(self, x):
+        return (x - x).sqrt()  # sqrt(0): an infinite derivative in backward
 
-    model = nn.Sequential(nn.Linear(3, 3), Sqrt0(), nn.Linear(3, 1))
+
+def _watched_sqrt0_step():
+    """One watched step of a model whose backward makes a NaN, deterministically."""
+    model = nn.Sequential(nn.Linear(3, 3), _Sqrt0(), nn.Linear(3, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with graddbg.watch(model, opt, nonfinite="record") as w:
         model(torch.randn(2, 3)).sum().backward()
         opt.step()
+    return w
+
+
+def test_replay_verdict_reproduced_for_a_deterministic_nan():
+    w = _watched_sqrt0_step()
     a = w.anomalies[0]
     assert a.reproduced is True and a.op == "SqrtBackward0"
     assert "reproduced by a replay" in str(a)
@@ -393,15 +400,7 @@ def test_gpt2_nan_weight_is_blamed_on_the_weight():
 
 
 def test_replay_verdict_survives_save_load_and_shows_in_the_report(tmp_path):
-    class Sqrt0(nn.Module):
-        def forward(self, x):
-            return (x - x).sqrt()
-
-    model = nn.Sequential(nn.Linear(3, 3), Sqrt0(), nn.Linear(3, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with graddbg.watch(model, opt, nonfinite="record") as w:
-        model(torch.randn(2, 3)).sum().backward()
-        opt.step()
+    w = _watched_sqrt0_step()
     w.save(tmp_path / "run.parquet")
     assert graddbg.load(tmp_path / "run.parquet").anomalies[0].reproduced is True
     html = w.report(tmp_path / "report.html").read_text()
