@@ -91,3 +91,21 @@ class CoverageWarning(GraddbgWarning):
 
 class CompileWarning(GraddbgWarning):
     """A requested feature does not work, or breaks graphs, on a compiled model."""
+
+
+def warn_at_user(message: str, category: type = GraddbgWarning) -> None:
+    """``warnings.warn`` pointing at the user's line: the first caller outside graddbg and
+    torch (a warning raised inside a hook would otherwise point at graddbg's own file)."""
+    import os
+    import sys
+    import warnings
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    torch_dir = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) if "torch" in sys.modules else here
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not (path.startswith(here + os.sep) or path.startswith(torch_dir + os.sep)):
+            break
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)

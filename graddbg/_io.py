@@ -17,9 +17,9 @@ import pathlib
 import secrets
 from typing import Any, Iterator, Union
 
-from graddbg._errors import GraddbgError, GraddbgTypeError
+from graddbg._errors import GraddbgError, GraddbgTypeError, GraddbgValueError
 
-__all__ = ["replacing", "write_atomic"]
+__all__ = ["replacing", "write_atomic", "as_path", "file_target"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -39,7 +39,7 @@ def replacing(path: PathLike) -> Iterator[pathlib.Path]:
     ...     sorted(os.listdir(d))
     ['a.txt']
     """
-    path = _as_path(path, "path")
+    path = as_path(path, "path")
     tmp = path.with_name(f".{path.name[:120]}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
@@ -72,7 +72,7 @@ def write_atomic(path: PathLike, data: Union[str, bytes]) -> pathlib.Path:
     """
     if not isinstance(data, (str, bytes)):
         raise GraddbgTypeError(f"write_atomic(data=...) must be str or bytes; got {type(data).__name__}")
-    path = _as_path(path, "path")
+    path = as_path(path, "path")
     with replacing(path) as tmp:
         tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
     return path
@@ -92,8 +92,18 @@ def _write_error(path: pathlib.Path, e: OSError) -> GraddbgError:
     return GraddbgError(f"could not write {str(path)!r}: {reason}; {kept}")
 
 
-def _as_path(path: Any, arg: str) -> pathlib.Path:
+def as_path(path: Any, arg: str) -> pathlib.Path:
     if not isinstance(path, (str, os.PathLike)):
         raise GraddbgTypeError(f"{arg}: expected a file name (str or os.PathLike); "
                                f"got {type(path).__name__}")
     return pathlib.Path(os.fspath(path))
+
+
+def file_target(path: Any, example: str) -> pathlib.Path:
+    """``path`` as a Path to write a file to; a folder is a usage error (naming
+    ``example``, a file name to give instead)."""
+    path = as_path(path, "path")
+    if path.is_dir():
+        raise GraddbgValueError(f"path: {str(path)!r} is a directory; give a file name such "
+                                f"as {str(path / example)!r}")
+    return path

@@ -28,6 +28,7 @@ __all__ = [
     "named_trainable_parameters",
     "tensors_in",
     "named_tensors",
+    "in_backward",
 ]
 
 # prefixes that wrappers put in front of the user's parameter names
@@ -60,6 +61,13 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
         model = inner
     return model
+
+
+def in_backward() -> bool:
+    """Whether a backward pass is running on this thread (activation checkpointing
+    recomputes forward passes inside one). Only to be called outside compiled code."""
+    # (no public function tells: the engine's current graph task)
+    return torch._C._current_graph_task_id() != -1
 
 
 def is_compiled(model: nn.Module) -> bool:

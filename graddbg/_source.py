@@ -19,7 +19,7 @@ _SKIP = (_TORCH_DIR, _GRADDBG_DIR, "<frozen ")
 _USER_FILES = (os.path.join(_GRADDBG_DIR, "cli.py"),)
 
 
-def _is_internal(filename: str) -> bool:
+def is_internal(filename: str) -> bool:
     if filename in _USER_FILES:
         return False
     return filename.startswith(_SKIP) or filename.endswith("contextlib.py")
@@ -34,7 +34,7 @@ def user_source(skip: int = 1) -> Optional[str]:
     frame = sys._getframe(skip)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not _is_internal(filename):
+        if not is_internal(filename):
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
     return None
@@ -57,12 +57,6 @@ def user_source_from_stack(stack: "list[str] | str | None") -> Optional[str]:
                     lineno = int(line.split("line ")[1].split(",")[0])
                 except (IndexError, ValueError):
                     continue
-                if not _is_internal(filename):
+                if not is_internal(filename):
                     best = f"{filename}:{lineno}"
     return best
-
-
-def short_stack(limit: int = 5) -> list[str]:
-    """The last ``limit`` user frames, formatted, innermost last."""
-    frames = [f for f in traceback.extract_stack()[:-1] if not _is_internal(f.filename)]
-    return [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-limit:]]

@@ -10,11 +10,11 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import warnings
 
-from graddbg._errors import GradientAnomalyError, GraddbgTypeError, GraddbgValueError, GraddbgWarning, NonFiniteError
+from graddbg._errors import GradientAnomalyError, GraddbgTypeError, GraddbgValueError, GraddbgWarning, NonFiniteError, warn_at_user
 
 __all__ = [
     "Anomaly",
@@ -31,7 +31,9 @@ __all__ = [
     "AnomalyWarning",
 ]
 
-KINDS = ("nonfinite", "explode", "vanish", "overflow", "ddp_mismatch")
+#: the silent training mistakes (optimizer hygiene): each a kind of finding and an option of watch()
+HYGIENE_KINDS = ("stale_grad", "empty_step", "orphan_param", "no_update", "dead_grad")
+KINDS = ("nonfinite", "explode", "vanish", "overflow", "ddp_mismatch", "unused_param") + HYGIENE_KINDS
 POLICIES = ("raise", "warn", "skip", "record")
 
 
@@ -133,21 +135,26 @@ class NonFinite:
 @dataclass(frozen=True)
 class Explode:
     """Flag a global gradient norm above ``factor`` times the robust running level (the
-    median of the previous ``window`` healthy steps, from ``warmup`` of them on: by
-    default from the second recorded step, against what history exists), or above
-    ``absolute``. Consecutive exploded steps are one episode and one anomaly; they do not
-    enter the running level."""
+    median of the previous ``window`` healthy steps with gradients, once ``warmup`` of
+    them are known) for ``persist`` recorded steps in a row, or once above ``factor**2``
+    times it, or above ``absolute``. One heavy batch of a heavy-tailed data set, and
+    Adam's first steps, are not explosions; a sustained jump or a hundredfold spike is.
+    A spike that the training loop clipped at that step (``clip_grad_norm_`` between
+    backward and step) is left to the clip. Consecutive exploded steps are one episode and
+    one anomaly; they do not enter the running level."""
 
     factor: Optional[float] = 10.0
     absolute: Optional[float] = None
     window: int = 50
     policy: PolicyArg = "warn"
-    warmup: int = 1
+    warmup: int = 10
+    persist: int = 2
 
     def __post_init__(self) -> None:
         check_policy(self.policy, "Explode(policy")
         _check_int(self.window, "Explode(window", 1)
         _check_int(self.warmup, "Explode(warmup", 1)
+        _check_int(self.persist, "Explode(persist", 1)
         if self.factor is not None and not (self.factor > 1):
             raise GraddbgValueError(f"Explode(factor=) must be > 1 or None, got {self.factor!r}")
         if self.factor is None and self.absolute is None:
@@ -201,26 +208,34 @@ class _ExplodeState:
         self._sorted: List[float] = []  # the same, sorted (finite values only)
         self.prev_norms: Any = None
         self.in_episode = False
+        self.above = 0  # recorded steps in a row above the relative threshold
+
+    def _threshold(self) -> Tuple[float, float]:
+        """(relative threshold, hard threshold): factor x and factor**2 x the median."""
+        det = self.det
+        if det.factor is None or len(self.level) < det.warmup:
+            return math.inf, math.inf
+        srt = self._sorted  # (kept sorted: no sort per step)
+        half = len(srt) // 2
+        med = srt[half] if len(srt) % 2 else (srt[half - 1] + srt[half]) / 2
+        return det.factor * med, det.factor ** 2 * med
 
     def check(self, step: int, global_norm: float, norms: Any, names: Sequence[str],
-              modules: Sequence[str]) -> Optional[Anomaly]:
+              modules: Sequence[str], clipped: bool = False) -> Optional[Anomaly]:
         import numpy as np
 
         det = self.det
         prev = self.prev_norms
         self.prev_norms = norms
-        if not math.isfinite(global_norm):
-            return None  # the non-finite detector's business
-        threshold = math.inf
-        if det.absolute is not None:
-            threshold = det.absolute
-        if det.factor is not None and len(self.level) >= det.warmup:
-            srt = self._sorted  # (kept sorted: no sort per step)
-            half = len(srt) // 2
-            med = srt[half] if len(srt) % 2 else (srt[half - 1] + srt[half]) / 2
-            threshold = min(threshold, det.factor * med)
-        if global_norm > threshold:
-            if self.in_episode:  # one anomaly per episode of consecutive exploded steps
+        if not math.isfinite(global_norm) or global_norm == 0:
+            return None  # the non-finite detector's business; a step without gradients
+        rel, hard = self._threshold()
+        self.above = self.above + 1 if global_norm > rel else 0
+        threshold = min(rel, det.absolute if det.absolute is not None else math.inf)
+        exploded = (det.absolute is not None and global_norm > det.absolute) or \
+            (not clipped and (global_norm > hard or self.above >= det.persist))
+        if exploded or (global_norm > rel and clipped) or self.above:
+            if not exploded or self.in_episode:  # one anomaly per episode of consecutive exploded steps
                 return None
             self.in_episode = True
             # which parameters jumped most, relative to their previous recorded norm
@@ -237,7 +252,8 @@ class _ExplodeState:
             msg = (f"graddbg: gradient explosion at step {step}: global gradient norm "
                    f"{global_norm:.4g} > threshold {threshold:.4g}"
                    + (f" ({det.factor:g}x the median of the last {len(self.level)} steps)"
-                      if det.factor is not None and len(self.level) >= det.warmup and threshold < (det.absolute or math.inf) else
+                      if det.factor is not None and len(self.level) >= det.warmup and threshold < (det.absolute or math.inf)
+                      and global_norm <= (det.absolute or math.inf) else
                       " (absolute bound)")
                    + (f"; parameters that jumped most: {', '.join(jumped)}" if jumped else "")
                    + ". Try a lower learning rate, warm-up, or gradient clipping.")
@@ -246,6 +262,7 @@ class _ExplodeState:
                            value=float(global_norm), threshold=float(threshold), source=None,
                            message=msg, params=tuple(jumped))
         self.in_episode = False
+        self.above = 0
         self.level.append(global_norm)
         bisect.insort(self._sorted, global_norm)
         if len(self.level) > det.window:
@@ -303,7 +320,7 @@ def apply_policy(anomaly: Anomaly, policy: Any, skip: Callable[[], None]) -> Opt
         cls = NonFiniteError if anomaly.kind == "nonfinite" else GradientAnomalyError
         return cls(str(anomaly), anomaly)
     if policy == "warn":
-        warnings.warn(str(anomaly), AnomalyWarning, stacklevel=4)
+        warn_at_user(str(anomaly), AnomalyWarning)
     elif policy == "skip":
         skip()
     elif callable(policy):

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graddbg._errors import GraddbgTypeError, GraddbgValueError, NonFiniteError
 from graddbg._model import module_of, tensors_in, unwrap
-from graddbg._source import _is_internal, user_source_from_stack
+from graddbg._source import is_internal, user_source_from_stack
 from graddbg.anomaly import Anomaly
 
 __all__ = ["find_nonfinite", "NonFiniteScan"]
@@ -283,7 +283,7 @@ class NonFiniteScan(TorchDispatchMode):
             fn = f.f_code.co_filename
             internal = cache.get(fn)
             if internal is None:
-                internal = cache[fn] = _is_internal(fn)
+                internal = cache[fn] = is_internal(fn)
             if not internal:
                 return fn, f.f_lineno
             f = f.f_back

@@ -62,6 +62,7 @@ import torch
 
 from graddbg import hooks
 from graddbg._errors import GraddbgTypeError, GraddbgValueError, GraddbgWarning
+from graddbg.options import WatchOptions
 
 __all__ = ["LightningCallback", "TransformersCallback"]
 
@@ -81,8 +82,8 @@ def _check_report(owner: str, report: Any) -> ReportArg:
 
 
 def _check_watch_kwargs(owner: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """``watch()``'s keyword options, checked now by ``watch()`` itself (on a throwaway
-    one-weight model), so a bad option raises the same error at construction.
+    """``watch()``'s keyword options, validated now through the one options object, so a
+    bad option raises the same error at construction as ``watch()`` would.
 
     >>> _check_watch_kwargs("LightningCallback", {"every": 2})
     {'every': 2}
@@ -95,14 +96,7 @@ def _check_watch_kwargs(owner: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
         if taken in kwargs:
             raise GraddbgTypeError(f"{owner}({taken}=...): the model and optimizer are the trainer's, taken "
                                    f"when training starts; pass only watch()'s keyword options")
-    probe = dict(kwargs)
-    ddp_every = probe.get("ddp_check_every")
-    if ddp_every is not None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        # the trainer starts the process group: that part is checked when training starts
-        if not isinstance(ddp_every, int) or isinstance(ddp_every, bool) or ddp_every < 1:
-            raise GraddbgValueError(f"ddp_check_every= must be None or an int >= 1, got {ddp_every!r}")
-        del probe["ddp_check_every"]
-    hooks.watch(torch.nn.Linear(1, 1), **probe).close()
+    WatchOptions.parse(owner, kwargs)
     return dict(kwargs)
 
 

@@ -28,6 +28,8 @@ from torch import nn
 
 from graddbg._errors import GraddbgError, GraddbgValueError, GradientAnomalyError
 from graddbg._io import write_atomic
+from graddbg.anomaly import HYGIENE_KINDS
+from graddbg.options import WatchOptions
 
 __all__ = ["main", "demo", "run_script", "report"]
 
@@ -309,8 +311,9 @@ def _choose(candidates: Iterable[nn.Module], held: Set[int]) -> Optional[nn.Modu
     return max(zip(kept, inner), key=lambda mi: sum(id(o) in mi[1] for o in kept))[0]
 
 
-def _has_closure(args: Any, kwargs: Any) -> bool:
-    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
+def _closure(args: Any, kwargs: Any) -> Any:
+    """The closure an optimizer step was called with (``args[0]`` is the optimizer), or None."""
+    return args[1] if len(args) > 1 else kwargs.get("closure")
 
 
 class _Deferred:
@@ -401,7 +404,7 @@ class ScriptWatcher:
         model = _choose([*self._roots, *_frame_modules()], _held(optimizer))
         w = self._start(model if model is not None else _ParamHolder(optimizer), optimizer)
         # this step's boundary: the watch's own step hook joins the hooks being run now
-        if model is None and _has_closure(args, kwargs):  # the closure may call the model
+        if model is None and _closure(args, kwargs) is not None:  # the closure may call the model
             self._deferred[id(optimizer)] = _Deferred(optimizer, args, kwargs, w)
 
     def _resolve_deferred(self, module: nn.Module) -> None:
@@ -417,15 +420,13 @@ class ScriptWatcher:
             self.watches.remove(d.watch)
             model = _choose([module, *self._roots, *_frame_modules()], d.held)
             w = self._start(model if model is not None else module, opt)
-            w._on_opt_pre(opt, d.args, d.kwargs)  # the step began before this watch did
+            w.begin_step(_closure(d.args, d.kwargs))  # the step began before this watch did
 
     def _maybe_watch_free(self, module: nn.Module, output: Any) -> None:
         """A model trained without an optimizer: the first outermost module called with
         grad enabled, its output requiring grad, with trainable parameters."""
-        from graddbg._model import tensors_in
-        from graddbg.hooks import _in_backward
-
-        if not torch.is_grad_enabled() or _in_backward() or isinstance(module, torch.jit.ScriptModule):
+        from graddbg._model import in_backward, tensors_in
+        if not torch.is_grad_enabled() or in_backward() or isinstance(module, torch.jit.ScriptModule):
             return
         if not any(t.requires_grad for t in tensors_in(output)):
             return
@@ -583,16 +584,15 @@ class Signals:
         self.previous = {}
 
 
-def _check_run_args(script: Any, every: Any, policies: Dict[str, Any], fail_on: Any,
-                    save_every: Any) -> pathlib.Path:
-    """Every argument of run_script checked before anything runs (UsageError: exit 2)."""
+#: watch()'s options that take a policy, each a flag of ``graddbg run`` (``--stale-grad``)
+POLICY_OPTIONS = ("nonfinite", "explode", "vanish") + HYGIENE_KINDS
+
+
+def _check_run_args(script: Any, fail_on: Any, save_every: Any) -> pathlib.Path:
+    """The arguments of run_script that are its own, checked before anything runs
+    (UsageError: exit 2)."""
     if not isinstance(script, (str, os.PathLike)) or not pathlib.Path(script).is_file():
         raise UsageError(f"script: {script!r} does not exist or is not a file")
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise UsageError(f"--every must be >= 1, got {every!r}")
-    for arg, value in policies.items():
-        if value not in POLICIES:
-            raise UsageError(f"--{arg}: got {value!r}; accepted: {', '.join(POLICIES)}")
     if fail_on not in FAIL_ON:
         raise UsageError(f"--fail-on: got {fail_on!r}; accepted: {', '.join(FAIL_ON)}")
     if isinstance(save_every, bool) or not isinstance(save_every, (int, float)) \
@@ -602,21 +602,41 @@ def _check_run_args(script: Any, every: Any, policies: Dict[str, Any], fail_on: 
     return pathlib.Path(script)
 
 
-def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", every: int = 1,
-               nonfinite: str = "raise", explode: str = "warn", vanish: str = "none",
-               fail_on: str = "any", save_every: float = SAVE_EVERY, stream: Any = None) -> int:
+def _watch_options(given: Dict[str, Any]) -> Dict[str, Any]:
+    """watch()'s options from the command line's spelling (a policy "none" is None),
+    validated through :class:`graddbg.options.WatchOptions` (UsageError: exit 2)."""
+    every = given.get("every", 1)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise UsageError(f"--every must be >= 1, got {every!r}")
+    kw = dict(given)
+    for arg in POLICY_OPTIONS:
+        value = kw.get(arg)
+        if isinstance(value, str):
+            if value not in POLICIES:
+                raise UsageError(f"--{arg.replace('_', '-')}: got {value!r}; accepted: {', '.join(POLICIES)}")
+            kw[arg] = _policy(value)
+    kw.setdefault("vanish", None)
+    try:
+        WatchOptions.parse("graddbg run", kw)
+    except GraddbgError as err:
+        raise UsageError(str(err)) from None
+    return kw
+
+
+def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fail_on: str = "any",
+               save_every: float = SAVE_EVERY, stream: Any = None, **watch_options: Any) -> int:
     """Run ``script`` unchanged with what it trains watched (every optimizer it steps, with
     its model; without an optimizer, the model it runs backward through, a step per
     backward pass: see :class:`ScriptWatcher`); write the statistics
     and the report at exit, also when the script crashes, is interrupted (Ctrl-C) or is
     stopped by SIGTERM / SIGHUP, and the statistics every ``save_every`` seconds on the way.
+    ``watch_options`` are :func:`graddbg.watch`'s (a policy may be spelled "none").
     Every argument and the ``out`` folder are checked before the script starts (a
     ``UsageError``, which is a ``ValueError``). Returns the exit code."""
     stream = stream or sys.stdout
-    policies = {"nonfinite": nonfinite, "explode": explode, "vanish": vanish}
-    path = _check_run_args(script, every, policies, fail_on, save_every)
+    path = _check_run_args(script, fail_on, save_every)
+    kwargs = _watch_options(watch_options)
     outdir, created = _out_folder(out)
-    kwargs = dict(every=every, **{k: _policy(v) for k, v in policies.items()})
     watcher = ScriptWatcher(kwargs)
     watcher.after_step = Snapshots(outdir, float(save_every), watcher.watches)
     with Signals() as signals:
@@ -746,6 +766,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--nonfinite", choices=POLICIES, default="raise")
     r.add_argument("--explode", choices=POLICIES, default="warn")
     r.add_argument("--vanish", choices=POLICIES, default="none")
+    for kind in HYGIENE_KINDS:
+        r.add_argument(f"--{kind.replace('_', '-')}", choices=POLICIES, default="warn",
+                       help=f"policy for {kind} findings (see the README's list of findings)")
     r.add_argument("--fail-on", choices=FAIL_ON, default="any",
                    help="which anomalies make the exit code 1 (default: any)")
     r.add_argument("--save-every", type=float, default=SAVE_EVERY, metavar="SECONDS",
@@ -768,8 +791,8 @@ def _command(args: argparse.Namespace) -> int:
         return 0 if res["files"]["report"].exists() else 1
     if args.command == "run":
         return run_script(args.script, args.args, out=args.out, every=args.every,
-                          nonfinite=args.nonfinite, explode=args.explode, vanish=args.vanish,
-                          fail_on=args.fail_on, save_every=args.save_every)
+                          fail_on=args.fail_on, save_every=args.save_every,
+                          **{k: getattr(args, k) for k in POLICY_OPTIONS})
     path = report(args.run, args.out)
     print(f"wrote {path}")
     return 0

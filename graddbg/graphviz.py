@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from graddbg._errors import DotNotFoundError, GraddbgError, GraddbgTypeError, GraddbgValueError
-from graddbg._io import _as_path, write_atomic
+from graddbg._io import as_path, write_atomic
 from graddbg._model import check_model, clean_name, named_tensors, unwrap
 
 __all__ = [
@@ -1216,7 +1216,7 @@ class Graph:
         png or pdf); returns the path. The file is written atomically (a temporary file in
         the same folder, then a rename): a failed write leaves the previous file whole and
         raises a :class:`GraddbgError` naming the path."""
-        out = _as_path(path, "path")  # checked before dot runs
+        out = as_path(path, "path")  # checked before dot runs
         return write_atomic(out, render_source(self.to_dot(), format))
 
     def svg(self) -> str:

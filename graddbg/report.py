@@ -19,7 +19,7 @@ flow, norm and heatmap plots and the module table show at most ``MAX_GROUPS`` mo
 (norms rolled up as the root of the sum of squares), and the parameter table, the update
 ratio plot and the histograms show a chosen few parameters (every one with NaN/Inf, the
 largest and the smallest gradients), so 5,000 parameters x 1,000 steps render in seconds.
-The file is written atomically (:func:`graddbg.run.replacing`).
+The file is written atomically (:func:`graddbg._io.replacing`).
 
 matplotlib and pandas are imported inside the functions.
 """
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 
 from graddbg._errors import DotNotFoundError, GraddbgTypeError, GraddbgValueError
 from graddbg._model import module_of
-from graddbg.run import _file_target, write_atomic
+from graddbg._io import file_target, write_atomic
 
 if TYPE_CHECKING:  # pragma: no cover - type names only
     import pandas
@@ -102,7 +102,7 @@ def write_report(run: Any, path: PathLike, *, graph: Any = None,
     ...     "<svg" in p.read_text()
     True
     """
-    path = _file_target(path, "report.html")
+    path = file_target(path, "report.html")
     text = render_report(run, graph=graph, title=title)
     return write_atomic(path, text)
 

@@ -32,14 +32,14 @@ import pathlib
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Union
 
 from graddbg._errors import GraddbgError, GraddbgTypeError, GraddbgValueError
-from graddbg._io import _as_path, replacing, write_atomic
+from graddbg._io import as_path, file_target, replacing, write_atomic
 from graddbg.anomaly import Anomaly
 
 if TYPE_CHECKING:  # pragma: no cover - type names only
     import pandas
     from matplotlib.figure import Figure
 
-__all__ = ["Run", "load", "FORMAT_VERSION", "replacing", "write_atomic"]
+__all__ = ["Run", "load", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 _META_KEY = b"graddbg"
@@ -66,15 +66,6 @@ _KINDS = {
 
 
 # ---------------------------------------------------------------------- files
-
-def _file_target(path: Any, example: str) -> pathlib.Path:
-    """``path`` as a Path to write a file to; a folder is a usage error."""
-    path = _as_path(path, "path")
-    if path.is_dir():
-        raise GraddbgValueError(f"path: {str(path)!r} is a directory; give a file name such "
-                                f"as {str(path / example)!r}")
-    return path
-
 
 # ---------------------------------------------------------------------- Run
 
@@ -178,7 +169,7 @@ class Run:
         """
         import pyarrow.parquet as pq
 
-        path = _file_target(path, "run.parquet")
+        path = file_target(path, "run.parquet")
         table = self._table()
         with replacing(path) as tmp:
             pq.write_table(table, tmp, compression="zstd")
@@ -256,7 +247,7 @@ def load(path: PathLike) -> Run:
     ...     load(run.save(os.path.join(d, "run.parquet"))).meta
     {'model': 'Linear'}
     """
-    path = _as_path(path, "path")
+    path = as_path(path, "path")
     if not path.exists():
         raise FileNotFoundError(f"path: no such file {str(path)!r}")
     if path.is_dir():

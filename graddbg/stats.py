@@ -318,14 +318,14 @@ class StepReader:
         P = len(self.numel)
         order, has = self._layout(launch)
         norm = np.full(P, np.nan)
-        norm[order] = got["norm"]
+        norm[order] = got.get("norm", ())  # (absent when no parameter had a gradient)
         absmax = np.full(P, np.nan)
         if launch.absmax:
-            absmax[order] = got["absmax"]
+            absmax[order] = got.get("absmax", ())
         extras = None
         if launch.extras:
             extras = np.full((P, len(self.extras)), np.nan)
-            extras[order] = got["extras"].reshape(len(order), -1)
+            extras[order] = got.get("extras", np.zeros(0)).reshape(len(order), -1)
         st = StepStats(norm, absmax, np.zeros(P, dtype=np.int64), has, extras)
         if launch.sharded is not None:
             _, ix, dgrads = launch.sharded
@@ -739,8 +739,12 @@ class _Columns:
                 self.cols[key] = np.concatenate([col, pad], axis=1)
 
     def set_last(self, key: str, step: int, value: Any) -> None:
-        if self.n and self.cols["step"][self.n - 1] == step:
-            self.cols[key][self.n - 1] = value
+        """Set ``key`` in the row of ``step`` among the last two rows (a value measured
+        after its step, read back with the next)."""
+        for i in range(self.n - 1, max(self.n - 3, -1), -1):
+            if self.cols["step"][i] == step:
+                self.cols[key][i] = value
+                return
 
     def last_row(self) -> Optional[Dict[str, Any]]:
         return {k: c[self.n - 1] for k, c in self.cols.items() if k != "_seq"} if self.n else None

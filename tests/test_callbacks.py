@@ -440,8 +440,8 @@ BAD = [
     ({"every": 0}, ValueError, "every= must be an int >= 1, got 0"),
     ({"nonfinite": "explode"}, ValueError, "nonfinite= got 'explode'"),
     ({"histograms": "often"}, TypeError, "histograms= must be None, a bool or an int"),
-    ({"evrey": 2}, TypeError, "unexpected keyword argument 'evrey'"),
-    ({"ddp_check_every": 0}, ValueError, "ddp_check_every= must be None or an int >= 1"),
+    ({"evrey": 2}, TypeError, r"unknown keyword\(s\) \['evrey'\] \(did you mean 'every'\?\)"),
+    ({"ddp_check_every": 0}, ValueError, "ddp_check_every= must be None, 'auto' or an int >= 1"),
     ({"model": nn.Linear(1, 1)}, TypeError, r"\(model=...\): the model and optimizer are the trainer's"),
     ({"report": 3}, TypeError, r"\(report=...\): expected a bool or a path"),
 ]

@@ -15,6 +15,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import graddbg
+from graddbg.checks import Activations, UpdateRatio
 from graddbg._errors import CompileWarning, CoverageWarning
 from problems import PROBLEMS, hook_counts, optimizer_hook_counts
 
@@ -353,7 +354,7 @@ def test_update_ratio_default_cadence_is_every_200_steps_from_the_first():
     assert w.stats.loc[w.stats.step == 200, "update_ratio"].gt(0).all()
 
 
-def test_no_memory_for_the_update_ratio_copy_warns_and_training_goes_on():
+def test_no_memory_for_the_update_ratio_copy_warns_and_training_goes_on(monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -366,7 +367,7 @@ def test_no_memory_for_the_update_ratio_copy_warns_and_training_goes_on():
 
     with pytest.warns(graddbg.GraddbgWarning, match=r"update_every=None.*out of memory") as rec:
         with graddbg.watch(model, opt, update_every=1) as w:
-            w._update.copy_weights = no_memory
+            monkeypatch.setattr(UpdateRatio, "copy_weights", staticmethod(no_memory))
             before = model.weight.detach().clone()
             for _ in range(3):
                 model(x).square().sum().backward()
@@ -434,7 +435,7 @@ def test_hooks_removed_after_normal_exit(activations):
         opt.step()
     assert hook_counts(model) == before
     assert optimizer_hook_counts(opt) == obefore
-    assert not hasattr(w, "_model") or w._model is None
+    assert w._ctx.model is None and w._ctx.params == []  # no tensors of the user's kept
 
 
 def test_hooks_removed_when_body_raises_and_data_kept():
@@ -680,7 +681,7 @@ def test_bad_model_arguments():
     ({"nonfinite": "explode"}, ValueError, r"nonfinite= got 'explode'; accepted: 'raise', 'warn'"),
     ({"explode": graddbg.Vanish()}, TypeError, r"expected a Explode"),
     ({"histograms": "yes"}, TypeError, r"histograms= must be None, a bool or an int"),
-    ({"ddp_check_every": 0}, ValueError, r"ddp_check_every= must be an int >= 1"),
+    ({"ddp_check_every": 0}, ValueError, r"ddp_check_every= must be None, 'auto' or an int >= 1"),
     ({"scaler": object()}, TypeError, r"scaler= must be a torch.amp.GradScaler"),
 ])
 def test_bad_options(kw, exc, match):
@@ -716,7 +717,7 @@ def test_forwards_without_backward_do_not_pile_up():
     with graddbg.watch(model, opt, activations=True) as w:
         for _ in range(50):  # an evaluation loop that forgot torch.no_grad()
             model(x)
-        assert len(w._temp_handles) <= 20 and len(w._acts.fwd) <= 20
+        assert len(w._temp_handles) <= 20 and w._part(Activations).pending() <= 20
         F.cross_entropy(model(x), y).backward()
         opt.step()
     assert len(w.stats) == 8 and w.activations["step"].unique().tolist() == [0]

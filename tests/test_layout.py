@@ -23,24 +23,27 @@ ALLOWED = {
     "stats": {"_errors", "_model"},
     "anomaly": {"_errors", "_source"},
     "blame": {"_errors", "_source", "_model", "anomaly"},
-    "hooks": {"_errors", "_source", "_model", "stats", "anomaly", "blame"},
-    "callbacks": {"_errors", "_model", "hooks"},
+    "options": {"_errors", "stats", "anomaly"},
+    "checks": {"_errors", "_source", "_model", "stats", "anomaly", "blame", "checks"},
+    "hooks": {"_errors", "_source", "_model", "stats", "anomaly", "blame", "options", "checks"},
+    "callbacks": {"_errors", "_model", "hooks", "options"},
     "gradcheck": {"_errors", "_source", "_model"},
     "pytest_plugin": {"_errors", "gradcheck"},
     "graphviz": {"_errors", "_source", "_model", "_io"},
     "plots": {"_errors"},
     "ddp_verify": {"_errors", "_model", "stats"},
     "run": {"_errors", "_model", "stats", "anomaly", "_io"},
-    "report": {"_errors", "_source", "_model", "stats", "anomaly", "plots", "graphviz", "run"},
+    "report": {"_errors", "_source", "_model", "_io", "stats", "anomaly", "plots", "graphviz"},
     "cli": None,  # on top of everything
 }
 # imports inside functions may also reach these (lazily, to keep imports light)
 LAZY = {
     "__init__": None,
     "_model": {"_errors"},
-    "hooks": {"run", "ddp_verify", "stats", "plots", "report"},
+    "hooks": {"run", "stats", "plots", "report"},
+    "checks": {"ddp_verify"},
     "run": {"plots", "report", "stats", "anomaly", "graphviz", "__init__"},
-    "report": {"plots", "graphviz", "stats", "anomaly", "run", "__init__"},
+    "report": {"plots", "graphviz", "stats", "anomaly", "__init__"},
     "pytest_plugin": {"gradcheck", "stats", "hooks", "anomaly"},
 }
 
@@ -79,7 +82,12 @@ def _split_imports(path: pathlib.Path):
     return top, nested
 
 
-MODULES = sorted(p.stem for p in PKG.glob("*.py"))
+MODULES = sorted(p.stem for p in PKG.glob("*.py")) + ["checks"]
+
+
+def _files(module: str):
+    """The files of a module (a package: every file in it)."""
+    return sorted((PKG / module).glob("*.py")) if (PKG / module).is_dir() else [PKG / f"{module}.py"]
 
 
 def test_every_module_is_known_to_the_layout_test():
@@ -88,7 +96,10 @@ def test_every_module_is_known_to_the_layout_test():
 
 @pytest.mark.parametrize("module", MODULES)
 def test_imports_point_down(module):
-    top, nested = _split_imports(PKG / f"{module}.py")
+    top, nested = set(), set()
+    for path in _files(module):
+        t, n = _split_imports(path)
+        top, nested = top | t, nested | n
     top.discard(module)
     nested.discard(module)
     allowed = ALLOWED[module]
@@ -100,6 +111,48 @@ def test_imports_point_down(module):
         return
     bad = nested - allowed - lazy
     assert not bad, f"graddbg.{module} imports {sorted(bad)} inside functions"
+
+
+def _graph():
+    """module -> graddbg modules it imports (at module level or inside functions)."""
+    out = {}
+    for module in MODULES:
+        deps = set()
+        for path in _files(module):
+            top, nested = _split_imports(path)
+            deps |= top | nested
+        out[module] = deps - {module, "__init__"}
+    return out
+
+
+def test_no_import_circles():
+    graph, state, cycle = _graph(), {}, []
+
+    def visit(m, path):
+        state[m] = "open"
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == "open":
+                cycle.append(path + [d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycle, cycle
+
+
+def test_no_private_names_imported_across_modules():
+    """What one module needs of another is public in it (``_model``, ``_io`` and
+    ``_errors`` are private modules with public names)."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("graddbg"):
+                bad += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, bad
 
 
 def test_import_graddbg_loads_nothing_heavier_than_torch():
@@ -142,7 +195,7 @@ def test_anomaly_does_not_import_blame():
 
 def test_no_function_longer_than_about_60_lines():
     long = []
-    for path in sorted(PKG.glob("*.py")):
+    for path in sorted(PKG.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1

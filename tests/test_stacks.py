@@ -18,6 +18,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import graddbg
+from graddbg.checks import StatsRecorder
 from graddbg import _source
 from problems import PROBLEMS, hook_counts
 
@@ -163,9 +164,9 @@ def test_update_ratio_of_a_zero_initialised_bias_is_nan_not_inf():
 # ------------------------------------------------------------------ source lines
 def test_libraries_next_to_torch_are_user_code():
     torch_dir = os.path.dirname(torch.__file__)
-    assert _source._is_internal(os.path.join(torch_dir, "nn", "modules", "linear.py"))
+    assert _source.is_internal(os.path.join(torch_dir, "nn", "modules", "linear.py"))
     for lib in ("torchvision", "torchaudio", "torch_geometric", "torchmetrics"):
-        assert not _source._is_internal(os.path.join(os.path.dirname(torch_dir), lib, "models", "x.py")), lib
+        assert not _source.is_internal(os.path.join(os.path.dirname(torch_dir), lib, "models", "x.py")), lib
 
 
 def test_source_of_a_nan_made_in_a_library_next_to_torch_is_its_own_file(tmp_path, monkeypatch):
@@ -323,7 +324,7 @@ def test_an_internal_failure_warns_once_and_training_goes_on(monkeypatch):
 
     with pytest.warns(graddbg.GraddbgWarning) as rec:  # (and the coverage warning: nothing was read)
         with graddbg.watch(model, opt) as w:
-            monkeypatch.setattr(w, "_read_stats", broken)
+            monkeypatch.setattr(StatsRecorder, "read", broken)
             for _ in range(3):
                 model(torch.randn(4, 3)).sum().backward()
                 opt.step()
@@ -407,21 +408,26 @@ def test_replay_verdict_survives_save_load_and_shows_in_the_report(tmp_path):
     assert "reproduced: a deterministic bug" in html
 
 
-def test_a_gradscaler_that_was_not_passed_is_named_once():
+def test_a_gradscaler_that_was_not_passed_is_found_and_used():
+    torch.manual_seed(0)
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
-    with pytest.warns(graddbg.GraddbgWarning, match="GradScaler steps this optimizer but was not passed") as rec:
-        with graddbg.watch(model, opt):
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with graddbg.watch(model, opt) as w:  # not passed: found at the first step, silently
             for _ in range(3):
                 scaler.scale(model(torch.randn(4, 3)).sum()).backward()
+                seen.append(_global_norm(model) / scaler.get_scale())
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad()
-    assert sum("GradScaler" in str(r.message) for r in rec) == 1
+    assert w.meta["scaler"] == "found"
+    assert w.steps["global_norm"].tolist() == pytest.approx(seen, rel=1e-6)  # unscaled on every step
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with graddbg.watch(model, opt, scaler=scaler) as w:  # passed: no warning, unscaled norms
+        with graddbg.watch(model, opt, scaler=scaler) as w:  # passed: the same, unscaled norms
             scaler.scale(model(torch.randn(4, 3)).sum()).backward()
             seen = _global_norm(model) / scaler.get_scale()
             scaler.step(opt)

@@ -1,0 +1,153 @@
+"""What every check shares: the watched parameters, the step being read, the base class.
+
+A check is a small class with its own state. :class:`graddbg.hooks.Watch` calls its
+methods in order at each step event; a check returns its findings (``Anomaly`` records)
+and never reaches into another check or into the watch. The events:
+
+- ``attach(ctx)``: once, when the watch starts (register extra hooks through ``ctx.hooks``);
+- ``on_forward()``: the root module's forward ran with grad enabled;
+- ``on_backward_end(bw)``: a backward pass through the model ended (after DDP's reducer);
+- ``queue(step)`` then ``read(step)``: the step boundary (the optimizer's step, or the end of
+  a backward pass without an optimizer, or ``w.step()``): each check queues what it needs
+  read from the device into ``step.readback``, the watch reads everything back at once,
+  then each check reads its part and returns findings;
+- ``before_step(index, closure)``: the optimizer's step begins (``closure``: it was given
+  one, so the boundary comes after it);
+- ``after_step(index)``: the optimizer's step ran;
+- ``flush()``: the record is about to be read (``w.stats``);
+- ``params_added(k)``: ``k`` parameters were unfrozen and are watched from now on;
+- ``close()``: the watch ends.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from graddbg._model import module_of
+from graddbg.anomaly import Anomaly
+from graddbg.stats import Readback, StepStats
+
+__all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding"]
+
+
+class Watched:
+    """The parameters a watch records, in a fixed order, and what every check may know
+    of the run: the model, the optimizer, the options, the rank. Grows when parameters
+    are unfrozen; never shrinks."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], options: Any,
+                 named: Sequence[tuple], hooks: Any, rank: Optional[int], world_size: int) -> None:
+        self.model, self.optimizer, self.options, self.hooks = model, optimizer, options, hooks
+        self.rank, self.world_size = rank, world_size
+        self.names: List[str] = []
+        self.modules: List[str] = []
+        self.params: List[nn.Parameter] = []
+        self.host_syncs = 0  #: host synchronisations made by the watch (read-backs)
+        self.replaying = False  #: a check is replaying the step: the watch's hooks ignore it
+        self.history: Any = None  #: the record (:class:`graddbg.stats.History`), written by the checks
+        self.guard: Any = None  #: the :class:`~graddbg.checks.copies.CopyGuard` of every hooked module
+        self.alive: Callable[[], bool] = lambda: True  #: whether the watch's hooks should act now
+        self.read_scale: Callable[[], Optional[float]] = lambda: None  #: the GradScaler's scale now
+        self.add(named)
+
+    def add(self, named: Sequence[tuple]) -> None:
+        self.names += [n for n, _ in named]
+        self.modules += [module_of(n) for n, _ in named]
+        self.params += [p for _, p in named]
+
+    @property
+    def numel(self) -> List[int]:
+        return [p.numel() for p in self.params]
+
+    def grads(self) -> List[Optional[Tensor]]:
+        return [p.grad for p in self.params]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+@dataclasses.dataclass
+class BackwardEnd:
+    """A backward pass ended: its index among the backward passes since the watch began,
+    the step it belongs to, and the gradients as they are now (parameter order)."""
+
+    step: int
+    grads: List[Optional[Tensor]]
+    scale: Optional[float] = None  #: the GradScaler's scale when this backward ran
+
+
+@dataclasses.dataclass
+class Step:
+    """One step boundary as it is read: filled by the statistics recorder first (``grads``,
+    ``stats``, ``bad``), then read by the other checks. Host-side, except the gradients."""
+
+    index: int
+    grads: List[Optional[Tensor]]
+    due_stats: bool  #: per-parameter statistics are recorded this step
+    read: bool = True  #: whether the statistics are read back this step
+    scale: Optional[float] = None  #: the GradScaler's scale now (None without one)
+    capture: Any = None  #: the last forward's inputs, for a replay (``graddbg.blame.Capture``)
+    hint: Optional[tuple] = None  #: (module, how it was found) of a non-finite producer
+    readback: Readback = dataclasses.field(default_factory=Readback)
+    got: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    stats: Optional[StepStats] = None  #: this step's statistics (unscaled)
+    bad: Optional[np.ndarray] = None  #: [P] non-finite gradients (also from skipped steps)
+    first_bad: int = -1  #: the first step with a non-finite gradient among those read
+    clipped_norm: float = float("nan")  #: the global norm after a clip between backward and step
+    closure: bool = False  #: inside ``optimizer.step(closure)``
+
+    @property
+    def any_bad(self) -> bool:
+        return self.bad is not None and bool(self.bad.any())
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """An anomaly and the policy it is handled with (applied once per step, by the watch);
+    ``skip``: the parameters the ``"skip"`` policy drops (all when None)."""
+
+    anomaly: Anomaly
+    policy: Any
+    skip: Optional[Sequence[int]] = None
+
+
+class Check:
+    """The base class: every event a no-op. Subclasses handle the events they need."""
+
+    def attach(self, ctx: Watched) -> None:
+        self.ctx = ctx
+
+    def due(self, index: int) -> bool:
+        """Whether this check needs the statistics of step ``index`` read back."""
+        return False
+
+    def on_forward(self) -> None:
+        pass
+
+    def on_backward_end(self, bw: BackwardEnd) -> None:
+        pass
+
+    def queue(self, step: Step) -> None:
+        pass
+
+    def read(self, step: Step) -> List[Finding]:
+        return []
+
+    def before_step(self, index: int, closure: bool) -> None:
+        pass
+
+    def after_step(self, index: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def params_added(self, k: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,177 @@
+"""``watch()``'s options, declared once.
+
+Each option is one field of :class:`WatchOptions`: its name, its default and the check
+that validates (and normalises) a value given for it. ``watch``, ``Watch``, the trainer
+callbacks and ``graddbg run`` all build their options through :meth:`WatchOptions.parse`,
+so a bad value raises the same error everywhere, at the moment it is given.
+
+>>> opts = WatchOptions.parse("watch", {"every": 2, "explode": None})
+>>> opts.every, opts.explode
+(2, None)
+>>> WatchOptions.parse("watch", {"evry": 2})
+Traceback (most recent call last):
+...
+graddbg._errors.GraddbgTypeError: watch(): unknown keyword(s) ['evry'] (did you mean 'every'?); accepted: ...
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from graddbg._errors import GraddbgTypeError, GraddbgValueError
+from graddbg.anomaly import HYGIENE_KINDS, Explode, NonFinite, Vanish, as_detector, check_policy
+from graddbg.stats import CPU_ABSMAX_EVERY, DEFAULT_STATS, validate_stats
+
+__all__ = ["WatchOptions", "UPDATE_EVERY", "AUTO"]
+
+#: the default of ``update_every=``: the update/weight ratio needs a copy of every weight,
+#: which is slow to reach again when taken rarely
+UPDATE_EVERY = 200
+#: ``ddp_check_every="auto"``: the replica check's default cadence under distribution
+AUTO = "auto"
+
+
+# --------------------------------------------------------------------------- validators
+def _count(name: str, value: Any, optional: bool = False) -> Optional[int]:
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise GraddbgValueError(f"{name}= must be {'None or ' if optional else ''}an int >= 1, got {value!r}")
+    return value
+
+
+def _int(optional: bool) -> Callable[[str, Any], Optional[int]]:
+    return lambda name, value: _count(name, value, optional)
+
+
+def _detector(name: str, value: Any) -> Any:
+    return as_detector(value, name)
+
+
+def _policy(name: str, value: Any) -> Any:
+    return check_policy(value, name)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise GraddbgTypeError(f"{name}= must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _histograms(name: str, value: Any) -> Optional[int]:
+    """``histograms=``: None/False (off), True (every recorded step) or every N steps."""
+    if value is not None and not isinstance(value, (bool, int)):
+        raise GraddbgTypeError(f"histograms= must be None, a bool or an int (every N steps), "
+                               f"got {type(value).__name__}")
+    return None if value in (None, False) else 1 if value is True else _count(name, value)
+
+
+def _scaler(name: str, value: Any) -> Any:
+    if value is not None and not hasattr(value, "get_scale"):
+        raise GraddbgTypeError(f"scaler= must be a torch.amp.GradScaler or None, got {type(value).__name__}")
+    return value
+
+
+def _replica_every(name: str, value: Any) -> Any:
+    if value is None or value == AUTO:
+        return value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise GraddbgValueError(f"{name}= must be None, {AUTO!r} or an int >= 1, got {value!r}")
+    return value
+
+
+def _any(name: str, value: Any) -> Any:
+    return value
+
+
+def _option(default: Any, check: Callable[[str, Any], Any], doc: str) -> Any:
+    return field(default=default, metadata={"check": check, "doc": doc})
+
+
+# --------------------------------------------------------------------------- the options
+@dataclass(frozen=True)
+class WatchOptions:
+    """The keyword options of :func:`graddbg.watch`, validated once; see its docstring
+    for what each means. ``stats`` is kept as given (its canonical form is
+    :attr:`quantities`)."""
+
+    every: int = _option(1, _int(False), "record statistics on every every-th step")
+    stats: Tuple[str, ...] = _option(DEFAULT_STATS, lambda n, v: v, "the per-parameter quantities read")
+    nonfinite: Any = _option("raise", _detector, "policy or NonFinite detector")
+    explode: Any = _option("warn", _detector, "policy or Explode detector")
+    vanish: Any = _option(None, _detector, "policy or Vanish detector")
+    stale_grad: Any = _option("warn", _policy, "gradients that survive an optimizer step")
+    empty_step: Any = _option("warn", _policy, "an optimizer step without the gradients backward made")
+    orphan_param: Any = _option("warn", _policy, "parameters with gradients that no param group holds")
+    no_update: Any = _option("warn", _policy, "parameters with gradients that the step leaves unchanged")
+    dead_grad: Any = _option("warn", _policy, "gradients that became exactly zero and stay so")
+    activations: bool = _option(False, _flag, "record gradients at leaf modules' outputs")
+    histograms: Optional[int] = _option(None, _histograms, "histograms of |grad| every N recorded steps")
+    scaler: Any = _option(None, _scaler, "the torch.amp.GradScaler in use")
+    history: int = _option(10_000, _int(False), "steps kept in the history")
+    ddp_check_every: Any = _option(AUTO, _replica_every, "replica check cadence under distribution")
+    update_every: Optional[int] = _option(UPDATE_EVERY, _int(True), "update/weight ratio cadence")
+    localise: bool = _option(True, _flag, "replay a non-finite step to name its op and line")
+    ddp_timeout: Any = _option(None, _any, "timeout of the replica checks")
+
+    @classmethod
+    def parse(cls, where: str, kw: Dict[str, Any]) -> "WatchOptions":
+        """The options of a call to ``where`` from its keywords, each validated. The old
+        spelling ``localize=`` is accepted for ``localise=``."""
+        kw = dict(kw)
+        if "localize" in kw:
+            if "localise" in kw:
+                raise GraddbgTypeError(f"{where}(): pass localise= or its old spelling localize=, not both")
+            kw["localise"] = kw.pop("localize")
+        checks = {f.name: f.metadata["check"] for f in fields(cls) if f.init}
+        unknown = sorted(set(kw) - set(checks))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], list(checks), n=1)
+            raise GraddbgTypeError(f"{where}(): unknown keyword(s) {unknown}"
+                                   + (f" (did you mean {close[0]!r}?)" if close else "")
+                                   + f"; accepted: {', '.join(checks)}")
+        return cls(**{name: checks[name](name, value) for name, value in kw.items()})
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # defaults go through the same checks (detectors from strings)
+            if f.name in ("nonfinite", "explode", "vanish") and isinstance(getattr(self, f.name), str):
+                object.__setattr__(self, f.name, as_detector(getattr(self, f.name), f.name))
+        object.__setattr__(self, "quantities", validate_stats(self.stats))
+
+    # derived, read by the checks -------------------------------------------------------
+    quantities: Tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    @property
+    def absmax_cpu_every(self) -> int:
+        """Recorded steps between reads of the largest magnitude on the CPU: every 10th
+        with the default ``stats=``, every one when it is asked for by name."""
+        return CPU_ABSMAX_EVERY if tuple(self.stats) == DEFAULT_STATS else 1
+
+    def policy(self, kind: str) -> Any:
+        """The policy of findings of ``kind`` (None: the check is off)."""
+        value = getattr(self, kind)
+        return value.policy if isinstance(value, (NonFinite, Explode, Vanish)) else value
+
+    def replace(self, **changes: Any) -> "WatchOptions":
+        return dataclasses.replace(self, **changes)
+
+    def as_kwargs(self) -> Dict[str, Any]:
+        """The options as ``watch()`` keywords (what :meth:`parse` gives back unchanged)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+
+def options_in_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Show the options as keyword-only parameters in ``fn``'s signature (``help()``,
+    ``inspect.signature``, notebooks) in place of its ``**options``."""
+    sig = inspect.signature(fn)
+    own = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    opts = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+            for f in fields(WatchOptions) if f.init]
+    fn.__signature__ = sig.replace(parameters=own + opts)  # type: ignore[attr-defined]
+    return fn
+
+
+assert set(HYGIENE_KINDS) <= {f.name for f in fields(WatchOptions)}
