@@ -129,6 +129,12 @@ def _table(frame: Any, columns: Sequence[str], max_rows: int = 20) -> str:
     return "\n".join(lines)
 
 
+def _fix(message: str) -> str:
+    """The likely cause and the fix of a hygiene finding's message."""
+    i = message.find("Likely cause")
+    return message[i:] if i >= 0 else message
+
+
 def _anomaly_lines(anomalies: Sequence[Any]) -> str:
     if not anomalies:
         return "no anomalies"
@@ -138,6 +144,8 @@ def _anomaly_lines(anomalies: Sequence[Any]) -> str:
         where = f"module {a.module or '<root>'}" + (f", op {a.op}" if a.op else "") + \
                 (f", {a.source}" if a.source else "")
         out.append(f"  step {a.step:>4}  {a.kind:<12} {a.name or '-':<16} {where}")
+        if a.kind in HYGIENE_KINDS:
+            out.append(f"             {_fix(a.message)}")
     if len(anomalies) > len(shown):
         out.append(f"  ... and {len(anomalies) - len(shown)} more")
     return "\n".join(out)
@@ -362,6 +370,9 @@ class ScriptWatcher:
         self._depth = 0
         self._handles: List[Any] = []
         self._failed = False
+        self.pid = os.getpid()
+        self.outdir: Optional[pathlib.Path] = None  # where forked workers write their records
+        self._in_child = False
 
     def __enter__(self) -> "ScriptWatcher":
         from torch.nn.modules import module as module_mod
@@ -443,7 +454,20 @@ class ScriptWatcher:
         w = graddbg.watch(model, optimizer, **self.kwargs)
         self.watches.append(w)
         self._looking = False
+        if os.getpid() != self.pid:  # a forked worker (torch.multiprocessing, Hogwild)
+            self._in_worker(w)
         return w
+
+    def _in_worker(self, w: Any) -> None:
+        """A watch started in a forked worker process: the worker writes its own record,
+        ``worker-<pid>/`` under the output folder, when it exits (multiprocessing runs its
+        finalizers before the worker ends)."""
+        import multiprocessing.util
+
+        if not self._in_child:
+            self._in_child = True
+            self.watches = [w]  # (the parent's watches, copied by the fork, are the parent's)
+            multiprocessing.util.Finalize(self, _save_worker, args=(self, self.outdir), exitpriority=10)
 
     def _retire_free(self, held: Set[int]) -> None:
         """An optimizer now steps the parameters of the model watched without one: its
@@ -487,6 +511,28 @@ class ScriptWatcher:
         if self._free is not None and self._free[0].current_step == 0 and not self._free[0].anomalies:
             self.watches.remove(self._free[0])  # forward passes only, never a backward: nothing to show
         self._free = None
+
+
+def _save_worker(watcher: "ScriptWatcher", outdir: Optional[pathlib.Path]) -> None:
+    """In a forked worker at exit: its watches' records under ``outdir/worker-<pid>``."""
+    watches = watcher.watches
+    if outdir is None:
+        return
+    folder = outdir / f"worker-{os.getpid()}"
+    try:
+        folder.mkdir(exist_ok=True)
+        for i, w in enumerate(watches):
+            w.close()
+            stats_path, report_path = _outputs(folder, i)
+            w.save(stats_path)
+            w.report(report_path)
+    except Exception as e:  # (a worker's exit must not fail because of its record)
+        print(f"graddbg run: worker {os.getpid()} could not write its record: {e}", file=sys.stderr)
+
+
+def _worker_records(outdir: pathlib.Path, since: float) -> List[pathlib.Path]:
+    """The records written by forked workers during this run."""
+    return sorted(p for p in outdir.glob("worker-*/stats.parquet") if p.stat().st_mtime >= since)
 
 
 def _outputs(outdir: pathlib.Path, i: int) -> Tuple[pathlib.Path, pathlib.Path]:
@@ -638,12 +684,14 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fa
     kwargs = _watch_options(watch_options)
     outdir, created = _out_folder(out)
     watcher = ScriptWatcher(kwargs)
+    watcher.outdir = outdir.resolve()
+    started = time.time() - 1.0
     watcher.after_step = Snapshots(outdir, float(save_every), watcher.watches)
     with Signals() as signals:
         status, failure = _execute(path, args, watcher, signals)
         if failure:
             print(f"graddbg run: {failure}", file=sys.stderr)
-        status = _finish(watcher.watches, outdir, created, status, fail_on, stream)
+        status = _finish(watcher.watches, outdir, created, status, fail_on, stream, since=started)
     if signals.received is not None and status == 0:  # a signal while the results were written
         status = 128 + signals.received
     return status
@@ -658,7 +706,7 @@ def _execute(path: pathlib.Path, args: Sequence[str], watcher: ScriptWatcher,
     try:
         with watcher:
             try:
-                runpy.run_path(str(path), run_name="__main__")
+                runpy.run_path(str(path.resolve()), run_name="__main__")  # (__file__ absolute, as python gives it)
             finally:
                 signals.disarm()
     except _Terminated as e:
@@ -699,32 +747,29 @@ def _script_traceback(exc: BaseException, script: pathlib.Path) -> str:
 
 
 def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int,
-            fail_on: str, stream: Any) -> int:
-    """Write each watch's statistics and report; the exit status."""
-    if not watches:
-        print("graddbg run: the script stepped no optimizer and ran no backward pass through a module; "
-              "nothing was watched", file=stream)
+            fail_on: str, stream: Any, since: float = 0.0) -> int:
+    """Write each watch's statistics and report (under distribution, rank 0 writes: the
+    table is the same on every rank); the exit status."""
+    workers = _worker_records(outdir, since)
+    if not watches and not workers:
+        print("graddbg run: the script stepped no optimizer and ran no backward pass through a module "
+              "in this process; nothing was watched (a script that trains in spawned worker processes "
+              "is not followed: call graddbg.watch(model, optimizer) inside the worker)", file=stream)
         if created:
             try:
                 outdir.rmdir()  # leave no empty folder behind
             except OSError:
                 pass
         return status
-    written = True
-    for i, w in enumerate(watches):
-        stats_path, report_path = _outputs(outdir, i)
-        try:
-            w.save(stats_path)  # the data first: it is what a report can be made from again
-            rep = w.report(report_path)
-        except GraddbgError as e:
-            print(f"graddbg run: error: {e}", file=sys.stderr)
-            written = False
-            continue
-        how = (f"with {w.meta['optimizer']}" if w.meta["optimizer"]
-               else "without an optimizer (a step per backward pass)")
-        print(f"graddbg run: watched {w.meta['model']} {how} for {w.current_step} steps; "
-              f"{len(w.anomalies)} anomalies; report: {rep}", file=stream)
+    written = all(_write(w, outdir, i, stream) for i, w in enumerate(watches))
     anomalies = [a for w in watches for a in w.anomalies]
+    for path in workers:
+        import graddbg
+
+        run = graddbg.load(path)
+        anomalies += run.anomalies
+        print(f"graddbg run: a worker process ({path.parent.name}) recorded {len(run.stats['step'].unique())} "
+              f"steps; {len(run.anomalies)} anomalies; report: {path.parent / 'report.html'}", file=stream)
     if anomalies:
         print(_anomaly_lines(anomalies), file=stream)
     counted = [a for a in anomalies if a.kind != "overflow"]
@@ -733,6 +778,30 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
     if status == 0 and ((fail_on != "never" and counted) or not written):
         status = 1
     return status
+
+
+def _write(w: Any, outdir: pathlib.Path, i: int, stream: Any) -> bool:
+    """One watch's record and its line on the console; False when it could not be written."""
+    if w.meta.get("world_size", 1) > 1 and w.meta.get("rank", 0) != 0:
+        return True  # (rank 0 writes the record, the same on every rank)
+    stats_path, report_path = _outputs(outdir, i)
+    try:
+        w.save(stats_path)  # the data first: it is what a report can be made from again
+        rep = w.report(report_path)
+    except GraddbgError as e:
+        print(f"graddbg run: error: {e}", file=sys.stderr)
+        return False
+    how = (f"with {w.meta['optimizer']}" if w.meta["optimizer"]
+           else "without an optimizer (a step per backward pass)")
+    print(f"graddbg run: watched {w.meta['model']} {how} for {w.current_step} steps; "
+          f"{len(w.anomalies)} anomalies; report: {rep}", file=stream)
+    cov = w.coverage()
+    unused = cov.loc[(cov["kind"] == "param") & ~cov["covered"], "name"].tolist()
+    if unused and w.current_step:
+        shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+        print(f"graddbg run: {len(unused)} trainable parameter(s) never received a gradient: {shown} "
+              f"(unused in forward, or cut off by a .detach())", file=stream)
+    return True
 
 
 # --------------------------------------------------------------------------- report
@@ -770,7 +839,10 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument(f"--{kind.replace('_', '-')}", choices=POLICIES, default="warn",
                        help=f"policy for {kind} findings (see the README's list of findings)")
     r.add_argument("--fail-on", choices=FAIL_ON, default="any",
-                   help="which anomalies make the exit code 1 (default: any)")
+                   help="which findings make the exit code 1: any (default: any anomaly - non-finite, "
+                        "explosion, vanishing, replica mismatch or a training-hygiene finding; a "
+                        "GradScaler's skipped steps never count), nonfinite (NaN/Inf only) or never. "
+                        "A script that fails exits with its own code")
     r.add_argument("--save-every", type=float, default=SAVE_EVERY, metavar="SECONDS",
                    help=f"write the statistics every SECONDS while the script runs, so that a "
                         f"hard kill loses at most that much (default: {SAVE_EVERY:g}; 0: only at exit)")

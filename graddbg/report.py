@@ -139,6 +139,7 @@ def render_report(run: Any, *, graph: Any = None, title: Optional[str] = None) -
     sections: List[Tuple[str, str, str]] = [  # (id, heading, body html)
         ("summary", "Run summary", _summary_html(view, steps, anomalies, meta)),
         ("anomalies", f"Anomalies ({len(anomalies)})", _anomalies_html(anomalies)),
+        ("hygiene", "Training hygiene", _hygiene_html(anomalies, meta)),
         ("plots", "Plots", _plots_html(view, steps, anomalies, histograms)),
         ("parameters", "Per-parameter summary", _summary_table_html(view, "param")),
         ("modules", "Per-module summary", _summary_table_html(view, "module"))]
@@ -298,6 +299,41 @@ def _summary_html(view: "_View", steps: "pandas.DataFrame",
         out.append('<p class="bad">Parameters that never produced a gradient: '
                    + esc(", ".join(map(str, uncovered))) + "</p>")
     return "".join(out)
+
+
+#: what each training-hygiene finding means, in a reader's words: (symptom, cause and fix)
+HYGIENE_TEXT = {
+    "stale_grad": ("gradients survive an optimizer step", "optimizer.zero_grad() is missing"),
+    "empty_step": ("a step without the gradients backward computed",
+                   "zero_grad() between backward() and step(), or step() before backward()"),
+    "orphan_param": ("parameters with gradients that no param group holds",
+                     "a layer replaced or added after the optimizer was built"),
+    "no_update": ("non-zero gradients, unchanged parameters", "a learning rate of 0, or a step that skips them"),
+    "dead_grad": ("gradients exactly zero after being non-zero", "dead ReLUs or a saturated layer"),
+    "unused_param": ("parameters that never received a gradient", "unused in forward, or a .detach()"),
+}
+
+
+def _hygiene_html(anomalies: Sequence[Any], meta: Dict[str, Any]) -> str:
+    """The silent training mistakes found (optimizer hygiene) and the parameters that never
+    had a gradient; a note saying what was checked when there is none."""
+    dicts = [d for d in _anomaly_dicts(anomalies) if d.get("kind") in HYGIENE_TEXT]
+    uncovered = list(meta.get("uncovered") or [])
+    if uncovered:
+        dicts.append({"kind": "unused_param", "step": None, "params": uncovered,
+                      "message": f"{len(uncovered)} trainable parameter(s) never received a gradient"})
+    if not dicts:
+        return ('<p class="note">No training-hygiene finding: zero_grad placement, parameters outside '
+                "the optimizer, parameters left unchanged by the step, dead gradients and unused "
+                "parameters were checked.</p>")
+    rows = []
+    for d in dicts:
+        symptom, cause = HYGIENE_TEXT[d["kind"]]
+        params = list(d.get("params") or [])
+        shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
+        rows.append([d.get("step"), d["kind"], symptom, cause, shown, d.get("message")])
+    return _table(rows, ["step", "finding", "symptom", "likely cause", "parameters", "message"],
+                  bad_rows=[True] * len(rows), cls="anomalies")
 
 
 def _replay_verdict(reproduced: Any) -> str:

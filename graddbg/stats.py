@@ -355,10 +355,13 @@ class StepReader:
                 rows[k] = _exact_row(local[k])
         return torch.stack([r.to(rows[0].device) for r in rows])
 
-    def rescue(self, st: StepStats, grads: Sequence[Optional[Tensor]], div: float = 1.0) -> bool:
+    def rescue(self, st: StepStats, grads: Sequence[Optional[Tensor]], div: float = 1.0, *,
+               changed: bool = False) -> bool:
         """Recompute in float64, exactly, the norms that are not final: non-finite ones (to
         count the NaN/Inf entries, or to find a finite gradient whose squares overflowed).
-        ``div`` is a loss scale that the caller divides the statistics by. Returns whether a
+        ``div`` is a loss scale that the caller divides the statistics by; ``changed``: the
+        gradients were changed in place since they were launched (AMP's ``unscale_``), so
+        they are read as they are now, unscaled, one by one. Returns whether a
         read-back was made (only on steps with a non-finite norm). Tiny norms are left as
         torch's float32 kernels give them: a gradient whose entries all lie below about
         1e-19 may show a norm of 0, as ``torch.linalg.vector_norm`` does."""
@@ -369,7 +372,9 @@ class StepReader:
         if not len(idx):
             return False
         with torch.no_grad():
-            table = self._exact_rows(grads, idx, st.absmax * div)
+            if changed:
+                div = 1.0
+            table = self._exact_rows(grads, idx, np.full(len(st.absmax), np.nan) if changed else st.absmax * div)
             shard_ix = [k for k, i in enumerate(idx) if _sharded(grads[i])]
             if shard_ix:  # every rank has the same suspects: the same collective
                 got = self._shards.exact(table, [grads[idx[k]] for k in shard_ix], shard_ix)

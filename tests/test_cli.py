@@ -441,3 +441,18 @@ def test_quickstart_example_prints_the_summary_table():
     assert lines[0].split()[:3] == ["name", "numel", "norm_mean"]
     assert [line.split()[0] for line in lines[1:7]] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
     assert "100 steps" in res.stdout and "anomalies: 0" in res.stdout
+
+
+def test_hogwild_workers_write_their_own_records(tmp_path):
+    out = tmp_path / "out"
+    res = _graddbg("run", "--out", str(out), str(SCRIPTS / "hogwild_train.py"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "file True" in res.stdout  # __file__ is absolute, as under python
+    records = sorted(out.glob("worker-*/stats.parquet"))
+    assert len(records) == 2, res.stdout
+    for path in records:
+        run = graddbg.load(path)
+        assert run.anomalies == [] and sorted(run.stats["step"].unique()) == [0, 1, 2, 3, 4]
+        assert (path.parent / "report.html").exists()
+    assert res.stdout.count("a worker process (worker-") == 2
+    assert "stepped no optimizer" not in res.stdout

@@ -131,12 +131,12 @@ class StatsRecorder(Check):
         self.history.append(StepRecord(index, None, math.nan, math.nan, True, float(scale), self._lr()))
 
     def queue(self, step: Step) -> None:
-        launch, scale, changed = self._take(step)
+        launch, scale, div, changed = self._take(step)
         if not step.read:
             # no read this step: flags stay on the device (of the gradients as the optimizer
             # will use them, when they changed since the backward pass)
             self._flags.add(self._reader.launch(step.grads) if changed else launch, step.index)
-            self._step_state = (None, scale, None, None)
+            self._step_state = (None, scale, 1.0, None, None)
             return
         rb = step.readback
         self._reader.add_to(rb, launch)
@@ -151,15 +151,15 @@ class StatsRecorder(Check):
         if hist:
             rb.add("hist", self._histograms(step.grads))
         self._flags.add_to(rb, agree=launch.sharded is not None and torch.distributed.is_initialized())
-        self._step_state = (launch, scale, live or None, hist)
+        self._step_state = (launch, scale, div, live or None, hist)
 
     def read(self, step: Step) -> List[Finding]:
-        launch, scale, live, hist = self._step_state
+        launch, scale, div, live, hist = self._step_state
         self._step_state = None
         if launch is None:
             self.history.append(StepRecord(step.index, None, math.nan, math.nan, False, scale, self._lr()))
             return []
-        st = self._stats(launch, step.got, step.grads, scale)
+        st = self._stats(launch, step.got, step.grads, div, changed=live is not None)
         bad, first = st.bad, step.index
         prior, first_prior = self._flags.take(step.got, len(self.ctx))
         if prior is not None:
@@ -177,20 +177,24 @@ class StatsRecorder(Check):
         launch = self._reader.launch(grads, absmax=self._absmax_due(index, grads), extras=True)
         return _Pending(index, launch, grads, self._versions(grads), scale)
 
-    def _take(self, step: Step) -> Tuple[Any, float, bool]:
-        """The launched statistics of this step's gradients: those launched at the end of
-        the backward pass when there was one (and whether the gradients changed since),
-        else launched now."""
+    def _take(self, step: Step) -> Tuple[Any, float, float, bool]:
+        """The launched statistics of this step's gradients, the loss scale in force, what
+        to divide them by to unscale them, and whether the gradients changed since: those
+        launched at the end of the backward pass when there was one, else launched now."""
         pending, self._pending = self._pending, None
         if pending is not None and pending.step == step.index:
             step.grads = pending.grads
             scale = pending.scale if pending.scale is not None else math.nan
-            return pending.launch, scale, self._versions(pending.grads) != pending.versions
+            div = scale if self.ctx.options.scaler is not None and scale == scale and scale > 0 else 1.0
+            return pending.launch, scale, div, self._versions(pending.grads) != pending.versions
         if pending is not None:
             self._flags.add(pending.launch, step.index)
+        # launched now, at the step: inside GradScaler.step the gradients are unscaled
+        # already (it unscales before it calls the optimizer), so the scale is recorded and
+        # not divided by (see _stats)
         scale = self.ctx.read_scale()
-        now = self._launch(step.index, step.grads, scale)
-        return now.launch, math.nan if scale is None else scale, False
+        now = self._launch(step.index, step.grads, None)
+        return now.launch, math.nan if scale is None else scale, 1.0, False
 
     def _versions(self, grads: Sequence[Optional[Tensor]]) -> List[int]:
         """In-place version counters of a few gradients spread over the model (the first,
@@ -207,10 +211,9 @@ class StatsRecorder(Check):
         return index % (opts.every * (opts.absmax_cpu_every if on_cpu else 1)) == 0
 
     def _stats(self, launch: Any, got: Dict[str, np.ndarray], grads: List[Optional[Tensor]],
-               scale: float) -> StepStats:
-        """The host statistics, unscaled."""
+               div: float, changed: bool = False) -> StepStats:
+        """The host statistics, unscaled (divided by ``div``)."""
         st = self._reader.finish(launch, got)
-        div = scale if (self.ctx.options.scaler is not None and scale == scale and scale > 0) else 1.0
         if div != 1.0:
             st.norm /= div
             st.absmax /= div
@@ -218,7 +221,7 @@ class StatsRecorder(Check):
                 for j, c in enumerate(self._reader.extras):
                     if c in ("mean", "std"):
                         st.extras[:, j] /= div
-        if self._reader.rescue(st, grads, div):
+        if self._reader.rescue(st, grads, div, changed=changed):
             self.ctx.host_syncs += 1  # on steps with a non-finite (or overflowed) norm only
         self.ever_grad |= st.has_grad
         return st

@@ -1,0 +1,242 @@
+"""The optimizer-hygiene checks (graddbg/checks/hygiene.py): each finding shown by a buggy
+loop, and a healthy twin of each that stays silent (no anomaly, no warning)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graddbg
+from graddbg.anomaly import HYGIENE_KINDS
+from graddbg.checks.hygiene import DEAD_PATIENCE, PATIENCE
+
+RECORD = {k: "record" for k in HYGIENE_KINDS}
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g)
+
+
+def _train(model, opt, steps=8, *, zero="before", accumulate=1, watch_kwargs=None, order="normal", **kw):
+    """A classification loop with the order of zero_grad/backward/step as asked; returns
+    the watch (its findings recorded, never raised or warned)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a healthy twin makes no warning at all
+        with graddbg.watch(model, opt, **{**RECORD, **(watch_kwargs or {})}) as w:
+            for i in range(steps):
+                if zero == "before":
+                    opt.zero_grad()
+                if order == "step_first":
+                    opt.step()
+                for k in range(accumulate):
+                    x, y = _batch(i * accumulate + k)
+                    (F.cross_entropy(model(x), y) / accumulate).backward()
+                if zero == "between":
+                    opt.zero_grad()
+                if order == "normal":
+                    opt.step()
+    return w
+
+
+def _kinds(w):
+    return [(a.kind, a.step) for a in w.anomalies]
+
+
+# ----------------------------------------------------------------------------- stale_grad
+def test_missing_zero_grad_is_named_at_the_first_step_it_happens():
+    model = _net()
+    w = _train(model, torch.optim.SGD(model.parameters(), lr=0.05), zero="never")
+    assert _kinds(w) == [("stale_grad", 1)]  # step 1 applies step 0's gradient again
+    msg = w.anomalies[0].message
+    assert "zero_grad() is missing" in msg and "step 1" in msg
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_zero_grad_present_and_gradient_accumulation_are_silent(accumulate):
+    model = _net()
+    w = _train(model, torch.optim.SGD(model.parameters(), lr=0.05), accumulate=accumulate)
+    assert w.anomalies == [] and w.current_step == 8
+
+
+def test_zero_grad_without_set_to_none_is_silent():
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with graddbg.watch(model, opt, **RECORD) as w:
+        for i in range(6):
+            opt.zero_grad(set_to_none=False)
+            x, y = _batch(i)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert w.anomalies == []
+
+
+# ----------------------------------------------------------------------------- empty_step
+def test_zero_grad_between_backward_and_step():
+    model = _net()
+    w = _train(model, torch.optim.SGD(model.parameters(), lr=0.05), zero="between")
+    assert _kinds(w) == [("empty_step", 0)]
+    assert "zero_grad() between backward() and step()" in w.anomalies[0].message
+
+
+def test_step_before_backward():
+    model = _net()
+    w = _train(model, torch.optim.SGD(model.parameters(), lr=0.05), order="step_first")
+    assert _kinds(w)[:1] == [("empty_step", 0)]
+    assert "before any backward pass" in w.anomalies[0].message
+
+
+# ----------------------------------------------------------------------------- orphan_param
+def test_head_replaced_after_the_optimizer_was_built():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model[2] = nn.Linear(16, 3)  # the bug: the new head is in no param group
+    w = _train(model, opt)
+    assert _kinds(w) == [("orphan_param", PATIENCE - 1)]
+    assert set(w.anomalies[0].params) == {"2.weight", "2.bias"} and w.anomalies[0].module == "2"
+
+
+def test_batchnorm_left_out_of_the_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    model[0].requires_grad_(False)  # "frozen" layers passed in, the trainable BatchNorm left out
+    opt = torch.optim.SGD([*model[0].parameters(), *model[3].parameters()], lr=0.05)
+    w = _train(model, opt)
+    assert [a.kind for a in w.anomalies] == ["orphan_param"]
+    assert set(w.anomalies[0].params) == {"1.weight", "1.bias"}
+
+
+def test_optimizer_rebuilt_after_the_head_changed_is_silent():
+    model = _net()
+    model[2] = nn.Linear(16, 3)
+    w = _train(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    assert w.anomalies == []
+
+
+# ----------------------------------------------------------------------------- no_update
+def test_param_group_with_lr_zero():
+    model = _net()
+    opt = torch.optim.Adam([{"params": model[0].parameters()},
+                            {"params": model[2].parameters(), "lr": 0.0}], lr=1e-3)
+    w = _train(model, opt)
+    assert _kinds(w) == [("no_update", PATIENCE - 1)]
+    a = w.anomalies[0]
+    assert set(a.params) == {"2.weight", "2.bias"} and "lr: 0" in a.message
+
+
+def test_lr_warmup_from_zero_is_silent():
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: s / 4)  # lr 0 at the first step only
+    with graddbg.watch(model, opt, **RECORD) as w:
+        for i in range(8):
+            opt.zero_grad()
+            x, y = _batch(i)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+    assert w.anomalies == []
+
+
+# ----------------------------------------------------------------------------- dead_grad
+def test_dead_relu_layer_is_named():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with graddbg.watch(model, opt, **RECORD) as w:
+        for i in range(4 + DEAD_PATIENCE + 2):
+            if i == 3:  # a bad step pushes every hidden unit negative: the ReLUs die
+                with torch.no_grad():
+                    model[0].bias.fill_(-100.0)
+            opt.zero_grad()
+            x, y = _batch(i)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    kinds = [(a.kind, a.step) for a in w.anomalies]
+    assert kinds == [("dead_grad", 3 + DEAD_PATIENCE - 1)], kinds
+    a = w.anomalies[0]
+    # (the next layer's weight sees only zeros from the dead units: its gradient is zero too)
+    assert set(a.params) == {"0.weight", "0.bias", "2.weight"} and a.module == "0" and "exactly zero" in a.message
+
+
+def test_a_healthy_relu_net_has_no_dead_gradients():
+    model = _net()
+    w = _train(model, torch.optim.SGD(model.parameters(), lr=0.05), steps=12)
+    assert w.anomalies == []
+
+
+# ----------------------------------------------------------------------------- policies
+def test_each_finding_has_a_policy_and_none_turns_it_off():
+    model = _net()
+    w = _train(model, torch.optim.SGD(model.parameters(), lr=0.05), zero="never",
+               watch_kwargs={"stale_grad": None})
+    assert w.anomalies == []
+    with pytest.warns(graddbg.GraddbgWarning, match="stale gradients"):
+        model = _net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with graddbg.watch(model, opt) as w:  # the default policy: warn, once per finding
+            for i in range(6):
+                x, y = _batch(i)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+    assert [a.kind for a in w.anomalies] == ["stale_grad"]
+    with pytest.raises(ValueError, match="stale_grad= got 'loud'"):
+        graddbg.watch(model, opt, stale_grad="loud")
+
+
+def test_findings_survive_save_and_load(tmp_path):
+    model = _net()
+    w = _train(model, torch.optim.SGD(model.parameters(), lr=0.05), zero="never")
+    run = graddbg.load(w.save(tmp_path / "run.parquet"))
+    assert [(a.kind, a.step, a.params) for a in run.anomalies] == [(a.kind, a.step, a.params) for a in w.anomalies]
+    html = w.report(tmp_path / "r.html").read_text()
+    assert "Training hygiene" in html and "zero_grad() is missing" in html
+
+
+def test_the_warning_points_at_the_users_line():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.warns(graddbg.GraddbgWarning) as rec:
+        with graddbg.watch(model, opt):
+            for i in range(3):
+                x, y = _batch(i)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()  # <- the warning's line
+    assert rec[0].filename == __file__
+
+
+# ----------------------------------------------------------------------------- AMP
+def test_gradscaler_skipped_steps_are_overflow_never_anomalies():
+    """A GradScaler not passed to the watch, whose steps overflow now and then (an
+    overflowing batch, as every long AMP run has): found at the first step it takes,
+    statistics unscaled on every step, the skipped steps recorded as overflow, no anomaly,
+    no warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=3)
+    norms = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with graddbg.watch(model, opt) as w:
+            for i in range(12):
+                opt.zero_grad()
+                x = torch.randn(8, 4) * (1e30 if i in (0, 5, 6) else 1.0)  # these overflow
+                scaler.scale(model(x).pow(2).mean()).backward()
+                scale = scaler.get_scale()
+                norm = torch.linalg.vector_norm(torch.stack([(p.grad / scale).norm() for p in model.parameters()]))
+                if torch.isfinite(norm):
+                    norms.append(float(norm))
+                scaler.step(opt)
+                scaler.update()
+    steps = w.steps
+    assert w.anomalies == [] and steps["overflow"].tolist() == [False] * 4 + [True, True] + [False] * 5
+    assert steps.loc[~steps["overflow"], "global_norm"].tolist() == pytest.approx(norms, rel=1e-5)
+    assert steps["scale"].tolist()[:4] == [2.0 ** 15] * 3 + [2.0 ** 16]  # halved by the skip, grown after 3
