@@ -35,8 +35,11 @@ MAX_BYTES = 400_000  # each stored notebook, outputs included (tests/test_notebo
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 _TMP = re.compile(r"(/private)?/(tmp|var/folders)/[^\s'\")<>:]*")
+_SITE = re.compile(r"[^\s'\"]*/site-packages/")
+_RELATIVE = re.compile(r"(\.\./)+")
+_LINE = re.compile(r"\.py:\d+")
 _SECONDS = re.compile(r"\b\d+(\.\d+)?\s?(s|ms|µs|us|seconds?)\b")
-_NUMBER = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?")
+_NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(\.\d+)?([eE][-+]?\d+)?(?![\w.]*\w)")
 _SVG_TEXT = re.compile(r"<text[^>]*>(.*?)</text>", re.S)
 _SVG_TITLE = re.compile(r"<title>(.*?)</title>", re.S)
 
@@ -64,6 +67,10 @@ def _text(text: str) -> str:
     text = _ANSI.sub("", text)
     text = _ADDRESS.sub("0x…", text)
     text = _TMP.sub("<tmp>", text)
+    text = text.replace(str(ROOT), "<repo>")  # where the checkout lies
+    text = _SITE.sub("<site-packages>/", text)
+    text = _RELATIVE.sub("<up>/", text)
+    text = _LINE.sub(".py:<line>", text)  # line numbers move with every edit of the code
     text = _SECONDS.sub("<time>", text)
     text = _numbers_to_3_digits(text)
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
@@ -85,21 +92,29 @@ def normalise(cell_outputs: List[Dict[str, Any]]) -> List[Any]:
     """What a code cell shows, without what changes between two runs of the same code.
 
     Stream text and text/plain, text/html and text/markdown are compared as text after
-    hiding addresses, temporary paths, timings and digits past the third; PNG images by
+    hiding addresses, temporary paths, where the checkout and the packages lie, line
+    numbers in ``file.py:N``, timings and digits past the third; PNG images by
     their pixel size (their pixels depend on the font and the renderer); SVG images by
     their titles and text labels (their coordinates depend on the dot version); errors
     by their exception name.
     """
     out: List[Any] = []
+    streams: List[Any] = []  # consecutive writes to one stream are one text
     for o in cell_outputs:
-        kind = o["output_type"]
-        if kind == "stream":
-            text = _text(o["text"] if isinstance(o["text"], str) else "".join(o["text"]))
-            if out and out[-1][0] == ("stream", o["name"]):  # split writes: one stream
-                out[-1] = (out[-1][0], out[-1][1] + "\n" + text)
+        if o["output_type"] == "stream":
+            text = o["text"] if isinstance(o["text"], str) else "".join(o["text"])
+            if streams and streams[-1][0] == o["name"]:
+                streams[-1][1] += text
             else:
-                out.append((("stream", o["name"]), text))
-        elif kind in ("execute_result", "display_data"):
+                streams.append([o["name"], text])
+        else:
+            streams.append([None, o])
+    for name, o in streams:
+        if name is not None:
+            out.append((("stream", name), _text(o)))
+            continue
+        kind = o["output_type"]
+        if kind in ("execute_result", "display_data"):
             data = o["data"]
             shown: Dict[str, Any] = {}
             for mime, value in sorted(data.items()):
