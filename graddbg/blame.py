@@ -483,21 +483,31 @@ def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bo
         model: when given, errors name the innermost submodule (its qualified name, without
             the ``module.`` of a DDP/DataParallel wrapper) that was running; backward ops
             are blamed on the module whose forward created them.
-        check_forward / check_backward: which passes to check.
+        check_forward: check the outputs of the forward ops.
+        check_backward: check the outputs of the backward ops.
         skip_ints: leave integer and bool inputs out of the statistics in the message
             (they cannot be non-finite, and are never checked).
 
-    Yields the scan; ``scan.ops_checked`` counts the ops whose floating-point outputs
-    were checked.
+    Yields:
+        NonFiniteScan: the scan; ``scan.ops_checked`` counts the ops whose floating-point
+            outputs were checked.
 
-    >>> import torch, graddbg
-    >>> x = torch.tensor([1.0, 100.0], requires_grad=True)
-    >>> try:
-    ...     with graddbg.find_nonfinite():
-    ...         y = x.exp()
-    ... except graddbg.NonFiniteError as e:
-    ...     print(e.anomaly.op, e.anomaly.value)
-    aten.exp inf
+    Raises:
+        NonFiniteError: at the first op that makes a NaN/Inf from finite inputs, or on
+            entry when a parameter or buffer of ``model`` already holds one; its
+            ``anomaly`` names the op, the module and the source line.
+        GraddbgTypeError: ``model`` is not an ``nn.Module``, or a flag is not a bool.
+        GraddbgValueError: both ``check_forward`` and ``check_backward`` are False.
+
+    Examples:
+        >>> import torch, graddbg
+        >>> x = torch.tensor([1.0, 100.0], requires_grad=True)
+        >>> try:
+        ...     with graddbg.find_nonfinite():
+        ...         y = x.exp()
+        ... except graddbg.NonFiniteError as e:
+        ...     print(e.anomaly.op, e.anomaly.value)
+        aten.exp inf
     """
     inner = _validate_scan(model, check_forward, check_backward, skip_ints)
     if inner is not None:
