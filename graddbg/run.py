@@ -79,16 +79,27 @@ def _file_target(path: Any, example: str) -> pathlib.Path:
 # ---------------------------------------------------------------------- Run
 
 class Run:
-    """The data of one recorded run (see the run contract), with plots, report and export.
+    """The data of one recorded run, with plots, report and export.
 
-    >>> import pandas as pd
-    >>> stats = pd.DataFrame({"step": [1], "name": ["w"], "module": [""], "numel": [3],
-    ...     "norm": [0.5], "absmax": [0.4], "nonfinite": [0], "update_ratio": [1e-3],
-    ...     "has_grad": [True]})
-    >>> steps = pd.DataFrame({"step": [1], "global_norm": [0.5]})
-    >>> run = Run(stats, steps, meta={"model": "Linear"})
-    >>> run
-    Run(recorded_steps=1, steps=1, params=1, anomalies=0)
+    `Watch.to_run()` makes one, `load` reads one back; `Watch.save` writes one.
+
+    Args:
+        stats: the per-(step, parameter) statistics (`Watch.stats`).
+        steps: the per-step frame (`Watch.steps`).
+        anomalies: the `Anomaly` records.
+        histograms: the gradient histograms, when recorded.
+        activations: the activation statistics, when recorded.
+        meta: facts about the run (model, optimizer, options, torch version, ...).
+
+    Examples:
+        >>> import pandas as pd
+        >>> stats = pd.DataFrame({"step": [1], "name": ["w"], "module": [""], "numel": [3],
+        ...     "norm": [0.5], "absmax": [0.4], "nonfinite": [0], "update_ratio": [1e-3],
+        ...     "has_grad": [True]})
+        >>> steps = pd.DataFrame({"step": [1], "global_norm": [0.5]})
+        >>> run = Run(stats, steps, meta={"model": "Linear"})
+        >>> run
+        Run(recorded_steps=1, steps=1, params=1, anomalies=0)
     """
 
     def __init__(self, stats: "pandas.DataFrame", steps: "pandas.DataFrame",
@@ -243,18 +254,30 @@ class Run:
 # ---------------------------------------------------------------------- load
 
 def load(path: PathLike) -> Run:
-    """Read a run written by ``Watch.save`` / :meth:`Run.save`. Everything read is
-    checked: a file that is not such a run, or whose metadata or tables were damaged or
-    edited (bad JSON, wrong types, bad base64, incomplete anomalies, an unknown format
-    version, missing columns, wrong column types) raises a :class:`GraddbgError` that
-    names the file and what is wrong.
+    """Read a run written by `Watch.save` / `Run.save`.
 
-    >>> import pandas as pd, tempfile, os
-    >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"]}), pd.DataFrame({"step": [1]}),
-    ...           meta={"model": "Linear"})
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     load(run.save(os.path.join(d, "run.parquet"))).meta
-    {'model': 'Linear'}
+    Everything read is checked: a file that is not such a run, or whose metadata or
+    tables were damaged or edited (bad JSON, wrong types, bad base64, incomplete anomalies,
+    an unknown format version, missing columns, wrong column types) is refused.
+
+    Args:
+        path: the parquet file.
+
+    Returns:
+        Run: the statistics, steps, anomalies, histograms and metadata.
+
+    Raises:
+        FileNotFoundError: there is no file at ``path``.
+        GraddbgError: the file is unreadable or not a graddbg run, or was damaged; the
+            message names the file and what is wrong with it.
+
+    Examples:
+        >>> import pandas as pd, tempfile, os
+        >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"]}), pd.DataFrame({"step": [1]}),
+        ...           meta={"model": "Linear"})
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     load(run.save(os.path.join(d, "run.parquet"))).meta
+        {'model': 'Linear'}
     """
     path = _as_path(path, "path")
     if not path.exists():

@@ -68,14 +68,27 @@ HIST_EDGES = tuple(10.0 ** (e / 2) for e in range(-24, 9))
 
 
 def validate_stats(stats: Union[str, Iterable[str]]) -> Tuple[str, ...]:
-    """Check a ``stats=`` argument; return it as a tuple in canonical order. ``norm`` and
-    ``nonfinite`` are always computed (the detectors need them); ``absmax`` costs a second
-    pass over the gradients and is left out (NaN) when not asked for.
+    """Check a ``stats=`` argument; return it as a tuple in canonical order.
 
-    >>> validate_stats(["absmax", "mean"])
-    ('norm', 'absmax', 'nonfinite', 'mean')
-    >>> validate_stats(["norm"])
-    ('norm', 'nonfinite')
+    ``norm`` and ``nonfinite`` are always computed (the detectors need them); ``absmax``
+    costs a second pass over the gradients and is left out (NaN) when not asked for.
+
+    Args:
+        stats: a name or names among ``"norm"``, ``"absmax"``, ``"nonfinite"``, ``"mean"``,
+            ``"std"``, ``"zero_frac"``.
+
+    Returns:
+        tuple[str, ...]: the names to compute, in canonical order.
+
+    Raises:
+        GraddbgValueError: an unknown name.
+        GraddbgTypeError: not a str or an iterable of str.
+
+    Examples:
+        >>> validate_stats(["absmax", "mean"])
+        ('norm', 'absmax', 'nonfinite', 'mean')
+        >>> validate_stats(["norm"])
+        ('norm', 'nonfinite')
     """
     if isinstance(stats, str):
         stats = (stats,)
@@ -507,11 +520,20 @@ def _replicas(p: Tensor) -> int:
 
 
 def histogram_counts(grad: Tensor, edges: Tensor) -> Tensor:
-    """Counts of finite |grad| values in the bins ``[0, e0), [e0, e1), ..., [e_last, inf)``
-    (``len(edges) + 1`` bins), on the gradient's device. NaN and Inf are not counted.
+    """Counts of finite ``|grad|`` values in the bins ``[0, e0), [e0, e1), ..., [e_last, inf)``.
 
-    >>> histogram_counts(torch.tensor([0.0, 1.0, -1.0, float("nan")]), torch.tensor([0.5, 2.0])).tolist()
-    [1, 2, 0]
+    Computed on the gradient's device; NaN and Inf are not counted.
+
+    Args:
+        grad: a gradient (any shape).
+        edges: the ``k`` increasing bin edges.
+
+    Returns:
+        torch.Tensor: ``k + 1`` int64 counts, on ``grad``'s device.
+
+    Examples:
+        >>> histogram_counts(torch.tensor([0.0, 1.0, -1.0, float("nan")]), torch.tensor([0.5, 2.0])).tolist()
+        [1, 2, 0]
     """
     a = (_local_shard(grad) if _sharded(grad) else _dense(grad)).detach().reshape(-1).abs()
     a = a[torch.isfinite(a)]
@@ -533,9 +555,26 @@ def read_now(reader: StepReader, grads: Sequence[Optional[Tensor]], *, absmax: b
 def grad_stats(model_or_named_params: Any, stats: Sequence[str] = STAT_NAMES):
     """One-shot statistics of the current ``.grad`` of every trainable parameter; no hooks.
 
-    Returns a DataFrame with one row per parameter: ``name, module, numel, norm, absmax,
-    nonfinite, has_grad`` and the optional statistics asked for. A parameter without a
-    gradient has ``has_grad=False`` and NaN statistics.
+    Args:
+        model_or_named_params: an ``nn.Module``, a dict of name -> parameter, or an iterable
+            of (name, parameter) pairs.
+        stats: the statistics to compute (see `validate_stats`).
+
+    Returns:
+        pandas.DataFrame: one row per parameter: ``name, module, numel, norm, absmax,
+            nonfinite, has_grad`` and the optional statistics asked for. A parameter without
+            a gradient has ``has_grad=False`` and NaN statistics.
+
+    Raises:
+        GraddbgTypeError: ``model_or_named_params`` is none of those.
+        GraddbgValueError: an unknown statistic.
+
+    Examples:
+        >>> lin = torch.nn.Linear(3, 1)
+        >>> lin(torch.ones(2, 3)).sum().backward()
+        >>> df = grad_stats(lin)
+        >>> list(df["name"]), df["norm"].tolist()[1]
+        (['weight', 'bias'], 2.0)
     """
     import pandas as pd
 
@@ -773,15 +812,24 @@ def _typed_empty(cols: Sequence[str], names: Sequence[str] = ()):
 
 # --------------------------------------------------------------------------- summaries
 def summarize(stats, by: str = "param"):
-    """Roll a tidy statistics table up: one row per parameter (``by="param"``) or per
-    module (``by="module"``; a module's norm is the root of the sum of its parameters'
-    squared norms) over all recorded steps.
+    """Roll a tidy statistics table up, over all recorded steps.
 
-    Parameter rows: ``name, module, numel, steps, norm_mean, norm_max, norm_last,
-    absmax_max, nonfinite_steps, nonfinite_total, update_ratio_mean, has_grad_frac``.
-    Module rows: ``module, params, numel, steps, norm_mean, norm_max, norm_last,
-    nonfinite_total``. NaN and Inf norms are kept (max of a column with inf is inf), and
-    NaN-aware means skip NaN. Vectorised: millions of rows take seconds.
+    NaN and Inf norms are kept (max of a column with inf is inf), and NaN-aware means skip
+    NaN. Vectorised: millions of rows take seconds.
+
+    Args:
+        stats: a statistics frame (`Watch.stats`).
+        by: ``"param"`` (one row per parameter) or ``"module"`` (one row per module; a
+            module's norm is the root of the sum of its parameters' squared norms).
+
+    Returns:
+        pandas.DataFrame: parameter rows: ``name, module, numel, steps, norm_mean, norm_max,
+            norm_last, absmax_max, nonfinite_steps, nonfinite_total, update_ratio_mean,
+            has_grad_frac``. Module rows: ``module, params, numel, steps, norm_mean,
+            norm_max, norm_last, nonfinite_total``.
+
+    Raises:
+        GraddbgValueError: ``by`` is neither ``"param"`` nor ``"module"``.
     """
     if by not in ("param", "module"):
         raise GraddbgValueError(f"by= must be 'param' or 'module', got {by!r}")
