@@ -818,7 +818,7 @@ def summarize(stats, by: str = "param"):
     NaN. Vectorised: millions of rows take seconds.
 
     Args:
-        stats: a statistics frame (`Watch.stats`).
+        stats (pandas.DataFrame): a statistics frame (`Watch.stats`).
         by: ``"param"`` (one row per parameter) or ``"module"`` (one row per module; a
             module's norm is the root of the sum of its parameters' squared norms).
 

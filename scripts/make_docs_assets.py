@@ -7,6 +7,8 @@
   (``w.plot("norms")``);
 - ``flow.png``: the gradient flow by layer at the last step (``w.plot("flow")``);
 - ``graph.svg``: the autograd graph of a small model with gradients (``graddbg.graph``);
+- ``modules.svg``: graddbg's modules and their imports, parsed from the code;
+- ``events.svg``: the step events of a Watch and the ordered checks they go to;
 - ``report.png``: a screenshot of the run's HTML report, taken with headless Chromium
   (Debian's ``chromium``; when it is missing the old picture is kept and a line says so).
 
@@ -50,6 +52,86 @@ def watched_run():
     return model, w
 
 
+def module_imports() -> dict:
+    """{module: sorted graddbg modules it imports}, from the source (any depth of import)."""
+    import ast
+
+    pkg = ROOT / "graddbg"
+    mods = {p.stem for p in pkg.glob("*.py") if p.stem not in ("__main__", "__init__")}
+    mods |= {p.name for p in pkg.iterdir() if (p / "__init__.py").exists()}
+    arrows = {}
+    for m in sorted(mods):
+        path = pkg / f"{m}.py" if (pkg / f"{m}.py").exists() else pkg / m / "__init__.py"
+        files = [path] if path.name != "__init__.py" else sorted(path.parent.glob("*.py"))
+        seen = set()
+        for f in files:
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    # "from graddbg import stats" imports the module graddbg.stats
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                else:
+                    names = []
+                for n in names:
+                    parts = n.split(".")
+                    if parts[0] == "graddbg" and len(parts) > 1 and parts[1] in mods and parts[1] != m:
+                        seen.add(parts[1])
+        arrows[m] = sorted(seen)
+    return arrows
+
+
+def modules_dot() -> str:
+    rank = {"cli": 0, "report": 1, "callbacks": 1, "pytest_plugin": 1, "hooks": 2, "checks": 2,
+            "options": 3, "run": 3, "plots": 3, "ddp_verify": 3, "blame": 3, "gradcheck": 3,
+            "graphviz": 3, "stats": 4, "anomaly": 4, "_io": 5, "_source": 5, "_model": 5, "_errors": 6}
+    arrows = module_imports()
+    lines = ["digraph {", '  graph [rankdir=TB fontname="Helvetica" nodesep=0.3 ranksep=0.45]',
+             '  node [shape=box style="rounded,filled" fillcolor="#eef2ff" fontname="Helvetica" fontsize=11]',
+             '  edge [color="#64748b" arrowsize=0.6]']
+    by_rank: dict = {}
+    for m in arrows:
+        by_rank.setdefault(rank.get(m, 3), []).append(m)
+    for r, ms in sorted(by_rank.items()):
+        lines.append("  { rank=same; " + " ".join(f'"{m}";' for m in ms) + " }")
+    for m, deps in arrows.items():
+        for d in deps:
+            if d != "_errors":  # everything imports the errors: drawn once, as a note
+                lines.append(f'  "{m}" -> "{d}"')
+    lines.append('  note [shape=note fillcolor="#fff7ed" label="every module imports _errors"]')
+    lines.append("}")
+    return "\n".join(lines)
+
+
+EVENTS_DOT = """digraph {
+  graph [rankdir=LR compound=true fontname="Helvetica" nodesep=0.25 ranksep=0.5]
+  node [fontname="Helvetica" fontsize=11 shape=box style="rounded,filled" fillcolor="#eef2ff"]
+  edge [color="#64748b" arrowsize=0.6]
+  subgraph cluster_events { label="step events (Watch turns hooks into these)"; fontsize=12; color="#94a3b8"
+    forward [label="forward\\n(root module's forward hook)"]
+    backward [label="end of backward\\n(after DDP's reducer)"]
+    before [label="before step\\n(optimizer pre-hook)"]
+    after [label="after step\\n(optimizer post-hook)"]
+    close [label="close"]
+    forward -> backward -> before -> after -> forward [style=dashed]
+    after -> close [style=dotted]
+  }
+  subgraph cluster_checks { label="ordered checks (each handles the events it needs)"; fontsize=12; color="#94a3b8"
+    node [fillcolor="#f0fdf4"]
+    recorder [label="1. statistics recorder\\n(the only reader of gradients)"]
+    detectors [label="2. detectors\\nNonFinite, Explode, Vanish"]
+    hygiene [label="3. hygiene checks\\n(silent bugs)"]
+    update [label="4. update ratio"]
+    acts [label="5. activations"]
+    replicas [label="6. replica check\\n(ddp_check_every)"]
+    recorder -> detectors -> hygiene -> update -> acts -> replicas
+  }
+  policies [label="policies, once per step:\\nraise / warn / skip / record" shape=box fillcolor="#fff7ed"]
+  before -> recorder [ltail=cluster_events lhead=cluster_checks label="every event, to each check in order" fontsize=10]
+  replicas -> policies [label="findings (Anomaly)" fontsize=10]
+}"""
+
+
 def screenshot(html: Path, png: Path, size: str = "1280,900") -> bool:
     if not Path(CHROMIUM).exists():
         print(f"{CHROMIUM} is missing (apt-get install -y chromium): {png.name} kept as it is",
@@ -78,6 +160,8 @@ def main() -> int:
     small = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     g = graddbg.graph(lambda: small(torch.randn(2, 4)).sum(), model=small, grads=True)
     (ASSETS / "graph.svg").write_bytes(graddbg.graphviz.render_source(g.source, "svg"))
+    (ASSETS / "modules.svg").write_bytes(graddbg.graphviz.render_source(modules_dot(), "svg"))
+    (ASSETS / "events.svg").write_bytes(graddbg.graphviz.render_source(EVENTS_DOT, "svg"))
     with tempfile.TemporaryDirectory(prefix="graddbg-assets-") as tmp:
         report = w.report(Path(tmp) / "report.html")
         screenshot(report, ASSETS / "report.png")
