@@ -139,3 +139,11 @@ def test_checker_sees_a_missing_entry(tmp_path: Path):
     anchors = _anchors(tmp_path)
     assert _entries_for(graddbg.watch, "graddbg.watch") & anchors
     assert not _entries_for(graddbg.Watch, "graddbg.Watch") & anchors
+
+
+def test_site_loads_nothing_from_the_network(site: Path):
+    """No script, style sheet, font or image from another host: the site works offline."""
+    external = re.compile(r'<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)="(https?:)?//[^"]*"')
+    found = {str(p.relative_to(site)): external.findall(p.read_text())
+             for p in site.rglob("*.html") if external.search(p.read_text())}
+    assert found == {}, found
