@@ -40,15 +40,29 @@ def _build_wheel(tmp: Path) -> Path:
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(ROOT / "graddbg", src / "graddbg", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     args = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp / "dist", src]
-    try:
-        import setuptools  # noqa: F401  (here: build with it, without downloading one)
-
+    if _setuptools_builds_wheels():  # build with it, without downloading one
         args.insert(4, "--no-build-isolation")
-    except ImportError:
-        pass
     _run(args, cwd=tmp)
     (wheel,) = (tmp / "dist").glob("graddbg-*.whl")
     return wheel
+
+
+def _setuptools_builds_wheels() -> bool:
+    """This environment's setuptools builds wheels by itself (70.1 and later; older ones
+    need the ``wheel`` package too). Otherwise pip builds in isolation, fetching one."""
+    import importlib.metadata as md
+
+    try:
+        major, minor = (int(x) for x in md.version("setuptools").split(".")[:2])
+    except (md.PackageNotFoundError, ValueError):
+        return False
+    if (major, minor) >= (70, 1):
+        return True
+    try:
+        md.version("wheel")
+        return major >= 64
+    except md.PackageNotFoundError:
+        return False
 
 
 def _fresh_venv(tmp: Path) -> Path:
