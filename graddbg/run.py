@@ -137,9 +137,17 @@ class Run:
 
     # ------------------------------------------------------------------ views
     def summary(self, by: str = "param") -> "pandas.DataFrame":
-        """One row per parameter (``by="param"``) or module (``by="module"``, norms rolled up
-        as the root of the sum of squares) over all recorded steps; see
-        :func:`graddbg.stats.summarize`."""
+        """One row per parameter or per module, over all recorded steps (see `summarize`).
+
+        Args:
+            by: ``"param"``, or ``"module"`` (norms rolled up as the root of the sum of squares).
+
+        Returns:
+            pandas.DataFrame: the summary table.
+
+        Raises:
+            GraddbgValueError: ``by`` is neither ``"param"`` nor ``"module"``.
+        """
         from graddbg.stats import summarize
 
         try:
@@ -151,15 +159,25 @@ class Run:
                                     f"{[str(c) for c in self.stats.columns]}") from None
 
     def plot(self, kind: str = "flow", **kw: Any) -> "Figure":
-        """A matplotlib Figure of this run: ``kind`` is "flow", "norms", "heatmap", "update"
-        or "hist"; keywords go to the function of :mod:`graddbg.plots`.
+        """A matplotlib figure of this run.
 
-        >>> import pandas as pd
-        >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "module": [""], "numel": [3],
-        ...     "norm": [0.5], "absmax": [0.4], "nonfinite": [0]}),
-        ...     pd.DataFrame({"step": [1], "global_norm": [0.5]}))
-        >>> run.plot("norms").axes[0].get_yscale()
-        'log'
+        Args:
+            kind: ``"flow"``, ``"norms"``, ``"heatmap"``, ``"update"`` or ``"hist"``.
+            **kw: passed on to the function of `graddbg.plots`.
+
+        Returns:
+            matplotlib.figure.Figure: the figure.
+
+        Raises:
+            GraddbgValueError: an unknown ``kind``, or ``"hist"`` for a run without histograms.
+
+        Examples:
+            >>> import pandas as pd
+            >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "module": [""], "numel": [3],
+            ...     "norm": [0.5], "absmax": [0.4], "nonfinite": [0]}),
+            ...     pd.DataFrame({"step": [1], "global_norm": [0.5]}))
+            >>> run.plot("norms").axes[0].get_yscale()
+            'log'
         """
         from graddbg import plots
 
@@ -168,24 +186,46 @@ class Run:
 
     def report(self, path: PathLike, graph: Any = None, *,
                title: Optional[str] = None) -> pathlib.Path:
-        """Write one self-contained HTML report (see :func:`graddbg.report.write_report`)."""
+        """Write one self-contained HTML report (see `graddbg.report.write_report`).
+
+        Args:
+            path: where to write it.
+            graph: optional graph to include (a `Graph`, SVG or DOT text, or a root tensor).
+            title: the page title.
+
+        Returns:
+            pathlib.Path: ``path``.
+
+        Raises:
+            GraddbgError: the file cannot be written.
+        """
         from graddbg.report import write_report
 
         return write_report(self, path, graph=graph, title=title)
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: PathLike) -> pathlib.Path:
-        """Write the run to one parquet file (no pickle) that :func:`load` reads back. The
-        write is atomic: on failure the previous file at ``path`` is left whole and a
-        :class:`GraddbgError` names the path.
+        """Write the run to one parquet file (no pickle) that `load` reads back.
 
-        >>> import pandas as pd, tempfile, os
-        >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "norm": [float("nan")]}),
-        ...           pd.DataFrame({"step": [1], "global_norm": [float("nan")]}))
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     back = load(run.save(os.path.join(d, "run.parquet")))
-        >>> back.stats.equals(run.stats)
-        True
+        The write is atomic: on failure the previous file at ``path`` is left whole.
+
+        Args:
+            path: the file to write (conventionally ``*.parquet``).
+
+        Returns:
+            pathlib.Path: ``path``.
+
+        Raises:
+            GraddbgError: the file cannot be written; the message names the path.
+
+        Examples:
+            >>> import pandas as pd, tempfile, os
+            >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "norm": [float("nan")]}),
+            ...           pd.DataFrame({"step": [1], "global_norm": [float("nan")]}))
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     back = load(run.save(os.path.join(d, "run.parquet")))
+            >>> back.stats.equals(run.stats)
+            True
         """
         import pyarrow.parquet as pq
 
@@ -223,19 +263,27 @@ class Run:
         return table.replace_schema_metadata(metadata)
 
     def to_tensorboard(self, writer: Any, *, prefix: str = "graddbg") -> None:
-        """Write the run to TensorBoard: per-step scalars (global norm, non-finite count,
-        overflow, scale, lr), per-parameter scalars (``norm``, ``absmax``,
-        ``update_ratio``, ``nonfinite``), the ``|grad|`` histograms and the anomalies as
-        text. ``writer`` is a ``SummaryWriter`` or a log directory.
+        """Write the run to TensorBoard.
 
-        TensorBoard cannot show NaN/Inf, so non-finite values are left out of the value
-        series and counted in the ``nonfinite`` series instead.
+        Per-step scalars (global norm, non-finite count, overflow, scale, lr), per-parameter
+        scalars (``norm``, ``absmax``, ``update_ratio``, ``nonfinite``), the ``|grad|``
+        histograms and the anomalies as text. TensorBoard cannot show NaN/Inf, so non-finite
+        values are left out of the value series and counted in the ``nonfinite`` series instead.
 
-        >>> import pandas as pd, tempfile
-        >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "norm": [0.5]}),
-        ...           pd.DataFrame({"step": [1], "global_norm": [0.5]}))
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     run.to_tensorboard(d)
+        Args:
+            writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with ``add_scalar``)
+                or a log directory.
+            prefix: the tag prefix (``graddbg/global_norm``, ...).
+
+        Raises:
+            GraddbgTypeError: ``writer`` is neither, or ``prefix`` is not a str.
+
+        Examples:
+            >>> import pandas as pd, tempfile
+            >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "norm": [0.5]}),
+            ...           pd.DataFrame({"step": [1], "global_norm": [0.5]}))
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     run.to_tensorboard(d)
         """
         if not isinstance(prefix, str):
             raise GraddbgTypeError(f"to_tensorboard(prefix=...) must be a str; got {type(prefix).__name__}")
