@@ -1,6 +1,6 @@
 """Exceptions and warning categories of graddbg.
 
-Everything graddbg raises on purpose is a :class:`GraddbgError` (a ``RuntimeError``), so
+Everything graddbg raises on purpose is a `GraddbgError` (a ``RuntimeError``), so
 ``except graddbg.GraddbgError`` catches all of it. Mismatch errors are also
 ``AssertionError`` so that pytest shows them as failed assertions. Warnings have their own
 categories, so they can be filtered by type rather than by text.

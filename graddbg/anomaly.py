@@ -1,8 +1,8 @@
 """Anomaly records, detectors and policies.
 
-Knows nothing of hooks (nor of :mod:`graddbg.blame`, which localises producers):
-:mod:`graddbg.hooks` feeds the detectors with the statistics it records, and
-:func:`apply_policy` carries out what the detector's policy says.
+Knows nothing of hooks (nor of `graddbg.blame`, which localises producers):
+`graddbg.hooks` feeds the detectors with the statistics it records, and
+`apply_policy` carries out what the detector's policy says.
 """
 from __future__ import annotations
 

@@ -2,20 +2,20 @@
 
 Three steps, each usable (and tested) on its own:
 
-1. :func:`extract` walks ``grad_fn.next_functions`` iteratively (never recursively) into a
-   plain :class:`AutogradGraph` of :class:`GraphNode` and :class:`GraphEdge` records with
+1. `extract` walks ``grad_fn.next_functions`` iteratively (never recursively) into a
+   plain `AutogradGraph` of `GraphNode` and `GraphEdge` records with
    deterministic ids (``n0``, ``n1``, ... in breadth-first order from the roots). The walk
-   stops after :data:`WALK_LIMIT` autograd nodes, whatever ``max_nodes`` says (see there).
-2. :func:`to_dot` turns that plain graph into DOT text; pure string building, no binary.
-3. :func:`render_source` lays out and renders with Graphviz's ``dot`` program through the
+   stops after `WALK_LIMIT` autograd nodes, whatever ``max_nodes`` says (see there).
+2. `to_dot` turns that plain graph into DOT text; pure string building, no binary.
+3. `render_source` lays out and renders with Graphviz's ``dot`` program through the
    ``graphviz`` Python package; the only step that needs it.
 
-:func:`graph` does all three lazily and returns a :class:`Graph` (``.source``,
+`graph` does all three lazily and returns a `Graph` (``.source``,
 ``.digraph``, ``.render()``, notebook display). ``style="torchviz"`` draws what
 ``torchviz.make_dot`` draws (it calls it).
 
 Module attribution. The autograd graph does not remember which ``nn.Module`` created a
-node, so it has to be recorded while the forward pass runs. :func:`trace_modules` does
+node, so it has to be recorded while the forward pass runs. `trace_modules` does
 this with forward pre/post hooks on every submodule: each hook notes the autograd sequence
 number at that instant (autograd numbers nodes in creation order, per thread), so every
 node created between a module's pre-hook and post-hook belongs to that module, or to the
@@ -23,7 +23,7 @@ innermost submodule running at the time. Hooks are removed on exit; the model is
 Three ways to get clusters:
 
 - ``graph(lambda: loss_fn(model(x)), model=model)``: ``roots`` is a callable, run under
-  :func:`trace_modules` (exact attribution);
+  `trace_modules` (exact attribution);
 - ``with trace_modules(model) as tr: out = model(x)`` then ``graph(out, model=tr)`` (exact);
 - ``graph(out, model=model)`` with ``out`` computed beforehand: the forward pass is gone,
   so only parameters (by ownership) and the ops that consume them directly are clustered.
@@ -142,7 +142,7 @@ class AutogradGraph:
     """The plain extracted graph: nodes, edges, module names, and truncation info.
 
     ``total_nodes`` counts the nodes the walk found; when ``walk_stopped``, the walk
-    reached :data:`WALK_LIMIT` and the graph has more. Needs neither graphviz nor ``dot``.
+    reached `WALK_LIMIT` and the graph has more. Needs neither graphviz nor ``dot``.
     """
 
     nodes: List[GraphNode]
@@ -157,7 +157,7 @@ class AutogradGraph:
 
     @property
     def truncated(self) -> bool:
-        """Whether ``max_nodes`` or :data:`WALK_LIMIT` cut the graph."""
+        """Whether ``max_nodes`` or `WALK_LIMIT` cut the graph."""
         return self.walk_stopped or self.total_nodes > self.shown_nodes
 
     def node(self, node_id: str) -> GraphNode:
@@ -174,7 +174,7 @@ class AutogradGraph:
 
 
 class ModuleTrace:
-    """Which module was running when each autograd node was created (see :func:`trace_modules`).
+    """Which module was running when each autograd node was created (see `trace_modules`).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh())
     >>> with trace_modules(model) as tr:
@@ -519,7 +519,7 @@ def _module_types(trace: Optional[ModuleTrace], module: Optional[nn.Module]) -> 
 
 class _Walk:
     """State of one breadth-first walk: nodes in discovery order (ids ``n0``, ``n1``, ...),
-    edges without repeats, and, until :meth:`release`, the autograd nodes and leaves behind
+    edges without repeats, and, until `release`, the autograd nodes and leaves behind
     them (for ``grads=True``; also keeps each ``id()`` unique while the walk runs)."""
 
     def __init__(self, names: Dict[int, str], trace: Optional[ModuleTrace], max_nodes: Optional[int]) -> None:
@@ -1247,7 +1247,7 @@ def _fit_svg(svg: str) -> str:
 class Graph:
     """An autograd graph ready to display: ``.source`` (DOT), ``.digraph``, ``.render()``.
 
-    ``.extracted`` is the plain :class:`AutogradGraph` (``.nodes``, ``.edges``).
+    ``.extracted`` is the plain `AutogradGraph` (``.nodes``, ``.edges``).
     """
 
     def __init__(self, extracted: AutogradGraph, *, cluster: bool = True) -> None:
@@ -1283,10 +1283,10 @@ class Graph:
         return graphviz.Digraph(body=body.splitlines(keepends=True))
 
     def render(self, path: Union[str, "os.PathLike[str]"], format: str = "svg") -> "os.PathLike[str]":
-        """Render with ``dot`` (see :func:`render_source`) into ``path`` (``format``: svg,
+        """Render with ``dot`` (see `render_source`) into ``path`` (``format``: svg,
         png or pdf); returns the path. The file is written atomically (a temporary file in
         the same folder, then a rename): a failed write leaves the previous file whole and
-        raises a :class:`GraddbgError` naming the path."""
+        raises a `GraddbgError` naming the path."""
         out = _as_path(path, "path")  # checked before dot runs
         return write_atomic(out, render_source(self.to_dot(), format))
 
@@ -1312,7 +1312,7 @@ class Graph:
 
 
 def _run_roots(roots: Any, model: Any) -> Tuple[Any, Any]:
-    """(roots, model) with a callable ``roots`` run, under :func:`trace_modules` of
+    """(roots, model) with a callable ``roots`` run, under `trace_modules` of
     ``model`` when it is a module (the trace then replaces it)."""
     if not callable(roots) or isinstance(roots, (torch.Tensor, nn.Module)):
         return roots, model

@@ -1,7 +1,7 @@
-"""Matplotlib figures of a recorded run: pure functions of the DataFrames from :mod:`graddbg.stats`.
+"""Matplotlib figures of a recorded run: pure functions of the DataFrames from `graddbg.stats`.
 
 Every function takes DataFrames (never a ``Watch``) and returns a new
-:class:`matplotlib.figure.Figure` made without pyplot, so nothing is left in pyplot's
+`matplotlib.figure.Figure` made without pyplot, so nothing is left in pyplot's
 global state: the figures work headless (Agg) and display inline in Jupyter.
 
 Non-finite values are never dropped silently and never crash a plot: NaN/Inf
@@ -11,11 +11,11 @@ value that was not measured (NaN ``absmax`` between two reads) is not a NaN grad
 ``name`` and ``module`` may be plain strings or Categoricals (as ``w.stats`` keeps them);
 figures follow the rows' order, never the categories'.
 
-- :func:`flow`: per parameter in forward order, rms and max ``|grad|`` at one step.
-- :func:`norms`: gradient norms over steps (lines, or a parameter x step heatmap).
-- :func:`update_ratio`: ``||dw|| / ||w||`` over steps with a guide line at 1e-3.
-- :func:`hist`: histograms of ``|grad|`` per parameter at chosen steps.
-- :func:`plot`: dispatches on ``kind`` ("flow", "norms", "heatmap", "update", "hist").
+- `flow`: per parameter in forward order, rms and max ``|grad|`` at one step.
+- `norms`: gradient norms over steps (lines, or a parameter x step heatmap).
+- `update_ratio`: ``||dw|| / ||w||`` over steps with a guide line at 1e-3.
+- `hist`: histograms of ``|grad|`` per parameter at chosen steps.
+- `plot`: dispatches on ``kind`` ("flow", "norms", "heatmap", "update", "hist").
 
 matplotlib, numpy and pandas are imported inside the functions.
 """
@@ -523,7 +523,7 @@ def _group_depth(names: Sequence[str]) -> int:
 def _series_groups(stats: "pandas.DataFrame", names: Optional[Sequence[str]]
                    ) -> Tuple[List[str], Any, str, int]:
     """(labels, frame indexed by step with one column per label, what, total) for the
-    lines: the named parameters, or the modules at the depth of :func:`_group_depth`
+    lines: the named parameters, or the modules at the depth of `_group_depth`
     (root of the sum of squares), the ten largest."""
     import numpy as np
 
@@ -664,7 +664,7 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
 def _norm_heatmap(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"],
                   anomalies: Any, names: Optional[Sequence[str]],
                   max_points: Optional[int]) -> "Figure":
-    """:func:`norms` with ``heatmap=True``: parameter x step cells, long runs in buckets."""
+    """`norms` with ``heatmap=True``: parameter x step cells, long runs in buckets."""
     chosen = _select_names(stats, names)
     step_values, value, cat = _heatmap_cells(stats, chosen)
     value, cat, starts, ends = _bucket_steps(step_values, value, cat, max_points)

@@ -1,12 +1,12 @@
 """One self-contained HTML report of a recorded run.
 
-:func:`write_report` takes anything with the attributes of the run contract (a ``Watch``,
-a :class:`graddbg.run.Run`) and writes a single HTML file that needs nothing else: no
+`write_report` takes anything with the attributes of the run contract (a ``Watch``,
+a `graddbg.run.Run`) and writes a single HTML file that needs nothing else: no
 network, no external assets, no script. It holds:
 
 - the run summary (steps, parameters, anomalies by kind, global norm, run facts),
 - the anomalies table (step, kind, parameter, module, op, source, value, message),
-- the plots of :mod:`graddbg.plots` as inline SVG (gradient flow, norms, norm heatmap,
+- the plots of `graddbg.plots` as inline SVG (gradient flow, norms, norm heatmap,
   update ratio, histograms),
 - the per-parameter and per-module summaries (and activation gradients when recorded),
 - the annotated autograd graph when one is given (a ``graddbg.graph`` result, SVG or
@@ -19,7 +19,7 @@ flow, norm and heatmap plots and the module table show at most ``MAX_GROUPS`` mo
 (norms rolled up as the root of the sum of squares), and the parameter table, the update
 ratio plot and the histograms show a chosen few parameters (every one with NaN/Inf, the
 largest and the smallest gradients), so 5,000 parameters x 1,000 steps render in seconds.
-The file is written atomically (:func:`graddbg.run.replacing`).
+The file is written atomically (`graddbg.run.replacing`).
 
 matplotlib and pandas are imported inside the functions.
 """

@@ -1,6 +1,6 @@
-"""A recorded run as data: :class:`Run`, saved to and loaded from one parquet file.
+"""A recorded run as data: `Run`, saved to and loaded from one parquet file.
 
-``Watch.to_run()`` gives a :class:`Run`; ``graddbg.load(path)`` reads one back. A Run has
+``Watch.to_run()`` gives a `Run`; ``graddbg.load(path)`` reads one back. A Run has
 the attributes of the run contract (``stats``, ``steps``, ``anomalies``, ``histograms``,
 ``activations``, ``meta``) and the methods that work on them: ``summary``, ``plot``,
 ``report``, ``save`` and ``to_tensorboard``.
@@ -12,10 +12,10 @@ anomalies through ``Anomaly.to_dict``, ``meta``, column dtypes) and the other ta
 (``steps``, ``histograms``, ``activations``) as base64-encoded parquet under
 ``graddbg.<table>``.
 
-Files are written atomically (:func:`replacing` of ``graddbg._io``, importable from here
+Files are written atomically (`replacing` of ``graddbg._io``, importable from here
 too: a temporary file in the same folder, then ``os.replace``), so a failed write leaves
-the previous file whole. :func:`load` validates everything it reads and raises a
-:class:`~graddbg.GraddbgError` naming the file and what is wrong with it.
+the previous file whole. `load` validates everything it reads and raises a
+`graddbg.GraddbgError` naming the file and what is wrong with it.
 
 pandas and pyarrow are imported inside the functions that need them.
 """

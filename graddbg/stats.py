@@ -1,9 +1,9 @@
 """Gradient statistics: batched on-device kernels, the step reader, a bounded history.
 
-No hooks here. :class:`StepReader` reduces a fixed list of parameters' gradients the way
+No hooks here. `StepReader` reduces a fixed list of parameters' gradients the way
 ``torch.nn.utils.clip_grad_norm_`` does: grouped by device and dtype, one foreach call
 per group, one fallback loop for what foreach cannot take (sparse gradients, DTensor
-shards), no host synchronisation. :class:`Readback` then copies everything a step needs
+shards), no host synchronisation. `Readback` then copies everything a step needs
 to the host at once: one synchronisation per recorded step.
 
 >>> import torch
@@ -195,7 +195,7 @@ def _dense(g: Tensor) -> Tensor:
 
 
 class _Launch:
-    """Device results of :meth:`StepReader.launch`, waiting for the read-back."""
+    """Device results of `StepReader.launch`, waiting for the read-back."""
 
     def __init__(self, present: List[int], absmax: bool, extras: bool) -> None:
         self.present = present
@@ -214,9 +214,9 @@ class StepReader:
     magnitude and extra statistics when asked, with torch's own batched kernels grouped
     by device and dtype (the way ``torch.nn.utils.clip_grad_norm_`` does).
 
-    :meth:`launch` queues the kernels (no host synchronisation); after
-    :meth:`Readback.fetch`, :meth:`finish` builds the host :class:`StepStats` and
-    :meth:`rescue` recomputes, in float64 and with one more read-back, the rare norms that
+    `launch` queues the kernels (no host synchronisation); after
+    `Readback.fetch`, `finish` builds the host `StepStats` and
+    `rescue` recomputes, in float64 and with one more read-back, the rare norms that
     are not final: non-finite ones (to count the NaN/Inf entries exactly, or to find a
     finite gradient whose squares overflowed).
     """
@@ -229,7 +229,7 @@ class StepReader:
         self._groups: Dict[Tuple[int, ...], List[Tuple[List[int], str, Any, Any]]] = {}
         self._shards = _Shards()
         self._layouts: Dict[Any, Tuple[np.ndarray, np.ndarray]] = {}
-        #: read-backs made by :meth:`rescue`
+        #: read-backs made by `rescue`
         self.extra_reads = 0
 
     def _grouping(self, present: List[int], grads: Sequence[Optional[Tensor]]) -> List[Tuple[List[int], str]]:
@@ -327,7 +327,7 @@ class StepReader:
         return got[0], got[1].copy()
 
     def finish(self, launch: _Launch, got: Dict[str, np.ndarray]) -> StepStats:
-        """The host :class:`StepStats` of a launch whose results ``got`` were fetched."""
+        """The host `StepStats` of a launch whose results ``got`` were fetched."""
         P = len(self.numel)
         order, has = self._layout(launch)
         norm = np.full(P, np.nan)
