@@ -1,6 +1,6 @@
 """Exceptions and warning categories of graddbg.
 
-Everything graddbg raises on purpose is a :class:`GraddbgError` (a ``RuntimeError``), so
+Everything graddbg raises on purpose is a `GraddbgError` (a ``RuntimeError``), so
 ``except graddbg.GraddbgError`` catches all of it. Mismatch errors are also
 ``AssertionError`` so that pytest shows them as failed assertions. Warnings have their own
 categories, so they can be filtered by type rather than by text.
@@ -42,7 +42,16 @@ class GraddbgTypeError(GraddbgError, TypeError):
 
 
 class GradientAnomalyError(GraddbgError):
-    """A gradient anomaly under the ``"raise"`` policy. ``.anomaly`` holds the record."""
+    """A gradient anomaly under the ``"raise"`` policy.
+
+    Args:
+        message: the anomaly's message.
+        anomaly: the record.
+
+    Attributes:
+        anomaly (graddbg.Anomaly): what was found, where (parameter, module, op, source line)
+            and at which step.
+    """
 
     def __init__(self, message: str, anomaly: Any = None) -> None:
         super().__init__(message)
@@ -54,7 +63,18 @@ class NonFiniteError(GradientAnomalyError):
 
 
 class GradientMismatchError(GraddbgError, AssertionError):
-    """Analytic and numerical gradients disagree (raised by ``assert_gradients_close``)."""
+    """Analytic and numerical gradients disagree (raised by ``assert_gradients_close``).
+
+    Also an ``AssertionError``, so pytest shows it as a failed assertion.
+
+    Args:
+        message: the table of the worst entries.
+        result: the check's result.
+
+    Attributes:
+        result (graddbg.GradcheckResult): the full result, with ``table`` of every
+            mismatching entry.
+    """
 
     def __init__(self, message: str, result: Any = None) -> None:
         super().__init__(message)
@@ -62,7 +82,16 @@ class GradientMismatchError(GraddbgError, AssertionError):
 
 
 class DDPInconsistencyError(GraddbgError):
-    """Ranks of a process group disagree (structure, gradients, parameters or buffers)."""
+    """Ranks of a process group disagree (structure, gradients, parameters or buffers).
+
+    Args:
+        message: which tensors differ on which ranks.
+        report: the check's report.
+
+    Attributes:
+        report (graddbg.ddp_verify.ConsistencyReport): the verdict, the same on every rank,
+            with ``mismatches``.
+    """
 
     def __init__(self, message: str, report: Any = None) -> None:
         super().__init__(message)

@@ -1,8 +1,8 @@
 """Anomaly records, detectors and policies.
 
-Knows nothing of hooks (nor of :mod:`graddbg.blame`, which localises producers):
-:mod:`graddbg.hooks` feeds the detectors with the statistics it records, and
-:func:`apply_policy` carries out what the detector's policy says.
+Knows nothing of hooks (nor of `graddbg.blame`, which localises producers):
+`graddbg.hooks` feeds the detectors with the statistics it records, and
+`apply_policy` carries out what the detector's policy says.
 """
 from __future__ import annotations
 
@@ -43,17 +43,31 @@ class AnomalyWarning(GraddbgWarning):
 
 @dataclass(frozen=True)
 class Anomaly:
-    """One gradient anomaly.
+    """One gradient anomaly: what was found, where, and the fix, as data.
 
-    ``name`` is the parameter (qualified name), ``module`` the module where the problem
-    started, ``op`` the autograd node (``SqrtBackward0``) and ``source`` the ``file:line``
-    of the forward code that created it, when known. ``value`` is what was measured and
-    ``threshold`` what it was compared with.
+    Attributes:
+        step: the step it happened.
+        kind: ``"nonfinite"``, ``"explode"``, ``"vanish"``, ``"overflow"``, ``"ddp_mismatch"``
+            (more kinds come with the silent-bug checks).
+        name: the parameter (qualified name, as ``model.named_parameters()`` gives it).
+        module: the module where the problem started.
+        op: the autograd node (``SqrtBackward0``) or aten op (``aten.exp``) that made it,
+            when known.
+        value: what was measured (a norm, a count, NaN).
+        threshold: what it was compared with, if anything.
+        source: the ``file:line`` of the forward code that created the op, when known.
+        message: one line for a person: what happened, where, and the likely fix.
+        rank: the rank that found it, in a distributed run.
+        params: other parameters involved (for an explosion, those that jumped most).
+        reproduced: for a non-finite value localised by replaying the step: True when the
+            replay made the same non-finite value again (a deterministic bug), False when it
+            did not (suspect nondeterminism or hardware), None when no replay ran.
 
-    >>> a = Anomaly(step=3, kind="nonfinite", name="fc.weight", module="fc", op=None,
-    ...             value=float("nan"), threshold=None, source=None, message="NaN")
-    >>> Anomaly.from_dict(a.to_dict()) == a or math.isnan(Anomaly.from_dict(a.to_dict()).value)
-    True
+    Examples:
+        >>> a = Anomaly(step=3, kind="nonfinite", name="fc.weight", module="fc", op=None,
+        ...             value=float("nan"), threshold=None, source=None, message="NaN")
+        >>> Anomaly.from_dict(a.to_dict()) == a or math.isnan(Anomaly.from_dict(a.to_dict()).value)
+        True
     """
 
     step: int
@@ -100,7 +114,14 @@ class Anomaly:
 
 
 def anomalies_frame(anomalies: Sequence[Anomaly]):
-    """A DataFrame with one row per anomaly (columns: the fields of :class:`Anomaly`)."""
+    """A DataFrame with one row per anomaly.
+
+    Args:
+        anomalies: `Anomaly` records (`Watch.anomalies`).
+
+    Returns:
+        pandas.DataFrame: one column per field of `Anomaly`, in field order.
+    """
     import pandas as pd
 
     cols = [f.name for f in dataclasses.fields(Anomaly)]
@@ -120,9 +141,19 @@ def check_policy(policy: Any, arg: str) -> Any:
 
 @dataclass(frozen=True)
 class NonFinite:
-    """Flag NaN/Inf gradients. Checks every ``every`` steps; between checks the flags
-    accumulate on the device (no host synchronisation), so the first bad step is still
-    named when the check comes."""
+    """Flag NaN/Inf gradients.
+
+    Checks every ``every`` steps; between checks the flags accumulate on the device (no host
+    synchronisation), so the first bad step is still named when the check comes.
+
+    Args:
+        policy: ``"raise"``, ``"warn"``, ``"skip"``, ``"record"``, a callable receiving the
+            `Anomaly`, or None.
+        every: check every ``every``-th step (at least 1).
+
+    Raises:
+        GraddbgValueError: an unknown policy, or ``every`` below 1.
+    """
 
     policy: PolicyArg = "raise"
     every: int = 1
@@ -134,14 +165,31 @@ class NonFinite:
 
 @dataclass(frozen=True)
 class Explode:
-    """Flag a global gradient norm above ``factor`` times the robust running level (the
-    median of the previous ``window`` healthy steps with gradients, once ``warmup`` of
-    them are known) for ``persist`` recorded steps in a row, or once above ``factor**2``
-    times it, or above ``absolute``. One heavy batch of a heavy-tailed data set, and
-    Adam's first steps, are not explosions; a sustained jump or a hundredfold spike is.
-    A spike that the training loop clipped at that step (``clip_grad_norm_`` between
-    backward and step) is left to the clip. Consecutive exploded steps are one episode and
-    one anomaly; they do not enter the running level."""
+    """Flag a global gradient norm far above its running level.
+
+    The level is robust: the median of the previous ``window`` healthy steps with
+    gradients, used once ``warmup`` of them are known. A norm above ``factor`` times it is
+    flagged when it stays there for ``persist`` recorded steps in a row, or at once when it
+    is above ``factor**2`` times it; a norm above ``absolute`` is flagged at once. One heavy
+    batch of a heavy-tailed data set, and Adam's first steps, are not explosions; a
+    sustained jump or a hundredfold spike is. A spike that the training loop clipped at
+    that step (``clip_grad_norm_`` between backward and step) is left to the clip.
+    Consecutive exploded steps are one episode and one anomaly; they do not enter the
+    running level.
+
+    Args:
+        factor: flag a norm above ``factor`` times the running level (> 1; None: only
+            ``absolute``).
+        absolute: flag a norm above this value, whatever the history (None: only ``factor``).
+        window: how many previous steps make the running level.
+        policy: ``"raise"``, ``"warn"``, ``"skip"``, ``"record"``, a callable, or None.
+        warmup: how many healthy steps the level needs before it is used (10).
+        persist: recorded steps in a row above ``factor`` times the level before a finding (2).
+
+    Raises:
+        GraddbgValueError: ``factor`` not above 1, both ``factor`` and ``absolute`` None, a
+            ``window``, ``warmup`` or ``persist`` below 1, or an unknown policy.
+    """
 
     factor: Optional[float] = 10.0
     absolute: Optional[float] = None
@@ -166,8 +214,18 @@ class Explode:
 
 @dataclass(frozen=True)
 class Vanish:
-    """Flag a parameter whose gradient norm stays below ``below`` for ``patience``
-    recorded steps in a row (once per parameter, until it recovers)."""
+    """Flag a parameter whose gradient norm stays below ``below`` for ``patience`` recorded steps in a row.
+
+    Reported once per parameter, until it recovers.
+
+    Args:
+        below: the norm under which a gradient counts as vanishing (> 0).
+        patience: how many recorded steps in a row.
+        policy: ``"raise"``, ``"warn"``, ``"skip"``, ``"record"``, a callable, or None.
+
+    Raises:
+        GraddbgValueError: ``below`` not above 0, ``patience`` below 1, or an unknown policy.
+    """
 
     below: float = 1e-8
     patience: int = 20
@@ -311,9 +369,18 @@ class _VanishState:
 
 
 def apply_policy(anomaly: Anomaly, policy: Any, skip: Callable[[], None]) -> Optional[BaseException]:
-    """Carry out ``policy`` for ``anomaly``: the error to raise (``"raise"``), a warning
-    (``"warn"``), ``skip()`` (``"skip"``: the caller drops the affected gradients), the
-    user's callable, or nothing (``"record"``, None)."""
+    """Carry out ``policy`` for ``anomaly``.
+
+    Args:
+        anomaly: the finding.
+        policy: ``"raise"``, ``"warn"``, ``"skip"``, ``"record"``, a callable, or None.
+        skip: called for ``"skip"``: the caller drops the affected gradients.
+
+    Returns:
+        BaseException | None: the error for the caller to raise (``"raise"``), else None
+            (a warning was issued, ``skip()`` or the user's callable was called, or nothing
+            was to be done).
+    """
     if policy is None or policy == "record":
         return None
     if policy == "raise":
@@ -330,9 +397,20 @@ def apply_policy(anomaly: Anomaly, policy: Any, skip: Callable[[], None]) -> Opt
 
 def nonfinite_anomaly(step: int, names: Sequence[str], shapes: Sequence[tuple], total: Optional[int],
                       where: Dict[str, Any], rank: Optional[int] = None) -> Anomaly:
-    """The anomaly of non-finite gradients in parameters ``names`` (nearest the input
-    first), blamed on ``where``: ``module``, ``op``, ``source``, ``how`` it was found,
-    ``name`` (the parameter blamed) and ``reproduced``."""
+    """The anomaly of non-finite gradients in parameters ``names``, blamed on ``where``.
+
+    Args:
+        step: the step.
+        names: the parameters with non-finite gradients, nearest the input first.
+        shapes: their shapes.
+        total: the number of non-finite entries, when counted.
+        where: what localisation found: ``module``, ``op``, ``source``, ``how`` it was found,
+            ``name`` (the parameter blamed) and ``reproduced``.
+        rank: the rank, in a distributed run.
+
+    Returns:
+        Anomaly: of kind ``"nonfinite"``, with its message.
+    """
     module, op, source = where.get("module"), where.get("op"), where.get("source")
     shown = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names[:6], shapes[:6]))
     more = f" and {len(names) - 6} more" if len(names) > 6 else ""

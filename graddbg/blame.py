@@ -2,7 +2,7 @@
 
 Every operation, forward and backward, goes through a ``TorchDispatchMode`` that checks
 its floating-point outputs. The first op whose output is non-finite while all of its
-inputs were finite (the *producer*, not a propagator) raises :class:`NonFiniteError`.
+inputs were finite (the *producer*, not a propagator) raises `NonFiniteError`.
 
 Forward ops are named by their aten op (``aten.log``); backward ops by the autograd node
 being run (``SqrtBackward0``). The module path comes from forward pre/post hooks on the
@@ -12,10 +12,10 @@ node: they are recorded at forward time in the node's own ``metadata`` dict (the
 ``torch.autograd.detect_anomaly`` keeps its tracebacks), so they live exactly as long as
 the graph does and nothing is kept past it.
 
-The second half of this module localises the producer for :func:`graddbg.watch`: from
+The second half of this module localises the producer for `graddbg.watch`: from
 the forward activations' non-finite flags, from the gradients at module outputs, from
 parameters and buffers that hold NaN/Inf themselves, and by replaying the captured
-forward and backward pass under :func:`find_nonfinite` (:func:`replay`).
+forward and backward pass under `find_nonfinite` (`replay`).
 """
 from __future__ import annotations
 
@@ -248,10 +248,10 @@ def _output_stats(t: torch.Tensor) -> str:
 
 
 class NonFiniteScan(TorchDispatchMode):
-    """The dispatch mode behind :func:`find_nonfinite` (the object it yields).
+    """The dispatch mode behind `find_nonfinite` (the object it yields).
 
     ``ops_checked`` counts the ops whose floating-point outputs were checked so far.
-    Do not enter it directly: :func:`find_nonfinite` does, with the hooks it needs.
+    Do not enter it directly: `find_nonfinite` does, with the hooks it needs.
     """
 
     def __init__(self, *, check_forward: bool, check_backward: bool, skip_ints: bool,
@@ -459,7 +459,7 @@ class NonFiniteScan(TorchDispatchMode):
 def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bool = True,
                    check_backward: bool = True,
                    skip_ints: bool = True) -> Iterator[NonFiniteScan]:
-    """Raise :class:`~graddbg.NonFiniteError` at the first op that makes a NaN or Inf
+    """Raise `graddbg.NonFiniteError` at the first op that makes a NaN or Inf
     from finite inputs, forward or backward, naming the op, the module and the line.
 
     This is a slow forensic mode, like ``torch.autograd.detect_anomaly``: it checks the
@@ -483,21 +483,31 @@ def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bo
         model: when given, errors name the innermost submodule (its qualified name, without
             the ``module.`` of a DDP/DataParallel wrapper) that was running; backward ops
             are blamed on the module whose forward created them.
-        check_forward / check_backward: which passes to check.
+        check_forward: check the outputs of the forward ops.
+        check_backward: check the outputs of the backward ops.
         skip_ints: leave integer and bool inputs out of the statistics in the message
             (they cannot be non-finite, and are never checked).
 
-    Yields the scan; ``scan.ops_checked`` counts the ops whose floating-point outputs
-    were checked.
+    Yields:
+        NonFiniteScan: the scan; ``scan.ops_checked`` counts the ops whose floating-point
+            outputs were checked.
 
-    >>> import torch, graddbg
-    >>> x = torch.tensor([1.0, 100.0], requires_grad=True)
-    >>> try:
-    ...     with graddbg.find_nonfinite():
-    ...         y = x.exp()
-    ... except graddbg.NonFiniteError as e:
-    ...     print(e.anomaly.op, e.anomaly.value)
-    aten.exp inf
+    Raises:
+        NonFiniteError: at the first op that makes a NaN/Inf from finite inputs, or on
+            entry when a parameter or buffer of ``model`` already holds one; its
+            ``anomaly`` names the op, the module and the source line.
+        GraddbgTypeError: ``model`` is not an ``nn.Module``, or a flag is not a bool.
+        GraddbgValueError: both ``check_forward`` and ``check_backward`` are False.
+
+    Examples:
+        >>> import torch, graddbg
+        >>> x = torch.tensor([1.0, 100.0], requires_grad=True)
+        >>> try:
+        ...     with graddbg.find_nonfinite():
+        ...         y = x.exp()
+        ... except graddbg.NonFiniteError as e:
+        ...     print(e.anomaly.op, e.anomaly.value)
+        aten.exp inf
     """
     inner = _validate_scan(model, check_forward, check_backward, skip_ints)
     if inner is not None:
@@ -562,7 +572,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_state(model: torch.nn.Module, step: int = 0) -> None:
-    """Raise :class:`NonFiniteError` naming the first parameter or buffer of ``model``
+    """Raise `NonFiniteError` naming the first parameter or buffer of ``model``
     that holds NaN/Inf: such a value enters from outside the graph (a bad checkpoint, an
     optimizer step that wrote it, a hand-made tensor), so it is its own producer."""
     found = nonfinite_state(model)
@@ -598,7 +608,7 @@ class Capture:
 
 def replay(model: torch.nn.Module, cap: Capture, step: int) -> Tuple[bool, Optional[Anomaly]]:
     """Run the captured forward pass again, and backward with the captured output
-    gradient, under :func:`find_nonfinite`: the op, module and source line that made the
+    gradient, under `find_nonfinite`: the op, module and source line that made the
     first NaN/Inf. Parameters' ``.grad``, buffers and the RNG are left as they were.
     Returns ``(ran, anomaly)``: ``anomaly`` is None when the replay made no non-finite
     value; ``ran`` is False when the replay could not run at all."""

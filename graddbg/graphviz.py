@@ -2,20 +2,20 @@
 
 Three steps, each usable (and tested) on its own:
 
-1. :func:`extract` walks ``grad_fn.next_functions`` iteratively (never recursively) into a
-   plain :class:`AutogradGraph` of :class:`GraphNode` and :class:`GraphEdge` records with
+1. `extract` walks ``grad_fn.next_functions`` iteratively (never recursively) into a
+   plain `AutogradGraph` of `GraphNode` and `GraphEdge` records with
    deterministic ids (``n0``, ``n1``, ... in breadth-first order from the roots). The walk
-   stops after :data:`WALK_LIMIT` autograd nodes, whatever ``max_nodes`` says (see there).
-2. :func:`to_dot` turns that plain graph into DOT text; pure string building, no binary.
-3. :func:`render_source` lays out and renders with Graphviz's ``dot`` program through the
+   stops after `WALK_LIMIT` autograd nodes, whatever ``max_nodes`` says (see there).
+2. `to_dot` turns that plain graph into DOT text; pure string building, no binary.
+3. `render_source` lays out and renders with Graphviz's ``dot`` program through the
    ``graphviz`` Python package; the only step that needs it.
 
-:func:`graph` does all three lazily and returns a :class:`Graph` (``.source``,
+`graph` does all three lazily and returns a `Graph` (``.source``,
 ``.digraph``, ``.render()``, notebook display). ``style="torchviz"`` draws what
 ``torchviz.make_dot`` draws (it calls it).
 
 Module attribution. The autograd graph does not remember which ``nn.Module`` created a
-node, so it has to be recorded while the forward pass runs. :func:`trace_modules` does
+node, so it has to be recorded while the forward pass runs. `trace_modules` does
 this with forward pre/post hooks on every submodule: each hook notes the autograd sequence
 number at that instant (autograd numbers nodes in creation order, per thread), so every
 node created between a module's pre-hook and post-hook belongs to that module, or to the
@@ -23,7 +23,7 @@ innermost submodule running at the time. Hooks are removed on exit; the model is
 Three ways to get clusters:
 
 - ``graph(lambda: loss_fn(model(x)), model=model)``: ``roots`` is a callable, run under
-  :func:`trace_modules` (exact attribution);
+  `trace_modules` (exact attribution);
 - ``with trace_modules(model) as tr: out = model(x)`` then ``graph(out, model=tr)`` (exact);
 - ``graph(out, model=model)`` with ``out`` computed beforehand: the forward pass is gone,
   so only parameters (by ownership) and the ops that consume them directly are clustered.
@@ -142,7 +142,7 @@ class AutogradGraph:
     """The plain extracted graph: nodes, edges, module names, and truncation info.
 
     ``total_nodes`` counts the nodes the walk found; when ``walk_stopped``, the walk
-    reached :data:`WALK_LIMIT` and the graph has more. Needs neither graphviz nor ``dot``.
+    reached `WALK_LIMIT` and the graph has more. Needs neither graphviz nor ``dot``.
     """
 
     nodes: List[GraphNode]
@@ -157,7 +157,7 @@ class AutogradGraph:
 
     @property
     def truncated(self) -> bool:
-        """Whether ``max_nodes`` or :data:`WALK_LIMIT` cut the graph."""
+        """Whether ``max_nodes`` or `WALK_LIMIT` cut the graph."""
         return self.walk_stopped or self.total_nodes > self.shown_nodes
 
     def node(self, node_id: str) -> GraphNode:
@@ -174,7 +174,7 @@ class AutogradGraph:
 
 
 class ModuleTrace:
-    """Which module was running when each autograd node was created (see :func:`trace_modules`).
+    """Which module was running when each autograd node was created (see `trace_modules`).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh())
     >>> with trace_modules(model) as tr:
@@ -291,11 +291,23 @@ def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
     deep model. Both are removed on exit, also when the block raises; the model is never
     touched. Paths are those of the wrapped model (no DDP ``module.`` prefix).
 
-    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
-    >>> with trace_modules(model) as tr:
-    ...     out = model(torch.randn(1, 3))
-    >>> tr.module_of(out.grad_fn), len(model[0]._forward_hooks)
-    (('0',), 0)
+    Args:
+        model: the module whose submodules are traced (DDP, FSDP and compiled wrappers are
+            unwrapped).
+
+    Yields:
+        ModuleTrace: maps each autograd node made in the block to the path of its module;
+            pass it to `extract` or `graph` as ``model=``.
+
+    Raises:
+        GraddbgTypeError: ``model`` is not an ``nn.Module``.
+
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        >>> with trace_modules(model) as tr:
+        ...     out = model(torch.randn(1, 3))
+        >>> tr.module_of(out.grad_fn), len(model[0]._forward_hooks)
+        (('0',), 0)
     """
     from torch.nn.modules import module as _module
 
@@ -442,18 +454,40 @@ def extract(
     max_nodes: Optional[int] = 2000,
     style: str = "graddbg",
 ) -> AutogradGraph:
-    """Walk the autograd graph behind ``roots`` into a plain :class:`AutogradGraph`.
+    """Walk the autograd graph behind ``roots`` into a plain `AutogradGraph`.
 
     Iterative breadth-first traversal from the roots; node ids follow discovery order,
     so the same computation always gives the same ids. The walk stops after
-    :data:`WALK_LIMIT` autograd nodes (the graph is then marked truncated).
+    ``WALK_LIMIT`` autograd nodes (the graph is then marked truncated).
 
-    >>> x = torch.ones(3, requires_grad=True)
-    >>> g = extract((x * 2).sum())
-    >>> [(n.id, n.kind, n.name) for n in g.nodes]
-    [('n0', 'output', 'output'), ('n1', 'op', 'SumBackward0'), ('n2', 'op', 'MulBackward0'), ('n3', 'input', 'input')]
-    >>> [(e.src, e.dst) for e in g.edges]
-    [('n1', 'n0'), ('n2', 'n1'), ('n3', 'n2')]
+    Args:
+        roots: a tensor, a tuple/list/dict of tensors, or an object with tensor fields
+            (dataclass, ModelOutput).
+        model: an ``nn.Module`` (names the parameters) or a `ModuleTrace` recorded while the
+            roots were computed (also places every op in its module).
+        params: extra ``{name: tensor}`` to name leaf tensors.
+        grads: run a backward pass (keeping the graph, leaving ``.grad`` alone) and record
+            the norm of the gradient each node produced.
+        show_saved: also add the tensors each node saved for backward.
+        max_nodes: truncate the graph after this many nodes (None: no limit).
+        style: ``"graddbg"`` or ``"torchviz"`` (the nodes and edges ``torchviz.make_dot``
+            draws).
+
+    Returns:
+        AutogradGraph: nodes and edges, no graphviz object.
+
+    Raises:
+        GraddbgTypeError: ``model`` is neither a module nor a trace.
+        GraddbgValueError: ``roots`` holds no tensor with a graph, an unknown ``style`` or
+            a bad ``max_nodes``.
+
+    Examples:
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> g = extract((x * 2).sum())
+        >>> [(n.id, n.kind, n.name) for n in g.nodes]
+        [('n0', 'output', 'output'), ('n1', 'op', 'SumBackward0'), ('n2', 'op', 'MulBackward0'), ('n3', 'input', 'input')]
+        >>> [(e.src, e.dst) for e in g.edges]
+        [('n1', 'n0'), ('n2', 'n1'), ('n3', 'n2')]
     """
     _check_options(style, max_nodes, extras=["grads=True"] if grads else [])
     trace, module = _resolve_model(model)
@@ -485,7 +519,7 @@ def _module_types(trace: Optional[ModuleTrace], module: Optional[nn.Module]) -> 
 
 class _Walk:
     """State of one breadth-first walk: nodes in discovery order (ids ``n0``, ``n1``, ...),
-    edges without repeats, and, until :meth:`release`, the autograd nodes and leaves behind
+    edges without repeats, and, until `release`, the autograd nodes and leaves behind
     them (for ``grads=True``; also keeps each ``id()`` unique while the walk runs)."""
 
     def __init__(self, names: Dict[int, str], trace: Optional[ModuleTrace], max_nodes: Optional[int]) -> None:
@@ -849,11 +883,22 @@ def collapse(g: AutogradGraph, depth: int) -> AutogradGraph:
     clusters), leaf modules included. Edges between absorbed nodes vanish; edges across
     are redirected to the module node (parallel edges merged).
 
-    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh())
-    >>> with trace_modules(model) as tr:
-    ...     y = model(torch.randn(1, 3)).sum()
-    >>> [(n.name, n.ops, n.attrs.get("op")) for n in collapse(extract(y, model=tr), 1).by_kind("module")]
-    [('1', 1, 'TanhBackward0'), ('0', 2, None)]
+    Args:
+        g: an extracted graph whose nodes know their modules (extracted with a `ModuleTrace`).
+        depth: the module depth drawn as single nodes, at least 1.
+
+    Returns:
+        AutogradGraph: a new graph; ``g`` is unchanged.
+
+    Raises:
+        GraddbgValueError: ``depth`` is not a positive int.
+
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh())
+        >>> with trace_modules(model) as tr:
+        ...     y = model(torch.randn(1, 3)).sum()
+        >>> [(n.name, n.ops, n.attrs.get("op")) for n in collapse(extract(y, model=tr), 1).by_kind("module")]
+        [('1', 1, 'TanhBackward0'), ('0', 2, None)]
     """
     _check_options(depth=depth)
     rep: Dict[str, str] = {}  # node id -> the id that stands for it
@@ -915,15 +960,24 @@ def _escape_char(c: str) -> str:
 
 
 def escape(text: str) -> str:
-    r"""Escape ``text`` for a double-quoted DOT label: backslashes, quotes, newlines, and
-    ``& < >`` as entities (graphviz reads entities in labels); control characters (NUL
-    included) and lone surrogates are shown as Python escapes (``\x00``, ``\ud800``).
-    Braces and ``|`` need no escaping in the (non-record) shapes graddbg uses.
+    r"""Escape ``text`` for a double-quoted DOT label.
 
-    >>> print(escape('a"b<c>&d\\e'))
-    a\"b&lt;c&gt;&amp;d\\e
-    >>> print(escape("nul\x00 half\ud800"))
-    nul\\x00 half\\ud800
+    Backslashes, quotes, newlines, and ``& < >`` as entities (graphviz reads entities in
+    labels); control characters (NUL included) and lone surrogates are shown as Python
+    escapes (``\x00``, ``\ud800``). Braces and ``|`` need no escaping in the (non-record)
+    shapes graddbg uses.
+
+    Args:
+        text: any string.
+
+    Returns:
+        str: the label text, safe inside ``"..."``.
+
+    Examples:
+        >>> print(escape('a"b<c>&d\\e'))
+        a\"b&lt;c&gt;&amp;d\\e
+        >>> print(escape("nul\x00 half\ud800"))
+        nul\\x00 half\\ud800
     """
     text = str(text)
     if not _ESCAPE_RE.search(text):
@@ -1102,19 +1156,27 @@ def _legend(scale: Optional[Tuple[float, float]]) -> List[str]:
 def to_dot(g: AutogradGraph, *, cluster: bool = True) -> str:
     """DOT text for an extracted graph. Needs neither graphviz nor ``dot``.
 
-    >>> x = torch.ones(2, requires_grad=True)
-    >>> print(to_dot(extract(x.exp())))  # doctest: +NORMALIZE_WHITESPACE
-    digraph {
-        graph [fontname="Helvetica" newrank=true]
-        node [fontname=monospace fontsize=10 height=0.2 shape=box style="filled,rounded"]
-        edge [arrowsize=0.6]
-        n0 [label="output\\n(2)" fillcolor="darkolivegreen1"]
-        n1 [label="ExpBackward0" fillcolor="lightgrey"]
-        n2 [label="input\\n(2)" fillcolor="lightblue"]
-        n1 -> n0
-        n2 -> n1
-    }
-    <BLANKLINE>
+    Args:
+        g: the graph from `extract` (or `collapse`).
+        cluster: group the nodes of each module into a ``subgraph cluster_...``.
+
+    Returns:
+        str: the DOT source, deterministic for a given graph.
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> print(to_dot(extract(x.exp())))  # doctest: +NORMALIZE_WHITESPACE
+        digraph {
+            graph [fontname="Helvetica" newrank=true]
+            node [fontname=monospace fontsize=10 height=0.2 shape=box style="filled,rounded"]
+            edge [arrowsize=0.6]
+            n0 [label="output\\n(2)" fillcolor="darkolivegreen1"]
+            n1 [label="ExpBackward0" fillcolor="lightgrey"]
+            n2 [label="input\\n(2)" fillcolor="lightblue"]
+            n1 -> n0
+            n2 -> n1
+        }
+        <BLANKLINE>
     """
     scale = _grad_scale(g) if g.has_grads else None
     with _gc_paused():
@@ -1136,12 +1198,21 @@ def to_dot(g: AutogradGraph, *, cluster: bool = True) -> str:
 
 
 def render_source(source: str, format: str = "svg") -> bytes:
-    """Lay out and render DOT text with Graphviz's ``dot`` program, through the
-    ``graphviz`` Python package; the output bytes. Without ``dot`` on PATH:
-    :class:`DotNotFoundError` with install hints.
+    """Lay out and render DOT text with Graphviz's ``dot`` program, through the ``graphviz`` package.
 
-    >>> render_source('digraph { a -> b }', "svg")[:5]  # doctest: +SKIP
-    b'<?xml'
+    Args:
+        source: DOT text (`to_dot`, `Graph.source`).
+        format: any output format ``dot`` knows: ``"svg"``, ``"png"``, ``"pdf"``, ...
+
+    Returns:
+        bytes: the rendered file's content.
+
+    Raises:
+        DotNotFoundError: ``dot`` is not on PATH; the message says how to install it.
+
+    Examples:
+        >>> render_source('digraph { a -> b }', "svg")[:5]  # doctest: +SKIP
+        b'<?xml'
     """
     if format not in _FORMATS:
         raise GraddbgValueError(f"render(format=...): got {format!r}, expected one of {_FORMATS}")
@@ -1176,7 +1247,7 @@ def _fit_svg(svg: str) -> str:
 class Graph:
     """An autograd graph ready to display: ``.source`` (DOT), ``.digraph``, ``.render()``.
 
-    ``.extracted`` is the plain :class:`AutogradGraph` (``.nodes``, ``.edges``).
+    ``.extracted`` is the plain `AutogradGraph` (``.nodes``, ``.edges``).
     """
 
     def __init__(self, extracted: AutogradGraph, *, cluster: bool = True) -> None:
@@ -1212,10 +1283,10 @@ class Graph:
         return graphviz.Digraph(body=body.splitlines(keepends=True))
 
     def render(self, path: Union[str, "os.PathLike[str]"], format: str = "svg") -> "os.PathLike[str]":
-        """Render with ``dot`` (see :func:`render_source`) into ``path`` (``format``: svg,
+        """Render with ``dot`` (see `render_source`) into ``path`` (``format``: svg,
         png or pdf); returns the path. The file is written atomically (a temporary file in
         the same folder, then a rename): a failed write leaves the previous file whole and
-        raises a :class:`GraddbgError` naming the path."""
+        raises a `GraddbgError` naming the path."""
         out = as_path(path, "path")  # checked before dot runs
         return write_atomic(out, render_source(self.to_dot(), format))
 
@@ -1241,7 +1312,7 @@ class Graph:
 
 
 def _run_roots(roots: Any, model: Any) -> Tuple[Any, Any]:
-    """(roots, model) with a callable ``roots`` run, under :func:`trace_modules` of
+    """(roots, model) with a callable ``roots`` run, under `trace_modules` of
     ``model`` when it is a module (the trace then replaces it)."""
     if not callable(roots) or isinstance(roots, (torch.Tensor, nn.Module)):
         return roots, model
@@ -1267,37 +1338,52 @@ def graph(
 ) -> Graph:
     """Draw the autograd graph behind ``roots``, grouped by the modules that created it.
 
-    ``roots``: a tensor, a tuple/list/dict of tensors, an object with tensor fields
-    (dataclass, ModelOutput), or a callable returning one of those; a callable is run under
-    :func:`trace_modules` of ``model`` so that every op lands in its module's cluster.
-    ``model``: an ``nn.Module`` (names parameters; with precomputed roots only parameters
-    and the ops that use them are clustered) or a :class:`ModuleTrace`.
-    ``grads=True`` runs a backward pass (keeping the graph, leaving ``.grad`` alone; roots
-    that are not scalars get a gradient of ones) and colours each node by the norm of the
-    gradient it produced, on a log scale with a legend; non-finite ones are red (the node
-    that turned finite gradients non-finite is marked "origin"), zero ones grey.
-    ``depth=d``: modules at depth ``d`` (the root's children are depth 1, their children
-    depth 2, ...) are drawn as one node each, leaf or not, holding everything inside them
-    (submodules, ops, parameters), labelled with the qualified name, the class and the
-    number of ops (the op's own name when it holds exactly one, e.g.
-    ``stem.0 / Conv2d / ConvolutionBackward0``); modules shallower than ``d`` are clusters
-    (a leaf module shallower than ``d`` is a cluster of its ops and parameters); ops of the
-    root module or outside the model stay top-level. ``depth=None`` (default): every
-    module is a cluster. ``max_nodes`` (None: no limit) truncates big graphs with a note;
-    the walk itself stops after :data:`WALK_LIMIT` autograd nodes, whatever ``max_nodes``.
-    ``watch`` adds the latest statistics of a Watch to parameter nodes.
-    ``style="torchviz"`` draws what ``torchviz.make_dot`` draws (it calls it).
+    Args:
+        roots: a tensor, a tuple/list/dict of tensors, an object with tensor fields
+            (dataclass, ModelOutput), or a callable returning one of those; a callable is run
+            under `trace_modules` of ``model`` so that every op lands in its module's cluster.
+        model: an ``nn.Module`` (names parameters; with precomputed roots only parameters and
+            the ops that use them are clustered) or a `ModuleTrace`.
+        params: extra ``{name: tensor}`` to name leaf tensors.
+        grads: run a backward pass (keeping the graph, leaving ``.grad`` alone; roots that
+            are not scalars get a gradient of ones) and colour each node by the norm of the
+            gradient it produced, on a log scale with a legend; non-finite ones are red (the
+            node that turned finite gradients non-finite is marked "origin"), zero ones grey.
+        cluster: draw each module's nodes in a box of their own.
+        depth: modules at depth ``depth`` (the root's children are depth 1, their children
+            depth 2, ...) are drawn as one node each, leaf or not, holding everything inside
+            them (submodules, ops, parameters), labelled with the qualified name, the class
+            and the number of ops (the op's own name when it holds exactly one, e.g.
+            ``stem.0 / Conv2d / ConvolutionBackward0``); modules shallower than ``depth`` are
+            clusters; ops of the root module or outside the model stay top-level. None
+            (default): every module is a cluster.
+        show_saved: also draw the tensors each node saved for backward.
+        max_nodes: truncate big graphs with a note (None: no limit); the walk itself stops
+            after ``WALK_LIMIT`` autograd nodes, whatever ``max_nodes``.
+        watch: a `Watch` whose latest statistics are added to the parameter nodes.
+        style: ``"graddbg"`` (default) or ``"torchviz"``, which draws what
+            ``torchviz.make_dot`` draws (it calls it).
 
-    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU())
-    >>> g = graph(lambda: model(torch.randn(4, 3)).sum(), model=model)
-    >>> sorted({".".join(n.module) for n in g.nodes})
-    ['', '0', '1']
-    >>> g.source.startswith("digraph {")
-    True
-    >>> g1 = graph(lambda: model(torch.randn(4, 3)).sum(), model=model, depth=1)
-    >>> [(n.name, n.ops) for n in g1.nodes if n.kind == "module"]
-    [('1', 1), ('0', 2)]
-    >>> g.render("graph.svg")  # doctest: +SKIP
+    Returns:
+        Graph: ``.source`` (DOT text), ``.digraph`` (a ``graphviz.Digraph``),
+            ``.render(path, format="svg")``, and an SVG display in notebooks.
+
+    Raises:
+        GraddbgTypeError: ``model`` is neither a module nor a trace.
+        GraddbgValueError: ``roots`` gives no tensor with a graph, an unknown ``style``, a
+            bad ``depth`` or ``max_nodes``, or options ``style="torchviz"`` does not take.
+
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU())
+        >>> g = graph(lambda: model(torch.randn(4, 3)).sum(), model=model)
+        >>> sorted({".".join(n.module) for n in g.nodes})
+        ['', '0', '1']
+        >>> g.source.startswith("digraph {")
+        True
+        >>> g1 = graph(lambda: model(torch.randn(4, 3)).sum(), model=model, depth=1)
+        >>> [(n.name, n.ops) for n in g1.nodes if n.kind == "module"]
+        [('1', 1), ('0', 2)]
+        >>> g.render("graph.svg")  # doctest: +SKIP
     """
     extras = [a for a, given in (("grads=True", grads), (f"depth={depth!r}", depth is not None),
                                  ("watch=", watch is not None)) if given]

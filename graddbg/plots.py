@@ -1,7 +1,7 @@
-"""Matplotlib figures of a recorded run: pure functions of the DataFrames from :mod:`graddbg.stats`.
+"""Matplotlib figures of a recorded run: pure functions of the DataFrames from `graddbg.stats`.
 
 Every function takes DataFrames (never a ``Watch``) and returns a new
-:class:`matplotlib.figure.Figure` made without pyplot, so nothing is left in pyplot's
+`matplotlib.figure.Figure` made without pyplot, so nothing is left in pyplot's
 global state: the figures work headless (Agg) and display inline in Jupyter.
 
 Non-finite values are never dropped silently and never crash a plot: NaN/Inf
@@ -11,11 +11,11 @@ value that was not measured (NaN ``absmax`` between two reads) is not a NaN grad
 ``name`` and ``module`` may be plain strings or Categoricals (as ``w.stats`` keeps them);
 figures follow the rows' order, never the categories'.
 
-- :func:`flow`: per parameter in forward order, rms and max ``|grad|`` at one step.
-- :func:`norms`: gradient norms over steps (lines, or a parameter x step heatmap).
-- :func:`update_ratio`: ``||dw|| / ||w||`` over steps with a guide line at 1e-3.
-- :func:`hist`: histograms of ``|grad|`` per parameter at chosen steps.
-- :func:`plot`: dispatches on ``kind`` ("flow", "norms", "heatmap", "update", "hist").
+- `flow`: per parameter in forward order, rms and max ``|grad|`` at one step.
+- `norms`: gradient norms over steps (lines, or a parameter x step heatmap).
+- `update_ratio`: ``||dw|| / ||w||`` over steps with a guide line at 1e-3.
+- `hist`: histograms of ``|grad|`` per parameter at chosen steps.
+- `plot`: dispatches on ``kind`` ("flow", "norms", "heatmap", "update", "hist").
 
 matplotlib, numpy and pandas are imported inside the functions.
 """
@@ -339,24 +339,38 @@ class _FlowRows(NamedTuple):
 
 def flow(stats: "pandas.DataFrame", step: Optional[int] = None, *,
          names: Optional[Sequence[str]] = None) -> "Figure":
-    """Gradient flow at one recorded step: per parameter in forward order, the rms
-    ``|grad|`` (norm / sqrt(numel)) and the max ``|grad|`` on a log scale.
+    """Gradient flow at one recorded step, per parameter in forward order.
 
+    Draws the rms ``|grad|`` (norm / sqrt(numel)) and the max ``|grad|`` on a log scale.
     Parameters whose gradient holds NaN/Inf (``nonfinite > 0``; in frames without that
     column a non-finite norm or an infinite ``absmax``) get a red ``X`` at the top,
     all-zero gradients a black triangle at the bottom, parameters without a gradient a
-    grey circle; their tick labels take the same colour. ``step=None`` is the last
-    recorded step. The max ``|grad|`` is measured on some steps only (``absmax`` is NaN
-    on the others): a parameter without one at ``step`` shows its latest measured value
-    at or before ``step``, and the legend names that step ("max |grad| (step 10)").
+    grey circle; their tick labels take the same colour. The max ``|grad|`` is measured on
+    some steps only (``absmax`` is NaN on the others): a parameter without one at ``step``
+    shows its latest measured value at or before ``step``, and the legend names that step
+    ("max |grad| (step 10)").
 
-    >>> import pandas as pd
-    >>> stats = pd.DataFrame({"step": [1, 1], "name": ["fc.weight", "fc.bias"],
-    ...     "module": ["fc", "fc"], "numel": [6, 2], "norm": [0.5, float("nan")],
-    ...     "absmax": [0.4, float("nan")], "nonfinite": [0, 2], "has_grad": [True, True]})
-    >>> fig = flow(stats)
-    >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
-    ['fc.weight', 'fc.bias']
+    Args:
+        stats: a statistics frame (`Watch.stats`, `Run.stats`): at least ``step``, ``name``,
+            ``numel`` and ``norm``.
+        step: the recorded step to draw; None: the last one.
+        names: only these parameters, in this order.
+
+    Returns:
+        matplotlib.figure.Figure: the figure (not shown; call ``fig.savefig`` or display it).
+
+    Raises:
+        GraddbgValueError: a missing column, an empty frame, or a ``step`` that was not
+            recorded.
+
+    Examples:
+        >>> import pandas as pd
+        >>> stats = pd.DataFrame({"step": [1, 1], "name": ["fc.weight", "fc.bias"],
+        ...     "module": ["fc", "fc"], "numel": [6, 2], "norm": [0.5, float("nan")],
+        ...     "absmax": [0.4, float("nan")], "nonfinite": [0, 2], "has_grad": [True, True]})
+        >>> fig = flow(stats)
+        >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
+        ['fc.weight', 'fc.bias']
     """
     stats = _frame(stats, "stats", ("step", "name", "numel", "norm", "absmax"))
     step = _flow_step(stats, step)
@@ -509,7 +523,7 @@ def _group_depth(names: Sequence[str]) -> int:
 def _series_groups(stats: "pandas.DataFrame", names: Optional[Sequence[str]]
                    ) -> Tuple[List[str], Any, str, int]:
     """(labels, frame indexed by step with one column per label, what, total) for the
-    lines: the named parameters, or the modules at the depth of :func:`_group_depth`
+    lines: the named parameters, or the modules at the depth of `_group_depth`
     (root of the sum of squares), the ten largest."""
     import numpy as np
 
@@ -572,19 +586,33 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
     given, else the root of the sum of squares of ``stats.norm``) and one line per
     parameter in ``names``, or per top-level module (root of the sum of squares, the
     ten largest; one level deeper while the model is a single container) when ``names``
-    is None. ``heatmap=True`` draws parameter x step on a
-    log colour scale instead. Non-finite norms are red markers at the top (red cells in
-    the heatmap), anomalies (a list of Anomaly or a DataFrame) and scaler overflow steps
-    vertical lines. Series longer than ``max_points`` are reduced to each bucket's min
-    and max, so spikes survive; the markers use every step.
+    is None. Non-finite norms are red markers at the top (red cells in the heatmap),
+    anomalies and scaler overflow steps vertical lines. Series longer than ``max_points``
+    are reduced to each bucket's min and max, so spikes survive; the markers use every
+    step.
 
-    >>> import pandas as pd
-    >>> stats = pd.DataFrame({"step": [1, 2, 3], "name": ["w"] * 3, "module": [""] * 3,
-    ...     "numel": [4] * 3, "norm": [1.0, float("inf"), 0.5], "absmax": [1.0] * 3,
-    ...     "nonfinite": [0, 1, 0]})
-    >>> fig = norms(stats)
-    >>> fig.axes[0].get_yscale(), fig.axes[0].get_xlabel()
-    ('log', 'step')
+    Args:
+        stats: a statistics frame (`Watch.stats`, `Run.stats`).
+        steps: the per-step frame (`Watch.steps`), for the global norm and the overflows.
+        anomalies: a list of `Anomaly` or an anomalies DataFrame, drawn as vertical lines.
+        names: one line per parameter named here, instead of one per module.
+        heatmap: draw parameter x step on a log colour scale instead of lines.
+        max_points: the most points drawn per line.
+
+    Returns:
+        matplotlib.figure.Figure: the figure (an empty frame gives an empty plot).
+
+    Raises:
+        GraddbgValueError: a missing column, or ``max_points`` below 2.
+
+    Examples:
+        >>> import pandas as pd
+        >>> stats = pd.DataFrame({"step": [1, 2, 3], "name": ["w"] * 3, "module": [""] * 3,
+        ...     "numel": [4] * 3, "norm": [1.0, float("inf"), 0.5], "absmax": [1.0] * 3,
+        ...     "nonfinite": [0, 1, 0]})
+        >>> fig = norms(stats)
+        >>> fig.axes[0].get_yscale(), fig.axes[0].get_xlabel()
+        ('log', 'step')
     """
     import numpy as np
 
@@ -636,7 +664,7 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
 def _norm_heatmap(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"],
                   anomalies: Any, names: Optional[Sequence[str]],
                   max_points: Optional[int]) -> "Figure":
-    """:func:`norms` with ``heatmap=True``: parameter x step cells, long runs in buckets."""
+    """`norms` with ``heatmap=True``: parameter x step cells, long runs in buckets."""
     chosen = _select_names(stats, names)
     step_values, value, cat = _heatmap_cells(stats, chosen)
     value, cat, starts, ends = _bucket_steps(step_values, value, cat, max_points)
@@ -762,20 +790,32 @@ def _heatmap_axes(ax: "Axes", chosen: Sequence[str], cat: "numpy.ndarray", anoma
 def update_ratio(stats: "pandas.DataFrame", guide: Optional[float] = 1e-3, *,
                  names: Optional[Sequence[str]] = None, anomalies: Any = None,
                  max_points: int = 1000) -> "Figure":
-    """Update/weight ratio ``||dw|| / ||w||`` over steps, log scale, with a dashed guide
-    line at ``guide`` (1e-3, the usual healthy order of magnitude; None for none).
+    """Update/weight ratio ``||dw|| / ||w||`` over steps, on a log scale.
 
     One line per parameter when ``names`` is given or there are at most ten; otherwise
     the median over parameters, a 10-90 % band and the maximum. Non-finite ratios are red
     markers at the top. Without an optimizer the ratios are unknown (NaN) and the figure
     says so.
 
-    >>> import pandas as pd
-    >>> stats = pd.DataFrame({"step": [1, 2], "name": ["w", "w"], "norm": [1.0, 1.0],
-    ...                       "update_ratio": [1e-3, 2e-3]})
-    >>> fig = update_ratio(stats)
-    >>> [l.get_label() for l in fig.axes[0].get_lines() if l.get_gid() == "guide"]
-    ['guide 0.001']
+    Args:
+        stats: a statistics frame with an ``update_ratio`` column.
+        guide: draw a dashed guide line at this ratio (1e-3, the usual healthy order of
+            magnitude); None for none.
+        names: one line per parameter named here.
+        anomalies: a list of `Anomaly` or an anomalies DataFrame, drawn as vertical lines.
+        max_points: the most points drawn per line.
+
+    Returns:
+        matplotlib.figure.Figure: the figure; without ratios (no ``update_ratio`` column,
+            no optimizer, an empty frame) it says that they are unknown.
+
+    Examples:
+        >>> import pandas as pd
+        >>> stats = pd.DataFrame({"step": [1, 2], "name": ["w", "w"], "norm": [1.0, 1.0],
+        ...                       "update_ratio": [1e-3, 2e-3]})
+        >>> fig = update_ratio(stats)
+        >>> [l.get_label() for l in fig.axes[0].get_lines() if l.get_gid() == "guide"] == ["guide 0.001"]
+        True
     """
     import numpy as np
 
@@ -903,20 +943,35 @@ def _hist_edges(lo: "numpy.ndarray", hi: "numpy.ndarray") -> "numpy.ndarray":
 def hist(histograms: "pandas.DataFrame", at: Optional[Sequence[int]] = None,
          names: Optional[Sequence[str]] = None, *, stats: Optional["pandas.DataFrame"] = None,
          max_panels: int = 12) -> "Figure":
-    """Histograms of ``|grad|`` per parameter (one panel each, forward order) at the
-    steps ``at`` (default: up to four recorded steps, first and last included).
+    """Histograms of ``|grad|`` per parameter (one panel each, forward order).
 
     The bins are the fixed log-spaced bins recorded by ``watch(histograms=...)``; the
     first, which starts at 0.0, is drawn with its neighbour's log width and shaded
     (exact zeros and tiny values). NaN/Inf are not in the bins: when ``stats`` is given
     each panel states their count (from ``stats.nonfinite``) in red.
 
-    >>> import pandas as pd
-    >>> h = pd.DataFrame({"step": [1, 1, 1], "name": ["w"] * 3, "lo": [0.0, 1e-3, 1e-2],
-    ...                   "hi": [1e-3, 1e-2, 1e-1], "count": [2, 5, 1]})
-    >>> fig = hist(h)
-    >>> fig.axes[0].get_title(), fig.axes[0].get_xscale()
-    ('w', 'log')
+    Args:
+        histograms: the histogram frame (`Watch.histograms`): ``step``, ``name``, ``lo``,
+            ``hi``, ``count``.
+        at: the steps to draw; None: up to four recorded steps, first and last included.
+        names: only these parameters.
+        stats: the statistics frame, to state NaN/Inf counts.
+        max_panels: the most panels (parameters) drawn.
+
+    Returns:
+        matplotlib.figure.Figure: the figure.
+
+    Raises:
+        GraddbgValueError: a missing column, an empty frame, or steps in ``at`` that were
+            not recorded.
+
+    Examples:
+        >>> import pandas as pd
+        >>> h = pd.DataFrame({"step": [1, 1, 1], "name": ["w"] * 3, "lo": [0.0, 1e-3, 1e-2],
+        ...                   "hi": [1e-3, 1e-2, 1e-1], "count": [2, 5, 1]})
+        >>> fig = hist(h)
+        >>> fig.axes[0].get_title(), fig.axes[0].get_xscale()
+        ('w', 'log')
     """
     if histograms is None:
         raise GraddbgValueError("histograms: none were recorded; pass watch(..., histograms=...) "
@@ -1026,15 +1081,29 @@ def _hist_panel(ax: "Axes", name: str, series: Sequence[Tuple[int, Any]],
 def plot(kind: str, stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
          anomalies: Any = None, histograms: Optional["pandas.DataFrame"] = None,
          **kw: Any) -> "Figure":
-    """One figure of a run by ``kind``: "flow" (:func:`flow`), "norms" (:func:`norms`),
-    "heatmap" (:func:`norms` with ``heatmap=True``), "update" (:func:`update_ratio`) or
-    "hist" (:func:`hist`). Extra keywords go to that function.
+    """One figure of a run by ``kind``.
 
-    >>> import pandas as pd
-    >>> stats = pd.DataFrame({"step": [1], "name": ["w"], "module": [""], "numel": [3],
-    ...     "norm": [0.1], "absmax": [0.1], "nonfinite": [0], "update_ratio": [1e-3]})
-    >>> plot("flow", stats).axes[0].get_title()
-    'Gradient flow at step 1'
+    Args:
+        kind: ``"flow"`` (`flow`), ``"norms"`` (`norms`), ``"heatmap"`` (`norms` with
+            ``heatmap=True``), ``"update"`` (`update_ratio`) or ``"hist"`` (`hist`).
+        stats: the statistics frame.
+        steps: the per-step frame.
+        anomalies: a list of `Anomaly` or an anomalies DataFrame.
+        histograms: the histogram frame (needed by ``"hist"``).
+        **kw: passed on to that function.
+
+    Returns:
+        matplotlib.figure.Figure: the figure.
+
+    Raises:
+        GraddbgValueError: an unknown ``kind``, or ``"hist"`` without histograms.
+
+    Examples:
+        >>> import pandas as pd
+        >>> stats = pd.DataFrame({"step": [1], "name": ["w"], "module": [""], "numel": [3],
+        ...     "norm": [0.1], "absmax": [0.1], "nonfinite": [0], "update_ratio": [1e-3]})
+        >>> plot("flow", stats).axes[0].get_title()
+        'Gradient flow at step 1'
     """
     if kind == "flow":
         return flow(stats, **kw)

@@ -1,12 +1,12 @@
 """One self-contained HTML report of a recorded run.
 
-:func:`write_report` takes anything with the attributes of the run contract (a ``Watch``,
-a :class:`graddbg.run.Run`) and writes a single HTML file that needs nothing else: no
+`write_report` takes anything with the attributes of the run contract (a ``Watch``,
+a `graddbg.run.Run`) and writes a single HTML file that needs nothing else: no
 network, no external assets, no script. It holds:
 
 - the run summary (steps, parameters, anomalies by kind, global norm, run facts),
 - the anomalies table (step, kind, parameter, module, op, source, value, message),
-- the plots of :mod:`graddbg.plots` as inline SVG (gradient flow, norms, norm heatmap,
+- the plots of `graddbg.plots` as inline SVG (gradient flow, norms, norm heatmap,
   update ratio, histograms),
 - the per-parameter and per-module summaries (and activation gradients when recorded),
 - the annotated autograd graph when one is given (a ``graddbg.graph`` result, SVG or
@@ -19,7 +19,7 @@ flow, norm and heatmap plots and the module table show at most ``MAX_GROUPS`` mo
 (norms rolled up as the root of the sum of squares), and the parameter table, the update
 ratio plot and the histograms show a chosen few parameters (every one with NaN/Inf, the
 largest and the smallest gradients), so 5,000 parameters x 1,000 steps render in seconds.
-The file is written atomically (:func:`graddbg._io.replacing`).
+The file is written atomically (`graddbg._io.replacing`).
 
 matplotlib and pandas are imported inside the functions.
 """
@@ -82,25 +82,40 @@ def write_report(run: Any, path: PathLike, *, graph: Any = None,
                  title: Optional[str] = None) -> pathlib.Path:
     """Write the HTML report of ``run`` to ``path`` and return the path.
 
-    ``run`` is a ``Watch``, a :class:`graddbg.run.Run` or anything with their attributes
-    (``stats``, ``steps``, ``anomalies``, ``histograms``, ``activations``, ``meta``).
-    ``graph`` is optional: a ``graddbg.graph(...)`` result (anything with ``_repr_svg_``),
-    SVG text, DOT text, or a root tensor to draw the autograd graph of. For a graph whose
-    parameter nodes carry the run's statistics pass ``graddbg.graph(loss, model=model,
-    watch=w)`` (a bare root has no parameter names to match). When drawing needs
-    graphviz's ``dot`` and it is missing, the report says so and keeps the DOT text.
+    One self-contained file: no network, no external assets, no script. Written
+    atomically (a temporary file in the same folder, then a rename).
 
-    >>> import pandas as pd, tempfile, os
-    >>> from graddbg.run import Run
-    >>> stats = pd.DataFrame({"step": [1, 2], "name": ["w", "w"], "module": ["", ""],
-    ...     "numel": [3, 3], "norm": [0.5, float("nan")], "absmax": [0.4, float("nan")],
-    ...     "nonfinite": [0, 3], "update_ratio": [1e-3, float("nan")],
-    ...     "has_grad": [True, True]})
-    >>> steps = pd.DataFrame({"step": [1, 2], "global_norm": [0.5, float("nan")]})
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     p = write_report(Run(stats, steps), os.path.join(d, "report.html"))
-    ...     "<svg" in p.read_text()
-    True
+    Args:
+        run: a `Watch`, a `Run` or anything with their attributes (``stats``, ``steps``,
+            ``anomalies``, ``histograms``, ``activations``, ``meta``).
+        path: where to write it.
+        graph: optional: a ``graddbg.graph(...)`` result (anything with ``_repr_svg_``), SVG
+            text, DOT text, or a root tensor to draw the autograd graph of. For a graph whose
+            parameter nodes carry the run's statistics pass ``graddbg.graph(loss,
+            model=model, watch=w)`` (a bare root has no parameter names to match). When
+            drawing needs graphviz's ``dot`` and it is missing, the report says so and keeps
+            the DOT text.
+        title: the page title (default: the model's class).
+
+    Returns:
+        pathlib.Path: ``path``.
+
+    Raises:
+        GraddbgError: the file cannot be written (the message names it and the reason);
+            the previous file, if any, is left whole.
+
+    Examples:
+        >>> import pandas as pd, tempfile, os
+        >>> from graddbg.run import Run
+        >>> stats = pd.DataFrame({"step": [1, 2], "name": ["w", "w"], "module": ["", ""],
+        ...     "numel": [3, 3], "norm": [0.5, float("nan")], "absmax": [0.4, float("nan")],
+        ...     "nonfinite": [0, 3], "update_ratio": [1e-3, float("nan")],
+        ...     "has_grad": [True, True]})
+        >>> steps = pd.DataFrame({"step": [1, 2], "global_norm": [0.5, float("nan")]})
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     p = write_report(Run(stats, steps), os.path.join(d, "report.html"))
+        ...     "<svg" in p.read_text()
+        True
     """
     path = file_target(path, "report.html")
     text = render_report(run, graph=graph, title=title)
@@ -108,16 +123,25 @@ def write_report(run: Any, path: PathLike, *, graph: Any = None,
 
 
 def render_report(run: Any, *, graph: Any = None, title: Optional[str] = None) -> str:
-    """The HTML text that :func:`write_report` writes.
+    """The HTML text that `write_report` writes.
 
-    >>> import pandas as pd
-    >>> from graddbg.run import Run
-    >>> run = Run(pd.DataFrame({"step": [1], "name": ["<w>"], "module": [""], "numel": [1],
-    ...     "norm": [1.0], "absmax": [1.0], "nonfinite": [0]}),
-    ...     pd.DataFrame({"step": [1], "global_norm": [1.0]}))
-    >>> text = render_report(run, title="a <b> run")
-    >>> "a &lt;b&gt; run" in text and "<w>" not in text
-    True
+    Args:
+        run: a `Watch`, a `Run` or anything with their attributes.
+        graph: as for `write_report`.
+        title: the page title.
+
+    Returns:
+        str: the whole HTML document; every value from the run is escaped.
+
+    Examples:
+        >>> import pandas as pd
+        >>> from graddbg.run import Run
+        >>> run = Run(pd.DataFrame({"step": [1], "name": ["<w>"], "module": [""], "numel": [1],
+        ...     "norm": [1.0], "absmax": [1.0], "nonfinite": [0]}),
+        ...     pd.DataFrame({"step": [1], "global_norm": [1.0]}))
+        >>> text = render_report(run, title="a <b> run")
+        >>> "a &lt;b&gt; run" in text and "<w>" not in text
+        True
     """
     import pandas as pd
 

@@ -1,6 +1,6 @@
-"""A recorded run as data: :class:`Run`, saved to and loaded from one parquet file.
+"""A recorded run as data: `Run`, saved to and loaded from one parquet file.
 
-``Watch.to_run()`` gives a :class:`Run`; ``graddbg.load(path)`` reads one back. A Run has
+``Watch.to_run()`` gives a `Run`; ``graddbg.load(path)`` reads one back. A Run has
 the attributes of the run contract (``stats``, ``steps``, ``anomalies``, ``histograms``,
 ``activations``, ``meta``) and the methods that work on them: ``summary``, ``plot``,
 ``report``, ``save`` and ``to_tensorboard``.
@@ -12,10 +12,10 @@ anomalies through ``Anomaly.to_dict``, ``meta``, column dtypes) and the other ta
 (``steps``, ``histograms``, ``activations``) as base64-encoded parquet under
 ``graddbg.<table>``.
 
-Files are written atomically (:func:`replacing` of ``graddbg._io``, importable from here
+Files are written atomically (`replacing` of ``graddbg._io``, importable from here
 too: a temporary file in the same folder, then ``os.replace``), so a failed write leaves
-the previous file whole. :func:`load` validates everything it reads and raises a
-:class:`~graddbg.GraddbgError` naming the file and what is wrong with it.
+the previous file whole. `load` validates everything it reads and raises a
+`graddbg.GraddbgError` naming the file and what is wrong with it.
 
 pandas and pyarrow are imported inside the functions that need them.
 """
@@ -70,16 +70,27 @@ _KINDS = {
 # ---------------------------------------------------------------------- Run
 
 class Run:
-    """The data of one recorded run (see the run contract), with plots, report and export.
+    """The data of one recorded run, with plots, report and export.
 
-    >>> import pandas as pd
-    >>> stats = pd.DataFrame({"step": [1], "name": ["w"], "module": [""], "numel": [3],
-    ...     "norm": [0.5], "absmax": [0.4], "nonfinite": [0], "update_ratio": [1e-3],
-    ...     "has_grad": [True]})
-    >>> steps = pd.DataFrame({"step": [1], "global_norm": [0.5]})
-    >>> run = Run(stats, steps, meta={"model": "Linear"})
-    >>> run
-    Run(recorded_steps=1, steps=1, params=1, anomalies=0)
+    `Watch.to_run()` makes one, `load` reads one back; `Watch.save` writes one.
+
+    Args:
+        stats: the per-(step, parameter) statistics (`Watch.stats`).
+        steps: the per-step frame (`Watch.steps`).
+        anomalies: the `Anomaly` records.
+        histograms: the gradient histograms, when recorded.
+        activations: the activation statistics, when recorded.
+        meta: facts about the run (model, optimizer, options, torch version, ...).
+
+    Examples:
+        >>> import pandas as pd
+        >>> stats = pd.DataFrame({"step": [1], "name": ["w"], "module": [""], "numel": [3],
+        ...     "norm": [0.5], "absmax": [0.4], "nonfinite": [0], "update_ratio": [1e-3],
+        ...     "has_grad": [True]})
+        >>> steps = pd.DataFrame({"step": [1], "global_norm": [0.5]})
+        >>> run = Run(stats, steps, meta={"model": "Linear"})
+        >>> run
+        Run(recorded_steps=1, steps=1, params=1, anomalies=0)
     """
 
     def __init__(self, stats: "pandas.DataFrame", steps: "pandas.DataFrame",
@@ -117,9 +128,17 @@ class Run:
 
     # ------------------------------------------------------------------ views
     def summary(self, by: str = "param") -> "pandas.DataFrame":
-        """One row per parameter (``by="param"``) or module (``by="module"``, norms rolled up
-        as the root of the sum of squares) over all recorded steps; see
-        :func:`graddbg.stats.summarize`."""
+        """One row per parameter or per module, over all recorded steps (see `summarize`).
+
+        Args:
+            by: ``"param"``, or ``"module"`` (norms rolled up as the root of the sum of squares).
+
+        Returns:
+            pandas.DataFrame: the summary table.
+
+        Raises:
+            GraddbgValueError: ``by`` is neither ``"param"`` nor ``"module"``.
+        """
         from graddbg.stats import summarize
 
         try:
@@ -131,15 +150,25 @@ class Run:
                                     f"{[str(c) for c in self.stats.columns]}") from None
 
     def plot(self, kind: str = "flow", **kw: Any) -> "Figure":
-        """A matplotlib Figure of this run: ``kind`` is "flow", "norms", "heatmap", "update"
-        or "hist"; keywords go to the function of :mod:`graddbg.plots`.
+        """A matplotlib figure of this run.
 
-        >>> import pandas as pd
-        >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "module": [""], "numel": [3],
-        ...     "norm": [0.5], "absmax": [0.4], "nonfinite": [0]}),
-        ...     pd.DataFrame({"step": [1], "global_norm": [0.5]}))
-        >>> run.plot("norms").axes[0].get_yscale()
-        'log'
+        Args:
+            kind: ``"flow"``, ``"norms"``, ``"heatmap"``, ``"update"`` or ``"hist"``.
+            **kw: passed on to the function of `graddbg.plots`.
+
+        Returns:
+            matplotlib.figure.Figure: the figure.
+
+        Raises:
+            GraddbgValueError: an unknown ``kind``, or ``"hist"`` for a run without histograms.
+
+        Examples:
+            >>> import pandas as pd
+            >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "module": [""], "numel": [3],
+            ...     "norm": [0.5], "absmax": [0.4], "nonfinite": [0]}),
+            ...     pd.DataFrame({"step": [1], "global_norm": [0.5]}))
+            >>> run.plot("norms").axes[0].get_yscale()
+            'log'
         """
         from graddbg import plots
 
@@ -148,24 +177,46 @@ class Run:
 
     def report(self, path: PathLike, graph: Any = None, *,
                title: Optional[str] = None) -> pathlib.Path:
-        """Write one self-contained HTML report (see :func:`graddbg.report.write_report`)."""
+        """Write one self-contained HTML report (see `graddbg.report.write_report`).
+
+        Args:
+            path: where to write it.
+            graph: optional graph to include (a `Graph`, SVG or DOT text, or a root tensor).
+            title: the page title.
+
+        Returns:
+            pathlib.Path: ``path``.
+
+        Raises:
+            GraddbgError: the file cannot be written.
+        """
         from graddbg.report import write_report
 
         return write_report(self, path, graph=graph, title=title)
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: PathLike) -> pathlib.Path:
-        """Write the run to one parquet file (no pickle) that :func:`load` reads back. The
-        write is atomic: on failure the previous file at ``path`` is left whole and a
-        :class:`GraddbgError` names the path.
+        """Write the run to one parquet file (no pickle) that `load` reads back.
 
-        >>> import pandas as pd, tempfile, os
-        >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "norm": [float("nan")]}),
-        ...           pd.DataFrame({"step": [1], "global_norm": [float("nan")]}))
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     back = load(run.save(os.path.join(d, "run.parquet")))
-        >>> back.stats.equals(run.stats)
-        True
+        The write is atomic: on failure the previous file at ``path`` is left whole.
+
+        Args:
+            path: the file to write (conventionally ``*.parquet``).
+
+        Returns:
+            pathlib.Path: ``path``.
+
+        Raises:
+            GraddbgError: the file cannot be written; the message names the path.
+
+        Examples:
+            >>> import pandas as pd, tempfile, os
+            >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "norm": [float("nan")]}),
+            ...           pd.DataFrame({"step": [1], "global_norm": [float("nan")]}))
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     back = load(run.save(os.path.join(d, "run.parquet")))
+            >>> back.stats.equals(run.stats)
+            True
         """
         import pyarrow.parquet as pq
 
@@ -203,19 +254,27 @@ class Run:
         return table.replace_schema_metadata(metadata)
 
     def to_tensorboard(self, writer: Any, *, prefix: str = "graddbg") -> None:
-        """Write the run to TensorBoard: per-step scalars (global norm, non-finite count,
-        overflow, scale, lr), per-parameter scalars (``norm``, ``absmax``,
-        ``update_ratio``, ``nonfinite``), the ``|grad|`` histograms and the anomalies as
-        text. ``writer`` is a ``SummaryWriter`` or a log directory.
+        """Write the run to TensorBoard.
 
-        TensorBoard cannot show NaN/Inf, so non-finite values are left out of the value
-        series and counted in the ``nonfinite`` series instead.
+        Per-step scalars (global norm, non-finite count, overflow, scale, lr), per-parameter
+        scalars (``norm``, ``absmax``, ``update_ratio``, ``nonfinite``), the ``|grad|``
+        histograms and the anomalies as text. TensorBoard cannot show NaN/Inf, so non-finite
+        values are left out of the value series and counted in the ``nonfinite`` series instead.
 
-        >>> import pandas as pd, tempfile
-        >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "norm": [0.5]}),
-        ...           pd.DataFrame({"step": [1], "global_norm": [0.5]}))
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     run.to_tensorboard(d)
+        Args:
+            writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with ``add_scalar``)
+                or a log directory.
+            prefix: the tag prefix (``graddbg/global_norm``, ...).
+
+        Raises:
+            GraddbgTypeError: ``writer`` is neither, or ``prefix`` is not a str.
+
+        Examples:
+            >>> import pandas as pd, tempfile
+            >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"], "norm": [0.5]}),
+            ...           pd.DataFrame({"step": [1], "global_norm": [0.5]}))
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     run.to_tensorboard(d)
         """
         if not isinstance(prefix, str):
             raise GraddbgTypeError(f"to_tensorboard(prefix=...) must be a str; got {type(prefix).__name__}")
@@ -234,18 +293,30 @@ class Run:
 # ---------------------------------------------------------------------- load
 
 def load(path: PathLike) -> Run:
-    """Read a run written by ``Watch.save`` / :meth:`Run.save`. Everything read is
-    checked: a file that is not such a run, or whose metadata or tables were damaged or
-    edited (bad JSON, wrong types, bad base64, incomplete anomalies, an unknown format
-    version, missing columns, wrong column types) raises a :class:`GraddbgError` that
-    names the file and what is wrong.
+    """Read a run written by `Watch.save` / `Run.save`.
 
-    >>> import pandas as pd, tempfile, os
-    >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"]}), pd.DataFrame({"step": [1]}),
-    ...           meta={"model": "Linear"})
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     load(run.save(os.path.join(d, "run.parquet"))).meta
-    {'model': 'Linear'}
+    Everything read is checked: a file that is not such a run, or whose metadata or
+    tables were damaged or edited (bad JSON, wrong types, bad base64, incomplete anomalies,
+    an unknown format version, missing columns, wrong column types) is refused.
+
+    Args:
+        path: the parquet file.
+
+    Returns:
+        Run: the statistics, steps, anomalies, histograms and metadata.
+
+    Raises:
+        FileNotFoundError: there is no file at ``path``.
+        GraddbgError: the file is unreadable or not a graddbg run, or was damaged; the
+            message names the file and what is wrong with it.
+
+    Examples:
+        >>> import pandas as pd, tempfile, os
+        >>> run = Run(pd.DataFrame({"step": [1], "name": ["w"]}), pd.DataFrame({"step": [1]}),
+        ...           meta={"model": "Linear"})
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     load(run.save(os.path.join(d, "run.parquet"))).meta
+        {'model': 'Linear'}
     """
     path = as_path(path, "path")
     if not path.exists():

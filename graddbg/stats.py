@@ -1,9 +1,9 @@
 """Gradient statistics: batched on-device kernels, the step reader, a bounded history.
 
-No hooks here. :class:`StepReader` reduces a fixed list of parameters' gradients the way
+No hooks here. `StepReader` reduces a fixed list of parameters' gradients the way
 ``torch.nn.utils.clip_grad_norm_`` does: grouped by device and dtype, one foreach call
 per group, one fallback loop for what foreach cannot take (sparse gradients, DTensor
-shards), no host synchronisation. :class:`Readback` then copies everything a step needs
+shards), no host synchronisation. `Readback` then copies everything a step needs
 to the host at once: one synchronisation per recorded step.
 
 >>> import torch
@@ -68,14 +68,27 @@ HIST_EDGES = tuple(10.0 ** (e / 2) for e in range(-24, 9))
 
 
 def validate_stats(stats: Union[str, Iterable[str]]) -> Tuple[str, ...]:
-    """Check a ``stats=`` argument; return it as a tuple in canonical order. ``norm`` and
-    ``nonfinite`` are always computed (the detectors need them); ``absmax`` costs a second
-    pass over the gradients and is left out (NaN) when not asked for.
+    """Check a ``stats=`` argument; return it as a tuple in canonical order.
 
-    >>> validate_stats(["absmax", "mean"])
-    ('norm', 'absmax', 'nonfinite', 'mean')
-    >>> validate_stats(["norm"])
-    ('norm', 'nonfinite')
+    ``norm`` and ``nonfinite`` are always computed (the detectors need them); ``absmax``
+    costs a second pass over the gradients and is left out (NaN) when not asked for.
+
+    Args:
+        stats: a name or names among ``"norm"``, ``"absmax"``, ``"nonfinite"``, ``"mean"``,
+            ``"std"``, ``"zero_frac"``.
+
+    Returns:
+        tuple[str, ...]: the names to compute, in canonical order.
+
+    Raises:
+        GraddbgValueError: an unknown name.
+        GraddbgTypeError: not a str or an iterable of str.
+
+    Examples:
+        >>> validate_stats(["absmax", "mean"])
+        ('norm', 'absmax', 'nonfinite', 'mean')
+        >>> validate_stats(["norm"])
+        ('norm', 'nonfinite')
     """
     if isinstance(stats, str):
         stats = (stats,)
@@ -182,7 +195,7 @@ def _dense(g: Tensor) -> Tensor:
 
 
 class _Launch:
-    """Device results of :meth:`StepReader.launch`, waiting for the read-back."""
+    """Device results of `StepReader.launch`, waiting for the read-back."""
 
     def __init__(self, present: List[int], absmax: bool, extras: bool) -> None:
         self.present = present
@@ -201,9 +214,9 @@ class StepReader:
     magnitude and extra statistics when asked, with torch's own batched kernels grouped
     by device and dtype (the way ``torch.nn.utils.clip_grad_norm_`` does).
 
-    :meth:`launch` queues the kernels (no host synchronisation); after
-    :meth:`Readback.fetch`, :meth:`finish` builds the host :class:`StepStats` and
-    :meth:`rescue` recomputes, in float64 and with one more read-back, the rare norms that
+    `launch` queues the kernels (no host synchronisation); after
+    `Readback.fetch`, `finish` builds the host `StepStats` and
+    `rescue` recomputes, in float64 and with one more read-back, the rare norms that
     are not final: non-finite ones (to count the NaN/Inf entries exactly, or to find a
     finite gradient whose squares overflowed).
     """
@@ -216,7 +229,7 @@ class StepReader:
         self._groups: Dict[Tuple[int, ...], List[Tuple[List[int], str, Any, Any]]] = {}
         self._shards = _Shards()
         self._layouts: Dict[Any, Tuple[np.ndarray, np.ndarray]] = {}
-        #: read-backs made by :meth:`rescue`
+        #: read-backs made by `rescue`
         self.extra_reads = 0
 
     def _grouping(self, present: List[int], grads: Sequence[Optional[Tensor]]) -> List[Tuple[List[int], str]]:
@@ -314,7 +327,7 @@ class StepReader:
         return got[0], got[1].copy()
 
     def finish(self, launch: _Launch, got: Dict[str, np.ndarray]) -> StepStats:
-        """The host :class:`StepStats` of a launch whose results ``got`` were fetched."""
+        """The host `StepStats` of a launch whose results ``got`` were fetched."""
         P = len(self.numel)
         order, has = self._layout(launch)
         norm = np.full(P, np.nan)
@@ -512,11 +525,20 @@ def _replicas(p: Tensor) -> int:
 
 
 def histogram_counts(grad: Tensor, edges: Tensor) -> Tensor:
-    """Counts of finite |grad| values in the bins ``[0, e0), [e0, e1), ..., [e_last, inf)``
-    (``len(edges) + 1`` bins), on the gradient's device. NaN and Inf are not counted.
+    """Counts of finite ``|grad|`` values in the bins ``[0, e0), [e0, e1), ..., [e_last, inf)``.
 
-    >>> histogram_counts(torch.tensor([0.0, 1.0, -1.0, float("nan")]), torch.tensor([0.5, 2.0])).tolist()
-    [1, 2, 0]
+    Computed on the gradient's device; NaN and Inf are not counted.
+
+    Args:
+        grad: a gradient (any shape).
+        edges: the ``k`` increasing bin edges.
+
+    Returns:
+        torch.Tensor: ``k + 1`` int64 counts, on ``grad``'s device.
+
+    Examples:
+        >>> histogram_counts(torch.tensor([0.0, 1.0, -1.0, float("nan")]), torch.tensor([0.5, 2.0])).tolist()
+        [1, 2, 0]
     """
     a = (_local_shard(grad) if _sharded(grad) else _dense(grad)).detach().reshape(-1).abs()
     a = a[torch.isfinite(a)]
@@ -538,9 +560,26 @@ def read_now(reader: StepReader, grads: Sequence[Optional[Tensor]], *, absmax: b
 def grad_stats(model_or_named_params: Any, stats: Sequence[str] = STAT_NAMES):
     """One-shot statistics of the current ``.grad`` of every trainable parameter; no hooks.
 
-    Returns a DataFrame with one row per parameter: ``name, module, numel, norm, absmax,
-    nonfinite, has_grad`` and the optional statistics asked for. A parameter without a
-    gradient has ``has_grad=False`` and NaN statistics.
+    Args:
+        model_or_named_params: an ``nn.Module``, a dict of name -> parameter, or an iterable
+            of (name, parameter) pairs.
+        stats: the statistics to compute (see `validate_stats`).
+
+    Returns:
+        pandas.DataFrame: one row per parameter: ``name, module, numel, norm, absmax,
+            nonfinite, has_grad`` and the optional statistics asked for. A parameter without
+            a gradient has ``has_grad=False`` and NaN statistics.
+
+    Raises:
+        GraddbgTypeError: ``model_or_named_params`` is none of those.
+        GraddbgValueError: an unknown statistic.
+
+    Examples:
+        >>> lin = torch.nn.Linear(3, 1)
+        >>> lin(torch.ones(2, 3)).sum().backward()
+        >>> df = grad_stats(lin)
+        >>> list(df["name"]), df["norm"].tolist()[1]
+        (['weight', 'bias'], 2.0)
     """
     import pandas as pd
 
@@ -782,15 +821,24 @@ def _typed_empty(cols: Sequence[str], names: Sequence[str] = ()):
 
 # --------------------------------------------------------------------------- summaries
 def summarize(stats, by: str = "param"):
-    """Roll a tidy statistics table up: one row per parameter (``by="param"``) or per
-    module (``by="module"``; a module's norm is the root of the sum of its parameters'
-    squared norms) over all recorded steps.
+    """Roll a tidy statistics table up, over all recorded steps.
 
-    Parameter rows: ``name, module, numel, steps, norm_mean, norm_max, norm_last,
-    absmax_max, nonfinite_steps, nonfinite_total, update_ratio_mean, has_grad_frac``.
-    Module rows: ``module, params, numel, steps, norm_mean, norm_max, norm_last,
-    nonfinite_total``. NaN and Inf norms are kept (max of a column with inf is inf), and
-    NaN-aware means skip NaN. Vectorised: millions of rows take seconds.
+    NaN and Inf norms are kept (max of a column with inf is inf), and NaN-aware means skip
+    NaN. Vectorised: millions of rows take seconds.
+
+    Args:
+        stats (pandas.DataFrame): a statistics frame (`Watch.stats`).
+        by: ``"param"`` (one row per parameter) or ``"module"`` (one row per module; a
+            module's norm is the root of the sum of its parameters' squared norms).
+
+    Returns:
+        pandas.DataFrame: parameter rows: ``name, module, numel, steps, norm_mean, norm_max,
+            norm_last, absmax_max, nonfinite_steps, nonfinite_total, update_ratio_mean,
+            has_grad_frac``. Module rows: ``module, params, numel, steps, norm_mean,
+            norm_max, norm_last, nonfinite_total``.
+
+    Raises:
+        GraddbgValueError: ``by`` is neither ``"param"`` nor ``"module"``.
     """
     if by not in ("param", "module"):
         raise GraddbgValueError(f"by= must be 'param' or 'module', got {by!r}")

@@ -2,11 +2,11 @@
 # Sets up everything graddbg needs on a fresh Debian machine with Python 3.11:
 # Debian's graphviz (the `dot` program) when missing, and a virtual environment in
 # .venv with graddbg installed (editable) and torch pinned through constraints.txt.
-# Usage: scripts/setup.sh [--dev]      (--dev also installs the test tools)
+# Usage: scripts/setup.sh [--dev]      (--dev also installs the test tools and the docs tools)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extra=""
-[ "${1:-}" = "--dev" ] && extra="[dev]"
+[ "${1:-}" = "--dev" ] && extra="[dev,docs]"
 
 if ! command -v dot >/dev/null 2>&1; then
   echo "setup: 'dot' not found; installing Debian's graphviz" >&2

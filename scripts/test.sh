@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, set-up included: scripts/setup.sh --dev (Debian's graphviz when
-# missing, .venv with graddbg and the test tools, torch pinned), then pytest.
+# missing, .venv with graddbg, the test tools and the docs tools, torch pinned), then pytest.
+# The documentation is part of the suite: tests/test_site.py runs `mkdocs build --strict`,
+# tests/test_docs.py and tests/test_readme.py run every Python block, tests/test_wheel.py
+# installs a built wheel into a fresh virtual environment.
 # pytest's own exit code is returned: 5 (no tests collected) fails like any other error.
 set -euo pipefail
 cd "$(dirname "$0")/.."

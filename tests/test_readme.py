@@ -1,7 +1,9 @@
-"""Every ```python block of the README runs, in order, in one namespace.
+"""The README is a front page: short, the two commands, install lines, pictures and links
+that exist, and every ```python block runs, in order, in one namespace.
 
-Blocks fenced as ```py are illustrative only (they need several processes, as the DDP
-one does); ```bash blocks are the commands, exercised by tests/test_cli.py and CI.
+Blocks that cannot run here are marked ``<!-- norun: reason -->`` on the line before their
+fence (see tests/test_docs.py); ```bash blocks are the commands, exercised by
+tests/test_cli.py, tests/test_wheel.py and CI; ```text blocks show output.
 """
 from __future__ import annotations
 
@@ -12,11 +14,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+from test_docs import python_blocks, run_blocks  # noqa: E402  (tests/ is on sys.path)
 
-
-def _blocks():
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+MAX_LINES = 150
 
 
 def test_readme_has_the_two_commands():
@@ -26,17 +28,38 @@ def test_readme_has_the_two_commands():
     assert ci in text
 
 
-def test_readme_python_blocks_run(tmp_path, monkeypatch):
-    from graddbg.pytest_plugin import GradcheckHelpers
+def test_readme_is_a_front_page():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= MAX_LINES, f"README.md has {len(lines)} lines; the front page keeps <= {MAX_LINES}"
+    text = "\n".join(lines)
+    assert "pip install" in text and "pip wheel" in text
+    # the torch version it says is tested is the one CI pins
+    pin = re.search(r"^torch==(\S+)$", (ROOT / "constraints.txt").read_text(), flags=re.M).group(1)
+    assert f"torch {pin}" in text, f"README must say which torch is tested ({pin}, constraints.txt)"
 
-    blocks = _blocks()
-    assert len(blocks) >= 6
+
+def test_readme_pictures_and_links_exist():
+    text = README.read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if "://" not in t]
+    assert len(local) >= 10
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert missing == [], f"README links to missing files: {missing}"
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert {pathlib.Path(p).name for p in pictures} >= {"report.png", "graph.svg", "norms.png"}
+    for p in pictures:
+        assert (ROOT / p).stat().st_size > 1000, f"{p} is empty or tiny; run scripts/make_docs_assets.py"
+
+
+def test_readme_python_blocks_run(tmp_path, monkeypatch):
+    blocks = python_blocks(README)
+    assert len(blocks) >= 4 and all(b.norun is None for b in blocks[:4])
     monkeypatch.chdir(tmp_path)
-    ns: dict = {"__name__": "readme"}
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"README.md block {i + 1}", "exec"), ns)
-        for name, fn in list(ns.items()):  # pytest-style examples: run them with the fixture
-            if name.startswith("test_") and callable(fn):
-                fn(GradcheckHelpers(seed=0))
-                del ns[name]
+    import matplotlib.pyplot as plt
+
+    try:
+        ran = run_blocks(README, {"__name__": "readme"})
+    finally:
+        plt.close("all")
+    assert ran == len([b for b in blocks if b.norun is None])
     assert (tmp_path / "report.html").exists() and (tmp_path / "run.parquet").exists()

@@ -1,0 +1,149 @@
+"""The documentation site builds strictly, and its API reference covers every public name.
+
+One ``mkdocs build --strict`` per test session (about 10 s): any warning fails it, so a
+broken link or anchor, a page missing from the navigation, a docstring that mkdocstrings
+cannot parse, or a reference to a name that no longer exists fails the suite. Needs the
+``docs`` extra (``bash scripts/setup.sh --dev`` installs it); without it these tests fail
+and say so.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import graddbg
+
+ROOT = Path(__file__).resolve().parent.parent
+_ANCHOR = re.compile(r'\bid="(graddbg(?:\.[A-Za-z_][A-Za-z0-9_]*)*)"')
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    try:
+        import mkdocs  # noqa: F401
+        import mkdocs_jupyter  # noqa: F401
+        import mkdocstrings  # noqa: F401
+    except ImportError as e:
+        pytest.fail(f"the docs tools are missing ({e}): pip install -c constraints.txt -e '.[docs]' "
+                    f"(bash scripts/setup.sh --dev installs them)", pytrace=False)
+    out = tmp_path_factory.mktemp("site")
+    before = _status()
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+                           "-d", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**_env(), "NO_MKDOCS_2_WARNING": "1"})
+    log = proc.stdout + proc.stderr
+    problems = [line for line in log.splitlines() if line.startswith(("WARNING", "ERROR"))]
+    assert proc.returncode == 0 and not problems, "mkdocs build --strict failed:\n" + "\n".join(
+        problems or log.splitlines()[-30:])
+    assert _status() == before, "building the site changed files in the checkout"
+    return out
+
+
+def _env() -> dict:
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def _status() -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT,
+                          capture_output=True, text=True).stdout
+
+
+def _anchors(site: Path) -> set:
+    found = set()
+    for page in (site / "reference").rglob("index.html"):
+        found.update(_ANCHOR.findall(page.read_text()))
+    return found
+
+
+def public_submodules() -> list:
+    return sorted(m.name for m in pkgutil.iter_modules(graddbg.__path__)
+                  if not m.name.startswith("_"))
+
+
+def _entries_for(obj, *paths: str) -> set:
+    """The reference ids under which ``obj`` may be documented."""
+    ids = set(paths)
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        ids.add(f"{module}.{qualname}")
+    return ids
+
+
+def test_site_builds_strictly_with_every_page(site: Path):
+    for page in ("index.html", "getting-started/index.html", "howto/nan/index.html",
+                 "explain/blame/index.html", "benchmarks/index.html", "architecture/index.html",
+                 "reference/hooks/index.html"):
+        assert (site / page).is_file(), page
+    # the benchmark tables are bench/RESULTS.md's, included as they are
+    bench = (site / "benchmarks" / "index.html").read_text()
+    assert "find_nonfinite vs detect_anomaly" in bench and "<table>" in bench
+
+
+def test_every_top_level_name_has_a_reference_entry(site: Path):
+    anchors = _anchors(site)
+    missing = []
+    for name in graddbg.__all__:
+        if name == "__version__":
+            continue  # a string, shown on the home page of the package, not an API entry
+        obj = getattr(graddbg, name)
+        if isinstance(obj, type(graddbg)):  # a submodule
+            ids = {obj.__name__}
+        else:
+            ids = _entries_for(obj, f"graddbg.{name}")
+        if not ids & anchors:
+            missing.append(name)
+    assert missing == [], f"no API reference entry for graddbg.{missing} (docs/reference/)"
+
+
+@pytest.mark.parametrize("module", public_submodules())
+def test_every_public_name_of_a_submodule_has_a_reference_entry(site: Path, module: str):
+    mod = importlib.import_module(f"graddbg.{module}")
+    assert f"graddbg.{module}" in _anchors(site), f"graddbg.{module} has no reference page"
+    names = getattr(mod, "__all__", None)
+    assert names is not None, f"graddbg.{module} defines no __all__: its public names are unknown"
+    anchors = _anchors(site)
+    missing = [n for n in names if not _entries_for(getattr(mod, n), f"graddbg.{module}.{n}") & anchors]
+    assert missing == [], f"graddbg.{module}: no API reference entry for {missing}"
+
+
+def test_reference_pages_document_arguments(site: Path):
+    """mkdocstrings rendered the Args/Returns/Raises sections of the Google-style docstrings."""
+    page = (site / "reference" / "graphviz" / "index.html").read_text()
+    for section in ("Parameters:", "Returns:", "Raises:"):
+        assert section in page, section
+    assert "depth" in page and "DotNotFoundError" in page
+
+
+def test_notebooks_are_rendered_with_their_outputs(site: Path):
+    graphs = (site / "notebooks" / "04_graphs" / "index.html").read_text()
+    assert graphs.count("<svg") >= 4, "the graphs notebook shows fewer than 4 SVG graphs"
+    quick = (site / "notebooks" / "01_quickstart" / "index.html").read_text()
+    assert quick.count("data:image/png;base64") >= 4, "the quick start shows fewer than 4 plots"
+    assert "<table" in quick  # the statistics table
+
+
+def test_checker_sees_a_missing_entry(tmp_path: Path):
+    """The coverage check above fails for a name without an entry (it can fail)."""
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "reference" / "index.html").write_text('<h2 id="graddbg.hooks.watch">watch</h2>')
+    anchors = _anchors(tmp_path)
+    assert _entries_for(graddbg.watch, "graddbg.watch") & anchors
+    assert not _entries_for(graddbg.Watch, "graddbg.Watch") & anchors
+
+
+def test_site_loads_nothing_from_the_network(site: Path):
+    """No script, style sheet, font or image from another host: the site works offline."""
+    external = re.compile(r'<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)="(https?:)?//[^"]*"')
+    found = {str(p.relative_to(site)): external.findall(p.read_text())
+             for p in site.rglob("*.html") if external.search(p.read_text())}
+    assert found == {}, found
