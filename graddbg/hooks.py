@@ -17,7 +17,7 @@ import math
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -29,8 +29,8 @@ from graddbg.anomaly import apply_policy
 from graddbg.blame import Capture
 from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, StatsRecorder, Step, Watched,
                             default_checks)
-from graddbg.options import WatchOptions, options_in_signature
-from graddbg.stats import History
+from graddbg.options import UPDATE_EVERY, WatchOptions, options_in_signature
+from graddbg.stats import DEFAULT_STATS, History
 
 __all__ = ["HookSet", "Watch", "watch", "MAX_ROWS"]
 
@@ -622,8 +622,13 @@ class Watch(_Results):
             pass
 
 
-@options_in_signature
-def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **options: Any) -> Watch:
+def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, every: int = 1,
+          stats: Sequence[str] = DEFAULT_STATS, nonfinite: Any = "raise", explode: Any = "warn",
+          vanish: Any = None, stale_grad: Any = "warn", empty_step: Any = "warn", orphan_param: Any = "warn",
+          no_update: Any = "warn", dead_grad: Any = "warn", activations: bool = False,
+          histograms: Union[None, bool, int] = None, scaler: Any = None, history: int = 10_000,
+          ddp_check_every: Union[None, str, int] = "auto", update_every: Optional[int] = UPDATE_EVERY,
+          localise: bool = True, ddp_timeout: Any = None, **old_spellings: Any) -> Watch:
     """Watch a model's gradients while it trains; use as a context manager.
 
     Step boundaries: the optimizer's step when ``optimizer`` is given (statistics of the
@@ -688,6 +693,7 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             under :func:`graddbg.find_nonfinite` to name the op and source line (True).
             The old spelling ``localize=`` is accepted.
         ddp_timeout: the timeout of the replica checks (a ``datetime.timedelta``).
+        **old_spellings: ``localize=`` for ``localise=``.
 
     Returns:
         The :class:`Watch`, recording until it is closed (at the end of the ``with``).
@@ -707,7 +713,10 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
     >>> len(w.stats), list(w.summary()["name"])
     (16, ['0.weight', '0.bias', '2.weight', '2.bias'])
     """
-    return Watch(model, optimizer, **options)
+    options = {k: v for k, v in locals().items() if k not in ("model", "optimizer", "old_spellings")}
+    if "localize" in old_spellings and localise is True:  # (the default: the old spelling decides)
+        del options["localise"]
+    return Watch(model, optimizer, **options, **old_spellings)
 
 
 options_in_signature(Watch.__init__)

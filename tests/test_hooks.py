@@ -761,3 +761,31 @@ def test_stats_rows_are_compact():
     assert len(df) == 20 * 100
     assert str(df["name"].dtype) == "category" and str(df["module"].dtype) == "category"
     assert df.memory_usage(deep=True).sum() / len(df) <= 64
+
+
+def test_watch_signature_is_the_options_object():
+    """watch()'s keyword options (what help() and IDEs show) are WatchOptions' fields, with
+    the same defaults, in the same order; Watch shows the same signature."""
+    import dataclasses
+    import inspect
+
+    from graddbg.options import WatchOptions
+
+    fields = [(f.name, f.default) for f in dataclasses.fields(WatchOptions) if f.init]
+    params = inspect.signature(graddbg.watch).parameters.values()
+    shown = [(p.name, p.default) for p in params if p.kind is p.KEYWORD_ONLY]
+    assert shown == fields
+    on_class = [(p.name, p.default) for p in inspect.signature(graddbg.Watch).parameters.values()
+                if p.kind is p.KEYWORD_ONLY]
+    assert on_class == fields
+    doc = graddbg.watch.__doc__
+    assert all(f"        {name}: " in doc for name, _ in fields)  # an Args entry per option
+
+
+def test_old_spelling_localize_is_accepted():
+    model = torch.nn.Linear(2, 1)
+    with graddbg.watch(model, localize=False) as w:
+        model(torch.ones(1, 2)).sum().backward()
+    assert w.options.localise is False
+    with pytest.raises(TypeError, match="not both"):
+        graddbg.Watch(model, localize=False, localise=True)
