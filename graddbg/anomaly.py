@@ -170,7 +170,8 @@ class Explode:
     The level is robust: the median of the previous ``window`` healthy steps with
     gradients, used once ``warmup`` of them are known. A norm above ``factor`` times it is
     flagged when it stays there for ``persist`` recorded steps in a row, or at once when it
-    is above ``factor**2`` times it; a norm above ``absolute`` is flagged at once. One heavy
+    is above ``factor**2`` times it (``factor**3`` times it while fewer than ``warmup``
+    steps are known); a norm above ``absolute`` is flagged at once. One heavy
     batch of a heavy-tailed data set, and Adam's first steps, are not explosions; a
     sustained jump or a hundredfold spike is. A spike that the training loop clipped at
     that step (``clip_grad_norm_`` between backward and step) is left to the clip.
@@ -271,11 +272,13 @@ class _ExplodeState:
     def _threshold(self) -> Tuple[float, float]:
         """(relative threshold, hard threshold): factor x and factor**2 x the median."""
         det = self.det
-        if det.factor is None or len(self.level) < det.warmup:
+        if det.factor is None or not self.level:
             return math.inf, math.inf
         srt = self._sorted  # (kept sorted: no sort per step)
         half = len(srt) // 2
         med = srt[half] if len(srt) % 2 else (srt[half - 1] + srt[half]) / 2
+        if len(self.level) < det.warmup:  # too little history: only a thousandfold jump
+            return math.inf, det.factor ** 3 * med
         return det.factor * med, det.factor ** 2 * med
 
     def check(self, step: int, global_norm: float, norms: Any, names: Sequence[str],

@@ -34,6 +34,8 @@ PROBE_EVERY = 20
 #: probes (Unchanged) or recorded steps (DeadGrad) in a row before a finding
 PATIENCE = 3
 DEAD_PATIENCE = 5
+#: a gradient norm below this fraction of the step's global norm counts as zero (Unchanged)
+RELATIVE_NOISE = 1e-6
 
 
 def _shown(names: Sequence[str], limit: int = 6) -> str:
@@ -152,8 +154,9 @@ class EmptyStep(Check):
 
 
 class Unchanged(Check):
-    """Parameters with a non-zero gradient that the optimizer's step leaves bitwise
-    unchanged, on ``PATIENCE`` probe steps in a row. A probe compares the weights' norms
+    """Parameters with a non-zero gradient (above ``RELATIVE_NOISE`` of the step's global
+    norm) that the optimizer's step leaves bitwise unchanged, on ``PATIENCE`` probe steps
+    in a row. A probe compares the weights' norms
     before and after the step on the device (read with the next read-back), on the first
     three recorded steps and every ``PROBE_EVERY``-th. Parameters in no param group are
     ``orphan_param``; the others ``no_update``."""
@@ -191,7 +194,10 @@ class Unchanged(Check):
         if self._on and not step.closure and step.stats is not None and step.due_stats and \
                 (recorded < 3 or recorded % PROBE_EVERY == 0) and len(self.ctx):
             present = np.array([g is not None for g in self.ctx.grads()], dtype=bool)
-            self._before = (step.index, self._norms(), present & step.stats.has_grad & (step.stats.norm > 0))
+            st = step.stats  # (a gradient below 1e-6 of the step's global norm is noise: a bias before a
+            # shift-invariant op has a true gradient of 0 and a float one of 1e-9)
+            moving = present & st.has_grad & (st.norm > RELATIVE_NOISE * st.global_norm)
+            self._before = (step.index, self._norms(), moving)
         return found
 
     def after_step(self, index: int) -> None:
