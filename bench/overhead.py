@@ -9,8 +9,10 @@ shuffled order each repeat, each with its own copy of the model (same initial we
              absmax, non-finite check; explode detector)
 - watch:norm: graddbg.watch(stats=("norm",)): the non-finite check and norms, no absmax
              (absmax needs a second reduction pass over the gradients)
-- watch:noloc: the defaults with localize=False (no per-forward capture of the inputs,
+- watch:noloc: the defaults with localise=False (no per-forward capture of the inputs,
              RNG state and output gradient for replaying a non-finite step)
+- watch:nohyg: the defaults with the optimizer-hygiene checks off (stale_grad, empty_step,
+             orphan_param, no_update, dead_grad = None): watch over watch:nohyg is their cost
 - watch:noupd: the defaults with update_every=None (no update/weight ratio every 200 steps)
 - watch/10:  graddbg.watch(every=10, nonfinite=NonFinite(every=10)): 9 steps in 10 make no
              host synchronisation
@@ -54,6 +56,7 @@ import _models  # noqa: E402
 import graddbg  # noqa: E402
 
 STEPS = {"mlp8m": 8, "transformer4": 3, "resnet18ish": 2, "launchbound": 40}
+HYGIENE = ("stale_grad", "empty_step", "orphan_param", "no_update", "dead_grad")
 
 
 class Variant:
@@ -72,7 +75,9 @@ class Variant:
         elif name == "watch:noupd":
             self.ctx = graddbg.watch(model, self.opt, update_every=None)
         elif name == "watch:noloc":
-            self.ctx = graddbg.watch(model, self.opt, localize=False)
+            self.ctx = graddbg.watch(model, self.opt, localise=False)
+        elif name == "watch:nohyg":
+            self.ctx = graddbg.watch(model, self.opt, **{k: None for k in HYGIENE})
         elif name == "watch:norm":
             self.ctx = graddbg.watch(model, self.opt, stats=("norm",))
         elif name == "watch/10":
@@ -128,7 +133,8 @@ def bench_model(name, repeats, variants, steps=None):
         syncs = None
         if v.ctx is not None:
             syncs = (v.ctx.host_syncs - syncs0[v.name]) / (repeats * (n + 1))  # (+ the untimed step)
-        result[v.name] = {"median_s": med, "q1_s": q[0], "q3_s": q[2], "syncs_per_step": syncs}
+        result[v.name] = {"median_s": med, "q1_s": q[0], "q3_s": q[2], "syncs_per_step": syncs,
+                          "times": list(v.times)}
         v.close()
     bare = result["bare"]["median_s"]
     bare_times = next(v.times for v in vs if v.name == "bare")
@@ -177,6 +183,9 @@ def main(argv=None):
             print(f"  {v:11s} {r['median_s'] * 1e3:8.2f} {r['q1_s'] * 1e3:6.2f}-{r['q3_s'] * 1e3:<6.2f} "
                   f"{r['ratio']:6.3f} {r['paired_ratio']:8.3f} {r['paired_q1']:5.3f}-{r['paired_q3']:<5.3f} "
                   f"{r['over_floor']:7.2f} {r['mean_ratio']:10.3f} {syncs:>10s}")
+        if "watch:nohyg" in res and "watch" in res:
+            hyg = [t / u for t, u in zip(res["watch"]["times"], res["watch:nohyg"]["times"])]
+            print(f"  hygiene checks: watch / watch:nohyg (paired median) = {statistics.median(hyg):.4f}")
         if "item" in res and "watch" in res:
             wo = res["watch"]["paired_ratio"] - 1
             io = res["item"]["paired_ratio"] - 1

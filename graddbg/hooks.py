@@ -138,6 +138,16 @@ def _frozen_parameters(model: nn.Module, watched: List[Tensor]) -> List[Tuple[st
     return out
 
 
+_EVENTS = ("due", "on_forward", "on_backward_end", "queue", "read", "before_step", "after_step",
+           "params_added")
+
+
+def _handlers(checks: List[Check]) -> Dict[str, List[Callable[..., Any]]]:
+    """Per event, the bound methods of the checks that handle it (those that override the
+    base class's no-op), in the checks' order: an event costs only the checks that need it."""
+    return {e: [getattr(c, e) for c in checks if getattr(type(c), e) is not getattr(Check, e)] for e in _EVENTS}
+
+
 def _world() -> Tuple[int, int]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -231,6 +241,7 @@ class Watch(_Results):
         self._closed = True  # until attached: repr() and __del__ work on a half-built watch
         self._step = 0
         self._checks: List[Check] = []
+        self._on: Dict[str, List[Callable[..., Any]]] = _handlers([])
         self.anomalies: list = []
         self._in_policy = False
         model = check_model(model, "watch")
@@ -264,6 +275,7 @@ class Watch(_Results):
             ctx.guard = self._part(CopyGuard)
             for c in self._checks:
                 c.attach(ctx)
+            self._on = _handlers(self._checks)
             self._attach()
         except BaseException:
             self._detach()
@@ -357,8 +369,8 @@ class Watch(_Results):
         self._frozen = [(n, p) for n, p in self._frozen if not p.requires_grad]
         self._ctx.add(new)
         self._ctx.history.add_params([n for n, _ in new], [p.numel() for _, p in new], self._step)
-        for c in self._checks:
-            c.params_added(len(new))
+        for handle in self._on["params_added"]:
+            handle(len(new))
 
     # ------------------------------------------------------------------ hook bodies
     @_guarded
@@ -372,8 +384,8 @@ class Watch(_Results):
         self._backward_since_forward = False
         if self.options.localise:
             self._rng = torch.get_rng_state()
-        for c in self._checks:
-            c.on_forward()
+        for handle in self._on["on_forward"]:
+            handle()
         return None
 
     @_guarded
@@ -440,8 +452,8 @@ class Watch(_Results):
         self._adopt_unfrozen()
         self._bw = (self._step, scale)
         bw = BackwardEnd(self._step, self._ctx.grads(), scale)
-        for c in self._checks:
-            c.on_backward_end(bw)
+        for handle in self._on["on_backward_end"]:
+            handle(bw)
         if self._ctx.optimizer is None:
             self._boundary()
 
@@ -460,8 +472,8 @@ class Watch(_Results):
         if not self._scaler_looked:
             self._scaler_looked = True
             self._adopt_scaler(find_scaler())
-        for c in self._checks:
-            c.before_step(self._step, closure is not None)
+        for handle in self._on["before_step"]:
+            handle(self._step, closure is not None)
         if closure is not None:
             self._closure, self._closure_seen = True, False
             return
@@ -481,8 +493,8 @@ class Watch(_Results):
         self._after_step()
 
     def _after_step(self) -> None:
-        for c in self._checks:
-            c.after_step(self._step - 1)
+        for handle in self._on["after_step"]:
+            handle(self._step - 1)
 
     # ------------------------------------------------------------------ the step boundary
     def _boundary(self, closure: bool = False) -> None:
@@ -493,15 +505,15 @@ class Watch(_Results):
         due_nf = opts.nonfinite is not None and index % opts.nonfinite.every == 0
         due_stats = index % opts.every == 0
         step = Step(index, self._ctx.grads(), due_stats, read=due_stats or due_nf or
-                    any(c.due(index) for c in self._checks), capture=self._capture, closure=closure)
-        for c in self._checks:
-            c.queue(step)
+                    any(due(index) for due in self._on["due"]), capture=self._capture, closure=closure)
+        for handle in self._on["queue"]:
+            handle(step)
         if step.read:
             step.got = step.readback.fetch()
             self._ctx.host_syncs += 1  # (counted on the CPU too: the same code path as on a GPU)
         found: List[Finding] = []
-        for c in self._checks:
-            found += c.read(step)
+        for handle in self._on["read"]:
+            found += handle(step)
         self._finish_step()
         self._apply(found)
 

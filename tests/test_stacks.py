@@ -322,9 +322,9 @@ def test_an_internal_failure_warns_once_and_training_goes_on(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("a bug inside graddbg")
 
+    monkeypatch.setattr(StatsRecorder, "read", broken)
     with pytest.warns(graddbg.GraddbgWarning) as rec:  # (and the coverage warning: nothing was read)
         with graddbg.watch(model, opt) as w:
-            monkeypatch.setattr(StatsRecorder, "read", broken)
             for _ in range(3):
                 model(torch.randn(4, 3)).sum().backward()
                 opt.step()

@@ -64,7 +64,8 @@ class StaleGrad(Check):
         self._backwards = 0  # backward passes into the probe since the last step
         self._cleared: Any = False  # True, or a device bool: seen cleared since the last step
         self._reported = self._check = False
-        self._probe = None
+        self._probe: Optional[int] = None
+        self._after: tuple = (0, -1)
         if self._policy is None or ctx.optimizer is None or not ctx.params:
             return
         held = {id(p) for g in ctx.optimizer.param_groups for p in g["params"]}
@@ -76,16 +77,18 @@ class StaleGrad(Check):
         ctx.hooks.add(ctx.params[i].register_hook(self._before_accumulate))
 
     def _before_accumulate(self, incoming: Tensor) -> None:
-        if not self.ctx.alive() or self._steps == 0 or self._cleared is True:
+        if self._steps == 0 or self._cleared is True or not self.ctx.alive():
             return None
         self._backwards += 1
         g = self.ctx.params[self._probe].grad
-        if g is None:
+        if g is None or id(g) != self._after[0] or g._version != self._after[1]:
+            # set to None, replaced, or changed in place (zero_()) since the step: cleared,
+            # known on the host for free
             self._cleared = True
-        else:
-            with torch.no_grad():
-                zero = (local_values(g) == 0).all()
-            self._cleared = zero if self._cleared is False else self._cleared | zero
+            return None
+        with torch.no_grad():  # (the same tensor, untouched by version: ``.data.zero_()`` or stale)
+            zero = (local_values(g) == 0).all()
+        self._cleared = zero if self._cleared is False else self._cleared | zero
         return None
 
     def queue(self, step: Step) -> None:
@@ -111,6 +114,9 @@ class StaleGrad(Check):
     def after_step(self, index: int) -> None:
         self._steps += 1
         self._backwards, self._cleared = 0, False
+        if self._probe is not None:
+            g = self.ctx.params[self._probe].grad
+            self._after = (id(g), -1 if g is None else g._version)  # (an id only compared while g lives)
 
 
 class EmptyStep(Check):
@@ -133,7 +139,7 @@ class EmptyStep(Check):
         backwards, self._backwards = self._backwards, 0
         if not self._on or self._reported or step.closure:
             return []
-        none = all(g is None for g in self.ctx.grads())  # (now: step.grads may be the backward's)
+        none = all(p.grad is None for p in self.ctx.params)  # (now: step.grads may be the backward's)
         zero = step.stats is not None and bool(step.stats.has_grad.any()) and step.stats.global_norm == 0.0
         if not (none or (zero and backwards > 0)):
             return []
@@ -270,8 +276,10 @@ class DeadGrad(Check):
         if self._policy is None or st is None or not step.due_stats:
             return []
         zero = st.has_grad & (st.norm == 0)
-        self._run = np.where(zero & self._alive, self._run + 1, 0)
         self._alive |= st.has_grad & (st.norm > 0)
+        if not zero.any() and not self._run.any():
+            return []  # (the common step)
+        self._run = np.where(zero & self._alive, self._run + 1, 0)
         new = (self._run >= DEAD_PATIENCE) & ~self._reported
         if not new.any():
             return []
