@@ -35,7 +35,8 @@ def repackage_hidden(h):
     return tuple(v.detach() for v in h)
 
 
-corpus = torch.randint(0, NTOKEN, (BPTT * 12 + 1, BATCH))
+ZIPF = 1.0 / torch.arange(1, NTOKEN + 1).float()  # word frequencies follow Zipf's law
+corpus = torch.multinomial(ZIPF, (BPTT * 12 + 1) * BATCH, replacement=True).view(-1, BATCH)
 model = RNNModel()
 criterion = nn.NLLLoss()
 lr, clip = 20.0, 0.25

@@ -46,7 +46,8 @@ class TransformerModel(nn.Module):
         return nn.functional.log_softmax(output, dim=-1)
 
 
-corpus = torch.randint(0, NTOKEN, (BPTT * 12 + 1, BATCH))
+ZIPF = 1.0 / torch.arange(1, NTOKEN + 1).float()  # word frequencies follow Zipf's law
+corpus = torch.multinomial(ZIPF, (BPTT * 12 + 1) * BATCH, replacement=True).view(-1, BATCH)
 model = TransformerModel()
 criterion = nn.NLLLoss()
 lr, clip = 20.0, 0.25
