@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import textwrap
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn

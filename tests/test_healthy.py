@@ -8,7 +8,7 @@ same comparison as one table.
 """
 from __future__ import annotations
 
-import pathlib
+import re
 
 import pytest
 
@@ -69,3 +69,13 @@ def test_graddbg_run_says_nothing_on_stderr(suite, script):
     plain, watched = suite[script]
     lines = _healthy.graddbg_lines(watched, plain)
     assert lines == [], "\n".join(lines)
+
+
+@pytest.mark.parametrize("script", sorted(_healthy.DISTRIBUTED))
+def test_ranks_do_not_write_the_same_files(suite, script):
+    """Under torchrun every rank runs graddbg: one file per rank or rank 0 only, never two
+    writers of one stats.parquet / report.html (issue 23, point 6)."""
+    _, watched = suite[script]
+    reports = re.findall(r"report: (\S+)", watched.stdout)
+    assert reports, _show(watched)
+    assert len(reports) == len(set(reports)), "\n".join(reports)
