@@ -421,13 +421,16 @@ def make_no_update_twin_warmup(seed: int = 0) -> Case:
 # --------------------------------------------------------------------------- dead_grad
 
 class _ReLUNet(nn.Module):
+    """A ReLU layer and a head that also sees the input (a skip connection), so that when
+    the layer dies only its own parameters lose their gradient."""
+
     def __init__(self) -> None:
         super().__init__()
         self.hidden = nn.Linear(8, 32)
-        self.head = nn.Linear(32, 1)
+        self.head = nn.Linear(32 + 8, 1)
 
     def forward(self, x):
-        return self.head(F.relu(self.hidden(x)))
+        return self.head(torch.cat([F.relu(self.hidden(x)), x], 1))
 
 
 def _relu_net(seed: int) -> Built:
@@ -442,7 +445,8 @@ DEATH_STEP = 3
 def _dying_loop(model, opt, steps, seed) -> List[float]:
     """Healthy until step DEATH_STEP, when one bad update pushes hidden.bias far negative
     (a learning-rate spike on it): every ReLU of `hidden` is dead for every input from then
-    on, so hidden.weight, hidden.bias and head.weight get exactly zero gradients."""
+    on, so hidden.weight and hidden.bias get exactly zero gradients (the head keeps
+    learning from the skip connection)."""
     gen, losses = torch.Generator().manual_seed(seed + 1), []
     for i in range(steps):
         if i == DEATH_STEP:
@@ -458,11 +462,11 @@ def _dying_loop(model, opt, steps, seed) -> List[float]:
 
 
 def make_dead_grad(seed: int = 0) -> Case:
-    """Every ReLU of `hidden` dies at step 3: hidden's gradients (and head.weight's) are
-    exactly zero from step 3 on after being non-zero; reported once, at a step in 3..8,
-    naming hidden (Anomaly.name one of hidden.weight, hidden.bias, head.weight)."""
+    """Every ReLU of `hidden` dies at step 3: hidden.weight's and hidden.bias's gradients
+    are exactly zero from step 3 on after being non-zero; reported once, at a step in 3..8,
+    naming the layer `hidden` and its parameters."""
     return Case("dead_grad", "dead_grad", 12, _relu_net, _dying_loop, seed,
-                params=("hidden.weight", "hidden.bias", "head.weight"), first_step=DEATH_STEP,
+                params=("hidden.weight", "hidden.bias"), first_step=DEATH_STEP,
                 last_step=DEATH_STEP + 5, mimics="dying ReLU (USER-PAIN 23)")
 
 
@@ -495,9 +499,10 @@ def _detached(seed: int, detach: bool = True) -> Built:
 
 def make_unused_param(seed: int = 0) -> Case:
     """A .detach() in forward: encoder.weight and encoder.bias never receive a gradient;
-    reported once, at step 0 (the first step that shows it)."""
+    reported once, from step 0 (the first step that shows it) and at the latest at the last
+    step (4: when the watch closes)."""
     return Case("unused_param", "unused_param", 5, _detached, _standard, seed,
-                params=("encoder.weight", "encoder.bias"), first_step=0, last_step=0,
+                params=("encoder.weight", "encoder.bias"), first_step=0, last_step=4,
                 mimics="a .detach() in forward (issue 23 point 1; USER-PAIN 6)")
 
 
