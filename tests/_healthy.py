@@ -1,0 +1,130 @@
+"""The healthy suite (issue 23, point 3): run each script of tests/healthy/ unwatched
+(``python script.py``) and under ``graddbg run``, and compare. Shared by
+tests/test_healthy.py and bench/healthy_suite.py.
+
+A healthy run under ``graddbg run`` must: exit 0, print the same losses (``loss <step>
+<value>`` lines, compared exactly) as the unwatched run, record 0 anomalies in every run it
+saved (``stats*.parquet``), and put no graddbg text (a GraddbgWarning, an AnomalyWarning,
+"graddbg run: ..." on stderr) and no warning the unwatched run did not print on stderr.
+
+The DDP script runs unwatched as ``python ddp.py`` (it spawns its 2 ranks) and watched as
+``torchrun --nproc-per-node=2 -m graddbg run --out DIR ddp.py`` (graddbg started in each
+rank, as under any torchrun launch); its losses are printed by rank 0.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+HEALTHY = pathlib.Path(__file__).parent / "healthy"
+ROOT = HEALTHY.parent.parent
+SCRIPTS = sorted(p.stem for p in HEALTHY.glob("*.py"))
+DISTRIBUTED = {"ddp"}  # launched by torchrun under graddbg run
+TIMEOUT = 240.0
+
+_WARNING = re.compile(r"\b\w*(Warning|warning)\b")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one run of a script printed and (watched) recorded."""
+
+    script: str
+    returncode: int
+    losses: List[str]
+    stdout: str
+    stderr: str
+    seconds: float
+    anomalies: Optional[List] = None  # graddbg.Anomaly of every saved run (watched only)
+    load_error: Optional[str] = None  # a saved run that graddbg.load refused
+    saved: int = 0  # stats*.parquet files written (watched only)
+
+    def kinds(self) -> Dict[str, int]:
+        return dict(collections.Counter(a.kind for a in self.anomalies or []))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> Dict[str, str]:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               MPLBACKEND="Agg")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _losses(stdout: str) -> List[str]:
+    return [line for line in stdout.splitlines() if line.startswith("loss ")]
+
+
+def _run(script: str, cmd: Sequence[str], cwd: pathlib.Path) -> Outcome:
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(list(cmd), cwd=cwd, env=_env(), capture_output=True, text=True,
+                              timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = -9, _text(e.stdout), _text(e.stderr) + f"\n(timed out after {TIMEOUT:g} s)"
+    return Outcome(script, rc, _losses(out), out, err, time.perf_counter() - t0)
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def run_plain(script: str, workdir: pathlib.Path) -> Outcome:
+    """``python script.py``, unwatched."""
+    return _run(script, [sys.executable, str(HEALTHY / f"{script}.py")], workdir)
+
+
+def watched_command(script: str, out: pathlib.Path) -> List[str]:
+    graddbg_run = ["-m", "graddbg", "run", "--out", str(out), str(HEALTHY / f"{script}.py")]
+    if script in DISTRIBUTED:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *graddbg_run]
+    return [sys.executable, *graddbg_run]
+
+
+def run_watched(script: str, out: pathlib.Path) -> Outcome:
+    """``graddbg run --out OUT script.py`` (torchrun for the distributed ones), then every
+    run it saved under OUT loaded with graddbg.load."""
+    res = _run(script, watched_command(script, out), out.parent)
+    res.anomalies = []
+    try:
+        import graddbg
+
+        for path in sorted(out.rglob("stats*.parquet")):
+            res.saved += 1
+            res.anomalies += graddbg.load(path).anomalies
+    except Exception as e:  # reported by the tests, not raised here
+        res.load_error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def graddbg_lines(watched: Outcome, plain: Outcome) -> List[str]:
+    """stderr lines of the watched run that speak of graddbg, or that are warnings the
+    unwatched run did not print."""
+    seen = set(plain.stderr.splitlines())
+    return [line for line in watched.stderr.splitlines()
+            if "graddbg" in line.lower() or (_WARNING.search(line) and line not in seen)]
+
+
+def run_suite(scripts: Sequence[str], workdir: pathlib.Path, workers: int = 3):
+    """{script: (plain, watched)}, runs spread over ``workers`` processes at a time."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        plain = {s: pool.submit(run_plain, s, workdir) for s in scripts}
+        watched = {s: pool.submit(run_watched, s, workdir / f"out-{s}") for s in scripts}
+        return {s: (plain[s].result(), watched[s].result()) for s in scripts}
