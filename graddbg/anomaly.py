@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import warnings
 
-from graddbg._errors import GradientAnomalyError, GraddbgTypeError, GraddbgValueError, GraddbgWarning, NonFiniteError, warn_at_user
+from graddbg._errors import (CoverageWarning, GradientAnomalyError, GraddbgTypeError, GraddbgValueError,
+                             GraddbgWarning, NonFiniteError, warn_at_user)
 
 __all__ = [
     "Anomaly",
@@ -32,8 +33,8 @@ __all__ = [
 ]
 
 #: the silent training mistakes (optimizer hygiene): each a kind of finding and an option of watch()
-HYGIENE_KINDS = ("stale_grad", "empty_step", "orphan_param", "no_update", "dead_grad")
-KINDS = ("nonfinite", "explode", "vanish", "overflow", "ddp_mismatch", "unused_param") + HYGIENE_KINDS
+HYGIENE_KINDS = ("stale_grad", "empty_step", "orphan_param", "no_update", "dead_grad", "unused_param")
+KINDS = ("nonfinite", "explode", "vanish", "ddp_mismatch") + HYGIENE_KINDS
 POLICIES = ("raise", "warn", "skip", "record")
 
 
@@ -47,8 +48,10 @@ class Anomaly:
 
     Attributes:
         step: the step it happened.
-        kind: ``"nonfinite"``, ``"explode"``, ``"vanish"``, ``"overflow"``, ``"ddp_mismatch"``
-            (more kinds come with the silent-bug checks).
+        kind: ``"nonfinite"``, ``"explode"``, ``"vanish"``, ``"ddp_mismatch"`` or a
+            training-hygiene kind (``HYGIENE_KINDS``: ``"stale_grad"``, ``"empty_step"``,
+            ``"orphan_param"``, ``"no_update"``, ``"dead_grad"``, ``"unused_param"``); a
+            GradScaler's skipped step is never an anomaly (``w.steps.overflow``)
         name: the parameter (qualified name, as ``model.named_parameters()`` gives it).
         module: the module where the problem started.
         op: the autograd node (``SqrtBackward0``) or aten op (``aten.exp``) that made it,
@@ -390,7 +393,7 @@ def apply_policy(anomaly: Anomaly, policy: Any, skip: Callable[[], None]) -> Opt
         cls = NonFiniteError if anomaly.kind == "nonfinite" else GradientAnomalyError
         return cls(str(anomaly), anomaly)
     if policy == "warn":
-        warn_at_user(str(anomaly), AnomalyWarning)
+        warn_at_user(str(anomaly), CoverageWarning if anomaly.kind == "unused_param" else AnomalyWarning)
     elif policy == "skip":
         skip()
     elif callable(policy):

@@ -274,11 +274,11 @@ def _held(optimizer: torch.optim.Optimizer) -> Set[int]:
     return {id(p) for g in optimizer.param_groups for p in g["params"]}
 
 
-def _frame_modules(limit: int = 256) -> List[nn.Module]:
-    """The modules the calling frames hold in their local variables (``self`` of a
-    LightningModule's ``optimizer_step``, a ``model`` of a training function), and in the
-    globals of the script run as ``__main__``; innermost frame first."""
-    found: List[nn.Module] = []
+def _frame_modules(limit: int = 256, kind: type = nn.Module) -> List[Any]:
+    """The modules (or objects of ``kind``) the calling frames hold in their local
+    variables (``self`` of a LightningModule's ``optimizer_step``, a ``model`` of a training
+    function), and in the globals of the script run as ``__main__``; innermost frame first."""
+    found: List[Any] = []
     frame: Any = sys._getframe(1)
     try:
         for _ in range(limit):
@@ -288,7 +288,7 @@ def _frame_modules(limit: int = 256) -> List[nn.Module]:
             values = list(names.values())
             if frame.f_globals is not names and frame.f_globals.get("__name__") == "__main__":
                 values += list(frame.f_globals.values())
-            found += [v for v in values if isinstance(v, nn.Module)]
+            found += [v for v in values if isinstance(v, kind)]
             frame = frame.f_back
     finally:
         del frame
@@ -451,7 +451,11 @@ class ScriptWatcher:
 
         if optimizer is not None:
             self._retire_free(_held(optimizer))
-        w = graddbg.watch(model, optimizer, **self.kwargs)
+        kwargs = dict(self.kwargs)
+        if kwargs.get("scaler") is None:  # the script's GradScaler, when it has one in its frames
+            scalers = [s for s in _frame_modules(kind=torch.amp.GradScaler) if s.is_enabled()]
+            kwargs["scaler"] = scalers[0] if scalers else None
+        w = graddbg.watch(model, optimizer, **kwargs)
         self.watches.append(w)
         self._looking = False
         if os.getpid() != self.pid:  # a forked worker (torch.multiprocessing, Hogwild)
@@ -772,7 +776,7 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
               f"steps; {len(run.anomalies)} anomalies; report: {path.parent / 'report.html'}", file=stream)
     if anomalies:
         print(_anomaly_lines(anomalies), file=stream)
-    counted = [a for a in anomalies if a.kind != "overflow"]
+    counted = list(anomalies)  # (a GradScaler's skipped steps are never anomalies)
     if fail_on == "nonfinite":
         counted = [a for a in counted if a.kind == "nonfinite"]
     if status == 0 and ((fail_on != "never" and counted) or not written):
@@ -795,12 +799,6 @@ def _write(w: Any, outdir: pathlib.Path, i: int, stream: Any) -> bool:
            else "without an optimizer (a step per backward pass)")
     print(f"graddbg run: watched {w.meta['model']} {how} for {w.current_step} steps; "
           f"{len(w.anomalies)} anomalies; report: {rep}", file=stream)
-    cov = w.coverage()
-    unused = cov.loc[(cov["kind"] == "param") & ~cov["covered"], "name"].tolist()
-    if unused and w.current_step:
-        shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
-        print(f"graddbg run: {len(unused)} trainable parameter(s) never received a gradient: {shown} "
-              f"(unused in forward, or cut off by a .detach())", file=stream)
     return True
 
 

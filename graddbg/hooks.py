@@ -27,6 +27,7 @@ from graddbg._errors import CoverageWarning, GradientAnomalyError, GraddbgTypeEr
 from graddbg._model import check_model, in_backward, module_of, named_trainable_parameters, tensors_in, unwrap
 from graddbg.anomaly import apply_policy
 from graddbg.blame import Capture
+from graddbg.checks.hygiene import unused_anomaly
 from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, StatsRecorder, Step, Watched,
                             default_checks)
 from graddbg.options import UPDATE_EVERY, WatchOptions, options_in_signature
@@ -600,6 +601,7 @@ class Watch(_Results):
                 self._skipped()
             for c in self._checks:
                 c.flush()
+            self._unused()
         finally:
             self._detach()
             self._capture = None
@@ -611,15 +613,17 @@ class Watch(_Results):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        uncovered = self._part(StatsRecorder).uncovered() if self._checks else []
-        recorded = self._step > 0
         self.close()
-        if exc_type is None and recorded and uncovered:
-            shown = ", ".join(uncovered[:10]) + (f" and {len(uncovered) - 10} more" if len(uncovered) > 10 else "")
-            warnings.warn(f"graddbg.watch: {len(uncovered)} trainable parameter(s) never received a "
-                          f"gradient while watched: {shown}. They are unused in the forward pass, or "
-                          f"their gradients are computed elsewhere (w.coverage() lists them).",
-                          CoverageWarning, stacklevel=2)
+        unused = [a for a in self.anomalies if a.kind == "unused_param"]
+        if exc_type is None and unused:
+            apply_policy(unused[0], self.options.unused_param, lambda: None)
+
+    def _unused(self) -> None:
+        """At close: the parameters that never had a gradient, one ``unused_param`` finding
+        (its policy is applied by ``__exit__`` when the body ended normally)."""
+        names = self._part(StatsRecorder).uncovered()
+        if self._step > 0 and names and self.options.unused_param is not None:
+            self.anomalies.append(unused_anomaly(names, self._ctx, self._step - 1))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -637,7 +641,7 @@ class Watch(_Results):
 def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, every: int = 1,
           stats: Sequence[str] = DEFAULT_STATS, nonfinite: Any = "raise", explode: Any = "warn",
           vanish: Any = None, stale_grad: Any = "warn", empty_step: Any = "warn", orphan_param: Any = "warn",
-          no_update: Any = "warn", dead_grad: Any = "warn", activations: bool = False,
+          no_update: Any = "warn", dead_grad: Any = "warn", unused_param: Any = "warn", activations: bool = False,
           histograms: Union[None, bool, int] = None, scaler: Any = None, history: int = 10_000,
           ddp_check_every: Union[None, str, int] = "auto", update_every: Optional[int] = UPDATE_EVERY,
           localise: bool = True, ddp_timeout: Any = None, **old_spellings: Any) -> Watch:
@@ -685,6 +689,9 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             unchanged for several steps (an ``lr`` of 0, a step that skips them); None: off.
         dead_grad: the policy for gradients that were non-zero and are now exactly zero
             for several steps (dead ReLUs); None: off.
+        unused_param: the policy for trainable parameters that never received a gradient
+            while watched (unused in forward, a ``.detach()``), found when the watch closes
+            after at least one step; "warn" gives a :class:`graddbg.CoverageWarning`; None: off.
         activations: also record the gradient at every leaf module's output and check
             forward activations for NaN/Inf (False).
         histograms: histograms of |grad| on every recorded step (True) or every N-th

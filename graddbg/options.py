@@ -108,6 +108,7 @@ class WatchOptions:
     orphan_param: Any = _option("warn", _policy, "parameters with gradients that no param group holds")
     no_update: Any = _option("warn", _policy, "parameters with gradients that the step leaves unchanged")
     dead_grad: Any = _option("warn", _policy, "gradients that became exactly zero and stay so")
+    unused_param: Any = _option("warn", _policy, "trainable parameters that never received a gradient")
     activations: bool = _option(False, _flag, "record gradients at leaf modules' outputs")
     histograms: Optional[int] = _option(None, _histograms, "histograms of |grad| every N recorded steps")
     scaler: Any = _option(None, _scaler, "the torch.amp.GradScaler in use")

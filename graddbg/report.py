@@ -343,7 +343,7 @@ def _hygiene_html(anomalies: Sequence[Any], meta: Dict[str, Any]) -> str:
     had a gradient; a note saying what was checked when there is none."""
     dicts = [d for d in _anomaly_dicts(anomalies) if d.get("kind") in HYGIENE_TEXT]
     uncovered = list(meta.get("uncovered") or [])
-    if uncovered:
+    if uncovered and not any(d.get("kind") == "unused_param" for d in dicts):
         dicts.append({"kind": "unused_param", "step": None, "params": uncovered,
                       "message": f"{len(uncovered)} trainable parameter(s) never received a gradient"})
     if not dicts:

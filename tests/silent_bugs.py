@@ -279,7 +279,7 @@ def make_orphan_param_replaced_head(seed: int = 0) -> Case:
     """A head replaced after the optimizer was built: head.weight and head.bias get
     gradients at every step but belong to no param group; reported at step 0."""
     return Case("orphan_param_replaced_head", "orphan_param", 5, _replaced_head, _standard, seed,
-                params=("head.weight", "head.bias"), first_step=0, last_step=0,
+                params=("head.weight", "head.bias"), first_step=0, last_step=2,
                 mimics="a head replaced after the optimizer was built (USER-PAIN 21, TrainCheck)")
 
 
@@ -287,7 +287,7 @@ def make_orphan_param_bn_left_out(seed: int = 0) -> Case:
     """BatchNorm left out of the optimizer while the frozen layers were passed in: bn.weight
     and bn.bias get gradients but belong to no param group; reported at step 0."""
     return Case("orphan_param_bn_left_out", "orphan_param", 5, _bn_left_out, _standard, seed,
-                params=("bn.weight", "bn.bias"), first_step=0, last_step=0,
+                params=("bn.weight", "bn.bias"), first_step=0, last_step=2,
                 mimics="PyTorch forum thread 84911: BatchNorm left out, frozen layers passed in")
 
 

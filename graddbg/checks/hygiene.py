@@ -13,7 +13,9 @@ once, with the step, the parameters and the likely fix:
 - ``no_update``: parameters in a param group whose non-zero gradient the step leaves
   unchanged, step after step (an ``lr`` of 0, a step that skips them);
 - ``dead_grad``: a gradient that was non-zero and is now exactly zero, step after step
-  (a layer whose ReLUs died), distinct from small ("vanishing") gradients.
+  (a layer whose ReLUs died), distinct from small ("vanishing") gradients;
+- ``unused_param``: trainable parameters that never received a gradient while watched
+  (found when the watch closes: :func:`unused_anomaly`).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from graddbg.anomaly import Anomaly
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
 from graddbg.stats import local_values
 
-__all__ = ["StaleGrad", "EmptyStep", "Unchanged", "DeadGrad", "PROBE_EVERY", "PATIENCE"]
+__all__ = ["StaleGrad", "EmptyStep", "Unchanged", "DeadGrad", "unused_anomaly", "PROBE_EVERY", "PATIENCE"]
 
 #: recorded steps between probes of the weights (besides the first three recorded steps)
 PROBE_EVERY = 20
@@ -103,9 +105,10 @@ class StaleGrad(Check):
         self._reported = True
         ctx = self.ctx
         name = ctx.names[self._probe]
-        msg = (f"graddbg: stale gradients at step {step.index}: the gradients of the previous optimizer step "
-               f"were still there when the next backward pass added to them (checked on {name}, never found "
-               f"cleared between the two steps), so this step applies the sum of all earlier gradients. "
+        msg = (f"graddbg: stale gradients at step {step.index} in {_shown(ctx.names)}: the gradients of the "
+               f"previous optimizer step were still there when the next backward pass added to them (checked "
+               f"on {name}, never found cleared between the two steps), so this step applies the sum of all "
+               f"earlier gradients. "
                f"Likely cause: optimizer.zero_grad() is missing. Fix: call optimizer.zero_grad() (or "
                f"model.zero_grad()) once per step, before backward() - or after step().")
         return [_finding("stale_grad", step.index, list(ctx.names), list(ctx.modules), msg, self._policy,
@@ -154,7 +157,8 @@ class EmptyStep(Check):
             why = (f"{backwards} backward pass(es) computed gradients since the previous step, but they were "
                    f"{'set to None' if none else 'zeroed'} before the step. Likely cause: optimizer.zero_grad() "
                    f"between backward() and step(). Fix: call zero_grad() before backward() or after step()")
-        msg = f"graddbg: an optimizer step without gradients at step {step.index}: {why}."
+        msg = (f"graddbg: an optimizer step without gradients at step {step.index} "
+               f"({_shown(self.ctx.names)}): {why}.")
         return [_finding("empty_step", step.index, list(self.ctx.names), list(self.ctx.modules), msg,
                          self._policy, self.ctx.rank)]
 
@@ -294,3 +298,16 @@ class DeadGrad(Check):
                f"rate, LeakyReLU/GELU, or a better initialisation; distinct from small (vanishing) gradients.")
         return [_finding("dead_grad", step.index, names, [self.ctx.modules[i] for i in idx], msg, self._policy,
                          self.ctx.rank, value=0.0)]
+
+
+def unused_anomaly(names: List[str], ctx: Watched, step: int) -> Anomaly:
+    """The ``unused_param`` finding: ``names`` never received a gradient up to ``step``."""
+    shown = _shown(names, 10)
+    modules = [ctx.modules[ctx.names.index(n)] for n in names]
+    msg = (f"graddbg.watch: {len(names)} trainable parameter(s) never received a gradient while watched "
+           f"(steps 0-{step}): {shown}. Likely cause: they are unused in the forward pass, or cut off "
+           f"by a .detach() (or their gradients are computed elsewhere). Fix: remove or freeze them "
+           f"(requires_grad_(False)), or remove the .detach(); w.coverage() lists them.")
+    return Anomaly(step=step, kind="unused_param", name=names[0], module=modules[0], op=None,
+                   value=float(len(names)), threshold=None, source=None, message=msg, rank=ctx.rank,
+                   params=tuple(names))

@@ -165,6 +165,11 @@ class StatsRecorder(Check):
         if prior is not None:
             bad, first = bad | prior, first_prior
         clip_norm, bad = self._after_change(step.got, live, bad)
+        if bad.any() and self.ctx.optimizer is None and self.ctx.options.scaler is not None:
+            # each backward pass is a step and a GradScaler is in use: scaled gradients that
+            # overflowed are the scaler's to skip, an overflow step, never an anomaly
+            self.history.append(StepRecord(step.index, None, math.nan, math.nan, True, scale, self._lr()))
+            return []
         P = len(self.ctx)
         counts = step.got["hist"].reshape(P, -1).astype(np.int64) if hist else None
         self.history.append(StepRecord(step.index, st if step.due_stats else None, st.global_norm, clip_norm,
