@@ -96,7 +96,32 @@ def run(case: str, rank: int) -> dict:
     record["ref"] = ref
     record["anomalies"] = [(a.kind, a.step, a.name, str(a)) for a in w.anomalies]
     record["warnings"] = [str(c.message) for c in caught]
+    if case in ("fsdp", "tp"):
+        record["edited"] = _hand_edited_nan(case, rank)
     return record
+
+
+def _hand_edited_nan(case: str, rank: int, at: int = 1) -> dict:
+    """A NaN written by hand into rank 1's gradient shard between backward and step (a
+    faulty clip, a hand edit): every rank must raise at the same step, naming rank 1."""
+    import graddbg
+
+    m = _shard(case, model().to(_DEVICE))
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    weight = dict(m.named_parameters())["2.weight"]
+    try:
+        with graddbg.watch(m, opt, localise=False):
+            for step in range(3):
+                x, y = (t.to(_DEVICE) for t in data(rank if case != "tp" else 0, step))
+                opt.zero_grad()
+                nn.functional.mse_loss(m(x), y).backward()
+                if rank == 1 and step == at:
+                    weight.grad.to_local().view(-1)[0] = float("nan")
+                opt.step()
+    except graddbg.NonFiniteError as e:
+        dist.barrier()  # (every rank gets here: none is left waiting in a collective)
+        return {"step": e.anomaly.step, "message": e.anomaly.message, "name": e.anomaly.name}
+    return {"step": None}
 
 
 def main(case: str, rank: int, world: int, port: int, out: str) -> None:

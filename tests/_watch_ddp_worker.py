@@ -22,6 +22,26 @@ def _data(rank: int):
     return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
 
 
+def _nan_on_one_rank(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, at: int = 2) -> dict:
+    """Train until graddbg raises; a NaN is written into rank 1's first gradient after the
+    backward pass of step ``at``. Returns the step it raised at and the ranks it named."""
+    import graddbg
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with graddbg.watch(model, opt, localise=False):
+            for step in range(4):
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                if rank == 1 and step == at:
+                    next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+                opt.step()
+    except graddbg.NonFiniteError as e:
+        dist.barrier()  # (every rank gets here: none is left in a collective)
+        return {"step": e.anomaly.step, "message": e.anomaly.message}
+    return {"step": None}
+
+
 def main(rank: int, world: int, port: int, out: str) -> None:
     import graddbg
 
@@ -75,6 +95,10 @@ def main(rank: int, world: int, port: int, out: str) -> None:
                 opt3.zero_grad()
         record["skip_steps"] = [a.step for a in w3.anomalies]
         record["weights"] = [p.detach().flatten().tolist() for p in model3.module.parameters()]
+
+        # 4. a NaN written into rank 1's gradient after backward (a hand edit): every rank
+        #    raises at the same step, naming rank 1; no rank is left waiting in a collective
+        record["edited"] = _nan_on_one_rank(DDP(_model()), x, y, rank)
     except Exception:
         record["error"] = traceback.format_exc()
     finally:

@@ -46,3 +46,11 @@ def test_skip_policy_decides_alike_on_every_rank(ddp_results):
     assert r0["skip_steps"] == r1["skip_steps"] == [1]
     assert r0["weights"] == r1["weights"]
     assert all(math.isfinite(v) for p in r0["weights"] for v in p)
+
+
+@pytest.mark.timeout(240)
+def test_a_nan_on_one_rank_after_backward_stops_every_rank_at_the_same_step(ddp_results):
+    for r in (0, 1):
+        got = ddp_results[r]["edited"]
+        assert got["step"] == 2, got
+        assert "rank(s) 1" in got["message"], got["message"]

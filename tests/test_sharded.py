@@ -42,6 +42,15 @@ def test_fsdp2_two_ranks_full_norms_and_a_nan_shard_named_with_its_rank(tmp_path
         assert "rank(s) 1" in text
         switched_off = [m for m in rec["warnings"] if "ddp_check_every is switched off" in m]
         assert len(switched_off) == 1 and "no replicas" in switched_off[0]
+    _check_hand_edit(results)
+
+
+def _check_hand_edit(results: dict) -> None:
+    """A NaN written into rank 1's shard between backward and step: every rank raised at
+    that step, naming rank 1 (issue 24 point 4, issue 27 point 3)."""
+    for r, rec in results.items():
+        got = rec["edited"]
+        assert got["step"] == 1 and "rank(s) 1" in got["message"], (r, got)
 
 
 @pytest.mark.timeout(300)
@@ -51,7 +60,9 @@ def test_hsdp_four_ranks_on_a_2x2_mesh(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_tensor_parallel_two_ranks(tmp_path):
-    _check_full_norms(_launch("tp", 2, tmp_path))
+    results = _launch("tp", 2, tmp_path)
+    _check_full_norms(results)
+    _check_hand_edit(results)
 
 
 @pytest.mark.timeout(300)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
-from graddbg.stats import HIST_EDGES, History, Readback, StepReader, StepRecord, StepStats, histogram_counts
+from graddbg.stats import HIST_EDGES, Readback, StepReader, StepRecord, StepStats, histogram_counts, local_values
 
 __all__ = ["StatsRecorder"]
 
@@ -89,6 +89,50 @@ def _agree(bad: Tensor, first: Tensor) -> None:
     first.copy_(torch.where(packed[0] > 0, -packed[1], -1))
 
 
+class _RankFlags:
+    """Under distribution: which ranks hold a non-finite gradient of each parameter (after
+    the backward pass, or changed since: a hand edit, a faulty clip on one rank), agreed by
+    one small all-reduce per read step, so that every rank knows at the same step, whichever
+    rank holds it. Each rank adds its bit (``1 << rank``; a plain flag past 62 ranks)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.bit = 1 << rank if world <= 62 else 1
+        self._index: Dict[Tuple[int, ...], Tensor] = {}
+
+    def _ix(self, ix: Sequence[int], device: torch.device) -> Tensor:
+        key = tuple(ix)
+        t = self._index.get(key)
+        if t is None or t.device != device:
+            t = self._index[key] = torch.tensor(key, dtype=torch.int64, device=device)
+        return t
+
+    def queue(self, rb: Readback, launch: Any, grads: List[Optional[Tensor]], changed: bool, P: int) -> None:
+        import torch.distributed as dist
+
+        if not launch.norms:
+            dev = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        else:
+            dev = launch.norms[0].device
+        local = torch.zeros(P, dtype=torch.int64, device=dev)
+        with torch.no_grad():
+            for ix, norms in zip(launch.groups, launch.norms):
+                local.index_copy_(0, self._ix(ix, dev), (~torch.isfinite(norms)).long().to(dev))
+            # the gradients as the optimizer will use them: all when a version counter moved;
+            # DTensor shards always (an edit through to_local() moves no counter that is seen)
+            live = [i for i, g in enumerate(grads) if g is not None and g.numel() and (changed or type(g) is not Tensor)]
+            if live:  # as the optimizer will use them (local values: a DTensor's shard)
+                now = torch.stack(torch._foreach_norm([local_values(grads[i]).to(dev) for i in live]))
+                local.index_fill_(0, self._ix(live, dev)[~torch.isfinite(now)], 1)
+            local.mul_(self.bit)
+            dist.all_reduce(local, op=dist.ReduceOp.SUM)
+        rb.add("rank_bad", local)
+
+    def read(self, got: Dict[str, np.ndarray]) -> Tuple[np.ndarray, Dict[int, List[int]]]:
+        bits = got["rank_bad"].astype(np.int64)
+        ranks = {int(i): [r for r in range(63) if bits[i] >> r & 1] for i in np.nonzero(bits)[0]}
+        return bits > 0, ranks
+
+
 class StatsRecorder(Check):
     """Per-parameter statistics into the history, and the non-finite mask of each step."""
 
@@ -105,6 +149,7 @@ class StatsRecorder(Check):
         self.ever_grad = np.zeros(len(ctx), dtype=bool)
         P = len(ctx)
         self._version_idx = sorted({0, P // 3, (2 * P) // 3, P - 1}) if P else []
+        self._ranks = _RankFlags(ctx.rank or 0, ctx.world_size) if ctx.world_size > 1 else None
 
     def params_added(self, k: int) -> None:
         self._reader = StepReader(self.ctx.params, self.ctx.options.quantities)
@@ -151,6 +196,8 @@ class StatsRecorder(Check):
         if hist:
             rb.add("hist", self._histograms(step.grads))
         self._flags.add_to(rb, agree=launch.sharded is not None and torch.distributed.is_initialized())
+        if self._ranks is not None and torch.distributed.is_initialized():
+            self._ranks.queue(rb, launch, step.grads, changed, len(self.ctx))
         self._step_state = (launch, scale, div, live or None, hist)
 
     def read(self, step: Step) -> List[Finding]:
@@ -165,6 +212,11 @@ class StatsRecorder(Check):
         if prior is not None:
             bad, first = bad | prior, first_prior
         clip_norm, bad = self._after_change(step.got, live, bad)
+        if "rank_bad" in step.got:  # what any rank found, every rank knows
+            anywhere, ranks = self._ranks.read(step.got)
+            bad = bad | anywhere
+            if anywhere.any():
+                st.shard_ranks = {**ranks, **(st.shard_ranks or {})}
         if bad.any() and self.ctx.optimizer is None and self.ctx.options.scaler is not None:
             # each backward pass is a step and a GradScaler is in use: scaled gradients that
             # overflowed are the scaler's to skip, an overflow step, never an anomaly
