@@ -520,12 +520,17 @@ def _group_depth(names: Sequence[str]) -> int:
     return depth
 
 
+#: norms above this are drawn as Inf (the log axis needs room above the largest value)
+_LARGEST_DRAWN = 1e300
+
+
 def _series_groups(stats: "pandas.DataFrame", names: Optional[Sequence[str]]
                    ) -> Tuple[List[str], Any, str, int]:
     """(labels, frame indexed by step with one column per label, what, total) for the
     lines: the named parameters, or the modules at the depth of `_group_depth`
     (root of the sum of squares), the ten largest."""
     import numpy as np
+    import pandas as pd
 
     frame = stats.copy()
     has = _has_grad(frame)
@@ -537,12 +542,17 @@ def _series_groups(stats: "pandas.DataFrame", names: Optional[Sequence[str]]
         return chosen, wide.reindex(columns=chosen), "parameters", len(_order(stats["name"]))
     depth = _group_depth(frame["name"])
     top = [_module_key(n, depth) for n in frame["name"]]
+    from graddbg.stats import rollup_norms  # (the one roll-up rule of tables, plots and report)
+
     frame["_group"] = top
-    frame["_sq"] = _squares(frame)
-    frame["_has"] = has
-    grouped = frame.groupby(["step", "_group"], sort=False)
-    wide = np.sqrt(grouped["_sq"].sum()).where(grouped["_has"].any())
-    wide = wide.unstack("_group")
+    keys = frame.groupby(["step", "_group"], sort=False)
+    index = keys.size().index
+    norms = rollup_norms(keys.ngroup().to_numpy(), frame["norm"].to_numpy(dtype=float), np.asarray(has, bool),
+                         len(index))
+    # (a finite norm at the edge of float64's range cannot take an axis margin on a log
+    # scale: it is drawn like an Inf one, at the top with its marker)
+    norms = np.where(norms > _LARGEST_DRAWN, np.inf, norms)
+    wide = pd.Series(norms, index=index).unstack("_group")
     groups = _order(top)
     total = len(groups)
     wide = wide.reindex(columns=groups).sort_index()

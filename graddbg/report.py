@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 from graddbg._errors import DotNotFoundError, GraddbgTypeError, GraddbgValueError
 from graddbg._model import module_of
 from graddbg._io import file_target, write_atomic
+from graddbg.stats import rollup_norms
 
 if TYPE_CHECKING:  # pragma: no cover - type names only
     import pandas
@@ -357,7 +358,7 @@ def _hygiene_html(anomalies: Sequence[Any], meta: Dict[str, Any]) -> str:
         shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
         rows.append([d.get("step"), d["kind"], symptom, cause, shown, d.get("message")])
     return _table(rows, ["step", "finding", "symptom", "likely cause", "parameters", "message"],
-                  bad_rows=[True] * len(rows), cls="anomalies")
+                  bad_rows=[True] * len(rows), cls="hygiene")
 
 
 def _replay_verdict(reproduced: Any) -> str:
@@ -780,16 +781,8 @@ def _group_frame(stats: "pandas.DataFrame", codes: Any, labels: List[str]) -> Tu
         return np.bincount(key, weights=np.asarray(w, dtype=float), minlength=n)
 
     has = stats["has_grad"].to_numpy(dtype=bool)[ok] if "has_grad" in stats.columns else np.ones(len(key), bool)
-    v = stats["norm"].to_numpy(dtype=float)[ok]
-    fin = has & np.isfinite(v)
-    top = np.nan_to_num(_group_max(key, np.where(fin, v, np.nan), n))  # scaled: 1e38 ** 2 is no Inf
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = np.where(fin & (top[key] > 0), v / top[key], 0.0)
-    norm = top * np.sqrt(total(ratio * ratio))
-    norm[total(has & np.isinf(v)) > 0] = np.inf
-    norm[total(has & np.isnan(v)) > 0] = np.nan
+    norm = rollup_norms(key, stats["norm"].to_numpy(dtype=float)[ok], has, n)  # (the one roll-up rule)
     anyhas = total(has) > 0
-    norm[~anyhas] = np.nan
     data = {"step": np.repeat(steps, G), "name": np.tile(np.array(groups, dtype=object), len(steps))}
     data["module"] = data["name"]
     data["numel"] = total(stats["numel"].to_numpy(dtype=float)[ok]).astype(np.int64) \

@@ -46,6 +46,7 @@ __all__ = [
     "histogram_counts",
     "STATS_COLUMNS",
     "STEPS_COLUMNS",
+    "rollup_norms",
 ]
 
 #: statistics that can be asked for through ``stats=``
@@ -819,6 +820,35 @@ def _typed_empty(cols: Sequence[str], names: Sequence[str] = ()):
     return pd.DataFrame(data, columns=list(cols))
 
 
+# --------------------------------------------------------------------------- roll-ups
+def rollup_norms(key: np.ndarray, norm: np.ndarray, has: np.ndarray, n: int) -> np.ndarray:
+    """The norms of groups of parameters (a module, a module at some depth, per step):
+    the root of the sum of their squared norms, the one rule of graddbg's tables, plots and
+    report. ``key[i]`` in ``range(n)`` is row i's group. Scaled by each group's largest
+    finite norm, so finite norms never overflow (1e38 squared is no Inf); a group with an
+    Inf norm is Inf, one with a NaN norm is NaN (NaN before Inf: it is never quietly
+    smaller), and a group where no parameter had a gradient is NaN.
+
+    >>> rollup_norms(np.array([0, 0, 1, 2]), np.array([3.0, 4.0, np.nan, 1e38]),
+    ...              np.array([True, True, True, True]), 4).tolist()
+    [5.0, nan, 1e+38, nan]
+    """
+    key = np.asarray(key, dtype=np.int64)
+    v = np.asarray(norm, dtype=np.float64)
+    has = np.asarray(has, dtype=bool)
+    fin = has & np.isfinite(v)
+    top = np.full(n, np.nan)
+    np.fmax.at(top, key, np.where(fin, v, np.nan))
+    top = np.nan_to_num(top)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # (past float64's range: Inf)
+        ratio = np.where(fin & (top[key] > 0), v / top[key], 0.0)
+        out = top * np.sqrt(np.bincount(key, weights=ratio * ratio, minlength=n))
+    out[np.bincount(key, weights=(has & np.isinf(v)).astype(float), minlength=n) > 0] = np.inf
+    out[np.bincount(key, weights=(has & np.isnan(v)).astype(float), minlength=n) > 0] = np.nan
+    out[np.bincount(key, weights=has.astype(float), minlength=n) == 0] = np.nan
+    return out
+
+
 # --------------------------------------------------------------------------- summaries
 def summarize(stats, by: str = "param"):
     """Roll a tidy statistics table up, over all recorded steps.
@@ -866,20 +896,20 @@ def _plain_names(df):
 
 
 def _summarize_modules(df):
-    # a parameter without a gradient adds nothing; a NaN/Inf norm makes the module's
-    # norm non-finite too (never quietly smaller)
+    # a module's norm per step: rollup_norms (a parameter without a gradient adds nothing;
+    # a NaN/Inf norm makes the module's norm non-finite too, never quietly smaller)
+    import pandas as pd
+
     has = df["has_grad"].to_numpy(dtype=bool) if "has_grad" in df else np.ones(len(df), bool)
-    norm = df["norm"].to_numpy(dtype=np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        sq = df.assign(_sq=np.where(has, norm * norm, 0.0), _bad=has & np.isnan(norm), _has=has)
-    g = sq.groupby(["step", "module"], sort=False)
-    per = g.agg(_sq=("_sq", "sum"), _bad=("_bad", "any"), _has=("_has", "any"), numel=("numel", "sum"),
-                params=("name", "nunique"), nonfinite=("nonfinite", "sum")).reset_index()
-    per["norm"] = np.where(per["_bad"], np.nan, np.where(per["_has"], np.sqrt(per["_sq"]), np.nan))
+    key = df.groupby(["step", "module"], sort=False).ngroup().to_numpy()
+    g = df.assign(_has=has).groupby(["step", "module"], sort=False)
+    per = g.agg(_has=("_has", "any"), numel=("numel", "sum"), params=("name", "nunique"),
+                nonfinite=("nonfinite", "sum")).reset_index()
+    per["norm"] = rollup_norms(key, df["norm"].to_numpy(dtype=np.float64), has, len(per))
     gm = per.groupby("module", sort=False)
     out = gm.agg(params=("params", "max"), numel=("numel", "max"), steps=("step", "nunique"),
                  norm_mean=("norm", "mean"), norm_max=("norm", "max"),
                  nonfinite_total=("nonfinite", "sum")).reset_index()
     out["norm_last"] = gm["norm"].nth(-1).to_numpy()
-    return out[["module", "params", "numel", "steps", "norm_mean", "norm_max", "norm_last",
-                "nonfinite_total"]]
+    return pd.DataFrame(out[["module", "params", "numel", "steps", "norm_mean", "norm_max", "norm_last",
+                             "nonfinite_total"]])

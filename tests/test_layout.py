@@ -48,6 +48,7 @@ LAZY = {
     "run": {"plots", "report", "stats", "anomaly", "graphviz", "__init__"},
     "report": {"plots", "graphviz", "stats", "anomaly", "__init__"},
     "pytest_plugin": {"gradcheck", "stats", "hooks", "anomaly"},
+    "plots": {"stats"},  # (rollup_norms: the one roll-up rule)
 }
 
 

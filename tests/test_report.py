@@ -124,7 +124,7 @@ def test_report_holds_every_section_table_and_plot(synthetic):
     run, text, page = synthetic
     check_self_contained(text, page)
     assert page.errors == []
-    assert list(page.sections) == ["summary", "anomalies", "plots", "parameters", "modules",
+    assert list(page.sections) == ["summary", "anomalies", "hygiene", "plots", "parameters", "modules",
                                    "activations"]
     # anomalies: step, kind, parameter, module, op, source for each record
     t = page.table("anomalies")
@@ -283,7 +283,9 @@ def test_report_of_a_real_recorded_run(tmp_path):
     check_self_contained(text, page)
     assert page.errors == []
     rows = page.table("anomalies")["rows"]
-    assert [r[:2] for r in rows] == [["3", "nonfinite"]]
+    assert [r[:2] for r in rows] == [["3", "nonfinite"], ["5", "unused_param"]]
+    hygiene = page.table("hygiene")["rows"]  # the unused parameters, with their likely cause
+    assert [r[1] for r in hygiene] == ["unused_param"] and "unused.weight, unused.bias" in hygiene[0][4]
     names = ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias",
              "head.weight", "head.bias", "unused.weight", "unused.bias"]
     assert [r[0] for r in page.table("param-summary")["rows"]] == names

@@ -293,7 +293,7 @@ def test_real_run_round_trips_through_save_and_load(tmp_path):
     assert_runs_equal(w.to_run(), back)
     assert back.histograms is not None and len(back.histograms) > 0
     assert back.meta["uncovered"] == ["unused.weight", "unused.bias"]
-    assert [a.kind for a in back.anomalies] == ["nonfinite"]
+    assert [a.kind for a in back.anomalies] == ["nonfinite", "unused_param"]
     assert back.anomalies[0].step == 3
 
 
