@@ -124,18 +124,23 @@ __all__ = [
     "prepare",
 ]
 
-_BLOCK = 1024                   # words per block: the bitwise fingerprint sums each block once
-_WEIGHT_MULTS = (0x5BD1E995, 0x27D4EB2F)        # odd multipliers: one per hash (_finish)
+_BLOCK = 1024                   # int32 words per block of the bitwise fingerprint
+_ROWS = 512                     # blocks mixed per chunk (2 MB of words: few calls, near the cache)
+_KEY_SEED = 0x67726164646267    # seeds the fixed keys (_keys)
+_MIX32 = 0x45D9F3B              # odd multiplier between the two folds of a word
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: a block's position, spread
+_LANE_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)   # one per 64-bit lane
 _DIGEST_PRIMES = (2_147_483_647, 2_147_483_629)  # the digest of a table: two primes below 2**31
 _MULT = 1_103_515_245           # digest weight of position i is (i + 1) * _MULT mod the prime
 _CHUNK = 1 << 20                # tolerance sums cast at most this many elements at a time
 _MAX_DETAIL_TENSORS = 16        # details=True gathers at most this many differing tensors
 _DETAIL_BYTES = 1 << 25         # ... in slices of at most this many bytes over all ranks
 _MAX_STR_ROWS = 10              # str(report) shows at most this many rows
-_BITWISE_K = 4                  # present, word sum, two block hashes
+_BITWISE_K = 3                  # present, two 64-bit lanes
 _TOLERANCE_K = 7                # present, nan, +inf, -inf, sum, sum of squares, sum of |x|
 
 Timeout = Union[timedelta, float, int]
+_KEY_CACHE: dict = {}           # the fingerprint keys, per device (_keys)
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -150,15 +155,15 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` as flat words: int64 for 8-byte elements, else little-endian
-    int32 (1- and 2-byte elements packed 4 or 2 to a word, the last word zero-padded).
-    A view, unless ``t`` is not contiguous, its byte count is not a multiple of 4 or its
-    start is not on a word boundary."""
+    """The bytes of ``t`` as flat little-endian int32 words (8-byte elements give two
+    words each; 1- and 2-byte elements are packed 4 or 2 to a word, the last word
+    zero-padded). A view, unless ``t`` is not contiguous, its byte count is not a multiple
+    of 4 or its start is not on a word boundary."""
     flat = _flat(t).contiguous()
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     if flat.element_size() in (4, 8):
-        return flat.view(torch.int32 if flat.element_size() == 4 else torch.int64)
+        return flat.view(torch.int32)
     raw = flat.view(torch.uint8)
     if raw.numel() % 4:
         raw = torch.cat([raw, raw.new_zeros(-raw.numel() % 4)])
@@ -168,59 +173,98 @@ def _words(t: torch.Tensor) -> torch.Tensor:
         return raw.clone().view(torch.int32)
 
 
-def _cells(words: torch.Tensor) -> List[torch.Tensor]:
-    """The block sums of one tensor's words, in one read: "cells", as int32 values.
+def _keys(device: torch.device) -> torch.Tensor:
+    """The fixed weights, ``[2, _BLOCK]`` int32 on ``device``: two odd weights per position
+    in a block (one per 32-bit sum). Drawn once from a seeded CPU generator, so they are
+    the same on every machine and device; cached per device."""
+    key = str(device)
+    if key not in _KEY_CACHE:
+        g = torch.Generator().manual_seed(_KEY_SEED)
+        keys = torch.randint(-2 ** 31, 2 ** 31, (2, _BLOCK), generator=g, dtype=torch.int64)
+        _KEY_CACHE[key] = (keys | 1).to(torch.int32).to(device)
+    return _KEY_CACHE[key]
 
-    int32 words: one cell per block of ``_BLOCK`` words (the last block may be partial; no
-    words at all is one block), its sum modulo 2**32. int64 words (8-byte elements): each
-    block's sum modulo 2**64 gives two cells, its low and its high 32 bits.
-    """
+
+def _fold(x: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """``out = x ^ (x >>> 16)`` on int32 words (a logical shift: a bijection of each word)."""
+    torch.bitwise_right_shift(x, 16, out=tmp)
+    return torch.bitwise_xor(x, tmp.bitwise_and_(0xFFFF), out=out)
+
+
+def _block_values(rows: torch.Tensor, keys: torch.Tensor, buffers: torch.Tensor) -> torch.Tensor:
+    """The int64 value of each block (row) of int32 words: the two weighted sums
+    ``sum_j B_j h_j`` and ``sum_j C_j h_j`` modulo 2**32 (its low and high half) of the
+    mixed words ``h_j = fold(M * fold(w_j))``, j the position in the block, B_j and C_j odd
+    (:func:`_keys`). ``rows`` may be shorter than a block: the missing words count as
+    zeros (which mix to zero). ``buffers``: two int32 scratch rows of a chunk's size."""
+    shape, width = rows.shape, rows.shape[1]
+    h, tmp = (b[: rows.numel()].view(shape) for b in buffers)
+    _fold(rows, h, tmp).mul_(_MIX32)
+    _fold(h, h, tmp)
+    sums = [torch.mul(h, keys[k, :width], out=tmp).sum(1, dtype=torch.int32) for k in (0, 1)]
+    return (sums[0].to(torch.int64) & 0xFFFFFFFF) | (sums[1].to(torch.int64) << 32)
+
+
+def _tensor_blocks(words: torch.Tensor, keys: torch.Tensor, buffers: torch.Tensor) -> torch.Tensor:
+    """The block values (see :func:`_block_values`) of one tensor's words, in chunks of
+    ``_ROWS`` blocks (the mixed words of a chunk stay in cache); the last block may be
+    partial. No words: no blocks."""
     n = words.numel()
     full = n // _BLOCK
-    parts = []
-    if full:                # wrapping integer sums: one streaming pass, no cast, no copy
-        parts.append(words[: full * _BLOCK].view(full, _BLOCK).sum(1, dtype=words.dtype))
-    if n > full * _BLOCK or not full:
-        parts.append(words[full * _BLOCK:].sum(dtype=words.dtype).reshape(1))
-    return [p.view(torch.int32) for p in parts]                  # int64: (low, high) pairs
+    parts = [_block_values(words[s * _BLOCK: min(full, s + _ROWS) * _BLOCK].view(-1, _BLOCK),
+                           keys, buffers) for s in range(0, full, _ROWS)]
+    if n > full * _BLOCK:
+        parts.append(_block_values(words[full * _BLOCK:].view(1, -1), keys, buffers))
+    return torch.cat(parts) if parts else words.new_zeros(0, dtype=torch.int64)
 
 
-def _finish(cells: torch.Tensor, counts: List[int], wide: List[bool]) -> torch.Tensor:
-    """The ``[tensors, 4]`` bitwise table from the cells of every tensor laid end to end
-    (``counts[k]`` cells for tensor k, none for an absent one; ``wide[k]``: its cells are
-    the halves of 64-bit block sums). Per tensor, modulo 2**64 (int64 arithmetic wraps):
-    the word sum (each cell shifted into place: by 32 bits for a high half) and two hashes
-    ``sum(w_i * cell_i)`` with the odd weights ``w_i = 2 * ((i * mult) mod 2**31) + 1`` of
-    the cell's position i in its tensor, distinct for i < 2**31."""
-    device, total, n = cells.device, cells.numel(), len(counts)
-    starts = list(itertools.accumulate(counts, initial=0))[:-1]
-    plan = torch.tensor([starts, wide, counts], dtype=torch.int64).to(device)
-    owner = torch.repeat_interleave(plan[2], output_size=total)      # the tensor of each cell
-    pos = torch.arange(total, device=device) - plan[0][owner]         # its position there
-    u = cells.to(torch.int64)                                        # signed 32-bit values
-    placed = u << ((plan[1][owner] & pos & 1) * 32) if any(wide) else u
-    doubled = torch.tensor(_WEIGHT_MULTS, dtype=torch.int64).to(device)[:, None] * 2
-    weights = (pos * doubled).bitwise_and_((1 << 32) - 1).add_(1)      # [2, cells]
-    terms = torch.cat([placed[None], u * weights])                   # [3, cells]
-    slots = owner + torch.arange(0, 3 * n, n, device=device)[:, None]  # (row, tensor), flat
-    sums = torch.zeros(3 * n, dtype=torch.int64, device=device).scatter_add_(
-        0, slots.reshape(-1), terms.reshape(-1))     # wraps modulo 2**64; 1-D: deterministic
-    return torch.cat([(plan[2] > 0).to(torch.int64), sums]).view(4, n).t().contiguous()
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser (a bijection of int64, with logical shifts), in place."""
+    for shift, mult in ((30, -4658895280553007687), (27, -7723592293110705685), (31, None)):
+        z.bitwise_xor_((z >> shift) & ((1 << (64 - shift)) - 1))
+        if mult is not None:
+            z.mul_(mult)
+    return z
+
+
+def _finish(values: torch.Tensor, counts: List[int], present: List[bool]) -> torch.Tensor:
+    """The ``[tensors, 3]`` bitwise table from the block values of every tensor laid end to
+    end (``counts[k]`` blocks for tensor k): present, then two lanes, each the sum modulo
+    2**64 of ``mix64(value_b + b * G + seed)`` over the tensor's blocks b (one seed per
+    lane)."""
+    device, n = values.device, len(counts)
+    owner = torch.repeat_interleave(torch.tensor(counts, dtype=torch.int64, device=device),
+                                    output_size=values.numel())
+    starts = torch.tensor(list(itertools.accumulate(counts, initial=0))[:-1], dtype=torch.int64,
+                          device=device)
+    block = torch.arange(values.numel(), device=device) - starts[owner]
+    z = (values + block * _GOLDEN)[None] + torch.tensor(_LANE_SEEDS, device=device)[:, None]
+    slots = owner + torch.arange(0, 2 * n, n, device=device)[:, None]      # (lane, tensor), flat
+    sums = torch.zeros(2 * n, dtype=torch.int64, device=device).scatter_add_(
+        0, slots.reshape(-1), _mix64(z).reshape(-1))    # wraps modulo 2**64; 1-D: deterministic
+    flags = torch.tensor(present, dtype=torch.int64, device=device)
+    return torch.cat([flags, sums]).view(3, n).t().contiguous()
 
 
 def _bitwise_table(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     """The bitwise table (see :func:`fingerprints`) on the first tensor's device."""
     home = next(t.device for t in tensors if t is not None)
-    cells: List[torch.Tensor] = []
+    values: List[torch.Tensor] = []
     counts: List[int] = []
-    wide: List[bool] = []
+    buffers: dict = {}
     for t in tensors:
-        words = None if t is None else _words(t)
-        parts = [] if words is None else _cells(words)
-        cells += [p.to(home) for p in parts]
-        counts.append(sum(p.numel() for p in parts))
-        wide.append(words is not None and words.dtype == torch.int64)
-    return _finish(torch.cat(cells), counts, wide)
+        if t is None:
+            counts.append(0)
+            continue
+        words = _words(t)
+        if words.device not in buffers:
+            buffers[words.device] = torch.empty(2, _ROWS * _BLOCK, dtype=torch.int32,
+                                                 device=words.device)
+        blocks = _tensor_blocks(words, _keys(words.device), buffers[words.device])
+        values.append(blocks.to(home))
+        counts.append(blocks.numel())
+    flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64, device=home)
+    return _finish(flat, counts, [t is not None for t in tensors])
 
 
 def _digest(table: torch.Tensor) -> torch.Tensor:
