@@ -1028,24 +1028,34 @@ def _disagree(rows: torch.Tensor, mode: str, numel: int, atol: float,
 
 def _verdict(table: torch.Tensor, names: List[str], meta: List[tuple], mode: str,
              atol: float, rtol: float, sets: Optional[List[List[int]]] = None,
-             numels: Optional[List[List[int]]] = None) -> List[Tuple[int, int, int, str]]:
+             numels: Optional[List[List[int]]] = None,
+             per_tensor: Optional[List[List[List[int]]]] = None) -> List[Tuple[int, int, int, str]]:
     """(param index, rank, reference rank, reason) for every entry that disagrees, by
     parameter, then rank.
 
-    Ranks are compared within each of ``sets`` (default: all together; on a sharded model,
-    the replica groups). The reference of a tensor is the rank of the set that agrees with
-    the most of its ranks (ties: the lowest rank); every rank that does not agree with it is
-    reported. ``numels[r][p]``: how many elements rank r holds of tensor p, for the
-    tolerance bounds (default: the number of elements of ``meta``'s shape).
+    Ranks are compared within each of ``sets`` (default: all together), or for tensor p
+    within each of ``per_tensor[p]`` (on a sharded model: the ranks holding the same shard
+    of it). The reference of a tensor is the rank of the set that agrees with the most of
+    its ranks (ties: the lowest rank); every rank that does not agree with it is reported.
+    ``numels[r][p]``: how many elements rank r holds of tensor p, for the tolerance bounds
+    (default: the number of elements of ``meta``'s shape).
     """
+    if per_tensor is None:
+        per_tensor = [sets or [list(range(table.shape[0]))]] * table.shape[1]
+    by_sets: dict = {}
+    for p, tensor_sets in enumerate(per_tensor):
+        for ranks in tensor_sets:
+            if len(ranks) > 1:
+                by_sets.setdefault(tuple(ranks), []).append(p)
     out: List[Tuple[int, int, int, str]] = []
-    for ranks in sets or [list(range(table.shape[0]))]:
-        sub = table[ranks]
+    for group, tensors in by_sets.items():
+        ranks = list(group)
+        sub = table[ranks][:, tensors]
         equal = (sub == sub[0:1]).all(dim=2).all(dim=0)
-        for p in (~equal).nonzero().flatten().tolist():
+        for p in [tensors[i] for i in (~equal).nonzero().flatten().tolist()]:
             numel = numels[ranks[0]][p] if numels is not None else math.prod(meta[p][1])
             out += [(p, ranks[r], ranks[ref], reason)
-                    for r, ref, reason in _disagree(sub[:, p, :], mode, numel, atol, rtol)]
+                    for r, ref, reason in _disagree(table[ranks, p, :], mode, numel, atol, rtol)]
     return sorted(out)
 
 
@@ -1230,22 +1240,27 @@ def _no_replicas(options: _Options, names: List[str], layout: List[Optional[tupl
     shown = f" (such as {example[0]!r}: {_placement_text(example[1])})" if example else ""
     return GraddbgValueError(
         f"{options.fn}: no replicas to compare: every parameter is sharded over the whole "
-        f"mesh (pure FSDP, or tensor parallelism without data parallelism), so no two of the "
-        f"{dist.get_world_size(options.group)} ranks hold the same shards{shown}, and shards "
-        f"differ by design. HSDP or DDP replicas are what these checks compare: the replicate "
-        f"dimension of HSDP (fully_shard on a 2-D mesh), or data-parallel copies of a "
-        f"tensor-parallel model. For the gradients of a sharded model use graddbg.watch, "
-        f"whose statistics are those of the full gradients, on every rank.")
+        f"mesh (pure FSDP, or tensor parallelism in which every tensor is sharded), so no two "
+        f"of the {dist.get_world_size(options.group)} ranks hold the same shard of any "
+        f"tensor{shown}, and shards differ by design. HSDP or DDP replicas are what these "
+        f"checks compare: the replicate dimension of HSDP (fully_shard on a 2-D mesh), "
+        f"data-parallel copies of a tensor-parallel model, and the plain parameters and "
+        f"Replicate placements of a tensor-parallel model across its tensor-parallel group. "
+        f"For the gradients of a sharded model use graddbg.watch, whose statistics are those "
+        f"of the full gradients, on every rank.")
 
 
 def _replica_sets(options: _Options, rows: List[List[int]], names: List[str],
-                  layout: List[Optional[tuple]]) -> List[List[int]]:
+                  layout: List[Optional[tuple]]) -> Optional[List[List[int]]]:
     """The sets of ranks compared with each other (see :func:`_replica_header`), the same
-    on every rank. Raises on every rank alike when the groups passed do not split the ranks
-    into replica groups, when a group holds different shards, or when no two ranks of a
-    sharded model hold the same shards."""
+    on every rank; None on a sharded model without ``group=``: its replicas are found
+    tensor by tensor (:func:`_tensor_sets`). Raises on every rank alike when the groups
+    passed do not split the ranks into replica groups, when a group holds different
+    shards, or when no two ranks of such a group hold the same shards."""
     if not options.sharded:
         return [list(range(len(rows)))]
+    if options.replicas is None:
+        return None
     by_key: dict = {}
     for r, row in enumerate(rows):
         by_key.setdefault(row[_KEY], []).append(r)
@@ -1267,40 +1282,71 @@ def _replica_sets(options: _Options, rows: List[List[int]], names: List[str],
 
 
 def _gather_tables(options: _Options, local: torch.Tensor, meta: List[tuple],
-                   layout: List[Optional[tuple]]) -> Tuple[torch.Tensor, List[List[int]]]:
-    """Every rank's table ``[W, P, k]`` and ``[rank][tensor]`` how many elements it holds
-    (on a sharded model, a column of the same gather: shards may differ in size)."""
+                   layout: List[Optional[tuple]]) -> Tuple[torch.Tensor, List[List[int]], Any]:
+    """Every rank's table ``[W, P, k]``, ``[rank][tensor]`` how many elements it holds and,
+    on a sharded model, ``[rank][tensor]`` a hash of which shard it holds (0 for a plain
+    tensor): columns of the same gather (shards may differ in size); None otherwise."""
     world = dist.get_world_size(options.group)
     if not options.sharded:
-        return _all_gather(local, options.group).cpu(), [[math.prod(m[1]) for m in meta]] * world
+        return (_all_gather(local, options.group).cpu(), [[math.prod(m[1]) for m in meta]] * world,
+                None)
     held = _local_shapes(meta, [layout], 1)[0]
-    numels = torch.tensor([math.prod(shape) for shape in held], dtype=torch.int64)
-    both = _all_gather(torch.cat([local, numels.to(local.device)[:, None]], dim=1), options.group).cpu()
-    return both[:, :, :-1], both[:, :, -1].tolist()
+    extra = torch.tensor([[math.prod(shape) for shape in held],
+                          [0 if e is None else _hash64(repr(e)) for e in layout]],
+                         dtype=torch.int64).reshape(2, len(layout)).t()
+    both = _all_gather(torch.cat([local, extra.to(local.device)], dim=1), options.group).cpu()
+    return both[:, :, :-2], both[:, :, -2].tolist(), both[:, :, -1].tolist()
 
 
-def _compare(options: _Options, rows: List[List[int]], sets: List[List[int]], local: torch.Tensor,
-             tensors: List[Optional[torch.Tensor]], meta: List[tuple], layout: List[Optional[tuple]],
-             device: torch.device) -> Tuple[Optional[torch.Tensor], List[Tuple[int, int, int, str]]]:
-    """Every rank's table ``[W, P, k]`` (None when, in bitwise mode, every digest agrees
-    with the rest of its replica set: nothing differs) and the entries that disagree (see
-    :func:`_verdict`)."""
+def _tensor_sets(shards: List[List[int]], sets: Optional[List[List[int]]]) -> List[List[List[int]]]:
+    """Per tensor, the sets of ranks compared: within each of ``sets`` (every rank when
+    None), the ranks that hold the same shard of it (``shards[r][p]``, see
+    :func:`_gather_tables`): a plain tensor or a ``Replicate`` placement on every rank, a
+    sharded one along the dimensions it is replicated over."""
+    outer = sets if sets is not None else [list(range(len(shards)))]
+    count = len(shards[0]) if shards else 0
+    result = []
+    for p in range(count):
+        groups: dict = {}
+        for k, ranks in enumerate(outer):
+            for r in ranks:
+                groups.setdefault((k, shards[r][p]), []).append(r)
+        result.append(sorted(groups.values()))
+    return result
+
+
+def _compare(options: _Options, rows: List[List[int]], sets: Optional[List[List[int]]],
+             local: torch.Tensor, tensors: List[Optional[torch.Tensor]], meta: List[tuple],
+             layout: List[Optional[tuple]], device: torch.device, names: List[str]
+             ) -> Tuple[Optional[torch.Tensor], List[Tuple[int, int, int, str]], List[List[List[int]]]]:
+    """Every rank's table ``[W, P, k]`` (None when, in bitwise mode, every digest agrees:
+    nothing differs), the entries that disagree (see :func:`_verdict`) and per tensor the
+    sets of ranks compared. A plain model whose digests agree needs nothing more; a
+    sharded one gathers the tables, which say which shard each rank holds."""
     world = len(rows)
-    agree = all(rows[r][4:6] == rows[s[0]][4:6] for s in sets for r in s)
-    if agree and options.mode == "bitwise":
-        return None, []
-    if agree and len(sets) == 1:
+    if not options.sharded:
+        per_tensor = [sets or [list(range(world))]] * len(meta)
+        agree = all(row[4:6] == rows[0][4:6] for row in rows)
+        if agree and options.mode == "bitwise":
+            return None, [], per_tensor
+    if not options.sharded and agree:
         first = local.cpu().unsqueeze(0).expand(world, *local.shape)
-        numels = [[math.prod(shape) for shape in _local_shapes(meta, [layout], 1)[0]]] * world
+        numels = [[math.prod(m[1]) for m in meta]] * world
     else:
-        first, numels = _gather_tables(options, local, meta, layout)     # find who differs
+        first, numels, shards = _gather_tables(options, local, meta, layout)   # find who differs
+        if options.sharded:
+            per_tensor = _tensor_sets(shards, sets)
+            if world > 1 and all(len(s) == 1 for groups in per_tensor for s in groups):
+                raise _no_replicas(options, names, layout)
     table = first if options.mode == "bitwise" else \
         _tolerance_finish(first, tensors, options.group, device)
-    return table, _verdict(table, [], meta, options.mode, options.atol, options.rtol, sets, numels)
+    return table, _verdict(table, [], meta, options.mode, options.atol, options.rtol,
+                           numels=numels, per_tensor=per_tensor), per_tensor
 
 
 def _report(options: _Options, names: List[str], meta: List[tuple], table: Optional[torch.Tensor],
-            found: List[Tuple[int, int, int, str]], measured: dict, sets: List[List[int]],
+            found: List[Tuple[int, int, int, str]], measured: dict,
+            per_tensor: List[List[List[int]]],
             layouts: Optional[List[List[Optional[tuple]]]]) -> ConsistencyReport:
     rows = []
     for p, r, ref, reason in found:
@@ -1318,7 +1364,12 @@ def _report(options: _Options, names: List[str], meta: List[tuple], table: Optio
                              rank=dist.get_rank(options.group), kind=options.kind,
                              mode=options.mode, checked=len(names), rows=tuple(rows),
                              atol=options.atol, rtol=options.rtol,
-                             replica_groups=tuple(map(tuple, sets)) if options.sharded else ())
+                             replica_groups=_groups_compared(per_tensor) if options.sharded else ())
+
+
+def _groups_compared(per_tensor: List[List[List[int]]]) -> Tuple[Tuple[int, ...], ...]:
+    """The distinct sets of two or more ranks that some tensor was compared within, sorted."""
+    return tuple(sorted({tuple(s) for groups in per_tensor for s in groups if len(s) > 1}))
 
 
 def _check(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, timeout: Any,
@@ -1330,11 +1381,12 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, tim
     rows = _rendezvous(options, header)
     _raise_unless_comparable(options, rows, meta, error)
     sets = _replica_sets(options, rows, names, layout)
-    table, found = _compare(options, rows, sets, local, tensors, meta, layout, device)
+    table, found, per_tensor = _compare(options, rows, sets, local, tensors, meta, layout, device,
+                                        names)
     layouts = _all_layouts(options, layout, len(rows), {p for p, *_ in found}) if found else None
     measured = {} if not (details and found) else _details(
         found, tensors, meta, _local_shapes(meta, layouts, len(rows)), options.group, device)
-    report = _report(options, names, meta, table, found, measured, sets, layouts)
+    report = _report(options, names, meta, table, found, measured, per_tensor, layouts)
     if not report.ok and options.raise_on_mismatch:
         raise DDPInconsistencyError(f"{fn}: the ranks disagree (raise_on_mismatch=True)\n{report}",
                                     report=report)
