@@ -125,6 +125,7 @@ __all__ = [
     "check_gradients",
     "check_parameters",
     "check_buffers",
+    "check_replicas",
     "fingerprints",
     "prepare",
 ]
@@ -408,6 +409,8 @@ class Mismatch:
     reference_value: Optional[float] = None
     local_shape: Optional[Tuple[int, ...]] = None  # a DTensor: the shape of this rank's shard
     shard: Optional[str] = None            # a DTensor: its placements and this rank's coordinates
+    kind: str = ""                         # "gradients", "parameters" or "buffers"
+    cause: str = ""                        # what probably happened, in plain words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -486,6 +489,10 @@ class ConsistencyReport:
             if len(self.rows) > _MAX_STR_ROWS:
                 lines.append(f"  ... and {len(self.rows) - _MAX_STR_ROWS} more rows "
                              "(report.mismatches has them all)")
+            causes = list(dict.fromkeys((m.cause, m.kind) for m in self.rows if m.cause))
+            for cause, kind in causes[:_MAX_STR_ROWS]:
+                first = next(m for m in self.rows if m.cause == cause)
+                lines.append(f"  probably ({first.name!r} {kind}, rank {first.rank}): {cause}")
         return "\n".join(lines)
 
 
@@ -504,6 +511,12 @@ class _Options:
     raise_on_mismatch: bool
     sharded: bool = False       # the model holds DTensors: compare shard by shard, within replicas
     replicas: Optional[Tuple[int, ...]] = None  # sharded, group= given: this rank's replicas
+    initial: bool = False       # check_replicas(initial=True): before any optimizer step
+
+    @property
+    def parts(self) -> Tuple[str, ...]:
+        """What is fingerprinted, in order: "gradients", "parameters" or "buffers"."""
+        return tuple(k for k in ("gradients", "parameters", "buffers") if k in self.kind)
 
     @property
     def mode(self) -> str:
@@ -512,7 +525,8 @@ class _Options:
     @property
     def call(self) -> str:
         """What was asked; every rank must ask the same (its hash is in the header)."""
-        return (f"{self.fn}(mode={self.mode}, atol={self.atol!r}, rtol={self.rtol!r}, "
+        what = f"{self.kind}, initial={self.initial}, " if self.fn == "check_replicas" else ""
+        return (f"{self.fn}({what}mode={self.mode}, atol={self.atol!r}, rtol={self.rtol!r}, "
                 f"details={self.details})")
 
 
@@ -720,6 +734,23 @@ def _collect(model: nn.Module, kind: str) -> Tuple[List[str], List[Optional[torc
         meta.append(entry)
         layout.append(None if spec is None else _layout_entry(spec, tuple(_held(t).shape)))
     return names, tensors, meta, layout
+
+
+def _collect_all(model: nn.Module, parts: Sequence[str]) -> Tuple[
+        List[str], List[Optional[torch.Tensor]], List[tuple], List[Optional[tuple]], List[str]]:
+    """:func:`_collect` of every kind in ``parts``, laid end to end, and the kind of each
+    tensor (a gradient's metadata has one field more than a parameter's, so the two are
+    told apart in the structure hash)."""
+    names: List[str] = []
+    tensors: List[Optional[torch.Tensor]] = []
+    meta: List[tuple] = []
+    layout: List[Optional[tuple]] = []
+    kinds: List[str] = []
+    for kind in parts:
+        n, t, m, l = _collect(model, kind)
+        names, tensors, meta, layout = names + n, tensors + t, meta + m, layout + l
+        kinds += [kind] * len(n)
+    return names, tensors, meta, layout, kinds
 
 
 # --------------------------------------------------------------------------- groups
@@ -1344,10 +1375,61 @@ def _compare(options: _Options, rows: List[List[int]], sets: Optional[List[List[
                            numels=numels, per_tensor=per_tensor), per_tensor
 
 
+_CAUSES = {
+    "absent": "rank {rank} and rank {ref} disagree on whether it has a gradient: a branch of "
+              "the model that some ranks skip (DDP needs the same graph on every rank, or "
+              "find_unused_parameters=True), or a parameter frozen on some ranks only",
+    "gradients": "the gradient all-reduce did not make them equal: communication that lost or "
+                 "corrupted data (a DDP communication hook, a faulty link), a parameter that "
+                 "DDP no longer reduces (replaced after DDP wrapped the model, so DDP reduces "
+                 "the old tensor), a rank that skipped the all-reduce (no_sync on its last "
+                 "micro-batch, a rank-dependent branch), or a model not wrapped in DDP on every "
+                 "rank",
+    "initial": "the replicas differ before training: the model is not wrapped in DDP on every "
+               "rank, was initialised differently on some rank (seed), or its parameters were "
+               "replaced after DDP wrapped them (DDP copies rank 0's parameters only when it "
+               "wraps the model)",
+    "both": "its gradient differs too, so the updates diverged with the gradients (see the "
+            "gradient's row)",
+    "updated": "the gradients agree but the parameters do not: a replica was updated "
+               "differently (an optimizer step that depends on the rank, clipping by a norm "
+               "computed on some ranks only, a learning rate that differs, or a change of the "
+               "parameter outside the optimizer on some ranks)",
+    "parameters": "the replicas drifted apart: gradients that differed at an earlier step "
+                  "(check_gradients before optimizer.step() tells), or a replica updated "
+                  "differently (an optimizer step, clipping or learning rate that depends on "
+                  "the rank)",
+    "buffers": "buffers differ: DDP(broadcast_buffers=False), a training forward on other "
+               "data since the last broadcast, or a buffer changed on some ranks only",
+    "tp": " (a tensor replicated across the tensor-parallel group, such as a LayerNorm weight "
+          "left out of the parallelize plan: its gradient must be all-reduced over that group "
+          "and clipping must use the norm of the whole model)",
+}
+
+
+def _cause(options: _Options, found: List[Tuple[int, int, int, str]], names: List[str],
+           kinds: List[str], layout: List[Optional[tuple]], row: Tuple[int, int, int, str]) -> str:
+    """What probably happened to one mismatch, from what else differs (see ``_CAUSES``)."""
+    p, r, ref, reason = row
+    kind = kinds[p]
+    if reason.startswith(("no gradient", "has a gradient")):
+        key = "absent"
+    elif kind == "parameters":
+        grads = {(names[q], rr) for q, rr, _, _ in found if kinds[q] == "gradients"}
+        key = ("initial" if options.initial else "both" if (names[p], r) in grads
+               else "updated" if "gradients" in options.parts else "parameters")
+    else:
+        key = kind
+    replicated = options.sharded and (layout[p] is None or all(c is None for c in layout[p][3]))
+    tp = _CAUSES["tp"] if replicated and key in ("gradients", "updated", "parameters") else ""
+    return _CAUSES[key].format(rank=r, ref=ref) + tp
+
+
 def _report(options: _Options, names: List[str], meta: List[tuple], table: Optional[torch.Tensor],
             found: List[Tuple[int, int, int, str]], measured: dict,
             per_tensor: List[List[List[int]]],
-            layouts: Optional[List[List[Optional[tuple]]]]) -> ConsistencyReport:
+            layouts: Optional[List[List[Optional[tuple]]]], kinds: List[str],
+            layout: List[Optional[tuple]]) -> ConsistencyReport:
     rows = []
     for p, r, ref, reason in found:
         extra = measured.get((p, r))
@@ -1357,7 +1439,8 @@ def _report(options: _Options, names: List[str], meta: List[tuple], table: Optio
             dtype=meta[p][2], fingerprint=_fp_text(table[r, p], options.mode),
             reference_fingerprint=_fp_text(table[ref, p], options.mode),
             local_shape=None if held is None else tuple(held[-1]),
-            shard=None if held is None else _shard_text(held),
+            shard=None if held is None else _shard_text(held), kind=kinds[p],
+            cause=_cause(options, found, names, kinds, layout, (p, r, ref, reason)),
             **({} if extra is None else dict(zip(
                 ("max_abs_diff", "n_diff", "index", "value", "reference_value"), extra)))))
     return ConsistencyReport(ok=not rows, world_size=dist.get_world_size(options.group),
@@ -1373,9 +1456,10 @@ def _groups_compared(per_tensor: List[List[List[int]]]) -> Tuple[Tuple[int, ...]
 
 
 def _check(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, timeout: Any,
-           details: bool, raise_on_mismatch: bool) -> ConsistencyReport:
-    options = _options(fn, kind, model, group, atol, rtol, timeout, details, raise_on_mismatch)
-    names, tensors, meta, layout = _collect(unwrap(model), kind)
+           details: bool, raise_on_mismatch: bool, initial: bool = False) -> ConsistencyReport:
+    options = dataclasses.replace(_options(fn, kind, model, group, atol, rtol, timeout, details,
+                                           raise_on_mismatch), initial=bool(initial))
+    names, tensors, meta, layout, kinds = _collect_all(unwrap(model), options.parts)
     device = _comm_device(options.group, tensors, model)
     local, header, error = _local(options, tensors, meta, layout, device)
     rows = _rendezvous(options, header)
@@ -1386,7 +1470,8 @@ def _check(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, tim
     layouts = _all_layouts(options, layout, len(rows), {p for p, *_ in found}) if found else None
     measured = {} if not (details and found) else _details(
         found, tensors, meta, _local_shapes(meta, layouts, len(rows)), options.group, device)
-    report = _report(options, names, meta, table, found, measured, per_tensor, layouts)
+    report = _report(options, names, meta, table, found, measured, per_tensor, layouts, kinds,
+                     layout)
     if not report.ok and options.raise_on_mismatch:
         raise DDPInconsistencyError(f"{fn}: the ranks disagree (raise_on_mismatch=True)\n{report}",
                                     report=report)
@@ -1466,3 +1551,47 @@ def check_buffers(model: nn.Module, *, group: Any = None, atol: float = 0.0, rto
     """
     return _check("check_buffers", "buffers", model, group, atol, rtol, timeout, details,
                   raise_on_mismatch)
+
+
+def _replica_kind(gradients: Any, parameters: Any) -> str:
+    """check_replicas' ``gradients``/``parameters`` flags as the kind of check."""
+    for arg, value in (("gradients", gradients), ("parameters", parameters)):
+        if not isinstance(value, bool):
+            raise GraddbgTypeError(f"check_replicas({arg}=...): got {value!r} "
+                                   f"({type(value).__name__}); accepted: True or False")
+    if not (gradients or parameters):
+        raise GraddbgValueError("check_replicas(gradients=False, parameters=False): nothing to "
+                                "check; accepted: gradients=True, parameters=True or both")
+    return " and ".join(k for k, on in (("gradients", gradients), ("parameters", parameters)) if on)
+
+
+def check_replicas(model: nn.Module, *, gradients: bool = True, parameters: bool = True,
+                   initial: bool = False, group: Any = None, atol: float = 0.0,
+                   rtol: float = 0.0, timeout: Timeout = _DEFAULT_TIMEOUT, details: bool = False,
+                   raise_on_mismatch: bool = False) -> ConsistencyReport:
+    """Check gradients and parameters across the replicas in one exchange (what ``watch``
+    needs): every tensor that should be equal across some ranks is compared with exactly
+    those ranks (DDP, HSDP's replicate dimension, data-parallel copies and the replicated
+    tensors of a tensor-parallel model).
+
+    Collective, like :func:`check_gradients` (same ``group``, ``atol``, ``rtol``,
+    ``timeout``, ``details`` and ``raise_on_mismatch``). Call it after backward and before
+    ``optimizer.step()``: then the gradients are those the step will use and the
+    parameters those of the previous step. ``initial=True`` says that no optimizer step
+    has run yet (differing parameters then mean a model not wrapped in DDP on every rank,
+    initialised differently, or parameters replaced after wrapping). Each mismatch has a
+    ``kind`` ("gradients" or "parameters") and a ``cause``: what probably happened, judged
+    from what else differs (parameters that differ while their gradients agree: a replica
+    updated differently).
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = torch.nn.Linear(3, 2)
+    >>> model(torch.randn(4, 3)).sum().backward()
+    >>> print(check_replicas(model))
+    ConsistencyReport[rank 0]: gradients and parameters (bitwise) across 1 ranks: consistent (4 tensors)
+    >>> dist.destroy_process_group()
+    """
+    kind = _replica_kind(gradients, parameters)
+    return _check("check_replicas", kind, model, group, atol, rtol, timeout, details,
+                  raise_on_mismatch, initial=initial)

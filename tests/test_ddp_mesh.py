@@ -19,6 +19,8 @@ from graddbg import ddp_verify
 from graddbg._errors import GraddbgTypeError
 
 REPLICAS = [[0, 2], [1, 3]]        # on a 2 x 2 mesh: the ranks that hold the same shards
+# dp x tp: RowwiseParallel's bias is Replicate over tp, so it is compared across all four
+EVERY_AND_REPLICAS = [[0, 1, 2, 3], [0, 2], [1, 3]]
 
 
 def distributed(test):
@@ -233,9 +235,9 @@ def test_pure_fsdp_has_no_replicas_and_says_so(fsdp):
 def test_tensor_parallel_under_replicate_is_compared_across_dp(dp_tp):
     records = _scenario(dp_tp, "replicate")
     assert records[0]["placements"][0] == "(Replicate(), Shard(dim=0))"
-    for key in ("auto", "named"):
+    for key, groups in (("auto", EVERY_AND_REPLICAS), ("named", REPLICAS)):
         rep = _same_verdict([rec[key] for rec in records])
-        assert rep["ok"] and rep["groups"] == REPLICAS, rep["text"]
+        assert rep["ok"] and rep["groups"] == groups, rep["text"]
     rep = _same_verdict([rec["perturbed"] for rec in records])
     assert rep["rows"] == [["0.weight", 3, 1, "bits differ"]]
 
@@ -245,9 +247,9 @@ def test_replicas_outside_the_dtensors_mesh_are_found_and_named_by_dimension(dp_
     """DTensors on the 1-D tp mesh, gradients averaged over dp by hand: group='dp' is found
     on the mesh the tp mesh was cut from, and group='tp' is refused."""
     records = _scenario(dp_tp, "manual")
-    for key in ("auto", "named"):
+    for key, groups in (("auto", EVERY_AND_REPLICAS), ("named", REPLICAS)):
         rep = _same_verdict([rec[key] for rec in records])
-        assert rep["ok"] and rep["groups"] == REPLICAS, rep["text"]
+        assert rep["ok"] and rep["groups"] == groups, rep["text"]
     assert "hold different shards of '0.weight'" in _same_error([rec["wrong"] for rec in records])
     rep = _same_verdict([rec["perturbed"] for rec in records])
     assert rep["rows"] == [["2.bias", 2, 0, "bits differ"]]   # a Replicate bias: compared over dp
@@ -257,6 +259,6 @@ def test_replicas_outside_the_dtensors_mesh_are_found_and_named_by_dimension(dp_
 def test_ddp_over_tensor_parallel_compares_the_local_shards_across_dp(dp_tp):
     records = _scenario(dp_tp, "ddp")
     rep = _same_verdict([rec["auto"] for rec in records])
-    assert rep["ok"] and rep["groups"] == REPLICAS, rep["text"]
+    assert rep["ok"] and rep["groups"] == EVERY_AND_REPLICAS, rep["text"]
     rep = _same_verdict([rec["perturbed"] for rec in records])
     assert rep["rows"] == [["0.weight", 3, 1, "bits differ"]] and rep["shards"][0][0] == [4, 6]
