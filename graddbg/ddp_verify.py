@@ -479,9 +479,10 @@ class ConsistencyReport:
     def __str__(self) -> str:
         lines = [f"ConsistencyReport[rank {self.rank}]: {self.summary()}"]
         if not self.ok:
-            header = ("name", "rank", "ref", "reason", "max_abs_diff")
+            mixed = len({m.kind for m in self.rows}) > 1 or " and " in self.kind
+            header = ("name",) + (("of",) if mixed else ()) + ("rank", "ref", "reason", "max_abs_diff")
             table = [header] + [
-                (m.name, str(m.rank), str(m.reference_rank), m.reason,
+                (m.name,) + ((m.kind,) if mixed else ()) + (str(m.rank), str(m.reference_rank), m.reason,
                  "" if m.max_abs_diff != m.max_abs_diff else f"{m.max_abs_diff:.4g}")
                 for m in self.rows[:_MAX_STR_ROWS]]
             widths = [max(len(r[i]) for r in table) for i in range(len(header))]
