@@ -349,6 +349,5 @@ WORLDS: Dict[str, List] = {
              ("wrong_dimension", hsdp_wrong_dimension), ("bad_args", hsdp_bad_args),
              ("groups", hsdp_groups), ("offset", hsdp_offset), ("skip", hsdp_skip)],
     "fsdp": [("no_replicas", fsdp_no_replicas), ("tp_layernorm", tp_layernorm)],
-    "dev": [("tp_layernorm", tp_layernorm)],
     "dp_tp": [("replicate", dp_tp_replicate), ("manual", dp_tp_manual), ("ddp", dp_tp_ddp)],
 }

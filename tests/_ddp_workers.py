@@ -504,44 +504,38 @@ def replaced(rank, world, dev):
     return out
 
 
-def _zeroing_hook(target_rank: Optional[int]):
-    """A comm hook that all-reduces every bucket, then zeroes bucket 0 on ``target_rank``
-    (pytorch issues 84803, 96600: a link that silently zeroes some all-reduces)."""
+def _zeroing_hook(target_rank: Optional[int], seen: Dict[int, List[str]], names: Dict[int, str]):
+    """A comm hook that all-reduces every bucket and, from the second step on (DDP rebuilds
+    its buckets after the first, by size), zeroes bucket 0 on ``target_rank`` (pytorch
+    issues 84803, 96600: a link that silently zeroes some all-reduces). ``seen``: the
+    parameters of each bucket, by index, as last seen."""
+    calls = {"bucket0": 0}
+
     def hook(state, bucket):
+        seen[bucket.index()] = [names[id(p)] for p in bucket.parameters()]
+        if bucket.index() == 0:
+            calls["bucket0"] += 1
+        zero = calls["bucket0"] > 1 and bucket.index() == 0 and dist.get_rank() == target_rank
         buf = bucket.buffer()
         buf.div_(dist.get_world_size())
         fut = dist.all_reduce(buf, async_op=True).get_future()
 
         def then(f):
             out = f.value()[0]
-            if bucket.index() == 0 and dist.get_rank() == target_rank:
-                out.zero_()
-            return out
+            return out.zero_() if zero else out
         return fut.then(then)
     return hook
-
-
-def _two_buckets(dev: torch.device) -> nn.Module:
-    """An MLP whose last layer (1.1 MB) fills DDP's first bucket (1 MB) on its own."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 520), nn.ReLU(),
-                         nn.Linear(520, 520), nn.Linear(520, 4)).to(dev)
 
 
 def zeroed_bucket(rank, world, dev):
     out = {}
     for case, target in (("zeroed", 1), ("healthy", None)):
-        model = DDP(_two_buckets(dev), bucket_cap_mb=1e-4)
-        names = {id(p): n for n, p in model.module.named_parameters()}
+        model = DDP(_mlp(dev), bucket_cap_mb=1e-5)      # rebuilt: a bucket per parameter
         seen: Dict[int, List[str]] = {}
-        hook = _zeroing_hook(target)
-
-        def recording(state, bucket, hook=hook, seen=seen, names=names):
-            seen[bucket.index()] = [names[id(p)] for p in bucket.parameters()]
-            return hook(state, bucket)
-        model.register_comm_hook(None, recording)
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        model.register_comm_hook(None, _zeroing_hook(target, seen, names))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        out[case] = _steps(model, opt, rank, dev, steps=1)
+        out[case] = _steps(model, opt, rank, dev, steps=2)
         out[case]["buckets"] = {str(k): v for k, v in seen.items()}
     return out
 
@@ -581,6 +575,4 @@ WORLDS: Dict[str, List] = {
               ("comm_hook_rank0", comm_hook_corrupt_rank0), ("side_group", side_group),
               ("subgroup", subgroup), ("skip", _skipper(2))],
     "cuda": [("cuda_gloo", cuda_gloo)],
-    "dev": [("unwrapped", unwrapped), ("replaced", replaced), ("zeroed_bucket", zeroed_bucket),
-            ("transposed", transposed)],
 }

@@ -781,3 +781,87 @@ def test_verdict_scales_to_many_ranks_and_tensors():
     found = ddp_verify._verdict(table, [m[0] for m in meta], meta, "bitwise", 0.0, 0.0)
     assert time.perf_counter() - start < 5.0
     assert found == [(p, 5, 0, "bits differ") for p in range(300)]
+
+
+# --------------------------------------------------------------------------- replicas (issue 24)
+# What watch(ddp_check_every=1) does, by hand: check_replicas(initial=True) on the parameters
+# before the first step, then gradients and parameters after each backward (see
+# _ddp_workers._steps). Each bug has a healthy twin that must stay silent.
+ALL = ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def _why(report, kind):
+    """(name, rank) and the causes of the rows of one kind."""
+    rows = [w for w in report["why"] if w[1] == kind]
+    return [(w[0], w[2]) for w in rows], {w[3] for w in rows}
+
+
+@distributed
+def test_forgotten_ddp_wrapping_is_found_at_the_first_gradient_check(two):
+    """Rank 0 wraps its model in DDP over a group of its own (or no rank wraps it): the
+    parameters agree at first (same seed), the gradients differ from the first backward,
+    the parameters from the first step on; with DDP everywhere nothing is reported."""
+    records = _scenario(two, "unwrapped", 2)
+    for case in ("one", "every"):
+        reps = [rec[case] for rec in records]
+        _assert_same_verdict([r["step0"] for r in reps])
+        first = reps[0]
+        assert first["initial"]["ok"], first["initial"]["text"]
+        names, causes = _why(first["step0"], "gradients")
+        assert names == [("0.weight", 1), ("0.bias", 1), ("2.weight", 1)]   # sum(): equal bias grads
+        assert _why(first["step0"], "parameters") == ([], set())
+        assert len(causes) == 1 and "not wrapped in DDP on every rank" in causes.pop()
+        names, causes = _why(first["step1"], "parameters")
+        assert ("0.weight", 1) in names and causes == {
+            "its gradient differs too, so the updates diverged with the gradients (see the "
+            "gradient's row)"}
+        assert "probably ('0.weight' gradients, rank 1)" in first["step0"]["text"]
+    for rec in records:
+        assert all(rec["healthy"][k]["ok"] for k in ("initial", "step0", "step1")), rec["healthy"]
+
+
+@distributed
+def test_parameters_replaced_after_wrapping_are_found_before_the_first_step(two):
+    """pytorch issue 104336: a layer replaced (and initialised per rank) after DDP wrapped
+    the model: its parameters differ at the first check, and DDP reduces no gradient of
+    the bucket that held the old ones. Replaced before wrapping: nothing to report."""
+    records = _scenario(two, "replaced", 2)
+    _assert_same_verdict([rec["after"]["initial"] for rec in records])
+    after = records[0]["after"]
+    names, causes = _why(after["initial"], "parameters")
+    assert names == [("2.weight", 1), ("2.bias", 1)]
+    assert len(causes) == 1 and "replaced after DDP wrapped them" in causes.pop()
+    names, causes = _why(after["step0"], "gradients")
+    assert ("2.weight", 1) in names
+    assert all("replaced after DDP wrapped the model" in c for c in causes)
+    for rec in records:
+        assert rec["before"]["initial"]["ok"] and rec["before"]["step0"]["ok"], rec["before"]
+
+
+@distributed
+def test_a_comm_hook_that_zeroes_one_bucket_on_one_rank_is_named_bucket_by_bucket(two):
+    """pytorch issues 84803, 96600: from the second step, bucket 0 zeroed on rank 1 after
+    the all-reduce. Its parameters, and only those, are named at that step; the first
+    step is clean; the same hook without the zeroing is silent."""
+    records = _scenario(two, "zeroed_bucket", 2)
+    _assert_same_verdict([rec["zeroed"]["step1"] for rec in records])
+    zeroed = records[0]["zeroed"]
+    bucket0 = zeroed["buckets"]["0"]
+    assert len(zeroed["buckets"]) >= 2 and 0 < len(bucket0) < 4, zeroed["buckets"]
+    assert zeroed["step0"]["ok"], zeroed["step0"]["text"]
+    names, causes = _why(zeroed["step1"], "gradients")
+    assert sorted(names) == sorted((n, 1) for n in bucket0)
+    assert all("communication that lost or corrupted data" in c for c in causes)
+    for rec in records:
+        assert all(rec["healthy"][k]["ok"] for k in ("initial", "step0", "step1"))
+
+
+@distributed
+def test_a_transposed_square_weight_and_a_uniform_drift_on_one_rank_are_named(two):
+    records = _scenario(two, "transposed", 2)
+    _assert_same_verdict([rec["one"] for rec in records])
+    _assert_same_verdict([rec["one_drift"] for rec in records])
+    assert _why(records[0]["one"], "parameters")[0] == [("2.weight", 1)]
+    assert _why(records[0]["one_drift"], "parameters")[0] == [("0.bias", 1), ("2.weight", 1)]
+    for rec in records:                  # the same transpose and drift on both ranks
+        assert rec["both"]["ok"] and rec["both_drift"]["ok"], rec["both"]["text"]
