@@ -132,6 +132,7 @@ __all__ = [
 
 _BLOCK = 1024                   # int32 words per block of the bitwise fingerprint
 _ROWS = 512                     # blocks mixed per chunk (2 MB of words: few calls, near the cache)
+_SMALL = 16 * 1024              # tensors of at most this many words are mixed together
 _KEY_SEED = 0x67726164646267    # seeds the fixed keys (_keys)
 _MIX32 = 0x45D9F3B              # odd multiplier between the two folds of a word
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: a block's position, spread
@@ -165,6 +166,9 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     words each; 1- and 2-byte elements are packed 4 or 2 to a word, the last word
     zero-padded). A view, unless ``t`` is not contiguous, its byte count is not a multiple
     of 4 or its start is not on a word boundary."""
+    if t.layout == torch.strided and t.element_size() == 4 and t.is_contiguous() \
+            and not t.is_complex():
+        return t.detach().view(-1).view(torch.int32)            # the common case, quickly
     flat = _flat(t).contiguous()
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
@@ -252,24 +256,40 @@ def _finish(values: torch.Tensor, counts: List[int], present: List[bool]) -> tor
     return torch.cat([flags, sums]).view(3, n).t().contiguous()
 
 
+def _packed_blocks(words: List[torch.Tensor], keys: torch.Tensor,
+                   buffers: torch.Tensor) -> List[torch.Tensor]:
+    """The block values of many small tensors (one device) in one pass: their words laid
+    out block-aligned, each followed by the zeros that pad its last block (as
+    :func:`_tensor_blocks` counts them), in one concatenation; mixed together, then split
+    back per tensor."""
+    counts = [-(-w.numel() // _BLOCK) for w in words]
+    zeros = torch.zeros(_BLOCK, dtype=torch.int32, device=words[0].device)
+    pieces: List[torch.Tensor] = []
+    for w, count in zip(words, counts):
+        pieces += [w, zeros[: count * _BLOCK - w.numel()]]
+    return list(_tensor_blocks(torch.cat(pieces), keys, buffers).split(counts))
+
+
 def _bitwise_table(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """The bitwise table (see :func:`fingerprints`) on the first tensor's device."""
+    """The bitwise table (see :func:`fingerprints`) on the first tensor's device. Tensors
+    of fewer than ``_SMALL`` words are mixed together, per device (:func:`_packed_blocks`)."""
     home = next(t.device for t in tensors if t is not None)
-    values: List[torch.Tensor] = []
-    counts: List[int] = []
+    words = {k: _words(t) for k, t in enumerate(tensors) if t is not None}
     buffers: dict = {}
-    for t in tensors:
-        if t is None:
-            counts.append(0)
-            continue
-        words = _words(t)
-        if words.device not in buffers:
-            buffers[words.device] = torch.empty(2, _ROWS * _BLOCK, dtype=torch.int32,
-                                                 device=words.device)
-        blocks = _tensor_blocks(words, _keys(words.device), buffers[words.device])
-        values.append(blocks.to(home))
-        counts.append(blocks.numel())
-    flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64, device=home)
+    values: dict = {}
+    small: dict = {}
+    for k, w in words.items():
+        if w.device not in buffers:
+            buffers[w.device] = torch.empty(2, _ROWS * _BLOCK, dtype=torch.int32, device=w.device)
+        if w.numel() <= _SMALL:
+            small.setdefault(w.device, []).append(k)
+        else:
+            values[k] = _tensor_blocks(w, _keys(w.device), buffers[w.device])
+    for device, ks in small.items():
+        values.update(zip(ks, _packed_blocks([words[k] for k in ks], _keys(device), buffers[device])))
+    order = [values[k] if values[k].device == home else values[k].to(home) for k in sorted(values)]
+    flat = torch.cat(order) if order else torch.zeros(0, dtype=torch.int64, device=home)
+    counts = [values[k].numel() if k in values else 0 for k in range(len(tensors))]
     return _finish(flat, counts, [t is not None for t in tensors])
 
 
