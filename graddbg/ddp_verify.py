@@ -74,23 +74,27 @@ optimizer is about to use differ across ranks and the check names them;
 :func:`check_parameters` after the step catches weights that have already drifted apart.
 
 Sharded models (FSDP2's ``fully_shard``, HSDP, DTensor tensor parallelism). The checks
-compare replicas, shard by shard. Each rank fingerprints what it holds of every tensor (a
-DTensor's ``to_local()`` shard) and is compared only with its replicas: by default the
-ranks that hold the same shard of every tensor (the same coordinates on every mesh
-dimension over which some tensor is not ``Replicate``), found from the one exchange, which
-then runs over the default group: every rank calls the check, gets the same verdict, and
-ranks are named by their global rank. On HSDP (a ``(replicate, shard)`` mesh) the replica
-groups lie along ``replicate``; under tensor parallelism over ``tp`` with data parallelism
-over ``dp`` (``replicate``, ``DistributedDataParallel(..., device_mesh=mesh["dp"])`` or
-gradients averaged by hand), along ``dp``. ``group=`` may name them instead: a mesh
-dimension name (``group="replicate"``, looked up on the DTensors' mesh, or on the mesh it
-was sliced from), a 1-D ``DeviceMesh`` or a ProcessGroup (each rank passes its own). A
-group that puts ranks holding different shards together is refused (GraddbgValueError,
-naming the tensor and both shards). Pure FSDP (every parameter sharded over the whole
-mesh) has no replicas, and the checks say so (GraddbgValueError) rather than compare
-shards that differ by design; ``graddbg.watch`` gives the statistics of the full gradients
-there. Plain tensors of a sharded model (its buffers, unsharded parameters) are compared
-within the same replica groups, across every rank when a check holds no DTensor.
+compare replicas, tensor by tensor and shard by shard. Each rank fingerprints what it
+holds of every tensor (a DTensor's ``to_local()`` shard) and each tensor is compared with
+exactly the ranks that should hold the same values: by default the ranks holding the
+same shard of it (the same coordinates on every mesh dimension over which it is not
+``Replicate``), found from a hash of each rank's shard gathered with the fingerprints;
+the exchange runs over the default group: every rank calls the check, gets the same
+verdict, and ranks are named by their global rank. On HSDP (a ``(replicate, shard)``
+mesh) a parameter's replicas lie along ``replicate``; under tensor parallelism over ``tp``
+with data parallelism over ``dp`` (``replicate``, ``DistributedDataParallel(...,
+device_mesh=mesh["dp"])`` or gradients averaged by hand), a shard's along ``dp``; a
+``Replicate`` placement and a plain (non-DTensor) tensor of a sharded model, such as a
+LayerNorm weight left out of a tensor-parallel plan or a buffer, are compared across
+every rank (the TP group included). ``group=`` may name the replicas instead, for every
+tensor: a mesh dimension name (``group="replicate"``, looked up on the DTensors' mesh, or
+on the mesh it was sliced from), a 1-D ``DeviceMesh`` or a ProcessGroup (each rank passes
+its own). A group that puts ranks holding different shards together is refused
+(GraddbgValueError, naming the tensor and both shards). Only when no tensor is replicated
+anywhere (pure FSDP, every parameter sharded over the whole mesh) do the checks say that
+there is nothing to compare (GraddbgValueError) rather than compare shards that differ by
+design; ``graddbg.watch`` gives the statistics of the full gradients there. A sharded model's
+check gathers every rank's fingerprint table (24 bytes per tensor) besides the header.
 ``report.replica_groups`` lists the groups compared; a differing shard's row carries its
 ``local_shape`` and ``shard`` (placements, mesh, coordinates)::
 
@@ -237,18 +241,25 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def _finish(values: torch.Tensor, counts: List[int], present: List[bool]) -> torch.Tensor:
-    """The ``[tensors, 3]`` bitwise table from the block values of every tensor laid end to
-    end (``counts[k]`` blocks for tensor k): present, then two lanes, each the sum modulo
-    2**64 of ``mix64(value_b + b * G + seed)`` over the tensor's blocks b (one seed per
-    lane)."""
-    device, n = values.device, len(counts)
-    owner = torch.repeat_interleave(torch.tensor(counts, dtype=torch.int64, device=device),
-                                    output_size=values.numel())
-    starts = torch.tensor(list(itertools.accumulate(counts, initial=0))[:-1], dtype=torch.int64,
-                          device=device)
-    block = torch.arange(values.numel(), device=device) - starts[owner]
-    z = (values + block * _GOLDEN)[None] + torch.tensor(_LANE_SEEDS, device=device)[:, None]
+def _finish(segments: List[Tuple[torch.Tensor, List[int], List[int]]], present: List[bool],
+            device: torch.device) -> torch.Tensor:
+    """The ``[tensors, 3]`` bitwise table on ``device`` from ``segments`` of block values
+    (values, the tensors they belong to, in order, and how many blocks each has): present,
+    then two lanes, each the sum modulo 2**64 of ``mix64(value_b + b * G + seed)`` over the
+    tensor's blocks b (one seed per lane)."""
+    n = len(present)
+    values, owners, blocks = [], [], []
+    for vals, ks, counts in segments:
+        count = torch.tensor(counts, dtype=torch.int64, device=device)
+        starts = torch.cumsum(count, 0) - count
+        values.append(vals.to(device))
+        owners.append(torch.repeat_interleave(torch.tensor(ks, device=device), count,
+                                              output_size=vals.numel()))
+        blocks.append(torch.arange(vals.numel(), device=device)
+                      - torch.repeat_interleave(starts, count, output_size=vals.numel()))
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    value, owner, block = (torch.cat(x) if x else empty for x in (values, owners, blocks))
+    z = (value + block * _GOLDEN)[None] + torch.tensor(_LANE_SEEDS, device=device)[:, None]
     slots = owner + torch.arange(0, 2 * n, n, device=device)[:, None]      # (lane, tensor), flat
     sums = torch.zeros(2 * n, dtype=torch.int64, device=device).scatter_add_(
         0, slots.reshape(-1), _mix64(z).reshape(-1))    # wraps modulo 2**64; 1-D: deterministic
@@ -257,17 +268,16 @@ def _finish(values: torch.Tensor, counts: List[int], present: List[bool]) -> tor
 
 
 def _packed_blocks(words: List[torch.Tensor], keys: torch.Tensor,
-                   buffers: torch.Tensor) -> List[torch.Tensor]:
-    """The block values of many small tensors (one device) in one pass: their words laid
-    out block-aligned, each followed by the zeros that pad its last block (as
-    :func:`_tensor_blocks` counts them), in one concatenation; mixed together, then split
-    back per tensor."""
+                   buffers: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
+    """The block values of many small tensors (one device) in one pass, and how many
+    blocks each has: their words laid out block-aligned, each followed by the zeros that
+    pad its last block (as :func:`_tensor_blocks` counts them), in one concatenation."""
     counts = [-(-w.numel() // _BLOCK) for w in words]
     zeros = torch.zeros(_BLOCK, dtype=torch.int32, device=words[0].device)
     pieces: List[torch.Tensor] = []
     for w, count in zip(words, counts):
         pieces += [w, zeros[: count * _BLOCK - w.numel()]]
-    return list(_tensor_blocks(torch.cat(pieces), keys, buffers).split(counts))
+    return _tensor_blocks(torch.cat(pieces), keys, buffers), counts
 
 
 def _bitwise_table(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
@@ -276,7 +286,7 @@ def _bitwise_table(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     home = next(t.device for t in tensors if t is not None)
     words = {k: _words(t) for k, t in enumerate(tensors) if t is not None}
     buffers: dict = {}
-    values: dict = {}
+    segments: List[Tuple[torch.Tensor, List[int], List[int]]] = []
     small: dict = {}
     for k, w in words.items():
         if w.device not in buffers:
@@ -284,13 +294,12 @@ def _bitwise_table(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
         if w.numel() <= _SMALL:
             small.setdefault(w.device, []).append(k)
         else:
-            values[k] = _tensor_blocks(w, _keys(w.device), buffers[w.device])
+            vals = _tensor_blocks(w, _keys(w.device), buffers[w.device])
+            segments.append((vals, [k], [vals.numel()]))
     for device, ks in small.items():
-        values.update(zip(ks, _packed_blocks([words[k] for k in ks], _keys(device), buffers[device])))
-    order = [values[k] if values[k].device == home else values[k].to(home) for k in sorted(values)]
-    flat = torch.cat(order) if order else torch.zeros(0, dtype=torch.int64, device=home)
-    counts = [values[k].numel() if k in values else 0 for k in range(len(tensors))]
-    return _finish(flat, counts, [t is not None for t in tensors])
+        vals, counts = _packed_blocks([words[k] for k in ks], _keys(device), buffers[device])
+        segments.append((vals, ks, counts))
+    return _finish(segments, [t is not None for t in tensors], home)
 
 
 def _digest(table: torch.Tensor) -> torch.Tensor:
