@@ -37,13 +37,15 @@ fingerprint is two 64-bit lanes in which every element's bits are mixed with its
 position, exact integer arithmetic (see :func:`fingerprints` for what is guaranteed): any
 change of a single element is always caught, and every other change (a permutation, a
 transpose, swapped rows, a uniform offset, sign flips, any number of one-ulp changes)
-escapes with a probability of about 2**-64 when it was not built against the fixed
-weights; the same NaN on every rank is consistent. Weakened against the block sums this
-replaced: the fingerprint reads every word several times from the cache (a few times the
-cost of one read of the tensors on a CPU, see bench/ddp_check.py), and the two-block
-guarantees are now probabilistic like the rest. With a tolerance, the fingerprint is the float64 sum, sum of squares
-and sum of absolute values of the finite elements and the counts of NaN, +Inf and -Inf;
-two ranks disagree when a count differs or a sum differs by more than elementwise
+escapes with a probability of about 2**-62 to 2**-64 when it was not built against the
+fixed weights; the same NaN on every rank is consistent. Weakened against the word sums
+this replaced: a change of several elements in one block that altered the block's word
+sum was always caught, and is now caught with that probability; and the fingerprint
+reads every word several times from the cache (several times the cost of one read of the
+tensors on a CPU; bench/ddp_check.py measures it).
+
+With a tolerance, the fingerprint is the float64 sum, sum of squares and sum of absolute
+values of the finite elements and the counts of NaN, +Inf and -Inf; two ranks disagree when a count differs or a sum differs by more than elementwise
 ``|a - b| <= atol + rtol * |b|`` allows. A tolerance mismatch is therefore certain; a
 pass means the sums agree within those bounds. Tolerance mode exchanges the sums first
 and the counts only for tensors whose sums are not finite on some rank. It casts every
@@ -378,14 +380,19 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitw
     bijection) and each lane is the sum of those over the blocks, modulo 2**64.
     Guaranteed:
 
-    * a change confined to one block is always detected when it changes one element (or
-      any change whose mixed words differ in one position only, since the weights are
-      odd); any change of one block's value changes both lanes;
+    * a change of a single element is always detected (fold and multiply are bijections,
+      so its mixed word changes, and an odd weight times a non-zero 32-bit difference is
+      not 0 modulo 2**32); so is any change that alters one block's value alone (the
+      finaliser is a bijection, so that block's term changes in both lanes);
     * everything else (permutations, transposes, swapped rows, uniform offsets, sign
-      flips, many one-ulp changes, changes spread over many blocks) escapes only if both
-      32-bit weighted sums of every changed block cancel (about 2**-64 for changes not
-      built against the fixed weights) or the mixed block values cancel in both 64-bit
-      lanes at once (about 2**-64 per lane): about 1 in 2**64 overall.
+      flips, many one-ulp changes, changes over many blocks) escapes only if both weighted
+      sums of every changed block cancel, or the changed blocks' terms cancel in both
+      64-bit lanes at once. For weights drawn independently of the change (odd: 31 random
+      bits each) the first has probability at most 2**-(62 - 2v), v the lowest changed bit
+      of the mixed words (0 for all but contrived changes: the two folds bring changes of
+      the high bits, a sign flip included, down to the low ones); the second about 2**-64
+      for the SplitMix64 finaliser. About 1 in 2**62 to 2**64 overall; weaker than the
+      "always" of the word sums this replaced only for changes that sums could see anyway.
 
     Every element's position enters (its weights within the block, its block through the
     mix), so no reordering is invisible by construction. Not cryptographic: the weights
