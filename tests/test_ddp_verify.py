@@ -865,3 +865,33 @@ def test_a_transposed_square_weight_and_a_uniform_drift_on_one_rank_are_named(tw
     assert _why(records[0]["one_drift"], "parameters")[0] == [("0.bias", 1), ("2.weight", 1)]
     for rec in records:                  # the same transpose and drift on both ranks
         assert rec["both"]["ok"] and rec["both_drift"]["ok"], rec["both"]["text"]
+
+
+def test_check_replicas_refuses_bad_flags_before_any_collective():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(GraddbgValueError, match=r"check_replicas\(gradients=False, parameters=False\): "
+                                                r"nothing to check"):
+        ddp_verify.check_replicas(model, gradients=False, parameters=False)
+    with pytest.raises(GraddbgTypeError, match=r"check_replicas\(gradients=...\): got 'yes' \(str\); "
+                                               r"accepted: True or False"):
+        ddp_verify.check_replicas(model, gradients="yes")
+
+
+def test_each_tensor_is_compared_with_the_ranks_holding_the_same_shard_of_it():
+    """Four ranks: tensor 0 is plain (hash 0 everywhere: one group of all), tensor 1 is
+    sharded in two with replicas [0, 2] and [1, 3], tensor 2 is sharded four ways (no
+    replica: not compared). Within group= sets, only those ranks."""
+    shards = [[0, 11, 21], [0, 12, 22], [0, 11, 23], [0, 12, 24]]
+    assert ddp_verify._tensor_sets(shards, None) == [[[0, 1, 2, 3]], [[0, 2], [1, 3]],
+                                                     [[0], [1], [2], [3]]]
+    assert ddp_verify._tensor_sets(shards, [[0, 2], [1, 3]])[0] == [[0, 2], [1, 3]]
+    per_tensor = ddp_verify._tensor_sets(shards, None)
+    a, b = (ddp_verify.fingerprints([torch.full((3,), v)]) for v in (1.0, 2.0))
+    # rank 2 differs on the plain tensor; rank 3 from its replica, rank 1, on tensor 1; the
+    # unreplicated tensor 2 differs everywhere, by design
+    table = torch.stack([torch.cat([a, a, a]), torch.cat([a, b, b]), torch.cat([b, a, a]),
+                         torch.cat([a, a, b])])        # [rank, tensor, k]
+    meta = [(f"t{i}", (3,), "float32") for i in range(3)]
+    found = ddp_verify._verdict(table, [], meta, "bitwise", 0.0, 0.0, per_tensor=per_tensor)
+    assert found == [(0, 2, 0, "bits differ"), (1, 3, 1, "bits differ")]
+    assert ddp_verify._groups_compared(per_tensor) == ((0, 1, 2, 3), (0, 2), (1, 3))
