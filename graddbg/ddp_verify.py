@@ -269,38 +269,64 @@ def _finish(segments: List[Tuple[torch.Tensor, List[int], List[int]]], present: 
     return torch.cat([flags, sums]).view(3, n).t().contiguous()
 
 
-def _packed_blocks(words: List[torch.Tensor], keys: torch.Tensor,
-                   buffers: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
-    """The block values of many small tensors (one device) in one pass, and how many
-    blocks each has: their words laid out block-aligned, each followed by the zeros that
-    pad its last block (as :func:`_tensor_blocks` counts them), in one concatenation."""
-    counts = [-(-w.numel() // _BLOCK) for w in words]
-    zeros = torch.zeros(_BLOCK, dtype=torch.int32, device=words[0].device)
+def _small_words(small: List[Tuple[int, torch.Tensor]]) -> List[Tuple[List[int], torch.Tensor]]:
+    """Small tensors as rows of int32 words, in groups: tensors of one 4-byte dtype and
+    shape stacked into one ``[count, words]`` matrix (one copy, whatever their strides),
+    any other alone (:func:`_words`); with the indices of the tensors of each group."""
+    groups: dict = {}
+    for k, t in small:
+        fast = t.layout == torch.strided and t.element_size() == 4 and not t.is_complex()
+        groups.setdefault((t.dtype, tuple(t.shape)) if fast else k, []).append((k, t))
+    out = []
+    with torch.no_grad():
+        for key, members in groups.items():
+            if isinstance(key, tuple):
+                rows = torch.stack([t for _, t in members]).reshape(len(members), -1)
+                out.append(([k for k, _ in members], rows.view(torch.int32)))
+            else:
+                out.append(([key], _words(members[0][1]).reshape(1, -1)))
+    return out
+
+
+def _packed_blocks(small: List[Tuple[int, torch.Tensor]], keys: torch.Tensor,
+                   buffers: torch.Tensor) -> Tuple[torch.Tensor, List[int], List[int]]:
+    """The block values of many small tensors (one device) in one pass: their words laid
+    out block-aligned, each padded with the zeros that fill its last block (as
+    :func:`_tensor_blocks` counts them), in one concatenation; the values, the tensors
+    they belong to, in order, and how many blocks each has."""
     pieces: List[torch.Tensor] = []
-    for w, count in zip(words, counts):
-        pieces += [w, zeros[: count * _BLOCK - w.numel()]]
-    return _tensor_blocks(torch.cat(pieces), keys, buffers), counts
+    ks: List[int] = []
+    counts: List[int] = []
+    for members, rows in _small_words(small):
+        width = rows.shape[1]
+        count = -(-width // _BLOCK)
+        if count * _BLOCK > width:
+            rows = torch.cat([rows, rows.new_zeros(rows.shape[0], count * _BLOCK - width)], dim=1)
+        pieces.append(rows.reshape(-1))
+        ks += members
+        counts += [count] * len(members)
+    return _tensor_blocks(torch.cat(pieces), keys, buffers), ks, counts
 
 
 def _bitwise_table(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     """The bitwise table (see :func:`fingerprints`) on the first tensor's device. Tensors
-    of fewer than ``_SMALL`` words are mixed together, per device (:func:`_packed_blocks`)."""
+    of at most ``_SMALL`` words are mixed together, per device (:func:`_packed_blocks`)."""
     home = next(t.device for t in tensors if t is not None)
-    words = {k: _words(t) for k, t in enumerate(tensors) if t is not None}
     buffers: dict = {}
     segments: List[Tuple[torch.Tensor, List[int], List[int]]] = []
     small: dict = {}
-    for k, w in words.items():
-        if w.device not in buffers:
-            buffers[w.device] = torch.empty(2, _ROWS * _BLOCK, dtype=torch.int32, device=w.device)
-        if w.numel() <= _SMALL:
-            small.setdefault(w.device, []).append(k)
+    for k, t in enumerate(tensors):
+        if t is None:
+            continue
+        if t.device not in buffers:
+            buffers[t.device] = torch.empty(2, _ROWS * _BLOCK, dtype=torch.int32, device=t.device)
+        if t.numel() * t.element_size() <= 4 * _SMALL:
+            small.setdefault(t.device, []).append((k, t))
         else:
-            vals = _tensor_blocks(w, _keys(w.device), buffers[w.device])
+            vals = _tensor_blocks(_words(t), _keys(t.device), buffers[t.device])
             segments.append((vals, [k], [vals.numel()]))
-    for device, ks in small.items():
-        vals, counts = _packed_blocks([words[k] for k in ks], _keys(device), buffers[device])
-        segments.append((vals, ks, counts))
+    for device, items in small.items():
+        segments.append(_packed_blocks(items, _keys(device), buffers[device]))
     return _finish(segments, [t is not None for t in tensors], home)
 
 
