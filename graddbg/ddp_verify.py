@@ -661,13 +661,13 @@ def _group_arg(fn: str, group: Any, sharded: Optional[bool] = None) -> None:
                                 f"not a member of the group; call the check only on its members")
 
 
-def _options(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, timeout: Any,
-             details: bool, raise_on_mismatch: bool) -> _Options:
-    check_model(model, fn)
+def _options(fn: str, kind: str, group: Any, atol: Any, rtol: Any, timeout: Any,
+             details: bool, raise_on_mismatch: bool, mesh: Any) -> _Options:
+    """The arguments, validated; ``mesh``: the DeviceMesh of the model's DTensors (None
+    when it holds none, see :func:`_collect_all`)."""
     options = _Options(fn, kind, group, _tolerance_arg(fn, "atol", atol),
                        _tolerance_arg(fn, "rtol", rtol), _timeout_arg(fn, timeout),
                        bool(details), bool(raise_on_mismatch))
-    mesh = _model_mesh(unwrap(model))
     _group_arg(fn, group, sharded=mesh is not None)
     return _resolve(options, mesh)
 
@@ -723,9 +723,12 @@ def _shard_text(entry: tuple) -> str:
     return f"{_placement_text(entry)}, shard at ({where}), local shape {tuple(entry[4])}"
 
 
-def _model_mesh(model: nn.Module) -> Any:
-    """The DeviceMesh of the model's first DTensor parameter or buffer; None when it has none."""
-    for t in itertools.chain(model.parameters(), model.buffers()):
+def _model_mesh(model: nn.Module, skip_parameters: bool = False) -> Any:
+    """The DeviceMesh of the model's first DTensor parameter or buffer; None when it has
+    none (``skip_parameters``: the parameters are known to hold none)."""
+    tensors = model.buffers() if skip_parameters else itertools.chain(model.parameters(),
+                                                                      model.buffers())
+    for t in tensors:
         spec = _spec(t)
         if spec is not None:
             return spec[0]
@@ -772,48 +775,50 @@ def _resolve(options: _Options, mesh: Any) -> _Options:
     return dataclasses.replace(options, group=None, sharded=True, replicas=tuple(sorted(ranks)))
 
 
-def _collect(model: nn.Module, kind: str) -> Tuple[List[str], List[Optional[torch.Tensor]],
-                                                    List[tuple], List[Optional[tuple]]]:
-    """Names, the tensors this rank holds (a gradient may be None; a DTensor's local
-    shard), metadata (name, global shape, dtype, and for gradients requires_grad) and
-    layouts (see :func:`_layout_entry`; None for a plain tensor) of what ``kind`` checks,
-    without DDP's ignored ones."""
-    ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
-    items: Iterable = model.named_buffers() if kind == "buffers" else model.named_parameters()
-    names: List[str] = []
-    tensors: List[Optional[torch.Tensor]] = []
-    meta: List[tuple] = []
-    layout: List[Optional[tuple]] = []
-    for name, t in items:
-        if name in ignore:
-            continue
-        source = t.grad if kind == "gradients" else t
-        spec = (_spec(source) if source is not None else None) or _spec(t)
-        names.append(clean_name(name))
-        entry = (names[-1], spec[2] if spec else tuple(t.shape), str(t.dtype).replace("torch.", ""))
-        if kind == "gradients":
-            entry += (bool(t.requires_grad),)
-        tensors.append(_held(source))
-        meta.append(entry)
-        layout.append(None if spec is None else _layout_entry(spec, tuple(_held(t).shape)))
-    return names, tensors, meta, layout
+def _entry(name: str, t: torch.Tensor, kind: str) -> Tuple[Optional[torch.Tensor], tuple,
+                                                          Optional[tuple]]:
+    """What one parameter or buffer contributes to a check of ``kind``: the tensor this
+    rank holds (a gradient may be None; a DTensor's local shard), its metadata (name,
+    global shape, dtype, and for gradients requires_grad) and layout (see
+    :func:`_layout_entry`; None for a plain tensor)."""
+    source = t.grad if kind == "gradients" else t
+    spec = (_spec(source) if source is not None else None) or _spec(t)
+    entry = (name, spec[2] if spec else tuple(t.shape), str(t.dtype).replace("torch.", ""))
+    if kind == "gradients":
+        entry += (bool(t.requires_grad),)
+    return _held(source), entry, (None if spec is None else _layout_entry(spec, tuple(_held(t).shape)))
 
 
 def _collect_all(model: nn.Module, parts: Sequence[str]) -> Tuple[
-        List[str], List[Optional[torch.Tensor]], List[tuple], List[Optional[tuple]], List[str]]:
-    """:func:`_collect` of every kind in ``parts``, laid end to end, and the kind of each
-    tensor (a gradient's metadata has one field more than a parameter's, so the two are
-    told apart in the structure hash)."""
-    names: List[str] = []
-    tensors: List[Optional[torch.Tensor]] = []
-    meta: List[tuple] = []
-    layout: List[Optional[tuple]] = []
-    kinds: List[str] = []
-    for kind in parts:
-        n, t, m, l = _collect(model, kind)
-        names, tensors, meta, layout = names + n, tensors + t, meta + m, layout + l
-        kinds += [kind] * len(n)
-    return names, tensors, meta, layout, kinds
+        List[str], List[Optional[torch.Tensor]], List[tuple], List[Optional[tuple]], List[str], Any]:
+    """Names, tensors, metadata and layouts (see :func:`_entry`) of every kind in
+    ``parts``, laid end to end, without DDP's ignored ones; the kind of each tensor (a
+    gradient's metadata has one field more than a parameter's, so the two are told apart
+    in the structure hash); and the DeviceMesh of the model's DTensors (None when it holds
+    none). One walk over the parameters (and one over the buffers where needed)."""
+    ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
+    walks = [("buffers", model.named_buffers())] if "buffers" in parts else []
+    wanted = [k for k in parts if k != "buffers"]
+    if wanted:
+        walks.insert(0, ("params", model.named_parameters()))
+    found: dict = {k: ([], [], [], []) for k in parts}
+    mesh = None
+    for walk, items in walks:
+        for name, t in items:
+            if name in ignore:
+                continue
+            if mesh is None and _spec(t) is not None:
+                mesh = _spec(t)[0]
+            clean = clean_name(name)
+            for kind in (["buffers"] if walk == "buffers" else wanted):
+                held, entry, lay = _entry(clean, t, kind)
+                for column, value in zip(found[kind], (clean, held, entry, lay)):
+                    column.append(value)
+    if mesh is None:
+        mesh = _model_mesh(model, skip_parameters=bool(wanted))
+    columns = [sum((found[k][c] for k in parts), []) for c in range(4)]
+    kinds = sum(([k] * len(found[k][0]) for k in parts), [])
+    return columns[0], columns[1], columns[2], columns[3], kinds, mesh
 
 
 # --------------------------------------------------------------------------- groups
@@ -1520,9 +1525,11 @@ def _groups_compared(per_tensor: List[List[List[int]]]) -> Tuple[Tuple[int, ...]
 
 def _check(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, timeout: Any,
            details: bool, raise_on_mismatch: bool, initial: bool = False) -> ConsistencyReport:
-    options = dataclasses.replace(_options(fn, kind, model, group, atol, rtol, timeout, details,
-                                           raise_on_mismatch), initial=bool(initial))
-    names, tensors, meta, layout, kinds = _collect_all(unwrap(model), options.parts)
+    check_model(model, fn)
+    parts = tuple(k for k in ("gradients", "parameters", "buffers") if k in kind)
+    names, tensors, meta, layout, kinds, mesh = _collect_all(unwrap(model), parts)
+    options = dataclasses.replace(_options(fn, kind, group, atol, rtol, timeout, details,
+                                           raise_on_mismatch, mesh), initial=bool(initial))
     device = _comm_device(options.group, tensors, model)
     local, header, error = _local(options, tensors, meta, layout, device)
     rows = _rendezvous(options, header)
