@@ -25,15 +25,24 @@ allgather / allreduce in this process only.
 
     .venv/bin/python bench/ddp_check.py [--repeats 40] [--steps 10] [--threads 1]
 
+Then, for choosing how often ``watch()`` checks the replicas: the cost of one
+``check_replicas`` (gradients and parameters in one exchange, as the watch makes it) as a
+share of a DDP training step of the bench models (the 8.4M MLP and the launch-bound 64-layer
+net), each check timed right after a step and a barrier, interleaved with plain steps; and
+the smallest N such that checking every N steps costs at most 1% of a step (the proposed
+default is the largest N over the models). ``--cost-only`` runs only that part.
+
 ``--fingerprints`` instead times the local fingerprint kernels on 32 MB of float32 in
 this process (no distributed run), interleaved, against one read of the same data
 (torch._foreach_norm), the floor for anything that reads every element once.
 
     .venv/bin/python bench/ddp_check.py --fingerprints [--repeats 8] [--threads 1]
+    .venv/bin/python bench/ddp_check.py --cost-only [--repeats 20]
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import statistics
@@ -192,6 +201,76 @@ def _standalone(b: _Bench, repeats: int) -> dict:
         f"min_{k}": min(v) for k, v in times.items()}
 
 
+COST_MODELS = ("mlp8m", "launchbound")
+BUDGET = 0.01       # the replica check may cost at most this share of a step
+
+
+def _step_cost(name: str, repeats: int) -> dict:
+    """Median DDP step and median check_replicas(model) (gradients and parameters, one
+    exchange), each check right after a plain step and a barrier, as the watch makes it."""
+    import _models
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from graddbg import ddp_verify
+
+    torch.manual_seed(0)
+    net, make_batch, loss_fn = _models.MODELS[name]()
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = make_batch()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model(x), y).backward()
+        opt.step()
+    times = {"step": [], "check": []}
+    for i in range(3 + repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        dist.barrier()
+        t2 = time.perf_counter()
+        assert ddp_verify.check_replicas(model).ok
+        t3 = time.perf_counter()
+        if i >= 3:
+            times["step"].append(t1 - t0)
+            times["check"].append(t3 - t2)
+    return {"step": statistics.median(times["step"]), "check": statistics.median(times["check"]),
+            "tensors": 2 * len(list(model.parameters())),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def _cost_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    costs = {name: _step_cost(name, repeats) for name in COST_MODELS}
+    if rank == 0:
+        queue.put(costs)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _print_costs(costs: dict, repeats: int) -> int:
+    """Print each model's check cost as a share of its step and the N it needs; return the
+    proposed default N (the largest)."""
+    print(f"one check_replicas (gradients + parameters, one exchange) against a DDP step, "
+          f"gloo, 2 ranks, median of {repeats} (each check right after a step and a barrier):")
+    needed = {}
+    for name, c in costs.items():
+        share = c["check"] / c["step"]
+        needed[name] = max(1, math.ceil(share / BUDGET))
+        print(f"  {name:12s} {c['params'] / 1e6:6.2f}M parameters in {c['tensors'] // 2:3d} tensors: "
+              f"step {c['step'] * 1e3:7.2f} ms, check {c['check'] * 1e3:6.2f} ms = "
+              f"{100 * share:6.2f}% of a step; every N >= {needed[name]} steps costs <= "
+              f"{100 * BUDGET:g}%")
+    n = max(needed.values())
+    print(f"proposed default: check every N = {n} steps (the largest over the models; "
+          f"costs <= {100 * BUDGET:g}% of a step on each)")
+    return n
+
+
 def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads: int,
             queue) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -282,10 +361,8 @@ def _fingerprint_kernels(repeats: int, threads: int) -> None:
     candidates = {
         "one read: torch._foreach_norm": lambda: torch._foreach_norm([x]),
         "fingerprints(bitwise)": lambda: ddp_verify.fingerprints([x]),
-        "  its kernel: int32 block sums (1024 words)": lambda: w.view(-1, 1024).sum(
+        "  the block sums it replaced (blind to reordering)": lambda: w.view(-1, 1024).sum(
             1, dtype=torch.int32),
-        "int32 block sums accumulated in int64": lambda: w.view(-1, 1024).sum(
-            1, dtype=torch.int64),
         "fingerprints(tolerance)": lambda: ddp_verify.fingerprints([x], mode="tolerance"),
     }
     times = {k: [] for k in candidates}
@@ -313,12 +390,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--fingerprints", action="store_true",
                         help="time the local fingerprint kernels only (one process)")
+    parser.add_argument("--cost-only", action="store_true",
+                        help="only the check's cost as a share of a step, and the proposed N")
     args = parser.parse_args()
     if args.fingerprints:
         _fingerprint_kernels(args.repeats, args.threads)
         return
-    world, port = 2, _free_port()
+    world = 2
     queue = mp.get_context("spawn").SimpleQueue()
+    if not args.cost_only:
+        _check_against_floor(args, world, queue)
+    mp.start_processes(_cost_worker, args=(world, _free_port(), args.repeats, args.threads, queue),
+                       nprocs=world, start_method="spawn", join=True)
+    _print_costs(queue.get(), args.repeats)
+
+
+def _check_against_floor(args: argparse.Namespace, world: int, queue) -> None:
+    port = _free_port()
     mp.start_processes(_worker, args=(world, port, args.repeats, args.steps, args.threads, queue),
                        nprocs=world, start_method="spawn", join=True)
     got = [queue.get() for _ in range(world + 1)]

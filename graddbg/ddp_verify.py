@@ -7,9 +7,10 @@ list of steps (see ``_check``):
 1. the arguments, validated once (bad ones raise ``GraddbgValueError`` /
    ``GraddbgTypeError`` on the calling rank, before any collective);
 2. local fingerprints of every tensor (:func:`fingerprints`), computed with torch's own
-   kernels on the tensors' device, the same code on CPU and GPU: one streaming integer
-   reduction per tensor that reads it once, then a few kernels over the small table of
-   block sums, no host synchronisation; the result is an int64 ``[tensors x k]`` table
+   kernels on the tensors' device, the same code on CPU and GPU: every word of every
+   tensor mixed with its position, in chunks that stay near the cache, then a few kernels
+   over the small table of block values, no host synchronisation; the result is an int64
+   ``[tensors x k]`` table
    and its digest (two hashes modulo primes near 2**31), one host synchronisation;
 3. the rendezvous: this rank writes its count of checks entered to the process group's
    store (a ``set``, which awaits no reply), then one all-gather of a 7-integer header
@@ -32,13 +33,19 @@ list of steps (see ``_check``):
    never travel otherwise.
 
 Two modes. With ``atol == rtol == 0`` (the default) the comparison is *bitwise*: a
-fingerprint is a word sum and two position-weighted hashes of the raw bits, exact integer
-arithmetic (see :func:`fingerprints` for what is guaranteed): any change of a single
-element is always caught, a swap of two elements in different blocks of 1024 words
-with overwhelming probability, a reordering inside one block never; the same NaN on every
-rank is consistent. With a tolerance, the fingerprint is the float64 sum, sum of squares
-and sum of absolute values of the finite elements and the counts of NaN, +Inf and -Inf;
-two ranks disagree when a count differs or a sum differs by more than elementwise
+fingerprint is two 64-bit lanes in which every element's bits are mixed with its
+position, exact integer arithmetic (see :func:`fingerprints` for what is guaranteed): any
+change of a single element is always caught, and every other change (a permutation, a
+transpose, swapped rows, a uniform offset, sign flips, any number of one-ulp changes)
+escapes with a probability of about 2**-62 to 2**-64 when it was not built against the
+fixed weights; the same NaN on every rank is consistent. Weakened against the word sums
+this replaced: a change of several elements in one block that altered the block's word
+sum was always caught, and is now caught with that probability; and the fingerprint
+reads every word several times from the cache (several times the cost of one read of the
+tensors on a CPU; bench/ddp_check.py measures it).
+
+With a tolerance, the fingerprint is the float64 sum, sum of squares and sum of absolute
+values of the finite elements and the counts of NaN, +Inf and -Inf; two ranks disagree when a count differs or a sum differs by more than elementwise
 ``|a - b| <= atol + rtol * |b|`` allows. A tolerance mismatch is therefore certain; a
 pass means the sums agree within those bounds. Tolerance mode exchanges the sums first
 and the counts only for tensors whose sums are not finite on some rank. It casts every
@@ -69,23 +76,27 @@ optimizer is about to use differ across ranks and the check names them;
 :func:`check_parameters` after the step catches weights that have already drifted apart.
 
 Sharded models (FSDP2's ``fully_shard``, HSDP, DTensor tensor parallelism). The checks
-compare replicas, shard by shard. Each rank fingerprints what it holds of every tensor (a
-DTensor's ``to_local()`` shard) and is compared only with its replicas: by default the
-ranks that hold the same shard of every tensor (the same coordinates on every mesh
-dimension over which some tensor is not ``Replicate``), found from the one exchange, which
-then runs over the default group: every rank calls the check, gets the same verdict, and
-ranks are named by their global rank. On HSDP (a ``(replicate, shard)`` mesh) the replica
-groups lie along ``replicate``; under tensor parallelism over ``tp`` with data parallelism
-over ``dp`` (``replicate``, ``DistributedDataParallel(..., device_mesh=mesh["dp"])`` or
-gradients averaged by hand), along ``dp``. ``group=`` may name them instead: a mesh
-dimension name (``group="replicate"``, looked up on the DTensors' mesh, or on the mesh it
-was sliced from), a 1-D ``DeviceMesh`` or a ProcessGroup (each rank passes its own). A
-group that puts ranks holding different shards together is refused (GraddbgValueError,
-naming the tensor and both shards). Pure FSDP (every parameter sharded over the whole
-mesh) has no replicas, and the checks say so (GraddbgValueError) rather than compare
-shards that differ by design; ``graddbg.watch`` gives the statistics of the full gradients
-there. Plain tensors of a sharded model (its buffers, unsharded parameters) are compared
-within the same replica groups, across every rank when a check holds no DTensor.
+compare replicas, tensor by tensor and shard by shard. Each rank fingerprints what it
+holds of every tensor (a DTensor's ``to_local()`` shard) and each tensor is compared with
+exactly the ranks that should hold the same values: by default the ranks holding the
+same shard of it (the same coordinates on every mesh dimension over which it is not
+``Replicate``), found from a hash of each rank's shard gathered with the fingerprints;
+the exchange runs over the default group: every rank calls the check, gets the same
+verdict, and ranks are named by their global rank. On HSDP (a ``(replicate, shard)``
+mesh) a parameter's replicas lie along ``replicate``; under tensor parallelism over ``tp``
+with data parallelism over ``dp`` (``replicate``, ``DistributedDataParallel(...,
+device_mesh=mesh["dp"])`` or gradients averaged by hand), a shard's along ``dp``; a
+``Replicate`` placement and a plain (non-DTensor) tensor of a sharded model, such as a
+LayerNorm weight left out of a tensor-parallel plan or a buffer, are compared across
+every rank (the TP group included). ``group=`` may name the replicas instead, for every
+tensor: a mesh dimension name (``group="replicate"``, looked up on the DTensors' mesh, or
+on the mesh it was sliced from), a 1-D ``DeviceMesh`` or a ProcessGroup (each rank passes
+its own). A group that puts ranks holding different shards together is refused
+(GraddbgValueError, naming the tensor and both shards). Only when no tensor is replicated
+anywhere (pure FSDP, every parameter sharded over the whole mesh) do the checks say that
+there is nothing to compare (GraddbgValueError) rather than compare shards that differ by
+design; ``graddbg.watch`` gives the statistics of the full gradients there. A sharded model's
+check gathers every rank's fingerprint table (24 bytes per tensor) besides the header.
 ``report.replica_groups`` lists the groups compared; a differing shard's row carries its
 ``local_shape`` and ``shard`` (placements, mesh, coordinates)::
 
@@ -120,22 +131,29 @@ __all__ = [
     "check_gradients",
     "check_parameters",
     "check_buffers",
+    "check_replicas",
     "fingerprints",
     "prepare",
 ]
 
-_BLOCK = 1024                   # words per block: the bitwise fingerprint sums each block once
-_WEIGHT_MULTS = (0x5BD1E995, 0x27D4EB2F)        # odd multipliers: one per hash (_finish)
+_BLOCK = 1024                   # int32 words per block of the bitwise fingerprint
+_ROWS = 512                     # blocks mixed per chunk (2 MB of words: few calls, near the cache)
+_SMALL = 16 * 1024              # tensors of at most this many words are mixed together
+_KEY_SEED = 0x67726164646267    # seeds the fixed keys (_keys)
+_MIX32 = 0x45D9F3B              # odd multiplier between the two folds of a word
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: a block's position, spread
+_LANE_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)   # one per 64-bit lane
 _DIGEST_PRIMES = (2_147_483_647, 2_147_483_629)  # the digest of a table: two primes below 2**31
 _MULT = 1_103_515_245           # digest weight of position i is (i + 1) * _MULT mod the prime
 _CHUNK = 1 << 20                # tolerance sums cast at most this many elements at a time
 _MAX_DETAIL_TENSORS = 16        # details=True gathers at most this many differing tensors
 _DETAIL_BYTES = 1 << 25         # ... in slices of at most this many bytes over all ranks
 _MAX_STR_ROWS = 10              # str(report) shows at most this many rows
-_BITWISE_K = 4                  # present, word sum, two block hashes
+_BITWISE_K = 3                  # present, two 64-bit lanes
 _TOLERANCE_K = 7                # present, nan, +inf, -inf, sum, sum of squares, sum of |x|
 
 Timeout = Union[timedelta, float, int]
+_KEY_CACHE: dict = {}           # the fingerprint keys, per device (_keys)
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -150,15 +168,18 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` as flat words: int64 for 8-byte elements, else little-endian
-    int32 (1- and 2-byte elements packed 4 or 2 to a word, the last word zero-padded).
-    A view, unless ``t`` is not contiguous, its byte count is not a multiple of 4 or its
-    start is not on a word boundary."""
+    """The bytes of ``t`` as flat little-endian int32 words (8-byte elements give two
+    words each; 1- and 2-byte elements are packed 4 or 2 to a word, the last word
+    zero-padded). A view, unless ``t`` is not contiguous, its byte count is not a multiple
+    of 4 or its start is not on a word boundary."""
+    if t.layout == torch.strided and t.element_size() == 4 and t.is_contiguous() \
+            and not t.is_complex():
+        return t.detach().view(-1).view(torch.int32)            # the common case, quickly
     flat = _flat(t).contiguous()
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     if flat.element_size() in (4, 8):
-        return flat.view(torch.int32 if flat.element_size() == 4 else torch.int64)
+        return flat.view(torch.int32)
     raw = flat.view(torch.uint8)
     if raw.numel() % 4:
         raw = torch.cat([raw, raw.new_zeros(-raw.numel() % 4)])
@@ -168,59 +189,145 @@ def _words(t: torch.Tensor) -> torch.Tensor:
         return raw.clone().view(torch.int32)
 
 
-def _cells(words: torch.Tensor) -> List[torch.Tensor]:
-    """The block sums of one tensor's words, in one read: "cells", as int32 values.
+def _keys(device: torch.device) -> torch.Tensor:
+    """The fixed weights, ``[2, _BLOCK]`` int32 on ``device``: two odd weights per position
+    in a block (one per 32-bit sum). Drawn once from a seeded CPU generator, so they are
+    the same on every machine and device; cached per device."""
+    key = str(device)
+    if key not in _KEY_CACHE:
+        g = torch.Generator().manual_seed(_KEY_SEED)
+        keys = torch.randint(-2 ** 31, 2 ** 31, (2, _BLOCK), generator=g, dtype=torch.int64)
+        _KEY_CACHE[key] = (keys | 1).to(torch.int32).to(device)
+    return _KEY_CACHE[key]
 
-    int32 words: one cell per block of ``_BLOCK`` words (the last block may be partial; no
-    words at all is one block), its sum modulo 2**32. int64 words (8-byte elements): each
-    block's sum modulo 2**64 gives two cells, its low and its high 32 bits.
-    """
+
+def _fold(x: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """``out = x ^ (x >>> 16)`` on int32 words (a logical shift: a bijection of each word)."""
+    torch.bitwise_right_shift(x, 16, out=tmp)
+    return torch.bitwise_xor(x, tmp.bitwise_and_(0xFFFF), out=out)
+
+
+def _block_values(rows: torch.Tensor, keys: torch.Tensor, buffers: torch.Tensor) -> torch.Tensor:
+    """The int64 value of each block (row) of int32 words: the two weighted sums
+    ``sum_j B_j h_j`` and ``sum_j C_j h_j`` modulo 2**32 (its low and high half) of the
+    mixed words ``h_j = fold(M * fold(w_j))``, j the position in the block, B_j and C_j odd
+    (:func:`_keys`). ``rows`` may be shorter than a block: the missing words count as
+    zeros (which mix to zero). ``buffers``: two int32 scratch rows of a chunk's size."""
+    shape, width = rows.shape, rows.shape[1]
+    h, tmp = (b[: rows.numel()].view(shape) for b in buffers)
+    _fold(rows, h, tmp).mul_(_MIX32)
+    _fold(h, h, tmp)
+    sums = [torch.mul(h, keys[k, :width], out=tmp).sum(1, dtype=torch.int32) for k in (0, 1)]
+    return (sums[0].to(torch.int64) & 0xFFFFFFFF) | (sums[1].to(torch.int64) << 32)
+
+
+def _tensor_blocks(words: torch.Tensor, keys: torch.Tensor, buffers: torch.Tensor) -> torch.Tensor:
+    """The block values (see :func:`_block_values`) of one tensor's words, in chunks of
+    ``_ROWS`` blocks (the mixed words of a chunk stay in cache); the last block may be
+    partial. No words: no blocks."""
     n = words.numel()
     full = n // _BLOCK
-    parts = []
-    if full:                # wrapping integer sums: one streaming pass, no cast, no copy
-        parts.append(words[: full * _BLOCK].view(full, _BLOCK).sum(1, dtype=words.dtype))
-    if n > full * _BLOCK or not full:
-        parts.append(words[full * _BLOCK:].sum(dtype=words.dtype).reshape(1))
-    return [p.view(torch.int32) for p in parts]                  # int64: (low, high) pairs
+    parts = [_block_values(words[s * _BLOCK: min(full, s + _ROWS) * _BLOCK].view(-1, _BLOCK),
+                           keys, buffers) for s in range(0, full, _ROWS)]
+    if n > full * _BLOCK:
+        parts.append(_block_values(words[full * _BLOCK:].view(1, -1), keys, buffers))
+    return torch.cat(parts) if parts else words.new_zeros(0, dtype=torch.int64)
 
 
-def _finish(cells: torch.Tensor, counts: List[int], wide: List[bool]) -> torch.Tensor:
-    """The ``[tensors, 4]`` bitwise table from the cells of every tensor laid end to end
-    (``counts[k]`` cells for tensor k, none for an absent one; ``wide[k]``: its cells are
-    the halves of 64-bit block sums). Per tensor, modulo 2**64 (int64 arithmetic wraps):
-    the word sum (each cell shifted into place: by 32 bits for a high half) and two hashes
-    ``sum(w_i * cell_i)`` with the odd weights ``w_i = 2 * ((i * mult) mod 2**31) + 1`` of
-    the cell's position i in its tensor, distinct for i < 2**31."""
-    device, total, n = cells.device, cells.numel(), len(counts)
-    starts = list(itertools.accumulate(counts, initial=0))[:-1]
-    plan = torch.tensor([starts, wide, counts], dtype=torch.int64).to(device)
-    owner = torch.repeat_interleave(plan[2], output_size=total)      # the tensor of each cell
-    pos = torch.arange(total, device=device) - plan[0][owner]         # its position there
-    u = cells.to(torch.int64)                                        # signed 32-bit values
-    placed = u << ((plan[1][owner] & pos & 1) * 32) if any(wide) else u
-    doubled = torch.tensor(_WEIGHT_MULTS, dtype=torch.int64).to(device)[:, None] * 2
-    weights = (pos * doubled).bitwise_and_((1 << 32) - 1).add_(1)      # [2, cells]
-    terms = torch.cat([placed[None], u * weights])                   # [3, cells]
-    slots = owner + torch.arange(0, 3 * n, n, device=device)[:, None]  # (row, tensor), flat
-    sums = torch.zeros(3 * n, dtype=torch.int64, device=device).scatter_add_(
-        0, slots.reshape(-1), terms.reshape(-1))     # wraps modulo 2**64; 1-D: deterministic
-    return torch.cat([(plan[2] > 0).to(torch.int64), sums]).view(4, n).t().contiguous()
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser (a bijection of int64, with logical shifts), in place."""
+    for shift, mult in ((30, -4658895280553007687), (27, -7723592293110705685), (31, None)):
+        z.bitwise_xor_((z >> shift) & ((1 << (64 - shift)) - 1))
+        if mult is not None:
+            z.mul_(mult)
+    return z
+
+
+def _finish(segments: List[Tuple[torch.Tensor, List[int], List[int]]], present: List[bool],
+            device: torch.device) -> torch.Tensor:
+    """The ``[tensors, 3]`` bitwise table on ``device`` from ``segments`` of block values
+    (values, the tensors they belong to, in order, and how many blocks each has): present,
+    then two lanes, each the sum modulo 2**64 of ``mix64(value_b + b * G + seed)`` over the
+    tensor's blocks b (one seed per lane)."""
+    n = len(present)
+    values, owners, blocks = [], [], []
+    for vals, ks, counts in segments:
+        count = torch.tensor(counts, dtype=torch.int64, device=device)
+        starts = torch.cumsum(count, 0) - count
+        values.append(vals.to(device))
+        owners.append(torch.repeat_interleave(torch.tensor(ks, device=device), count,
+                                              output_size=vals.numel()))
+        blocks.append(torch.arange(vals.numel(), device=device)
+                      - torch.repeat_interleave(starts, count, output_size=vals.numel()))
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    value, owner, block = (torch.cat(x) if x else empty for x in (values, owners, blocks))
+    z = (value + block * _GOLDEN)[None] + torch.tensor(_LANE_SEEDS, device=device)[:, None]
+    slots = owner + torch.arange(0, 2 * n, n, device=device)[:, None]      # (lane, tensor), flat
+    sums = torch.zeros(2 * n, dtype=torch.int64, device=device).scatter_add_(
+        0, slots.reshape(-1), _mix64(z).reshape(-1))    # wraps modulo 2**64; 1-D: deterministic
+    flags = torch.tensor(present, dtype=torch.int64, device=device)
+    return torch.cat([flags, sums]).view(3, n).t().contiguous()
+
+
+def _small_words(small: List[Tuple[int, torch.Tensor]]) -> List[Tuple[List[int], torch.Tensor]]:
+    """Small tensors as rows of int32 words, in groups: tensors of one 4-byte dtype and
+    shape stacked into one ``[count, words]`` matrix (one copy, whatever their strides),
+    any other alone (:func:`_words`); with the indices of the tensors of each group."""
+    groups: dict = {}
+    for k, t in small:
+        fast = t.layout == torch.strided and t.element_size() == 4 and not t.is_complex()
+        groups.setdefault((t.dtype, tuple(t.shape)) if fast else k, []).append((k, t))
+    out = []
+    with torch.no_grad():
+        for key, members in groups.items():
+            if isinstance(key, tuple):
+                rows = torch.stack([t for _, t in members]).reshape(len(members), -1)
+                out.append(([k for k, _ in members], rows.view(torch.int32)))
+            else:
+                out.append(([key], _words(members[0][1]).reshape(1, -1)))
+    return out
+
+
+def _packed_blocks(small: List[Tuple[int, torch.Tensor]], keys: torch.Tensor,
+                   buffers: torch.Tensor) -> Tuple[torch.Tensor, List[int], List[int]]:
+    """The block values of many small tensors (one device) in one pass: their words laid
+    out block-aligned, each padded with the zeros that fill its last block (as
+    :func:`_tensor_blocks` counts them), in one concatenation; the values, the tensors
+    they belong to, in order, and how many blocks each has."""
+    pieces: List[torch.Tensor] = []
+    ks: List[int] = []
+    counts: List[int] = []
+    for members, rows in _small_words(small):
+        width = rows.shape[1]
+        count = -(-width // _BLOCK)
+        if count * _BLOCK > width:
+            rows = torch.cat([rows, rows.new_zeros(rows.shape[0], count * _BLOCK - width)], dim=1)
+        pieces.append(rows.reshape(-1))
+        ks += members
+        counts += [count] * len(members)
+    return _tensor_blocks(torch.cat(pieces), keys, buffers), ks, counts
 
 
 def _bitwise_table(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """The bitwise table (see :func:`fingerprints`) on the first tensor's device."""
+    """The bitwise table (see :func:`fingerprints`) on the first tensor's device. Tensors
+    of at most ``_SMALL`` words are mixed together, per device (:func:`_packed_blocks`)."""
     home = next(t.device for t in tensors if t is not None)
-    cells: List[torch.Tensor] = []
-    counts: List[int] = []
-    wide: List[bool] = []
-    for t in tensors:
-        words = None if t is None else _words(t)
-        parts = [] if words is None else _cells(words)
-        cells += [p.to(home) for p in parts]
-        counts.append(sum(p.numel() for p in parts))
-        wide.append(words is not None and words.dtype == torch.int64)
-    return _finish(torch.cat(cells), counts, wide)
+    buffers: dict = {}
+    segments: List[Tuple[torch.Tensor, List[int], List[int]]] = []
+    small: dict = {}
+    for k, t in enumerate(tensors):
+        if t is None:
+            continue
+        if t.device not in buffers:
+            buffers[t.device] = torch.empty(2, _ROWS * _BLOCK, dtype=torch.int32, device=t.device)
+        if t.numel() * t.element_size() <= 4 * _SMALL:
+            small.setdefault(t.device, []).append((k, t))
+        else:
+            vals = _tensor_blocks(_words(t), _keys(t.device), buffers[t.device])
+            segments.append((vals, [k], [vals.numel()]))
+    for device, items in small.items():
+        segments.append(_packed_blocks(items, _keys(device), buffers[device]))
+    return _finish(segments, [t is not None for t in tensors], home)
 
 
 def _digest(table: torch.Tensor) -> torch.Tensor:
@@ -286,29 +393,36 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitw
                  device: Optional[torch.device] = None) -> torch.Tensor:
     """Per-tensor fingerprints, computed locally (no communication), as an int64 ``[n, k]`` table.
 
-    ``mode="bitwise"``: columns ``present, word_sum, hash_a, hash_b``, computed from the raw
-    bits with integer arithmetic only, so they are exact and the same on every machine
-    and device (any summation order gives the same result). The bytes of a tensor (dense,
-    row-major; complex as its real view) are read as little-endian int32 words, the last
-    one zero-padded (int64 words for 8-byte element types); each block of ``_BLOCK``
-    (1024) words is summed modulo 2**32 (2**64) in one streaming pass, which reads every
-    tensor once. Those block sums (two 32-bit cells per block for int64 words) give
-    ``word_sum``, their sum modulo 2**64, and two hashes ``sum(w_i * cell_i) mod 2**64``
-    with odd weights ``w_i`` distinct for every block (two different weight sequences).
+    ``mode="bitwise"``: columns ``present, lane_a, lane_b``, computed from the raw bits
+    with integer arithmetic only, so they are exact and the same on every machine and
+    device. The bytes of a tensor (dense, row-major; complex as its real view) are read as
+    little-endian int32 words (8-byte elements give two; 1- and 2-byte elements are packed,
+    the last word zero-padded), in blocks of ``_BLOCK`` (1024) words. Every word ``w`` at
+    position j of its block is mixed, ``h = fold(M * fold(w))`` with ``fold(x) = x ^
+    (x >>> 16)`` (a bijection: any change of a word changes h, high bits reach the low
+    ones), and each block gets two sums ``sum_j B_j h_j`` modulo 2**32 with fixed odd
+    weights per position (B and C, from a seeded generator). The 64-bit value of block b
+    (the two sums) is mixed with b and a seed per lane by SplitMix64's finaliser (a
+    bijection) and each lane is the sum of those over the blocks, modulo 2**64.
     Guaranteed:
 
-    * a change of any single element (any of its bits) is always detected, and so is any
-      change confined to one block that changes that block's word sum modulo 2**32
-      (2**64 for 8-byte types);
-    * a change confined to two blocks of 32-bit words: whatever the change of one block's
-      sum, at most one change of the other's escapes each hash. In particular exchanging
-      two 32-bit words that lie in different blocks (two float32 elements, say) escapes
-      a hash only when the difference of the two words is one of at most six values
-      determined by the two blocks (their weights and sums), and it must escape both;
-    * not detected: any reordering of the words inside one block.
+    * a change of a single element is always detected (fold and multiply are bijections,
+      so its mixed word changes, and an odd weight times a non-zero 32-bit difference is
+      not 0 modulo 2**32); so is any change that alters one block's value alone (the
+      finaliser is a bijection, so that block's term changes in both lanes);
+    * everything else (permutations, transposes, swapped rows, uniform offsets, sign
+      flips, many one-ulp changes, changes over many blocks) escapes only if both weighted
+      sums of every changed block cancel, or the changed blocks' terms cancel in both
+      64-bit lanes at once. For weights drawn independently of the change (odd: 31 random
+      bits each) the first has probability at most 2**-(62 - 2v), v the lowest changed bit
+      of the mixed words (0 for all but contrived changes: the two folds bring changes of
+      the high bits, a sign flip included, down to the low ones); the second about 2**-64
+      for the SplitMix64 finaliser. About 1 in 2**62 to 2**64 overall; weaker than the
+      "always" of the word sums this replaced only for changes that sums could see anyway.
 
-    Other changes are caught unless they cancel in the word sum and in both hashes at
-    once (heuristically, for changes not built to cancel, about 1 in 2**64). NaNs compare by
+    Every element's position enters (its weights within the block, its block through the
+    mix), so no reordering is invisible by construction. Not cryptographic: the weights
+    are fixed and public, so a change built against them can collide. NaNs compare by
     their bits: the same NaN is consistent, ``-0.0`` differs from ``0.0``.
 
     ``mode="tolerance"``: ``present, nan, posinf, neginf`` and the float64
@@ -321,7 +435,7 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitw
     >>> b = a.clone(); b[2] = 3.0000002
     >>> fp = fingerprints([a, a.clone(), b, None])
     >>> fp.shape
-    torch.Size([4, 4])
+    torch.Size([4, 3])
     >>> bool((fp[0] == fp[1]).all()), bool((fp[0] == fp[2]).all()), fp[3, 0].item()
     (True, False, 0)
     """
@@ -357,6 +471,8 @@ class Mismatch:
     reference_value: Optional[float] = None
     local_shape: Optional[Tuple[int, ...]] = None  # a DTensor: the shape of this rank's shard
     shard: Optional[str] = None            # a DTensor: its placements and this rank's coordinates
+    kind: str = ""                         # "gradients", "parameters" or "buffers"
+    cause: str = ""                        # what probably happened, in plain words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,9 +541,10 @@ class ConsistencyReport:
     def __str__(self) -> str:
         lines = [f"ConsistencyReport[rank {self.rank}]: {self.summary()}"]
         if not self.ok:
-            header = ("name", "rank", "ref", "reason", "max_abs_diff")
+            mixed = len({m.kind for m in self.rows}) > 1 or " and " in self.kind
+            header = ("name",) + (("of",) if mixed else ()) + ("rank", "ref", "reason", "max_abs_diff")
             table = [header] + [
-                (m.name, str(m.rank), str(m.reference_rank), m.reason,
+                (m.name,) + ((m.kind,) if mixed else ()) + (str(m.rank), str(m.reference_rank), m.reason,
                  "" if m.max_abs_diff != m.max_abs_diff else f"{m.max_abs_diff:.4g}")
                 for m in self.rows[:_MAX_STR_ROWS]]
             widths = [max(len(r[i]) for r in table) for i in range(len(header))]
@@ -435,6 +552,10 @@ class ConsistencyReport:
             if len(self.rows) > _MAX_STR_ROWS:
                 lines.append(f"  ... and {len(self.rows) - _MAX_STR_ROWS} more rows "
                              "(report.mismatches has them all)")
+            causes = list(dict.fromkeys((m.cause, m.kind) for m in self.rows if m.cause))
+            for cause, kind in causes[:_MAX_STR_ROWS]:
+                first = next(m for m in self.rows if m.cause == cause)
+                lines.append(f"  probably ({first.name!r} {kind}, rank {first.rank}): {cause}")
         return "\n".join(lines)
 
 
@@ -453,6 +574,12 @@ class _Options:
     raise_on_mismatch: bool
     sharded: bool = False       # the model holds DTensors: compare shard by shard, within replicas
     replicas: Optional[Tuple[int, ...]] = None  # sharded, group= given: this rank's replicas
+    initial: bool = False       # check_replicas(initial=True): before any optimizer step
+
+    @property
+    def parts(self) -> Tuple[str, ...]:
+        """What is fingerprinted, in order: "gradients", "parameters" or "buffers"."""
+        return tuple(k for k in ("gradients", "parameters", "buffers") if k in self.kind)
 
     @property
     def mode(self) -> str:
@@ -461,7 +588,8 @@ class _Options:
     @property
     def call(self) -> str:
         """What was asked; every rank must ask the same (its hash is in the header)."""
-        return (f"{self.fn}(mode={self.mode}, atol={self.atol!r}, rtol={self.rtol!r}, "
+        what = f"{self.kind}, initial={self.initial}, " if self.fn == "check_replicas" else ""
+        return (f"{self.fn}({what}mode={self.mode}, atol={self.atol!r}, rtol={self.rtol!r}, "
                 f"details={self.details})")
 
 
@@ -533,13 +661,13 @@ def _group_arg(fn: str, group: Any, sharded: Optional[bool] = None) -> None:
                                 f"not a member of the group; call the check only on its members")
 
 
-def _options(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, timeout: Any,
-             details: bool, raise_on_mismatch: bool) -> _Options:
-    check_model(model, fn)
+def _options(fn: str, kind: str, group: Any, atol: Any, rtol: Any, timeout: Any,
+             details: bool, raise_on_mismatch: bool, mesh: Any) -> _Options:
+    """The arguments, validated; ``mesh``: the DeviceMesh of the model's DTensors (None
+    when it holds none, see :func:`_collect_all`)."""
     options = _Options(fn, kind, group, _tolerance_arg(fn, "atol", atol),
                        _tolerance_arg(fn, "rtol", rtol), _timeout_arg(fn, timeout),
                        bool(details), bool(raise_on_mismatch))
-    mesh = _model_mesh(unwrap(model))
     _group_arg(fn, group, sharded=mesh is not None)
     return _resolve(options, mesh)
 
@@ -595,9 +723,12 @@ def _shard_text(entry: tuple) -> str:
     return f"{_placement_text(entry)}, shard at ({where}), local shape {tuple(entry[4])}"
 
 
-def _model_mesh(model: nn.Module) -> Any:
-    """The DeviceMesh of the model's first DTensor parameter or buffer; None when it has none."""
-    for t in itertools.chain(model.parameters(), model.buffers()):
+def _model_mesh(model: nn.Module, skip_parameters: bool = False) -> Any:
+    """The DeviceMesh of the model's first DTensor parameter or buffer; None when it has
+    none (``skip_parameters``: the parameters are known to hold none)."""
+    tensors = model.buffers() if skip_parameters else itertools.chain(model.parameters(),
+                                                                      model.buffers())
+    for t in tensors:
         spec = _spec(t)
         if spec is not None:
             return spec[0]
@@ -644,31 +775,50 @@ def _resolve(options: _Options, mesh: Any) -> _Options:
     return dataclasses.replace(options, group=None, sharded=True, replicas=tuple(sorted(ranks)))
 
 
-def _collect(model: nn.Module, kind: str) -> Tuple[List[str], List[Optional[torch.Tensor]],
-                                                    List[tuple], List[Optional[tuple]]]:
-    """Names, the tensors this rank holds (a gradient may be None; a DTensor's local
-    shard), metadata (name, global shape, dtype, and for gradients requires_grad) and
-    layouts (see :func:`_layout_entry`; None for a plain tensor) of what ``kind`` checks,
-    without DDP's ignored ones."""
+def _entry(name: str, t: torch.Tensor, kind: str) -> Tuple[Optional[torch.Tensor], tuple,
+                                                          Optional[tuple]]:
+    """What one parameter or buffer contributes to a check of ``kind``: the tensor this
+    rank holds (a gradient may be None; a DTensor's local shard), its metadata (name,
+    global shape, dtype, and for gradients requires_grad) and layout (see
+    :func:`_layout_entry`; None for a plain tensor)."""
+    source = t.grad if kind == "gradients" else t
+    spec = (_spec(source) if source is not None else None) or _spec(t)
+    entry = (name, spec[2] if spec else tuple(t.shape), str(t.dtype).replace("torch.", ""))
+    if kind == "gradients":
+        entry += (bool(t.requires_grad),)
+    return _held(source), entry, (None if spec is None else _layout_entry(spec, tuple(_held(t).shape)))
+
+
+def _collect_all(model: nn.Module, parts: Sequence[str]) -> Tuple[
+        List[str], List[Optional[torch.Tensor]], List[tuple], List[Optional[tuple]], List[str], Any]:
+    """Names, tensors, metadata and layouts (see :func:`_entry`) of every kind in
+    ``parts``, laid end to end, without DDP's ignored ones; the kind of each tensor (a
+    gradient's metadata has one field more than a parameter's, so the two are told apart
+    in the structure hash); and the DeviceMesh of the model's DTensors (None when it holds
+    none). One walk over the parameters (and one over the buffers where needed)."""
     ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
-    items: Iterable = model.named_buffers() if kind == "buffers" else model.named_parameters()
-    names: List[str] = []
-    tensors: List[Optional[torch.Tensor]] = []
-    meta: List[tuple] = []
-    layout: List[Optional[tuple]] = []
-    for name, t in items:
-        if name in ignore:
-            continue
-        source = t.grad if kind == "gradients" else t
-        spec = (_spec(source) if source is not None else None) or _spec(t)
-        names.append(clean_name(name))
-        entry = (names[-1], spec[2] if spec else tuple(t.shape), str(t.dtype).replace("torch.", ""))
-        if kind == "gradients":
-            entry += (bool(t.requires_grad),)
-        tensors.append(_held(source))
-        meta.append(entry)
-        layout.append(None if spec is None else _layout_entry(spec, tuple(_held(t).shape)))
-    return names, tensors, meta, layout
+    walks = [("buffers", model.named_buffers())] if "buffers" in parts else []
+    wanted = [k for k in parts if k != "buffers"]
+    if wanted:
+        walks.insert(0, ("params", model.named_parameters()))
+    found: dict = {k: ([], [], [], []) for k in parts}
+    mesh = None
+    for walk, items in walks:
+        for name, t in items:
+            if name in ignore:
+                continue
+            if mesh is None and _spec(t) is not None:
+                mesh = _spec(t)[0]
+            clean = clean_name(name)
+            for kind in (["buffers"] if walk == "buffers" else wanted):
+                held, entry, lay = _entry(clean, t, kind)
+                for column, value in zip(found[kind], (clean, held, entry, lay)):
+                    column.append(value)
+    if mesh is None:
+        mesh = _model_mesh(model, skip_parameters=bool(wanted))
+    columns = [sum((found[k][c] for k in parts), []) for c in range(4)]
+    kinds = sum(([k] * len(found[k][0]) for k in parts), [])
+    return columns[0], columns[1], columns[2], columns[3], kinds, mesh
 
 
 # --------------------------------------------------------------------------- groups
@@ -977,24 +1127,34 @@ def _disagree(rows: torch.Tensor, mode: str, numel: int, atol: float,
 
 def _verdict(table: torch.Tensor, names: List[str], meta: List[tuple], mode: str,
              atol: float, rtol: float, sets: Optional[List[List[int]]] = None,
-             numels: Optional[List[List[int]]] = None) -> List[Tuple[int, int, int, str]]:
+             numels: Optional[List[List[int]]] = None,
+             per_tensor: Optional[List[List[List[int]]]] = None) -> List[Tuple[int, int, int, str]]:
     """(param index, rank, reference rank, reason) for every entry that disagrees, by
     parameter, then rank.
 
-    Ranks are compared within each of ``sets`` (default: all together; on a sharded model,
-    the replica groups). The reference of a tensor is the rank of the set that agrees with
-    the most of its ranks (ties: the lowest rank); every rank that does not agree with it is
-    reported. ``numels[r][p]``: how many elements rank r holds of tensor p, for the
-    tolerance bounds (default: the number of elements of ``meta``'s shape).
+    Ranks are compared within each of ``sets`` (default: all together), or for tensor p
+    within each of ``per_tensor[p]`` (on a sharded model: the ranks holding the same shard
+    of it). The reference of a tensor is the rank of the set that agrees with the most of
+    its ranks (ties: the lowest rank); every rank that does not agree with it is reported.
+    ``numels[r][p]``: how many elements rank r holds of tensor p, for the tolerance bounds
+    (default: the number of elements of ``meta``'s shape).
     """
+    if per_tensor is None:
+        per_tensor = [sets or [list(range(table.shape[0]))]] * table.shape[1]
+    by_sets: dict = {}
+    for p, tensor_sets in enumerate(per_tensor):
+        for ranks in tensor_sets:
+            if len(ranks) > 1:
+                by_sets.setdefault(tuple(ranks), []).append(p)
     out: List[Tuple[int, int, int, str]] = []
-    for ranks in sets or [list(range(table.shape[0]))]:
-        sub = table[ranks]
+    for group, tensors in by_sets.items():
+        ranks = list(group)
+        sub = table[ranks][:, tensors]
         equal = (sub == sub[0:1]).all(dim=2).all(dim=0)
-        for p in (~equal).nonzero().flatten().tolist():
+        for p in [tensors[i] for i in (~equal).nonzero().flatten().tolist()]:
             numel = numels[ranks[0]][p] if numels is not None else math.prod(meta[p][1])
             out += [(p, ranks[r], ranks[ref], reason)
-                    for r, ref, reason in _disagree(sub[:, p, :], mode, numel, atol, rtol)]
+                    for r, ref, reason in _disagree(table[ranks, p, :], mode, numel, atol, rtol)]
     return sorted(out)
 
 
@@ -1179,22 +1339,27 @@ def _no_replicas(options: _Options, names: List[str], layout: List[Optional[tupl
     shown = f" (such as {example[0]!r}: {_placement_text(example[1])})" if example else ""
     return GraddbgValueError(
         f"{options.fn}: no replicas to compare: every parameter is sharded over the whole "
-        f"mesh (pure FSDP, or tensor parallelism without data parallelism), so no two of the "
-        f"{dist.get_world_size(options.group)} ranks hold the same shards{shown}, and shards "
-        f"differ by design. HSDP or DDP replicas are what these checks compare: the replicate "
-        f"dimension of HSDP (fully_shard on a 2-D mesh), or data-parallel copies of a "
-        f"tensor-parallel model. For the gradients of a sharded model use graddbg.watch, "
-        f"whose statistics are those of the full gradients, on every rank.")
+        f"mesh (pure FSDP, or tensor parallelism in which every tensor is sharded), so no two "
+        f"of the {dist.get_world_size(options.group)} ranks hold the same shard of any "
+        f"tensor{shown}, and shards differ by design. HSDP or DDP replicas are what these "
+        f"checks compare: the replicate dimension of HSDP (fully_shard on a 2-D mesh), "
+        f"data-parallel copies of a tensor-parallel model, and the plain parameters and "
+        f"Replicate placements of a tensor-parallel model across its tensor-parallel group. "
+        f"For the gradients of a sharded model use graddbg.watch, whose statistics are those "
+        f"of the full gradients, on every rank.")
 
 
 def _replica_sets(options: _Options, rows: List[List[int]], names: List[str],
-                  layout: List[Optional[tuple]]) -> List[List[int]]:
+                  layout: List[Optional[tuple]]) -> Optional[List[List[int]]]:
     """The sets of ranks compared with each other (see :func:`_replica_header`), the same
-    on every rank. Raises on every rank alike when the groups passed do not split the ranks
-    into replica groups, when a group holds different shards, or when no two ranks of a
-    sharded model hold the same shards."""
+    on every rank; None on a sharded model without ``group=``: its replicas are found
+    tensor by tensor (:func:`_tensor_sets`). Raises on every rank alike when the groups
+    passed do not split the ranks into replica groups, when a group holds different
+    shards, or when no two ranks of such a group hold the same shards."""
     if not options.sharded:
         return [list(range(len(rows)))]
+    if options.replicas is None:
+        return None
     by_key: dict = {}
     for r, row in enumerate(rows):
         by_key.setdefault(row[_KEY], []).append(r)
@@ -1216,41 +1381,123 @@ def _replica_sets(options: _Options, rows: List[List[int]], names: List[str],
 
 
 def _gather_tables(options: _Options, local: torch.Tensor, meta: List[tuple],
-                   layout: List[Optional[tuple]]) -> Tuple[torch.Tensor, List[List[int]]]:
-    """Every rank's table ``[W, P, k]`` and ``[rank][tensor]`` how many elements it holds
-    (on a sharded model, a column of the same gather: shards may differ in size)."""
+                   layout: List[Optional[tuple]]) -> Tuple[torch.Tensor, List[List[int]], Any]:
+    """Every rank's table ``[W, P, k]``, ``[rank][tensor]`` how many elements it holds and,
+    on a sharded model, ``[rank][tensor]`` a hash of which shard it holds (0 for a plain
+    tensor): columns of the same gather (shards may differ in size); None otherwise."""
     world = dist.get_world_size(options.group)
     if not options.sharded:
-        return _all_gather(local, options.group).cpu(), [[math.prod(m[1]) for m in meta]] * world
+        return (_all_gather(local, options.group).cpu(), [[math.prod(m[1]) for m in meta]] * world,
+                None)
     held = _local_shapes(meta, [layout], 1)[0]
-    numels = torch.tensor([math.prod(shape) for shape in held], dtype=torch.int64)
-    both = _all_gather(torch.cat([local, numels.to(local.device)[:, None]], dim=1), options.group).cpu()
-    return both[:, :, :-1], both[:, :, -1].tolist()
+    extra = torch.tensor([[math.prod(shape) for shape in held],
+                          [0 if e is None else _hash64(repr(e)) for e in layout]],
+                         dtype=torch.int64).reshape(2, len(layout)).t()
+    both = _all_gather(torch.cat([local, extra.to(local.device)], dim=1), options.group).cpu()
+    return both[:, :, :-2], both[:, :, -2].tolist(), both[:, :, -1].tolist()
 
 
-def _compare(options: _Options, rows: List[List[int]], sets: List[List[int]], local: torch.Tensor,
-             tensors: List[Optional[torch.Tensor]], meta: List[tuple], layout: List[Optional[tuple]],
-             device: torch.device) -> Tuple[Optional[torch.Tensor], List[Tuple[int, int, int, str]]]:
-    """Every rank's table ``[W, P, k]`` (None when, in bitwise mode, every digest agrees
-    with the rest of its replica set: nothing differs) and the entries that disagree (see
-    :func:`_verdict`)."""
+def _tensor_sets(shards: List[List[int]], sets: Optional[List[List[int]]]) -> List[List[List[int]]]:
+    """Per tensor, the sets of ranks compared: within each of ``sets`` (every rank when
+    None), the ranks that hold the same shard of it (``shards[r][p]``, see
+    :func:`_gather_tables`): a plain tensor or a ``Replicate`` placement on every rank, a
+    sharded one along the dimensions it is replicated over."""
+    outer = sets if sets is not None else [list(range(len(shards)))]
+    count = len(shards[0]) if shards else 0
+    result = []
+    for p in range(count):
+        groups: dict = {}
+        for k, ranks in enumerate(outer):
+            for r in ranks:
+                groups.setdefault((k, shards[r][p]), []).append(r)
+        result.append(sorted(groups.values()))
+    return result
+
+
+def _compare(options: _Options, rows: List[List[int]], sets: Optional[List[List[int]]],
+             local: torch.Tensor, tensors: List[Optional[torch.Tensor]], meta: List[tuple],
+             layout: List[Optional[tuple]], device: torch.device, names: List[str]
+             ) -> Tuple[Optional[torch.Tensor], List[Tuple[int, int, int, str]], List[List[List[int]]]]:
+    """Every rank's table ``[W, P, k]`` (None when, in bitwise mode, every digest agrees:
+    nothing differs), the entries that disagree (see :func:`_verdict`) and per tensor the
+    sets of ranks compared. A plain model whose digests agree needs nothing more; a
+    sharded one gathers the tables, which say which shard each rank holds."""
     world = len(rows)
-    agree = all(rows[r][4:6] == rows[s[0]][4:6] for s in sets for r in s)
-    if agree and options.mode == "bitwise":
-        return None, []
-    if agree and len(sets) == 1:
+    if not options.sharded:
+        per_tensor = [sets or [list(range(world))]] * len(meta)
+        agree = all(row[4:6] == rows[0][4:6] for row in rows)
+        if agree and options.mode == "bitwise":
+            return None, [], per_tensor
+    if not options.sharded and agree:
         first = local.cpu().unsqueeze(0).expand(world, *local.shape)
-        numels = [[math.prod(shape) for shape in _local_shapes(meta, [layout], 1)[0]]] * world
+        numels = [[math.prod(m[1]) for m in meta]] * world
     else:
-        first, numels = _gather_tables(options, local, meta, layout)     # find who differs
+        first, numels, shards = _gather_tables(options, local, meta, layout)   # find who differs
+        if options.sharded:
+            per_tensor = _tensor_sets(shards, sets)
+            if world > 1 and all(len(s) == 1 for groups in per_tensor for s in groups):
+                raise _no_replicas(options, names, layout)
     table = first if options.mode == "bitwise" else \
         _tolerance_finish(first, tensors, options.group, device)
-    return table, _verdict(table, [], meta, options.mode, options.atol, options.rtol, sets, numels)
+    return table, _verdict(table, [], meta, options.mode, options.atol, options.rtol,
+                           numels=numels, per_tensor=per_tensor), per_tensor
+
+
+_CAUSES = {
+    "absent": "rank {rank} and rank {ref} disagree on whether it has a gradient: a branch of "
+              "the model that some ranks skip (DDP needs the same graph on every rank, or "
+              "find_unused_parameters=True), or a parameter frozen on some ranks only",
+    "gradients": "the gradient all-reduce did not make them equal: communication that lost or "
+                 "corrupted data (a DDP communication hook, a faulty link), a parameter that "
+                 "DDP no longer reduces (replaced after DDP wrapped the model, so DDP reduces "
+                 "the old tensor), a rank that skipped the all-reduce (no_sync on its last "
+                 "micro-batch, a rank-dependent branch), or a model not wrapped in DDP on every "
+                 "rank",
+    "initial": "the replicas differ before training: the model is not wrapped in DDP on every "
+               "rank, was initialised differently on some rank (seed), or its parameters were "
+               "replaced after DDP wrapped them (DDP copies rank 0's parameters only when it "
+               "wraps the model)",
+    "both": "its gradient differs too, so the updates diverged with the gradients (see the "
+            "gradient's row)",
+    "updated": "the gradients agree but the parameters do not: a replica was updated "
+               "differently (an optimizer step that depends on the rank, clipping by a norm "
+               "computed on some ranks only, a learning rate that differs, or a change of the "
+               "parameter outside the optimizer on some ranks)",
+    "parameters": "the replicas drifted apart: gradients that differed at an earlier step "
+                  "(check_gradients before optimizer.step() tells), or a replica updated "
+                  "differently (an optimizer step, clipping or learning rate that depends on "
+                  "the rank)",
+    "buffers": "buffers differ: DDP(broadcast_buffers=False), a training forward on other "
+               "data since the last broadcast, or a buffer changed on some ranks only",
+    "tp": " (a tensor replicated across the tensor-parallel group, such as a LayerNorm weight "
+          "left out of the parallelize plan: its gradient must be all-reduced over that group "
+          "and clipping must use the norm of the whole model)",
+}
+
+
+def _cause(options: _Options, found: List[Tuple[int, int, int, str]], names: List[str],
+           kinds: List[str], layout: List[Optional[tuple]], row: Tuple[int, int, int, str]) -> str:
+    """What probably happened to one mismatch, from what else differs (see ``_CAUSES``)."""
+    p, r, ref, reason = row
+    kind = kinds[p]
+    if reason.startswith(("no gradient", "has a gradient")):
+        key = "absent"
+    elif kind == "parameters":
+        grads = {(names[q], rr) for q, rr, _, _ in found if kinds[q] == "gradients"}
+        key = ("initial" if options.initial else "both" if (names[p], r) in grads
+               else "updated" if "gradients" in options.parts else "parameters")
+    else:
+        key = kind
+    replicated = options.sharded and (layout[p] is None or all(c is None for c in layout[p][3]))
+    tp = _CAUSES["tp"] if replicated and key in ("gradients", "updated", "parameters") else ""
+    return _CAUSES[key].format(rank=r, ref=ref) + tp
 
 
 def _report(options: _Options, names: List[str], meta: List[tuple], table: Optional[torch.Tensor],
-            found: List[Tuple[int, int, int, str]], measured: dict, sets: List[List[int]],
-            layouts: Optional[List[List[Optional[tuple]]]]) -> ConsistencyReport:
+            found: List[Tuple[int, int, int, str]], measured: dict,
+            per_tensor: List[List[List[int]]],
+            layouts: Optional[List[List[Optional[tuple]]]], kinds: List[str],
+            layout: List[Optional[tuple]]) -> ConsistencyReport:
     rows = []
     for p, r, ref, reason in found:
         extra = measured.get((p, r))
@@ -1260,30 +1507,41 @@ def _report(options: _Options, names: List[str], meta: List[tuple], table: Optio
             dtype=meta[p][2], fingerprint=_fp_text(table[r, p], options.mode),
             reference_fingerprint=_fp_text(table[ref, p], options.mode),
             local_shape=None if held is None else tuple(held[-1]),
-            shard=None if held is None else _shard_text(held),
+            shard=None if held is None else _shard_text(held), kind=kinds[p],
+            cause=_cause(options, found, names, kinds, layout, (p, r, ref, reason)),
             **({} if extra is None else dict(zip(
                 ("max_abs_diff", "n_diff", "index", "value", "reference_value"), extra)))))
     return ConsistencyReport(ok=not rows, world_size=dist.get_world_size(options.group),
                              rank=dist.get_rank(options.group), kind=options.kind,
                              mode=options.mode, checked=len(names), rows=tuple(rows),
                              atol=options.atol, rtol=options.rtol,
-                             replica_groups=tuple(map(tuple, sets)) if options.sharded else ())
+                             replica_groups=_groups_compared(per_tensor) if options.sharded else ())
+
+
+def _groups_compared(per_tensor: List[List[List[int]]]) -> Tuple[Tuple[int, ...], ...]:
+    """The distinct sets of two or more ranks that some tensor was compared within, sorted."""
+    return tuple(sorted({tuple(s) for groups in per_tensor for s in groups if len(s) > 1}))
 
 
 def _check(fn: str, kind: str, model: Any, group: Any, atol: Any, rtol: Any, timeout: Any,
-           details: bool, raise_on_mismatch: bool) -> ConsistencyReport:
-    options = _options(fn, kind, model, group, atol, rtol, timeout, details, raise_on_mismatch)
-    names, tensors, meta, layout = _collect(unwrap(model), kind)
+           details: bool, raise_on_mismatch: bool, initial: bool = False) -> ConsistencyReport:
+    check_model(model, fn)
+    parts = tuple(k for k in ("gradients", "parameters", "buffers") if k in kind)
+    names, tensors, meta, layout, kinds, mesh = _collect_all(unwrap(model), parts)
+    options = dataclasses.replace(_options(fn, kind, group, atol, rtol, timeout, details,
+                                           raise_on_mismatch, mesh), initial=bool(initial))
     device = _comm_device(options.group, tensors, model)
     local, header, error = _local(options, tensors, meta, layout, device)
     rows = _rendezvous(options, header)
     _raise_unless_comparable(options, rows, meta, error)
     sets = _replica_sets(options, rows, names, layout)
-    table, found = _compare(options, rows, sets, local, tensors, meta, layout, device)
+    table, found, per_tensor = _compare(options, rows, sets, local, tensors, meta, layout, device,
+                                        names)
     layouts = _all_layouts(options, layout, len(rows), {p for p, *_ in found}) if found else None
     measured = {} if not (details and found) else _details(
         found, tensors, meta, _local_shapes(meta, layouts, len(rows)), options.group, device)
-    report = _report(options, names, meta, table, found, measured, sets, layouts)
+    report = _report(options, names, meta, table, found, measured, per_tensor, layouts, kinds,
+                     layout)
     if not report.ok and options.raise_on_mismatch:
         raise DDPInconsistencyError(f"{fn}: the ranks disagree (raise_on_mismatch=True)\n{report}",
                                     report=report)
@@ -1363,3 +1621,47 @@ def check_buffers(model: nn.Module, *, group: Any = None, atol: float = 0.0, rto
     """
     return _check("check_buffers", "buffers", model, group, atol, rtol, timeout, details,
                   raise_on_mismatch)
+
+
+def _replica_kind(gradients: Any, parameters: Any) -> str:
+    """check_replicas' ``gradients``/``parameters`` flags as the kind of check."""
+    for arg, value in (("gradients", gradients), ("parameters", parameters)):
+        if not isinstance(value, bool):
+            raise GraddbgTypeError(f"check_replicas({arg}=...): got {value!r} "
+                                   f"({type(value).__name__}); accepted: True or False")
+    if not (gradients or parameters):
+        raise GraddbgValueError("check_replicas(gradients=False, parameters=False): nothing to "
+                                "check; accepted: gradients=True, parameters=True or both")
+    return " and ".join(k for k, on in (("gradients", gradients), ("parameters", parameters)) if on)
+
+
+def check_replicas(model: nn.Module, *, gradients: bool = True, parameters: bool = True,
+                   initial: bool = False, group: Any = None, atol: float = 0.0,
+                   rtol: float = 0.0, timeout: Timeout = _DEFAULT_TIMEOUT, details: bool = False,
+                   raise_on_mismatch: bool = False) -> ConsistencyReport:
+    """Check gradients and parameters across the replicas in one exchange (what ``watch``
+    needs): every tensor that should be equal across some ranks is compared with exactly
+    those ranks (DDP, HSDP's replicate dimension, data-parallel copies and the replicated
+    tensors of a tensor-parallel model).
+
+    Collective, like :func:`check_gradients` (same ``group``, ``atol``, ``rtol``,
+    ``timeout``, ``details`` and ``raise_on_mismatch``). Call it after backward and before
+    ``optimizer.step()``: then the gradients are those the step will use and the
+    parameters those of the previous step. ``initial=True`` says that no optimizer step
+    has run yet (differing parameters then mean a model not wrapped in DDP on every rank,
+    initialised differently, or parameters replaced after wrapping). Each mismatch has a
+    ``kind`` ("gradients" or "parameters") and a ``cause``: what probably happened, judged
+    from what else differs (parameters that differ while their gradients agree: a replica
+    updated differently).
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = torch.nn.Linear(3, 2)
+    >>> model(torch.randn(4, 3)).sum().backward()
+    >>> print(check_replicas(model))
+    ConsistencyReport[rank 0]: gradients and parameters (bitwise) across 1 ranks: consistent (4 tensors)
+    >>> dist.destroy_process_group()
+    """
+    kind = _replica_kind(gradients, parameters)
+    return _check("check_replicas", kind, model, group, atol, rtol, timeout, details,
+                  raise_on_mismatch, initial=initial)

@@ -272,11 +272,82 @@ def dp_tp_ddp(rank, world, dev=None):
     return out
 
 
+
+# --------------------------------------------------------------------------- replicas (issue 24)
+def _why(report: Any) -> Dict[str, Any]:
+    out = _summ(report)
+    out["why"] = [[m.name, m.kind, m.rank, m.cause] for m in report.rows]
+    return out
+
+
+def hsdp_offset(rank, world, dev=None):
+    """HSDP: rank 2's shard of 0.weight drifts by a uniform offset of 1e-3 (mixed-sign
+    values: a sum of their words would not move); the twin moves both replicas of that
+    shard (ranks 0 and 2) alike."""
+    v = _v()
+    out = {}
+    for case, movers in (("one", (2,)), ("twin", (0, 2))):
+        _, m = _hsdp()
+        _train(m, 0)
+        if rank in movers:
+            with torch.no_grad():
+                m[0].weight.to_local().add_(1e-3)
+        out[case] = _why(v.check_replicas(m))
+    return out
+
+
+def _tp_ln(mesh: Any) -> nn.Module:
+    """Tensor parallel: Colwise then Rowwise Linear (its bias a Replicate DTensor), then a
+    LayerNorm left out of the plan (plain parameters, replicated across the TP group)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3), nn.LayerNorm(3))
+    return parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _local_norm_clip(m: nn.Module, max_norm: float) -> None:
+    """The BLOOM bug (DeepSpeed PR 1801): a clipping coefficient from this rank's shards
+    only, so it differs across the TP group and the replicated LayerNorm drifts."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in m.parameters()]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    for g in grads:
+        g.mul_(min(1.0, max_norm / float(norm)))
+
+
+def tp_layernorm(rank, world, dev=None):
+    """2-rank tensor parallelism on a cpu DeviceMesh: the replicated tensors (LayerNorm
+    weights, the Replicate bias) are compared across the TP group, the shards are not."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    v = _v()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for case in ("clipped", "healthy"):
+        m = _tp_ln(mesh)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        out[case] = {"initial": _why(v.check_replicas(m, gradients=False, initial=True))}
+        for step in range(2):
+            x, y = _batch(step)                  # the same batch on every TP rank
+            nn.functional.mse_loss(m(x), y).backward()
+            if case == "clipped":
+                _local_norm_clip(m, 1e-2)
+            out[case][f"step{step}"] = _why(v.check_replicas(m))
+            opt.step()
+            opt.zero_grad()
+        out[case]["after"] = _why(v.check_parameters(m))
+    m = _tp_ln(mesh)
+    if rank == 1:
+        with torch.no_grad():
+            m[3].weight.add_(1e-3)              # drifts on one rank
+    out["drift"] = _why(v.check_parameters(m))
+    return out
+
 WORLDS: Dict[str, List] = {
     "hsdp": [("healthy", hsdp_healthy), ("perturbed_grad", hsdp_perturbed_grad),
              ("perturbed_param", hsdp_perturbed_param), ("buffer", hsdp_buffer),
              ("wrong_dimension", hsdp_wrong_dimension), ("bad_args", hsdp_bad_args),
-             ("groups", hsdp_groups), ("skip", hsdp_skip)],
-    "fsdp": [("no_replicas", fsdp_no_replicas)],
+             ("groups", hsdp_groups), ("offset", hsdp_offset), ("skip", hsdp_skip)],
+    "fsdp": [("no_replicas", fsdp_no_replicas), ("tp_layernorm", tp_layernorm)],
     "dp_tp": [("replicate", dp_tp_replicate), ("manual", dp_tp_manual), ("ddp", dp_tp_ddp)],
 }

@@ -13,7 +13,7 @@ import os
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -447,6 +447,118 @@ def cuda_gloo(rank, world, dev):
             "tolerance": _summ(v.check_gradients(model, rtol=1e-4))}
 
 
+
+# --------------------------------------------------------------------------- replicas (issue 24)
+def _rsumm(report: Any) -> Dict[str, Any]:
+    """A check_replicas report: the verdict and, per row, name, kind, rank and cause."""
+    out = _summ(report)
+    out["why"] = [[m.name, m.kind, m.rank, m.cause] for m in report.rows]
+    return out
+
+
+def _steps(model, opt, rank, dev, steps=2):
+    """What watch() does with ddp_check_every=1: the parameters before the first step
+    (initial=True), then after each backward, before the optimizer step, both at once."""
+    v = _check()
+    out = {"initial": _rsumm(v.check_replicas(model, gradients=False, initial=True))}
+    for step in range(steps):
+        model(_batch(rank + 10 * step, dev)).sum().backward()
+        out[f"step{step}"] = _rsumm(v.check_replicas(model))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def unwrapped(rank, world, dev):
+    """DDP forgotten: on one rank (rank 0 wraps its model in DDP over a group of its own,
+    so nothing is averaged with rank 1, which has a plain model) and on every rank; the
+    healthy twin wraps it on every rank."""
+    own = [dist.new_group([r]) for r in range(world)]
+    out = {}
+    for case in ("one", "every", "healthy"):
+        net = _mlp(dev)
+        if case == "healthy" or (case == "one" and rank == 0):
+            model = DDP(net, process_group=None if case == "healthy" else own[rank])
+        else:
+            model = net
+        out[case] = _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), rank, dev)
+    return out
+
+
+def replaced(rank, world, dev):
+    """pytorch issue 104336: a layer replaced after DDP wrapped the model (DDP keeps
+    reducing the old parameters), here with a new layer initialised per rank; the twin
+    replaces it before wrapping."""
+    out = {}
+    for case in ("after", "before"):
+        net = _mlp(dev)
+        model = DDP(net) if case == "after" else None
+        torch.manual_seed(1000 + rank)
+        net[2] = nn.Linear(16, 4).to(dev)
+        if case == "before":
+            torch.manual_seed(7)
+            net[2] = nn.Linear(16, 4).to(dev)
+            model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out[case] = _steps(model, opt, rank, dev, steps=1)
+    return out
+
+
+def _zeroing_hook(target_rank: Optional[int], seen: Dict[int, List[str]], names: Dict[int, str]):
+    """A comm hook that all-reduces every bucket and, from the second step on (DDP rebuilds
+    its buckets after the first, by size), zeroes bucket 0 on ``target_rank`` (pytorch
+    issues 84803, 96600: a link that silently zeroes some all-reduces). ``seen``: the
+    parameters of each bucket, by index, as last seen."""
+    calls = {"bucket0": 0}
+
+    def hook(state, bucket):
+        seen[bucket.index()] = [names[id(p)] for p in bucket.parameters()]
+        if bucket.index() == 0:
+            calls["bucket0"] += 1
+        zero = calls["bucket0"] > 1 and bucket.index() == 0 and dist.get_rank() == target_rank
+        buf = bucket.buffer()
+        buf.div_(dist.get_world_size())
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+
+        def then(f):
+            out = f.value()[0]
+            return out.zero_() if zero else out
+        return fut.then(then)
+    return hook
+
+
+def zeroed_bucket(rank, world, dev):
+    out = {}
+    for case, target in (("zeroed", 1), ("healthy", None)):
+        model = DDP(_mlp(dev), bucket_cap_mb=1e-5)      # rebuilt: a bucket per parameter
+        seen: Dict[int, List[str]] = {}
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        model.register_comm_hook(None, _zeroing_hook(target, seen, names))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out[case] = _steps(model, opt, rank, dev, steps=2)
+        out[case]["buckets"] = {str(k): v for k, v in seen.items()}
+    return out
+
+
+def transposed(rank, world, dev):
+    """A square weight transposed on one rank (every element still there, in other places),
+    and parameters drifted by a uniform offset of mixed-sign values: the bitwise check sees
+    both, and the twins (the same on both ranks) report nothing."""
+    v = _check()
+    out = {}
+    for case in ("one", "both"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)).to(dev)
+        with torch.no_grad():
+            if case == "both" or rank == 1:
+                model[2].weight.copy_(model[2].weight.t().clone())
+        out[case] = _rsumm(v.check_replicas(model, gradients=False))
+        with torch.no_grad():
+            if case == "both" or rank == 1:
+                model[0].bias.add_(1e-3)         # values in [-0.25, 0.25] moved by +1e-3
+        out[f"{case}_drift"] = _rsumm(v.check_replicas(model, gradients=False))
+    return out
+
 BACKENDS = {"three": "cpu:gloo"}
 
 WORLDS: Dict[str, List] = {
@@ -457,7 +569,8 @@ WORLDS: Dict[str, List] = {
             ("tolerance", tolerance), ("hand_allreduce", hand_allreduce),
             ("architecture", architecture), ("bad_args", bad_args),
             ("local_failure", local_failure), ("no_store", no_store),
-            ("late", late), ("skip", _skipper(1))],
+            ("unwrapped", unwrapped), ("replaced", replaced), ("zeroed_bucket", zeroed_bucket),
+            ("transposed", transposed), ("late", late), ("skip", _skipper(1))],
     "three": [("healthy", healthy), ("comm_hook", comm_hook_corrupt),
               ("comm_hook_rank0", comm_hook_corrupt_rank0), ("side_group", side_group),
               ("subgroup", subgroup), ("skip", _skipper(2))],

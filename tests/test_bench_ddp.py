@@ -3,6 +3,7 @@ the code it measures changes is caught here, not when someone next wants its fig
 (Its figures themselves are not asserted: one repeat on a shared machine says nothing.)"""
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -41,3 +42,14 @@ def test_ddp_check_benchmark_runs_and_counts_the_bytes_the_check_exchanges():
     alone = re.search(r"floor \(one read \+ one all_gather\): +([\d.]+) ms .* check / floor = "
                       r"([\d.]+)x", proc.stdout)
     assert alone and float(alone.group(1)) > 0 and float(alone.group(2)) > 0
+    # the cost of one check_replicas as a share of a step, per model, and the proposed N
+    costs = re.findall(r"  (\w+) +[\d.]+M parameters in +(\d+) tensors: step +([\d.]+) ms, check +"
+                       r"([\d.]+) ms = +([\d.]+)% of a step; every N >= (\d+) steps costs <= 1%",
+                       proc.stdout)
+    assert [c[0] for c in costs] == ["mlp8m", "launchbound"], proc.stdout
+    assert [int(c[1]) for c in costs] == [8, 130]
+    for _, _, step, check, share, n in costs:
+        assert float(step) > 0 and float(check) > 0
+        assert abs(int(n) - max(1, math.ceil(float(share)))) <= 1    # N from the unrounded share
+    proposed = re.search(r"proposed default: check every N = (\d+) steps", proc.stdout)
+    assert proposed and int(proposed.group(1)) == max(int(c[5]) for c in costs)

@@ -19,6 +19,8 @@ from graddbg import ddp_verify
 from graddbg._errors import GraddbgTypeError
 
 REPLICAS = [[0, 2], [1, 3]]        # on a 2 x 2 mesh: the ranks that hold the same shards
+# dp x tp: RowwiseParallel's bias is Replicate over tp, so it is compared across all four
+EVERY_AND_REPLICAS = [[0, 1, 2, 3], [0, 2], [1, 3]]
 
 
 def distributed(test):
@@ -233,9 +235,9 @@ def test_pure_fsdp_has_no_replicas_and_says_so(fsdp):
 def test_tensor_parallel_under_replicate_is_compared_across_dp(dp_tp):
     records = _scenario(dp_tp, "replicate")
     assert records[0]["placements"][0] == "(Replicate(), Shard(dim=0))"
-    for key in ("auto", "named"):
+    for key, groups in (("auto", EVERY_AND_REPLICAS), ("named", REPLICAS)):
         rep = _same_verdict([rec[key] for rec in records])
-        assert rep["ok"] and rep["groups"] == REPLICAS, rep["text"]
+        assert rep["ok"] and rep["groups"] == groups, rep["text"]
     rep = _same_verdict([rec["perturbed"] for rec in records])
     assert rep["rows"] == [["0.weight", 3, 1, "bits differ"]]
 
@@ -245,9 +247,9 @@ def test_replicas_outside_the_dtensors_mesh_are_found_and_named_by_dimension(dp_
     """DTensors on the 1-D tp mesh, gradients averaged over dp by hand: group='dp' is found
     on the mesh the tp mesh was cut from, and group='tp' is refused."""
     records = _scenario(dp_tp, "manual")
-    for key in ("auto", "named"):
+    for key, groups in (("auto", EVERY_AND_REPLICAS), ("named", REPLICAS)):
         rep = _same_verdict([rec[key] for rec in records])
-        assert rep["ok"] and rep["groups"] == REPLICAS, rep["text"]
+        assert rep["ok"] and rep["groups"] == groups, rep["text"]
     assert "hold different shards of '0.weight'" in _same_error([rec["wrong"] for rec in records])
     rep = _same_verdict([rec["perturbed"] for rec in records])
     assert rep["rows"] == [["2.bias", 2, 0, "bits differ"]]   # a Replicate bias: compared over dp
@@ -257,6 +259,52 @@ def test_replicas_outside_the_dtensors_mesh_are_found_and_named_by_dimension(dp_
 def test_ddp_over_tensor_parallel_compares_the_local_shards_across_dp(dp_tp):
     records = _scenario(dp_tp, "ddp")
     rep = _same_verdict([rec["auto"] for rec in records])
-    assert rep["ok"] and rep["groups"] == REPLICAS, rep["text"]
+    assert rep["ok"] and rep["groups"] == EVERY_AND_REPLICAS, rep["text"]
     rep = _same_verdict([rec["perturbed"] for rec in records])
     assert rep["rows"] == [["0.weight", 3, 1, "bits differ"]] and rep["shards"][0][0] == [4, 6]
+
+
+# --------------------------------------------------------------------------- replicas (issue 24)
+@distributed
+def test_hsdp_shard_drift_by_a_uniform_offset_is_named(hsdp):
+    """Rank 2's shard of 0.weight moved by 1e-3 (values of both signs: the words move in
+    opposite directions); its replica, rank 0, is the reference. The same move on both
+    replicas of the shard (the twin) is consistent."""
+    records = _scenario(hsdp, "offset")
+    rep = _same_verdict([rec["one"] for rec in records])
+    assert rep["rows"] == [["0.weight", 2, 0, "bits differ"]], rep["text"]
+    assert [w[:3] for w in rep["why"]] == [["0.weight", "parameters", 2]]
+    assert rep["why"][0][3].startswith("the gradients agree but the parameters do not")
+    for rec in records:
+        assert rec["twin"]["ok"] and rec["twin"]["groups"] == REPLICAS, rec["twin"]["text"]
+
+
+TP_REPLICATED = ["2.bias", "3.weight", "3.bias"]   # the Replicate bias and the LayerNorm
+
+
+@distributed
+def test_tensor_parallel_replicas_are_compared_across_the_tp_group(fsdp):
+    """2-rank tensor parallelism, no data parallelism: the LayerNorm left out of the plan
+    and RowwiseParallel's Replicate bias are replicas on both ranks (the shards are not).
+    Clipping by a norm of this rank's shards only (the BLOOM-176B bug) makes them differ
+    from the first clipped gradients on; the twin, without it, is silent throughout."""
+    records = _scenario(fsdp, "tp_layernorm")
+    for case in ("clipped", "healthy"):
+        for key in ("initial", "step0", "step1", "after"):
+            rep = _same_verdict([rec[case][key] for rec in records])
+            assert rep["groups"] == [[0, 1]], rep["text"]          # compared, not refused
+    clipped = records[0]["clipped"]
+    assert clipped["initial"]["ok"]
+    rows = [w[:3] for w in clipped["step0"]["why"]]
+    assert rows == [[n, "gradients", 1] for n in TP_REPLICATED], clipped["step0"]["text"]
+    assert all("tensor-parallel group" in w[3] for w in clipped["step0"]["why"])
+    assert [w[:3] for w in clipped["after"]["why"]] == [[n, "parameters", 1] for n in TP_REPLICATED]
+    for key in ("initial", "step0", "step1", "after"):
+        assert records[0]["healthy"][key]["ok"], records[0]["healthy"][key]["text"]
+
+
+@distributed
+def test_a_tensor_parallel_layernorm_that_drifts_on_one_rank_is_named(fsdp):
+    rep = _same_verdict([rec["drift"] for rec in _scenario(fsdp, "tp_layernorm")])
+    assert rep["rows"] == [["3.weight", 1, 0, "bits differ"]], rep["text"]
+    assert "LayerNorm weight left out of the parallelize plan" in rep["why"][0][3]

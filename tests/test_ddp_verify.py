@@ -30,13 +30,8 @@ def _signed(v: int, bits: int) -> int:
     return v - (1 << bits) if v >= 1 << (bits - 1) else v
 
 
-def naive_bitwise(t: torch.Tensor) -> list:
-    """The bitwise fingerprint written out with Python integers, from the tensor's bytes.
-
-    Words: little-endian int32 (int64 for 8-byte elements), the last one zero-padded; the
-    sum of each block of ddp_verify._BLOCK words modulo 2**32 (2**64) gives one cell (two
-    cells, low and high 32 bits); word sum and two weighted hashes of the cells mod 2**64.
-    """
+def _raw_words(t: torch.Tensor) -> list:
+    """The tensor's bytes as little-endian unsigned 32-bit words, the last zero-padded."""
     flat = t.detach()
     if flat.layout != torch.strided:
         flat = flat.to_dense()
@@ -46,22 +41,41 @@ def naive_bitwise(t: torch.Tensor) -> list:
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     raw = bytes(flat.view(torch.uint8).tolist())
-    wide = flat.element_size() == 8
-    size = 8 if wide else 4
-    raw += bytes(-len(raw) % size)
-    words = [int.from_bytes(raw[i:i + size], "little", signed=True) for i in range(0, len(raw), size)]
+    raw += bytes(-len(raw) % 4)
+    return [int.from_bytes(raw[i:i + 4], "little") for i in range(0, len(raw), 4)]
+
+
+def _splitmix64_finaliser(z: int) -> int:
+    z %= _M64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % _M64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % _M64
+    return z ^ (z >> 31)
+
+
+def naive_bitwise(t: torch.Tensor) -> list:
+    """The bitwise fingerprint written out with Python integers, from the tensor's bytes.
+
+    Words: little-endian 32-bit, the last one zero-padded; each mixed, h = fold(M *
+    fold(w)) with fold(x) = x ^ (x >> 16) on 32 bits; per block of ddp_verify._BLOCK words
+    the two sums of B_j * h_j and C_j * h_j modulo 2**32 (B, C the fixed odd weights of
+    position j) make the block's 64-bit value v_b = sum_B + 2**32 sum_C; each lane is the
+    sum of mix64(v_b + b * golden + seed) over the blocks b, modulo 2**64.
+    """
+    keys = ddp_verify._keys(torch.device("cpu")).tolist()
+    words = _raw_words(t)
+
+    def fold(x):
+        x &= 0xFFFFFFFF
+        return x ^ (x >> 16)
     block = ddp_verify._BLOCK
-    sums = [sum(words[i:i + block]) for i in range(0, len(words), block)] or [0]
-    if wide:
-        cells = []
-        for b in sums:
-            cells += [_signed(b, 32), _signed(b >> 32, 32)]
-    else:
-        cells = [_signed(b, 32) for b in sums]
-    word_sum = sum(c << (32 if wide and k % 2 else 0) for k, c in enumerate(cells))
-    hashes = [sum((2 * ((k * m) % (1 << 31)) + 1) * c for k, c in enumerate(cells))
-              for m in ddp_verify._WEIGHT_MULTS]
-    return [1] + [_signed(v % _M64, 64) for v in [word_sum] + hashes]
+    values = []
+    for start in range(0, len(words), block):
+        h = [fold(fold(w) * ddp_verify._MIX32) for w in words[start:start + block]]
+        sums = [sum(k * x for k, x in zip(keys[lane], h)) % (1 << 32) for lane in (0, 1)]
+        values.append(sums[0] + (sums[1] << 32))
+    lanes = [sum(_splitmix64_finaliser(v + b * 0x9E3779B97F4A7C15 + seed)
+                 for b, v in enumerate(values)) for seed in ddp_verify._LANE_SEEDS]
+    return [1] + [_signed(v % _M64, 64) for v in lanes]
 
 
 def naive_tolerance(t: torch.Tensor) -> list:
@@ -111,12 +125,12 @@ def test_a_batch_of_mixed_tensors_matches_the_reference_one_by_one():
     ts[3][0] = float("nan")
     table = ddp_verify.fingerprints(ts)
     for i, t in enumerate(ts):
-        assert table[i].tolist() == ([0, 0, 0, 0] if t is None else naive_bitwise(t)), i
+        assert table[i].tolist() == ([0, 0, 0] if t is None else naive_bitwise(t)), i
 
 
-def test_small_tensors_word_sums_wrap_modulo_2_32():
-    """Tensors of fewer than _BLOCK words (one cell each) whose word sums pass 2**31,
-    batched with empty ones: the same as the reference."""
+def test_small_tensors_weighted_sums_wrap_modulo_2_32():
+    """Tensors of fewer than _BLOCK words (one block each) of extreme words, batched with
+    empty ones: the same as the reference."""
     big = torch.full((1000,), 0x7FFFFFF0, dtype=torch.int32)
     ts = [big.view(10, 100), torch.zeros(0, dtype=torch.int32), torch.tensor([-5, 3], dtype=torch.int32),
           -big, big[:999]]
@@ -137,8 +151,8 @@ def test_digest_is_the_weighted_sum_modulo_two_primes():
 
 
 def test_bitwise_fingerprint_wraps_a_partial_block_and_its_padded_last_word():
-    """Last block: words whose sum is just under 2**31 plus a zero-padded last word: the
-    cell is their sum modulo 2**32, as in the reference."""
+    """A partial last block whose last word is zero-padded: as in the reference (the
+    missing words count as zeros)."""
     h = torch.zeros(2101, dtype=torch.float16)          # 1024 + 26 words and a half word
     halves = h.view(torch.int16)
     halves[2048], halves[2049] = -16, 0x7FFF             # word 1024 = 0x7FFFFFF0
@@ -149,9 +163,9 @@ def test_bitwise_fingerprint_wraps_a_partial_block_and_its_padded_last_word():
 def test_bitwise_fingerprint_batches_like_one_at_a_time():
     ts = [_tensor(s, d, seed=i) for i, (s, d) in enumerate(zip(SHAPES, DTYPES))]
     table = ddp_verify.fingerprints(ts + [None] + ts[:2])
-    assert table.shape == (len(ts) + 3, 4)
+    assert table.shape == (len(ts) + 3, 3)
     for i, t in enumerate(ts + [None] + ts[:2]):
-        assert table[i].tolist() == (_fp(t) if t is not None else [0, 0, 0, 0])
+        assert table[i].tolist() == (_fp(t) if t is not None else [0, 0, 0])
 
 
 # Every position, last element included: tensors with full blocks and a partial one, an odd
@@ -225,12 +239,14 @@ def test_two_elements_swapped_across_blocks_are_detected(dtype):
     assert _fp(swapped) != _fp(u)
 
 
-def test_swaps_inside_one_block_are_not_seen_as_documented():
-    """Block sums do not depend on the order of the words inside a block."""
+def test_swaps_inside_one_block_are_detected():
+    """Every word is mixed with its position in the block: no reordering is invisible
+    (the block sums this replaced did not see these)."""
     t = _tensor((3000,), torch.float32)
-    u = t.clone()
-    u[5], u[900] = t[900], t[5]
-    assert _fp(u) == _fp(t)
+    for i, j in ((5, 900), (0, 1), (1022, 1023), (2048, 2999)):
+        u = t.clone()
+        u[i], u[j] = t[j], t[i]
+        assert _fp(u) != _fp(t), (i, j)
 
 
 def test_same_nan_is_consistent_but_signed_zero_and_nan_payloads_are_not_bitwise():
@@ -258,9 +274,9 @@ def test_fingerprints_of_other_layouts_and_dtypes():
     assert _fp(z) == naive_bitwise(torch.view_as_real(z))
     z = torch.randn(1500, dtype=torch.complex128)                     # 8-byte words
     assert _fp(z) == naive_bitwise(torch.view_as_real(z))
-    assert _fp(torch.tensor([True, False, True]))[1] == 0x00010001   # bytes 1 0 1, zero-padded
-    assert _fp(torch.empty(0)) == [1, 0, 0, 0]
-    assert ddp_verify.fingerprints([]).shape == (0, 4)
+    assert _fp(torch.tensor([True, False, True])) == naive_bitwise(torch.tensor([1, 0, 1], dtype=torch.uint8))
+    assert _fp(torch.empty(0)) == [1, 0, 0]
+    assert ddp_verify.fingerprints([]).shape == (0, 3)
     # a half-precision view that does not start on a 4-byte boundary, strided 1-D views:
     # the same as fresh copies
     h = _tensor((2101,), torch.float16)
@@ -765,3 +781,117 @@ def test_verdict_scales_to_many_ranks_and_tensors():
     found = ddp_verify._verdict(table, [m[0] for m in meta], meta, "bitwise", 0.0, 0.0)
     assert time.perf_counter() - start < 5.0
     assert found == [(p, 5, 0, "bits differ") for p in range(300)]
+
+
+# --------------------------------------------------------------------------- replicas (issue 24)
+# What watch(ddp_check_every=1) does, by hand: check_replicas(initial=True) on the parameters
+# before the first step, then gradients and parameters after each backward (see
+# _ddp_workers._steps). Each bug has a healthy twin that must stay silent.
+ALL = ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def _why(report, kind):
+    """(name, rank) and the causes of the rows of one kind."""
+    rows = [w for w in report["why"] if w[1] == kind]
+    return [(w[0], w[2]) for w in rows], {w[3] for w in rows}
+
+
+@distributed
+def test_forgotten_ddp_wrapping_is_found_at_the_first_gradient_check(two):
+    """Rank 0 wraps its model in DDP over a group of its own (or no rank wraps it): the
+    parameters agree at first (same seed), the gradients differ from the first backward,
+    the parameters from the first step on; with DDP everywhere nothing is reported."""
+    records = _scenario(two, "unwrapped", 2)
+    for case in ("one", "every"):
+        reps = [rec[case] for rec in records]
+        _assert_same_verdict([r["step0"] for r in reps])
+        first = reps[0]
+        assert first["initial"]["ok"], first["initial"]["text"]
+        names, causes = _why(first["step0"], "gradients")
+        assert names == [("0.weight", 1), ("0.bias", 1), ("2.weight", 1)]   # sum(): equal bias grads
+        assert _why(first["step0"], "parameters") == ([], set())
+        assert len(causes) == 1 and "not wrapped in DDP on every rank" in causes.pop()
+        names, causes = _why(first["step1"], "parameters")
+        assert ("0.weight", 1) in names and causes == {
+            "its gradient differs too, so the updates diverged with the gradients (see the "
+            "gradient's row)"}
+        assert "probably ('0.weight' gradients, rank 1)" in first["step0"]["text"]
+    for rec in records:
+        assert all(rec["healthy"][k]["ok"] for k in ("initial", "step0", "step1")), rec["healthy"]
+
+
+@distributed
+def test_parameters_replaced_after_wrapping_are_found_before_the_first_step(two):
+    """pytorch issue 104336: a layer replaced (and initialised per rank) after DDP wrapped
+    the model: its parameters differ at the first check, and DDP reduces no gradient of
+    the bucket that held the old ones. Replaced before wrapping: nothing to report."""
+    records = _scenario(two, "replaced", 2)
+    _assert_same_verdict([rec["after"]["initial"] for rec in records])
+    after = records[0]["after"]
+    names, causes = _why(after["initial"], "parameters")
+    assert names == [("2.weight", 1), ("2.bias", 1)]
+    assert len(causes) == 1 and "replaced after DDP wrapped them" in causes.pop()
+    names, causes = _why(after["step0"], "gradients")
+    assert ("2.weight", 1) in names
+    assert all("replaced after DDP wrapped the model" in c for c in causes)
+    for rec in records:
+        assert rec["before"]["initial"]["ok"] and rec["before"]["step0"]["ok"], rec["before"]
+
+
+@distributed
+def test_a_comm_hook_that_zeroes_one_bucket_on_one_rank_is_named_bucket_by_bucket(two):
+    """pytorch issues 84803, 96600: from the second step, bucket 0 zeroed on rank 1 after
+    the all-reduce. Its parameters, and only those, are named at that step; the first
+    step is clean; the same hook without the zeroing is silent."""
+    records = _scenario(two, "zeroed_bucket", 2)
+    _assert_same_verdict([rec["zeroed"]["step1"] for rec in records])
+    zeroed = records[0]["zeroed"]
+    bucket0 = zeroed["buckets"]["0"]
+    assert len(zeroed["buckets"]) >= 2 and 0 < len(bucket0) < 4, zeroed["buckets"]
+    assert zeroed["step0"]["ok"], zeroed["step0"]["text"]
+    names, causes = _why(zeroed["step1"], "gradients")
+    assert sorted(names) == sorted((n, 1) for n in bucket0)
+    assert all("communication that lost or corrupted data" in c for c in causes)
+    for rec in records:
+        assert all(rec["healthy"][k]["ok"] for k in ("initial", "step0", "step1"))
+
+
+@distributed
+def test_a_transposed_square_weight_and_a_uniform_drift_on_one_rank_are_named(two):
+    records = _scenario(two, "transposed", 2)
+    _assert_same_verdict([rec["one"] for rec in records])
+    _assert_same_verdict([rec["one_drift"] for rec in records])
+    assert _why(records[0]["one"], "parameters")[0] == [("2.weight", 1)]
+    assert _why(records[0]["one_drift"], "parameters")[0] == [("0.bias", 1), ("2.weight", 1)]
+    for rec in records:                  # the same transpose and drift on both ranks
+        assert rec["both"]["ok"] and rec["both_drift"]["ok"], rec["both"]["text"]
+
+
+def test_check_replicas_refuses_bad_flags_before_any_collective():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(GraddbgValueError, match=r"check_replicas\(gradients=False, parameters=False\): "
+                                                r"nothing to check"):
+        ddp_verify.check_replicas(model, gradients=False, parameters=False)
+    with pytest.raises(GraddbgTypeError, match=r"check_replicas\(gradients=...\): got 'yes' \(str\); "
+                                               r"accepted: True or False"):
+        ddp_verify.check_replicas(model, gradients="yes")
+
+
+def test_each_tensor_is_compared_with_the_ranks_holding_the_same_shard_of_it():
+    """Four ranks: tensor 0 is plain (hash 0 everywhere: one group of all), tensor 1 is
+    sharded in two with replicas [0, 2] and [1, 3], tensor 2 is sharded four ways (no
+    replica: not compared). Within group= sets, only those ranks."""
+    shards = [[0, 11, 21], [0, 12, 22], [0, 11, 23], [0, 12, 24]]
+    assert ddp_verify._tensor_sets(shards, None) == [[[0, 1, 2, 3]], [[0, 2], [1, 3]],
+                                                     [[0], [1], [2], [3]]]
+    assert ddp_verify._tensor_sets(shards, [[0, 2], [1, 3]])[0] == [[0, 2], [1, 3]]
+    per_tensor = ddp_verify._tensor_sets(shards, None)
+    a, b = (ddp_verify.fingerprints([torch.full((3,), v)]) for v in (1.0, 2.0))
+    # rank 2 differs on the plain tensor; rank 3 from its replica, rank 1, on tensor 1; the
+    # unreplicated tensor 2 differs everywhere, by design
+    table = torch.stack([torch.cat([a, a, a]), torch.cat([a, b, b]), torch.cat([b, a, a]),
+                         torch.cat([a, a, b])])        # [rank, tensor, k]
+    meta = [(f"t{i}", (3,), "float32") for i in range(3)]
+    found = ddp_verify._verdict(table, [], meta, "bitwise", 0.0, 0.0, per_tensor=per_tensor)
+    assert found == [(0, 2, 0, "bits differ"), (1, 3, 1, "bits differ")]
+    assert ddp_verify._groups_compared(per_tensor) == ((0, 1, 2, 3), (0, 2), (1, 3))
