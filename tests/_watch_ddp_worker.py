@@ -42,6 +42,51 @@ def _nan_on_one_rank(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: i
     return {"step": None}
 
 
+def _not_wrapped(rank: int) -> nn.Module:
+    return _model()  # (DDP forgotten: each rank trains its own copy on its own data)
+
+
+def _replaced_after_wrapping(rank: int) -> nn.Module:
+    model = DDP(_model(), find_unused_parameters=True)  # (as the report's code: the old layer goes unused)
+    torch.manual_seed(100 + rank)  # (pytorch issue 104336: a layer replaced after DDP wrapped the model)
+    model.module[2] = nn.Linear(8, 2)
+    return model
+
+
+def _zeroing_comm_hook(rank: int) -> nn.Module:
+    model = DDP(_model())
+
+    def lose(state, bucket):  # (a link that silently zeroes part of an all-reduce on one rank)
+        def finish(f):
+            buf = f.value()[0].div_(dist.get_world_size())
+            if dist.get_rank() == 1:
+                buf[: buf.numel() // 2] = 0.0
+            return buf
+
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(finish)
+
+    model.register_comm_hook(None, lose)
+    return model
+
+
+_DESYNC = {"healthy": lambda rank: DDP(_model()), "unwrapped": _not_wrapped,
+           "replaced": _replaced_after_wrapping, "lost_allreduce": _zeroing_comm_hook}
+
+
+def _default_watch(build, x: torch.Tensor, y: torch.Tensor, rank: int, steps: int = 3) -> list:
+    """watch() with its defaults (ddp_check_every="auto"); the anomalies found."""
+    import graddbg
+
+    model = build(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddbg.watch(model, opt, nonfinite="record") as w:
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    return [(a.kind, a.step, a.name, a.message) for a in w.anomalies]
+
+
 def main(rank: int, world: int, port: int, out: str) -> None:
     import graddbg
 
@@ -99,6 +144,10 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         # 4. a NaN written into rank 1's gradient after backward (a hand edit): every rank
         #    raises at the same step, naming rank 1; no rank is left waiting in a collective
         record["edited"] = _nan_on_one_rank(DDP(_model()), x, y, rank)
+
+        # 5. the replica check is on by default: the desync bugs users reported, each found
+        #    with watch()'s defaults, and a healthy twin that reports nothing
+        record["defaults"] = {name: _default_watch(build, x, y, rank) for name, build in _DESYNC.items()}
     except Exception:
         record["error"] = traceback.format_exc()
     finally:

@@ -54,3 +54,20 @@ def test_a_nan_on_one_rank_after_backward_stops_every_rank_at_the_same_step(ddp_
         got = ddp_results[r]["edited"]
         assert got["step"] == 2, got
         assert "rank(s) 1" in got["message"], got["message"]
+
+
+@pytest.mark.timeout(240)
+def test_the_replica_check_is_on_by_default_and_names_what_happened(ddp_results):
+    """Issue 24: with watch()'s defaults the desync bugs users reported are found at the
+    first step, on every rank, naming the parameter and the probable cause; plain DDP is
+    silent."""
+    for r in (0, 1):
+        found = ddp_results[r]["defaults"]
+        assert found["healthy"] == [], found["healthy"]
+        for bug in ("unwrapped", "replaced", "lost_allreduce"):
+            kinds = [(k, step) for k, step, _, _ in found[bug]]
+            assert kinds == [("ddp_mismatch", 0)], (bug, found[bug])
+        assert found["replaced"][0][2].startswith("2.")  # the replaced layer is named
+        for bug in ("unwrapped", "lost_allreduce"):  # what probably happened, in the message
+            assert "a model not wrapped in DDP on every rank" in found[bug][0][3]
+            assert "communication that lost or corrupted data" in found[bug][0][3]
