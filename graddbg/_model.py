@@ -29,6 +29,8 @@ __all__ = [
     "tensors_in",
     "named_tensors",
     "in_backward",
+    "is_dtensor",
+    "local_tensor",
 ]
 
 # prefixes that wrappers put in front of the user's parameter names
@@ -61,6 +63,23 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
         model = inner
     return model
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2, HSDP or tensor-parallel parameter or gradient),
+    recognised without importing ``torch.distributed.tensor``: the one definition graddbg
+    uses.
+
+    >>> is_dtensor(torch.ones(2))
+    False
+    """
+    return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def local_tensor(t: Any) -> Any:
+    """What this rank holds of ``t``: a DTensor's local shard (its stored values, pending
+    sums not reduced), else ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def in_backward() -> bool:

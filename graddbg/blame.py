@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graddbg._errors import GraddbgTypeError, GraddbgValueError, NonFiniteError
-from graddbg._model import module_of, tensors_in, unwrap
+from graddbg._model import local_tensor, module_of, tensors_in, unwrap
 from graddbg._source import is_internal, user_source_from_stack
 from graddbg.anomaly import Anomaly
 
@@ -568,7 +568,7 @@ def nonfinite_state(model: torch.nn.Module) -> List[Tuple[str, str, torch.Tensor
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    return local_tensor(t)
 
 
 def check_state(model: torch.nn.Module, step: int = 0) -> None:

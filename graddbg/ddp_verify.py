@@ -123,7 +123,7 @@ from torch import nn
 
 from graddbg._errors import (DDPInconsistencyError, DDPTimeoutError, GraddbgError,
                              GraddbgTypeError, GraddbgValueError)
-from graddbg._model import check_model, clean_name, unwrap
+from graddbg._model import check_model, clean_name, is_dtensor, local_tensor, unwrap
 
 __all__ = [
     "ConsistencyReport",
@@ -678,7 +678,7 @@ def _spec(t: Any) -> Optional[Tuple[Any, Tuple[Any, ...], Tuple[int, ...]]]:
     a parameter that ``DistributedDataParallel(model, device_mesh=mesh["dp"])`` holds as its
     local shard of a tensor-parallel DTensor (torch keeps the spec as ``_st_info``); None
     for a plain tensor. Recognised without importing DTensor."""
-    if hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local"):
+    if is_dtensor(t):
         return t.device_mesh, tuple(t.placements), tuple(t.shape)
     info = getattr(t, "_st_info", None)
     if info is not None and hasattr(info, "mesh") and hasattr(info, "placements"):
@@ -688,9 +688,7 @@ def _spec(t: Any) -> Optional[Tuple[Any, Tuple[Any, ...], Tuple[int, ...]]]:
 
 def _held(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """What this rank holds of ``t``: a DTensor's local shard, else ``t``."""
-    if t is not None and hasattr(t, "to_local") and hasattr(t, "device_mesh"):
-        return t.to_local()
-    return t
+    return None if t is None else local_tensor(t)
 
 
 def _layout_entry(spec: tuple, local_shape: Tuple[int, ...]) -> tuple:

@@ -57,7 +57,7 @@ from torch import nn
 
 from graddbg._errors import DotNotFoundError, GraddbgError, GraddbgTypeError, GraddbgValueError
 from graddbg._io import as_path, write_atomic
-from graddbg._model import check_model, clean_name, named_tensors, unwrap
+from graddbg._model import check_model, clean_name, is_dtensor, named_tensors, unwrap
 
 __all__ = [
     "graph",
@@ -241,7 +241,7 @@ class ModuleTrace:
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     """A DTensor (FSDP2, HSDP or tensor-parallel parameter), without importing it."""
-    return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
+    return is_dtensor(t)
 
 
 def _sharded_owners(model: nn.Module) -> Dict[int, str]:

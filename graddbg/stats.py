@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
-from graddbg._model import clean_name, module_of, named_trainable_parameters
+from graddbg._model import clean_name, is_dtensor, local_tensor, module_of, named_trainable_parameters
 
 __all__ = [
     "STAT_NAMES",
@@ -173,7 +173,7 @@ def _special(g: Tensor) -> bool:
 def _sharded(g: Tensor) -> bool:
     """A DTensor gradient (FSDP2, HSDP, tensor parallel): its statistics combine the
     shards of every rank."""
-    return hasattr(g, "device_mesh") and hasattr(g, "placements") and hasattr(g, "to_local")
+    return is_dtensor(g)
 
 
 def _local_shard(g: Tensor) -> Tensor:
@@ -190,9 +190,7 @@ def _dense(g: Tensor) -> Tensor:
     local shard; else the gradient itself."""
     if g.layout != torch.strided:
         return g.coalesce().values() if g.layout == torch.sparse_coo else g.values()
-    if type(g) is not Tensor and hasattr(g, "to_local"):
-        return g.to_local()
-    return g
+    return local_tensor(g)
 
 
 class _Launch:
