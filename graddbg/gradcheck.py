@@ -95,8 +95,8 @@ _SMALL_BATCH = 4           # the smaller batch size timed against it
 _MIN_BATCH = 12            # fewer rows than this are cheaper in a loop
 _NOISE = 64.0              # rounding units assumed per function output (fast mode)
 
-_COLUMNS = ["input", "index", "output", "output_index", "analytic", "numerical",
-            "abs_err", "rel_err", "check", "note"]
+_COLUMNS = ["input", "index", "input_part", "output", "output_index", "output_part",
+            "analytic", "numerical", "abs_err", "rel_err", "check", "note"]
 
 
 # --------------------------------------------------------------------------- result
@@ -256,6 +256,10 @@ def _flag(where: str, name: str, value: Any) -> bool:
     return bool(value)
 
 
+def _optional_flag(where: str, name: str, value: Any) -> Optional[bool]:
+    return None if value is None else _flag(where, name, value)
+
+
 def _integer(minimum: Optional[int]) -> Callable[[str, str, Any], int]:
     def check(where: str, name: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -299,19 +303,31 @@ class _Options:
     max_entries: int = _option(2 ** 27, _integer(1))
     localise_entries: int = _option(1_000_000, _integer(0))
     compress: bool = _option(True, _flag)
+    # torch.autograd.gradcheck's further checks, under torch's names and defaults
+    check_backward_ad: bool = _option(True, _flag)
+    check_undefined_grad: bool = _option(True, _flag)
+    check_grad_dtypes: bool = _option(False, _flag)
+    check_batched_grad: bool = _option(False, _flag)
+    check_batched_forward_grad: bool = _option(False, _flag)
+    masked: Optional[bool] = _option(None, _optional_flag)
 
     @classmethod
     def parse(cls, where: str, kw: Dict[str, Any], extra: Sequence[str] = ()) -> "_Options":
         """The options of a call to ``where`` (``extra``: its own other keywords, listed
         in the error for an unknown keyword)."""
         checks = {f.name: f.metadata["check"] for f in fields(cls)}
+        kw = _translate_aliases(where, kw)
         unknown = sorted(set(kw) - set(checks))
         if unknown:
-            accepted = sorted([*checks, *extra])
+            accepted = sorted([*checks, *_ALIASES, *extra])
             close = difflib.get_close_matches(unknown[0], accepted, n=1)
             raise GraddbgTypeError(f"{where}: unknown keyword(s) {unknown}; accepted: {accepted}"
                                    + (f" (did you mean {close[0]!r}?)" if close else ""))
-        return cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
+        opts = cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
+        if not opts.check_backward_ad and not opts.forward_ad:
+            raise GraddbgValueError(f"{where}: check_backward_ad=False needs check_forward_ad=True "
+                                    f"(forward_ad=True): at least one kind of AD must be checked")
+        return opts
 
     def resolve(self, dtype: torch.dtype) -> "_Options":
         """These options with the tolerances left None taken from ``TOLERANCES[dtype]``."""
@@ -319,6 +335,27 @@ class _Options:
         return replace(self, eps=eps if self.eps is None else self.eps,
                        atol=atol if self.atol is None else self.atol,
                        rtol=rtol if self.rtol is None else self.rtol)
+
+
+#: torch.autograd.gradcheck's keywords spelled differently here -> graddbg's option
+_ALIASES = {"fast_mode": "mode", "check_forward_ad": "forward_ad", "check_sparse_nnz": "masked"}
+
+
+def _translate_aliases(where: str, kw: Dict[str, Any]) -> Dict[str, Any]:
+    """torch's spellings (``fast_mode=True`` -> ``mode="fast"``, ``check_forward_ad`` ->
+    ``forward_ad``, torch < 2.1's ``check_sparse_nnz`` -> ``masked``) in graddbg's words; a
+    torch keyword that contradicts graddbg's own given alongside is an error."""
+    kw = dict(kw)
+    for old, new in _ALIASES.items():
+        if old not in kw:
+            continue
+        value = _flag(where, old, kw.pop(old))
+        if old == "fast_mode":
+            value = "fast" if value else "full"
+        if new in kw and kw[new] != value:
+            raise GraddbgValueError(f"{where}: {old}= and {new}={kw[new]!r} disagree; pass one of them")
+        kw[new] = value
+    return kw
 
 
 def _options_in_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -363,6 +400,8 @@ class _Target:
         self.evaluations = 0
         self.colours: Optional[int] = None
         self.cuda_gens = [torch.cuda.default_generators[i] for i in _devices(xs)]
+        self.in_complex: List[bool] = [False] * len(xs)   # carriers of complex inputs
+        self.out_complex: List[bool] = []
 
     # The RNG is reseeded before every evaluation, so dropout and friends draw the same
     # numbers in every perturbed call as in the analytic one (states are restored by
@@ -404,6 +443,7 @@ class _Target:
         self.paths = [p for p, _ in floats]
         self.out_names = [_output_name(p) for p in self.paths]
         self.out_shapes = [y.shape + ((2,) if y.is_complex() else ()) for _, y in floats]
+        self.out_complex = [y.is_complex() for _, y in floats]
         self.out_offsets = [0, *itertools.accumulate(math.prod(s) for s in self.out_shapes)]
         self.m = self.out_offsets[-1]
 
@@ -862,10 +902,20 @@ def _entry_row(t: _Target, opts: _Options, i: int, j: int, av: float, nv: float,
     """The table row of Jacobian entry (output element i, input element j)."""
     b, in_idx = t.locate_input(j)
     o, out_idx = t.locate_output(i)
+    in_idx, in_part = _part(in_idx, t.in_complex[b] if b < len(t.in_complex) else False)
+    out_idx, out_part = _part(out_idx, t.out_complex[o] if o < len(t.out_complex) else False)
     err = abs(av - nv) if math.isfinite(av - nv) else float("inf")
-    return dict(input=t.names[b], index=in_idx, output=t.out_names[o], output_index=out_idx,
-                analytic=av, numerical=nv, abs_err=err,
-                rel_err=err / max(abs(nv), opts.atol, 1e-300), check=check, note="")
+    return dict(input=t.names[b], index=in_idx, input_part=in_part, output=t.out_names[o],
+                output_index=out_idx, output_part=out_part, analytic=av, numerical=nv,
+                abs_err=err, rel_err=err / max(abs(nv), opts.atol, 1e-300), check=check, note="")
+
+
+def _part(index: Tuple[int, ...], is_complex: bool) -> Tuple[Tuple[int, ...], str]:
+    """A complex tensor's element index and part ("real"/"imag") from the index into its
+    real view (whose last dimension holds the two parts); ("", index) for a real one."""
+    if not is_complex:
+        return index, ""
+    return index[:-1], ("real", "imag")[index[-1]]
 
 
 def _at_kink(col: _Collector, row: dict, one_sided: Any, i: int) -> bool:
@@ -1274,7 +1324,8 @@ def _fast_forward_ad(t: _Target, opts: _Options, col: _Collector, p: _Projection
 def _projection_row(name: str, l: int, c: int, av: float, nv: float, err: float, scale: float,
                     check: str) -> dict:
     """The table row of projection (v_l, u_c) of input ``name``."""
-    return dict(input=name, index=(l, c), output="v^T J u", output_index=(), analytic=av,
+    return dict(input=name, index=(l, c), input_part="", output="v^T J u", output_index=(),
+                output_part="", analytic=av,
                 numerical=nv, abs_err=err, rel_err=err / max(scale, 1e-300), check=check,
                 note=f"probe v{l}, u{c}")
 
@@ -1362,16 +1413,25 @@ def _sub_target(t: _Target, b: int) -> _Target:
     with torch.no_grad():
         sub.call([t.xs[b].detach()])
     sub.out_names, sub.out_shapes = t.out_names, t.out_shapes
+    sub.in_complex, sub.out_complex = [t.in_complex[b]], t.out_complex
     return sub
 
 
-def _second_order_target(t: _Target, seed: int) -> _Target:
-    """(x..., v...) -> v^T dJ/dx: gradients of the outputs, as a function to check."""
+def _second_order_target(t: _Target, seed: int,
+                         grad_outputs: Optional[Sequence[torch.Tensor]] = None) -> _Target:
+    """(x..., v...) -> v^T dJ/dx: gradients of the outputs, as a function to check; the
+    output gradients v are ``grad_outputs`` (copies, complex ones as real views) or drawn
+    from ``seed``. The gradients of complex inputs come out complex again."""
     gen = torch.Generator().manual_seed(seed + 1)
     x0 = t.xs[0]
-    vs = [torch.randn(tuple(s), generator=gen, dtype=torch.float64).to(x0.device, x0.dtype)
-          for s in t.out_shapes]
+    if grad_outputs is None:
+        vs = [torch.randn(tuple(s), generator=gen, dtype=torch.float64).to(x0.device, x0.dtype)
+              for s in t.out_shapes]
+    else:
+        vs = [(torch.view_as_real(g.detach()) if g.is_complex() else g.detach())
+              .to(x0.device, x0.dtype).reshape(s).clone() for g, s in zip(grad_outputs, t.out_shapes)]
     nb = len(t.xs)
+    flags = t.in_complex
 
     def fn(args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         xs, gos = list(args[:nb]), list(args[nb:])
@@ -1384,10 +1444,13 @@ def _second_order_target(t: _Target, seed: int) -> _Target:
                 return [torch.zeros_like(x) for x in xs]
             grads = torch.autograd.grad([p[0] for p in pairs], xs, [p[1] for p in pairs],
                                         create_graph=True, allow_unused=True)
-        return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
+        grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
+        return [torch.view_as_complex(g.contiguous()) if c else g for g, c in zip(grads, flags)]
 
     names = t.names + [f"grad_{name}" for name in t.out_names]
-    return _Target(fn, list(t.xs) + vs, names, t.seed, t.where)
+    second = _Target(fn, list(t.xs) + vs, names, t.seed, t.where)
+    second.in_complex = list(t.in_complex) + list(t.out_complex)
+    return second
 
 
 def _merge_second(first: GradcheckResult, second: GradcheckResult) -> GradcheckResult:
@@ -1431,10 +1494,16 @@ class _Arguments:
     names: List[str]            # of every leaf
     positions: List[int]        # of the checked leaves
     flat: bool                  # every argument is a leaf (no pytree round trip)
+    carriers: List["_Carrier"] = field(default_factory=list)   # of the checked leaves
 
     @property
     def checked(self) -> List[torch.Tensor]:
-        return [self.leaves[i] for i in self.positions]
+        """What the check perturbs: real dense tensors (:attr:`_Carrier.real`)."""
+        return [c.real for c in self.carriers]
+
+    @property
+    def complex_flags(self) -> List[bool]:
+        return [c.complex for c in self.carriers]
 
     @property
     def checked_names(self) -> List[str]:
@@ -1443,40 +1512,127 @@ class _Arguments:
     @property
     def floating_names(self) -> List[str]:
         return [n for n, x in zip(self.names, self.leaves)
-                if isinstance(x, torch.Tensor) and x.is_floating_point()]
+                if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
 
     def rebuild(self, checked: Sequence[torch.Tensor]) -> Tuple[Any, ...]:
         """The arguments, with ``checked`` in place of the checked leaves."""
         args = list(self.leaves)
-        for p, x in zip(self.positions, checked):
-            args[p] = x
+        for p, x, c in zip(self.positions, checked, self.carriers):
+            args[p] = c.rebuild(x)
         return tuple(args) if self.flat else pytree.tree_unflatten(args, self.spec)
 
 
 def _prepare(where: str, inputs: Tuple[Any, ...], dtype: Optional[torch.dtype],
-             select: Callable[[str, torch.Tensor], bool]) -> _Arguments:
-    """Copy the leaves of the inputs (floating tensors to ``dtype``); pick those to check."""
+             select: Callable[[str, torch.Tensor], bool], masked: bool = False) -> _Arguments:
+    """Copy the leaves of the inputs (floating and complex tensors to ``dtype`` or its
+    complex twin); pick those to check. A checked complex or sparse tensor is checked
+    through a real dense carrier (:class:`_Carrier`), rebuilt inside every call."""
     with_paths, spec = pytree.tree_flatten_with_path(inputs)
     names = [f"input{path[0].idx}{pytree.keystr(path[1:])}" for path, _ in with_paths]
     leaves: List[Any] = []
     positions: List[int] = []
+    carriers: List[_Carrier] = []
     for i, (_, leaf) in enumerate(with_paths):
-        if isinstance(leaf, torch.Tensor):
-            if leaf.is_complex() and (leaf.requires_grad or select(names[i], leaf)):
-                raise NotImplementedError(
-                    f"{where}: {names[i]} is complex ({leaf.dtype}); complex inputs are not "
-                    f"supported yet: pass torch.view_as_real(x) and rebuild it inside the "
-                    f"function with torch.view_as_complex")
-            if leaf.layout != torch.strided:
-                raise NotImplementedError(f"{where}: {names[i]} has layout {leaf.layout}; only "
-                                          f"dense (strided) tensors are supported")
-            if leaf.is_floating_point():
-                if select(names[i], leaf):
-                    positions.append(i)
-                leaf = leaf.detach().to(dtype=dtype or leaf.dtype, copy=True)
+        if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
+            if select(names[i], leaf):
+                positions.append(i)
+                carrier = _Carrier.of(where, names[i], leaf, dtype, masked)
+                carriers.append(carrier)
+                leaf = carrier.dense
+            elif leaf.layout == torch.strided:
+                leaf = leaf.detach().to(dtype=_dtype_like(leaf, dtype), copy=True)
         leaves.append(leaf)
     flat = len(with_paths) == len(inputs) and all(len(path) == 1 for path, _ in with_paths)
-    return _Arguments(leaves, spec, names, positions, flat)
+    return _Arguments(leaves, spec, names, positions, flat, carriers)
+
+
+def _dtype_like(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
+    """``dtype`` for a real ``x``, its complex twin for a complex one (None: x's own)."""
+    if dtype is None:
+        return x.dtype
+    if x.is_complex():
+        return {torch.float64: torch.complex128, torch.float32: torch.complex64,
+                torch.float16: torch.complex32}.get(dtype, torch.complex128)
+    return dtype
+
+
+class _SparseLeaf(torch.autograd.Function):
+    """A sparse tensor of the input's own pattern made from a dense carrier; backward hands
+    the carrier the whole gradient (densified), as torch's gradcheck reads it."""
+
+    @staticmethod
+    def forward(ctx: Any, dense: torch.Tensor, carrier: "_Carrier") -> torch.Tensor:  # type: ignore[override]
+        return carrier.with_pattern(dense)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return (grad.to_dense() if grad.layout != torch.strided else grad), None
+
+
+@dataclass
+class _Carrier:
+    """How a checked input travels: ``dense`` (the input as a dense tensor, the copy the
+    function sees rebuilt) and ``real`` (what the check perturbs: ``dense`` itself, or
+    ``view_as_real(dense)`` for a complex input, whose trailing dimension of 2 holds the
+    real and imaginary parts). A sparse (COO or CSR) input is rebuilt in its layout: with
+    its own pattern in the backward pass; for the finite differences with every element
+    specified (``masked=False``: unspecified elements are zeros that count) or with its own
+    pattern (``masked=True``: unspecified elements are not inputs), as torch does."""
+
+    dense: torch.Tensor
+    real: torch.Tensor
+    complex: bool
+    layout: Any = torch.strided
+    index: Optional[Tuple[torch.Tensor, ...]] = None
+    crow: Optional[torch.Tensor] = None
+    masked: bool = False
+
+    @classmethod
+    def of(cls, where: str, name: str, leaf: torch.Tensor, dtype: Optional[torch.dtype],
+           masked: bool) -> "_Carrier":
+        layout, index, crow = leaf.layout, None, None
+        x = leaf.detach()
+        if layout == torch.sparse_coo:
+            x = x.coalesce()
+            index = tuple(x.indices())
+        elif layout == torch.sparse_csr and x.dim() == 2:
+            crow, col = x.crow_indices(), x.col_indices()
+            rows = torch.repeat_interleave(torch.arange(x.shape[0], device=x.device), crow.diff())
+            index = (rows, col)
+        elif layout != torch.strided:
+            raise NotImplementedError(
+                f"{where}: {name} has layout {layout}{'' if layout != torch.sparse_csr else ' with batch dimensions'}; "
+                f"supported: strided, sparse_coo and 2-D sparse_csr tensors")
+        dense = (x.to_dense() if layout != torch.strided else x).to(_dtype_like(x, dtype), copy=True)
+        real = torch.view_as_real(dense).clone() if dense.is_complex() else dense
+        return cls(dense, real, dense.is_complex(), layout, index, crow, bool(masked))
+
+    def rebuild(self, r: torch.Tensor) -> torch.Tensor:
+        x = torch.view_as_complex(r) if self.complex else r
+        if self.layout == torch.strided:
+            return x
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _SparseLeaf.apply(x, self)
+        return self.with_pattern(x) if self.masked else self.fully_specified(x)
+
+    def with_pattern(self, x: torch.Tensor) -> torch.Tensor:
+        values = x[self.index]
+        if self.layout == torch.sparse_coo:
+            return torch.sparse_coo_tensor(torch.stack(self.index), values, x.shape,
+                                           is_coalesced=True, check_invariants=False)
+        return torch.sparse_csr_tensor(self.crow, self.index[1], values, x.shape,
+                                       check_invariants=False)
+
+    def fully_specified(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == torch.sparse_coo:
+            sd = len(self.index)
+            idx = torch.ones(x.shape[:sd], dtype=torch.int8, device=x.device).nonzero().T
+            return torch.sparse_coo_tensor(idx, x.reshape(-1, *x.shape[sd:]), x.shape,
+                                           is_coalesced=True, check_invariants=False)
+        n_rows, n_cols = x.shape
+        crow = torch.arange(n_rows + 1, device=x.device) * n_cols
+        col = torch.arange(n_cols, device=x.device).repeat(n_rows)
+        return torch.sparse_csr_tensor(crow, col, x.reshape(-1), x.shape, check_invariants=False)
 
 
 def _warn_precision(xs: Sequence[torch.Tensor]) -> None:
@@ -1490,6 +1646,14 @@ def _warn_precision(xs: Sequence[torch.Tensor]) -> None:
 
 def _check_function(where: str, fn: Any, inputs: Tuple[Any, ...], opts: _Options) -> GradcheckResult:
     """gradcheck of a callable: its inputs that require grad, on copies."""
+    target, opts = _function_target(where, fn, inputs, opts)
+    return _run(target, opts)
+
+
+def _function_target(where: str, fn: Any, inputs: Tuple[Any, ...],
+                     opts: _Options) -> Tuple["_Target", _Options]:
+    """The target of a callable (its inputs that require grad, on copies) and the options
+    resolved for its dtype."""
     if isinstance(fn, type) and issubclass(fn, torch.nn.Module):
         check_model(fn, where, "fn")                     # raises: instantiate it first
     if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
@@ -1498,7 +1662,7 @@ def _check_function(where: str, fn: Any, inputs: Tuple[Any, ...], opts: _Options
     if not callable(fn):
         raise GraddbgTypeError(f"{where}(fn=...): got {type(fn).__name__}, expected a callable (a "
                                f"function, an autograd.Function's .apply or an nn.Module)")
-    args = _prepare(where, inputs, opts.dtype, lambda name, x: x.requires_grad)
+    args = _prepare(where, inputs, opts.dtype, lambda name, x: x.requires_grad, bool(opts.masked))
     xs = args.checked
     if not xs:
         given = ", ".join(f"Tensor({v.dtype}, requires_grad={v.requires_grad})"
@@ -1509,7 +1673,8 @@ def _check_function(where: str, fn: Any, inputs: Tuple[Any, ...], opts: _Options
     opts = opts.resolve(xs[0].dtype)
     _warn_precision(xs)
     target = _Target(lambda diff: fn(*args.rebuild(diff)), xs, args.checked_names, opts.seed, where)
-    return _run(target, opts)
+    target.in_complex = args.complex_flags
+    return target, opts
 
 
 def _check_module(where: str, module: Any, inputs: Tuple[Any, ...], wrt: Any,
@@ -1522,7 +1687,8 @@ def _check_module(where: str, module: Any, inputs: Tuple[Any, ...], wrt: Any,
     _refuse_sharded(where, module)
     params = [n for n, p in module.named_parameters() if p.requires_grad]
     want_params, want_inputs = _wrt(where, wrt, params)
-    args = _prepare(where, inputs, opts.dtype, lambda n, x: want_inputs is None or n in want_inputs)
+    args = _prepare(where, inputs, opts.dtype, lambda n, x: want_inputs is None or n in want_inputs,
+                    bool(opts.masked))
     unknown = sorted((want_inputs or set()) - set(args.checked_names))
     if unknown:
         raise GraddbgValueError(
@@ -1547,7 +1713,9 @@ def _check_module(where: str, module: Any, inputs: Tuple[Any, ...], wrt: Any,
         return torch.func.functional_call(mod, dict(zip(p_names, diff[:n_p])),
                                           args.rebuild(diff[n_p:]))
 
-    return _run(_Target(call, xs, p_names + args.checked_names, opts.seed, where), opts)
+    target = _Target(call, xs, p_names + args.checked_names, opts.seed, where)
+    target.in_complex = [False] * n_p + args.complex_flags
+    return _run(target, opts)
 
 
 def _wrt(where: str, wrt: Any, params: List[str]) -> Tuple[set, Optional[set]]:
