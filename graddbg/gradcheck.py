@@ -49,6 +49,28 @@ Two modes:
 
 Floating-point inputs (and modules) are checked on float64 copies by default; nothing
 passed in is modified.
+
+Migrating from ``torch.autograd.gradcheck``: a one-line change. ``graddbg.gradcheck``
+and ``graddbg.gradgradcheck`` take torch's calling convention (a tuple of inputs) and every
+keyword of torch's (2.3 to 2.13) with its meaning; they raise on failure as torch does
+(``raise_exception=False``: a result that is truthy like torch's bool), with a table of
+the wrong entries instead of two Jacobians. Complex inputs and outputs (Wirtinger, as
+torch) and sparse COO/CSR inputs (``masked=``) are checked too.
+
+>>> import torch
+>>> class MySquare(torch.autograd.Function):
+...     @staticmethod
+...     def forward(ctx, x):
+...         ctx.save_for_backward(x)
+...         return x * x
+...     @staticmethod
+...     def backward(ctx, g):
+...         (x,) = ctx.saved_tensors
+...         return 2 * x * g
+>>> x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+>>> # before: assert torch.autograd.gradcheck(MySquare.apply, (x,), eps=1e-6, atol=1e-4)
+>>> assert gradcheck(MySquare.apply, (x,), eps=1e-6, atol=1e-4)
+>>> assert gradgradcheck(MySquare.apply, (x,), fast_mode=True)
 """
 from __future__ import annotations
 
@@ -72,7 +94,7 @@ from graddbg._errors import (GraddbgTypeError, GraddbgValueError, GradientMismat
 from graddbg._model import check_model, named_tensors, unwrap
 
 
-__all__ = ["gradcheck", "check_module", "assert_gradients_close", "GradcheckResult",
+__all__ = ["gradcheck", "gradgradcheck", "check_module", "assert_gradients_close", "GradcheckResult",
            "TOLERANCES"]
 
 #: (eps, atol, rtol) by the dtype the check runs in; every value can be overridden.
@@ -144,6 +166,7 @@ class GradcheckResult:
     kinks: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     localised: Optional[str] = None
+    failed_checks: List[str] = field(default_factory=list)
     rows: List[dict] = field(default_factory=list, repr=False)
     _table: Any = field(default=None, repr=False)
 
@@ -191,6 +214,7 @@ class GradcheckResult:
             lines.append(f"  non-differentiable point: {note}")
         if len(self.kinks) > 3:
             lines.append(f"  ... {len(self.kinks) - 3} more non-differentiable points")
+        lines.extend(f"  FAILED {what}" for what in self.failed_checks)
         lines.extend(f"  {note}" for note in self.notes)
         bad = [r for r in self.rows if r["note"] != "non-differentiable point"]
         if bad:
@@ -327,6 +351,11 @@ class _Options:
         if not opts.check_backward_ad and not opts.forward_ad:
             raise GraddbgValueError(f"{where}: check_backward_ad=False needs check_forward_ad=True "
                                     f"(forward_ad=True): at least one kind of AD must be checked")
+        if opts.check_batched_grad and not opts.check_backward_ad:
+            raise GraddbgValueError(f"{where}: check_batched_grad=True needs check_backward_ad=True")
+        if opts.check_batched_forward_grad and not opts.forward_ad:
+            raise GraddbgValueError(f"{where}: check_batched_forward_grad=True needs "
+                                    f"check_forward_ad=True (forward_ad=True)")
         return opts
 
     def resolve(self, dtype: torch.dtype) -> "_Options":
@@ -360,11 +389,18 @@ def _translate_aliases(where: str, kw: Dict[str, Any]) -> Dict[str, Any]:
 
 def _options_in_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Show the options as keyword-only parameters in ``fn``'s signature (``help()``,
-    ``inspect.signature``, IDEs) in place of its ``**options``."""
+    ``inspect.signature``, IDEs) in place of its ``**options`` (gradgradcheck: without the
+    first-order AD switches it replaces by its own)."""
     sig = inspect.signature(fn)
     own = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    skip = {p.name for p in own}
+    if fn.__name__ == "gradgradcheck":
+        skip |= {"forward_ad", "second_order", "check_backward_ad"}
     opts = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                              annotation=f.type) for f in fields(_Options)]
+                              annotation=f.type) for f in fields(_Options) if f.name not in skip]
+    if fn.__name__ in ("gradcheck", "gradgradcheck"):
+        opts.append(inspect.Parameter("raise_exception", inspect.Parameter.KEYWORD_ONLY,
+                                      default=None, annotation=Optional[bool]))
     fn.__signature__ = sig.replace(parameters=own + opts)  # type: ignore[attr-defined]
     return fn
 
@@ -710,6 +746,11 @@ class _Collector:
         self.n_mismatched = 0
         self.nondet = False
         self.spread = 0.0
+        self.failed: List[str] = []
+
+    def fail(self, check: str, message: str) -> None:
+        """A further check (named as torch names its option) failed."""
+        self.failed.append(f"{check}: {message}")
 
     def errors(self, abs_err: torch.Tensor, n_abs: torch.Tensor) -> None:
         """Record the largest absolute and relative errors of compared entries (``n_abs``:
@@ -760,8 +801,11 @@ def _run_full(t: _Target, opts: _Options, col: _Collector) -> None:
     f0 = _flat([y.detach().unsqueeze(0) for y in ys], 1)[0]
     # the analytic Jacobian is the only full-size matrix kept; the second backward pass
     # and the numerical columns are compared chunk by chunk against it
-    ana = _analytic_jacobian(t, xs, ys)
-    widen = _second_backward(t, xs, ys, ana, col)
+    if opts.check_backward_ad:
+        ana = _analytic_jacobian(t, xs, ys)
+        widen = _second_backward(t, xs, ys, ana, col)
+    else:                                   # check_backward_ad=False: forward mode only
+        ana, widen = _forward_jacobian(t), None
     kink = _kink_fn(t, opts.eps, f0)
     cp = _compression(t, ana, opts)
     if cp is not None:
@@ -774,9 +818,10 @@ def _run_full(t: _Target, opts: _Options, col: _Collector) -> None:
         c1 = min(t.n, c0 + step)
         num, suspect = _screened_columns(t, opts, ana[:, c0:c1], c0, c1, f0, widen, col)
         if suspect.numel():
-            _compare_full(t, ana[:, c0:c1][:, suspect], num[:, suspect], col, "jacobian",
+            _compare_full(t, ana[:, c0:c1][:, suspect], num[:, suspect], col,
+                          "jacobian" if opts.check_backward_ad else "forward_ad",
                           widen, kink, suspect + c0)
-        if opts.forward_ad:
+        if opts.forward_ad and opts.check_backward_ad:
             fwd = _jvp_cols(t, _unit_rows(x0, t.n, range(c0, c1))).T
             _compare_full(t, fwd, num, col, "forward_ad", None, kink, c0)
             _compare_full(t, fwd, ana[:, c0:c1], col, "forward_vs_reverse", widen, None, c0)
@@ -791,6 +836,17 @@ def _analytic_jacobian(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor
     for r0 in range(0, t.m, step):
         r1 = min(t.m, r0 + step)
         _vjp_rows(t, xs, ys, _unit_rows(x0, t.m, range(r0, r1)), out[r0:r1])
+    return out
+
+
+def _forward_jacobian(t: _Target) -> torch.Tensor:
+    """The Jacobian (M, N) by forward mode, one column per input element."""
+    x0 = t.xs[0]
+    out = x0.new_empty(t.m, t.n)
+    step = _chunk(t.n, t.m + t.n)
+    for c0 in range(0, t.n, step):
+        c1 = min(t.n, c0 + step)
+        out[:, c0:c1] = _jvp_cols(t, _unit_rows(x0, t.n, range(c0, c1))).T
     return out
 
 
@@ -1200,6 +1256,9 @@ def _run_fast(t: _Target, opts: _Options, col: _Collector) -> Dict[int, int]:
     xs, ys = _forward(t)
     p = _fast_measure(t, opts, xs, ys)
     failing: Dict[int, int] = {}
+    if p.g1 is None:
+        _fast_forward_ad(t, opts, col, p, failing)
+        return failing
     for b in _fast_compare(opts, col, p):
         confirmed = _fast_confirm(t, opts, col, p, b)
         if confirmed:
@@ -1226,6 +1285,8 @@ def _fast_measure(t: _Target, opts: _Options, xs: List[torch.Tensor],
     fp, fm = f[:k * nb], f[k * nb:]
     d = (fp - fm) / (2 * opts.eps)
     noise_el = (fp.abs() + fm.abs()) * (_NOISE * torch.finfo(x0.dtype).eps / (2 * opts.eps))
+    if not opts.check_backward_ad:          # forward mode only: no backward pass
+        return _Projections(k, nb, u, v, d, noise_el, None, None)   # type: ignore[arg-type]
     g12 = _vjp_rows(t, xs, ys, torch.cat([v, v[:1]]))
     return _Projections(k, nb, u, v, d, noise_el, g12[:k], g12[k:])
 
@@ -1309,10 +1370,14 @@ def _fast_forward_ad(t: _Target, opts: _Options, col: _Collector, p: _Projection
         m = (vv @ (jf[rows] ** 2).T).sqrt()
         noise = (vv @ (p.noise_el[rows] ** 2).T).sqrt()
         tol = opts.atol * ub.norm(dim=1)[None, :] * v.norm(dim=1)[:, None] + opts.rtol * m + noise
-        for other, name in ((v @ p.d[rows].T, "forward_ad"), (p.g1[:, sl] @ ub.T, "forward_vs_reverse")):
+        pairs = [(v @ p.d[rows].T, "forward_ad")]
+        if p.g1 is not None:
+            pairs.append((p.g1[:, sl] @ ub.T, "forward_vs_reverse"))
+        for other, name in pairs:
             err = (fw - other).abs()
             bad = (err > tol) | (~torch.isfinite(err) & (fw != other))
             col.n_compared += err.numel()
+            col.errors(err, m)
             if not bool(bad.any()):
                 continue
             failing[b] = failing.get(b, 0) + int(bad.sum())
@@ -1328,6 +1393,201 @@ def _projection_row(name: str, l: int, c: int, av: float, nv: float, err: float,
                 output_part="", analytic=av,
                 numerical=nv, abs_err=err, rel_err=err / max(scale, 1e-300), check=check,
                 note=f"probe v{l}, u{c}")
+
+
+# --------------------------------------------------------------------------- further checks
+#
+# torch.autograd.gradcheck checks more than the Jacobian; each of these is on where torch's
+# is by default, and a failure names torch's option (and what to fix).
+
+
+class _Undefined(torch.autograd.Function):
+    """The identity, whose backward hands an undefined (None) gradient on: what torch's
+    gradcheck feeds a backward for ``check_undefined_grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:  # type: ignore[override]
+        return None
+
+
+def _further_checks(t: _Target, opts: _Options, col: _Collector) -> None:
+    """The checks beyond the Jacobian, as ``torch.autograd.gradcheck`` runs them."""
+    if opts.check_backward_ad:
+        xs, ys = _forward(t)
+        _check_zero_grad_outputs(t, xs, ys, col, opts.nondet_tol or 0.0)
+        if opts.check_grad_dtypes:
+            _check_grad_dtypes(t, xs, ys, col)
+        if opts.check_batched_grad:
+            _check_batched_grad(t, opts, xs, ys, col)
+        if opts.check_undefined_grad:
+            _check_undefined_backward(t, col, opts.nondet_tol or 0.0)
+    if opts.forward_ad and opts.check_undefined_grad:
+        _check_undefined_forward(t, opts, col)
+    if opts.forward_ad and opts.check_batched_forward_grad:
+        _check_batched_forward_grad(t, opts, col)
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+
+
+def _check_zero_grad_outputs(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor],
+                             col: _Collector, noise: float) -> None:
+    """Zero output gradients must give zero input gradients (backward multiplies by the
+    output gradient) of the input's dtype and shape (torch runs this one always). A
+    backward declared noisy (``nondet_tol``) may give gradients up to that noise."""
+    diff = [y for y in ys if y.requires_grad]
+    if not diff:
+        return
+    try:
+        grads = torch.autograd.grad(diff, xs, [torch.zeros_like(y) for y in diff],
+                                    retain_graph=True, allow_unused=True)
+    except Exception as e:  # noqa: BLE001 - the user's backward raised: the check fails
+        col.fail("backward", f"backward raised with zero output gradients ({_first_line(e)})")
+        return
+    for g, x, name in zip(grads, xs, t.names):
+        if g is None:
+            continue
+        if g.dtype != x.dtype or g.shape != x.shape:
+            col.fail("grad dtype/shape", f"the gradient of {name} is {g.dtype} {tuple(g.shape)}, the "
+                     f"input {x.dtype} {tuple(x.shape)}; backward must return one of the input's")
+        elif not bool((g.abs() <= noise).all()):
+            col.fail("backward not multiplied by grad_output",
+                     f"zero output gradients give a gradient of {name} with "
+                     f"{int(g.ne(0).sum())} nonzero entries (largest {float(g.abs().max()):.3g}); "
+                     f"backward must scale by the incoming gradient")
+
+
+def _check_grad_dtypes(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor],
+                       col: _Collector) -> None:
+    """``check_grad_dtypes``: a random vector-Jacobian product has the inputs' dtypes."""
+    diff = [y for y in ys if y.requires_grad]
+    if not diff:
+        return
+    grads = torch.autograd.grad(diff, xs, [torch.ones_like(y) for y in diff],
+                                retain_graph=True, allow_unused=True)
+    for g, x, name in zip(grads, xs, t.names):
+        if g is not None and g.dtype != x.dtype:
+            col.fail("check_grad_dtypes", f"the gradient of {name} is {g.dtype}, the input {x.dtype}")
+
+
+def _check_undefined_backward(t: _Target, col: _Collector, noise: float) -> None:
+    """``check_undefined_grad``: with undefined (None) gradients for every output, then
+    for one output at a time, backward runs and gives undefined or zero input gradients
+    (up to ``noise``, the ``nondet_tol`` of a backward declared noisy)."""
+    xs, ys = _forward(t)
+    n_diff = sum(y.requires_grad for y in ys)
+    for which in [None] + (list(range(n_diff)) if n_diff > 1 else []):
+        if which is not None:
+            xs, ys = _forward(t)
+        diff = [(k, y) for k, y in enumerate(y for y in ys if y.requires_grad)]
+        outs = [_Undefined.apply(y) if which in (None, k) else y for k, y in diff]
+        label = "every output" if which is None else t.out_names[[i for i, y in enumerate(ys)
+                                                                  if y.requires_grad][which]]
+        hint = ("a backward must treat an undefined (None) output gradient as zero; pass "
+                "check_undefined_grad=False to skip this check")
+        try:
+            grads = torch.autograd.grad(outs, xs, [torch.zeros_like(o) for o in outs],
+                                        allow_unused=True)
+        except Exception as e:  # noqa: BLE001 - the user's backward raised: the check fails
+            col.fail("check_undefined_grad", f"backward raised with undefined gradients for "
+                     f"{label} ({_first_line(e)}); {hint}")
+            return
+        bad = [n for g, n in zip(grads, t.names) if g is not None and not bool((g.abs() <= noise).all())]
+        if bad:
+            col.fail("check_undefined_grad", f"with undefined gradients for {label}, the "
+                     f"gradients of {', '.join(bad)} are neither undefined nor zero; {hint}")
+            return
+
+
+def _check_undefined_forward(t: _Target, opts: _Options, col: _Collector) -> None:
+    """``check_undefined_grad`` in forward mode: an input with a zero tangent and the same
+    input without one give the same output tangents."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(opts.seed + 6)
+    xs = [x.detach() for x in t.xs]
+    tangents = [_probe(gen, tuple(x.shape), x) for x in xs]
+    for b in range(len(xs)):
+        outs = []
+        for zero_dual in (True, False):
+            with fwAD.dual_level():
+                duals = [fwAD.make_dual(x, torch.zeros_like(x) if i == b else u) if
+                         (i != b or zero_dual) else x for i, (x, u) in enumerate(zip(xs, tangents))]
+                ys = t.call(duals)
+                outs.append([fwAD.unpack_dual(y).tangent for y in ys])
+        for o, (a, c) in enumerate(zip(*outs)):
+            if a is not None and c is not None and not torch.allclose(a, c):
+                col.fail("check_undefined_grad", f"forward mode: output {t.out_names[o]}'s tangent "
+                         f"differs between a zero tangent and no tangent on {t.names[b]}")
+                return
+
+
+def _batched_mismatch(name: str, batched: torch.Tensor, looped: torch.Tensor) -> Optional[str]:
+    if torch.allclose(batched, looped):
+        return None
+    return (f"batched through vmap, the result for {name} differs from one at a time by up to "
+            f"{float((batched - looped).abs().max()):.3g}")
+
+
+def _check_batched_grad(t: _Target, opts: _Options, xs: List[torch.Tensor],
+                        ys: List[torch.Tensor], col: _Collector) -> None:
+    """``check_batched_grad``: vector-Jacobian products batched through vmap
+    (``is_grads_batched``) equal the same products one at a time, output by output."""
+    gen = torch.Generator().manual_seed(opts.seed + 5)
+    for o, y in enumerate(ys):
+        if not y.requires_grad:
+            continue
+        v = _probe(gen, (2, *y.shape), y)
+        looped = [torch.autograd.grad(y, xs, v[r], retain_graph=True, allow_unused=True) for r in (0, 1)]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                batched = torch.autograd.grad(y, xs, v, retain_graph=True, allow_unused=True,
+                                              is_grads_batched=True)
+        except Exception as e:  # noqa: BLE001 - vmap cannot run this backward: say so
+            col.notes.append(f"check_batched_grad skipped for {t.out_names[o]}: vmap cannot run this "
+                             f"backward ({_first_line(e)}); torch's gradcheck fails here")
+            return
+        for b, name in enumerate(t.names):
+            exp = torch.stack([g[b] if g[b] is not None else torch.zeros_like(xs[b]) for g in looped])
+            got = batched[b] if batched[b] is not None else torch.zeros_like(exp)
+            bad = _batched_mismatch(f"{name} (output {t.out_names[o]})", got, exp)
+            if bad:
+                col.fail("check_batched_grad", bad)
+                return
+
+
+def _check_batched_forward_grad(t: _Target, opts: _Options, col: _Collector) -> None:
+    """``check_batched_forward_grad``: Jacobian-vector products batched through vmap equal
+    the same products one at a time, input by input."""
+    gen = torch.Generator().manual_seed(opts.seed + 7)
+    xs = [x.detach() for x in t.xs]
+    for b, name in enumerate(t.names):
+        def jvp(tan: torch.Tensor, b: int = b) -> Tuple[torch.Tensor, ...]:
+            def f(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+                return tuple(t.call([x if i == b else xi for i, xi in enumerate(xs)]))
+            return torch.func.jvp(f, (xs[b],), (tan,))[1]
+
+        tans = _probe(gen, (2, *xs[b].shape), xs[b])
+        looped = [torch.stack(shards) for shards in zip(*(jvp(tans[r]) for r in (0, 1)))]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                batched = torch.func.vmap(jvp)(tans)
+        except Exception as e:  # noqa: BLE001 - vmap cannot run this function: say so
+            col.notes.append(f"check_batched_forward_grad skipped: vmap cannot run this forward "
+                             f"mode ({_first_line(e)}); torch's gradcheck fails here")
+            return
+        for o, (got, exp) in enumerate(zip(batched, looped)):
+            bad = _batched_mismatch(f"output {t.out_names[o]} along {name}", got, exp)
+            if bad:
+                col.fail("check_batched_forward_grad", bad)
+                return
 
 
 # --------------------------------------------------------------------------- driver
@@ -1356,14 +1616,15 @@ def _check_target(t: _Target, opts: _Options) -> GradcheckResult:
         localised, evaluations = _run_fast_and_localise(t, opts, col)
     if t.skipped:
         col.notes.append(f"not checked (outputs that do not require grad): {', '.join(t.skipped)}")
+    _further_checks(t, opts, col)
     rows = sorted(col.rows, key=_row_key) + col.kink_rows
-    ok = not col.rows and not col.nondet and col.n_mismatched == 0
+    ok = not col.rows and not col.nondet and col.n_mismatched == 0 and not col.failed
     return GradcheckResult(
         ok=ok, mode=opts.mode, eps=opts.eps, atol=opts.atol, rtol=opts.rtol, dtype=t.xs[0].dtype,
         max_abs_err=col.max_abs, max_rel_err=col.max_rel, n_compared=col.n_compared,
         n_mismatched=col.n_mismatched, nondeterministic=col.nondet,
         nondet_spread=col.spread, nondet_tol=opts.nondet_tol, kinks=col.kinks,
-        notes=col.notes, localised=localised, rows=rows[:_TABLE_ROWS],
+        notes=col.notes, localised=localised, failed_checks=col.failed, rows=rows[:_TABLE_ROWS],
         n_evaluations=t.evaluations + evaluations, colours=t.colours)
 
 
@@ -1474,6 +1735,7 @@ def _merge_second(first: GradcheckResult, second: GradcheckResult) -> GradcheckR
         first.localised = ", ".join(filter(None, [first.localised,
                                                    f"second order: {second.localised}"]))
     first.notes += [f"second order: {n}" for n in second.notes]
+    first.failed_checks += [f"second order {c}" for c in second.failed_checks]
     if not second.ok:
         first.notes.append(f"second-order check (gradients of gradients) FAILED: "
                            f"{second.n_mismatched} mismatches, max abs err {second.max_abs_err:.3g}")
@@ -1735,47 +1997,198 @@ def _wrt(where: str, wrt: Any, params: List[str]) -> Tuple[set, Optional[set]]:
 # --------------------------------------------------------------------------- public API
 
 
+#: keywords only torch's gradcheck has: any of them makes a call torch-style (raising)
+_TORCH_ONLY = ("fast_mode", "check_forward_ad", "check_sparse_nnz", "check_backward_ad",
+               "check_undefined_grad", "check_grad_dtypes", "check_batched_grad",
+               "check_batched_forward_grad", "masked", "raise_exception")
+
+
+def _calling_convention(where: str, inputs: Tuple[Any, ...], options: Dict[str, Any],
+                        n_tuples: int = 1) -> Tuple[Tuple[Any, ...], Tuple[Any, ...], bool]:
+    """(inputs, the positional arguments after them, torch-style?) of a call. torch's
+    convention, ``fn, inputs`` with ``inputs`` a tuple of arguments (or ``inputs=``), is
+    recognised by a tuple as the only positional argument (gradgradcheck: followed by at
+    most ``n_tuples - 1`` more, its ``grad_outputs``); a call with a keyword that only
+    torch's gradcheck has is torch-style too. Otherwise the positional arguments are the
+    inputs (graddbg's varargs form)."""
+    if "inputs" in options:
+        if inputs:
+            raise GraddbgTypeError(f"{where}: got inputs both as positional arguments and as "
+                                   f"inputs=; pass one of them")
+        given = options.pop("inputs")
+        return _as_tuple(given), (), True
+    if 1 <= len(inputs) <= n_tuples and isinstance(inputs[0], tuple):
+        return inputs[0], inputs[1:], True
+    return inputs, (), any(k in options for k in _TORCH_ONLY)
+
+
+def _as_tuple(x: Any) -> Tuple[Any, ...]:
+    return x if isinstance(x, tuple) else tuple(x) if isinstance(x, list) else (x,)
+
+
+def _verdict(where: str, result: GradcheckResult, raise_exception: Any) -> GradcheckResult:
+    """``result``, or GradientMismatchError with its text when it failed and
+    ``raise_exception`` is set."""
+    if _flag(where, "raise_exception", raise_exception) and not result.ok:
+        raise GradientMismatchError(str(result), result)
+    return result
+
+
 @_options_in_signature
 def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> GradcheckResult:
     """Compare the derivatives of ``fn`` at ``inputs`` with central finite differences.
 
-    Differentiable inputs are the floating-point tensors with ``requires_grad=True``,
-    anywhere in ``inputs`` (nested tuples, lists, dicts); every other argument passes
-    through. ``fn`` may return a tensor or tuples/lists/dicts/dataclasses of tensors
-    (integer outputs are ignored). Inputs are checked on float64 copies (``dtype=None``
-    keeps their dtype; anything below float64 emits a ``PrecisionWarning``);
-    ``eps``/``atol``/``rtol`` default from ``TOLERANCES``. ``mode="full"`` checks every
-    Jacobian entry (``max_entries`` bounds its size; a sparse one is checked colour group
-    by colour group, ``compress=True``, see the module's documentation; ``result.colours``
-    says whether it was); ``mode="fast"`` checks ``probes`` random projections per input
-    and, on a failure, re-runs full mode on inputs with at most ``localise_entries``
-    Jacobian entries. Use full mode for functions up to a few thousand elements and to
-    find single wrong entries; fast mode for anything larger (it finds scaled, dropped
-    and transposed gradients at any size). ``forward_ad=True`` also checks forward mode
-    (jvp); ``second_order=True`` checks gradients of gradients. The backward pass runs
-    twice: a difference beyond ``nondet_tol`` (default: the comparison tolerance) is
-    reported as nondeterminism. Entries whose one-sided differences disagree, with the
-    analytic value being one of them, are listed as non-differentiable points and do not
-    fail the check unless ``kinks="fail"``. ``seed`` seeds the probes and the RNG the
-    function sees. An ``nn.Module`` as ``fn`` is checked as by :func:`check_module`.
-    Bad arguments (an unknown keyword, a bad value, no input that requires grad, an
-    output that is not a tensor) raise ``TypeError`` or ``ValueError``.
+    Two calling conventions. graddbg's: ``gradcheck(fn, x, y, mode="fast")`` returns a
+    :class:`GradcheckResult` (truthy when the check passed). torch's:
+    ``gradcheck(fn, (x, y), fast_mode=True)`` (a tuple of inputs as the only positional
+    argument, or ``inputs=``, or any keyword only torch's gradcheck has) takes every
+    keyword of ``torch.autograd.gradcheck`` (torch 2.3 to 2.13) with its meaning and
+    raises, as torch does, unless ``raise_exception=False`` (then the truthy result comes
+    back). A function that takes one tuple argument is given it as ``((pair,),)``.
 
-    >>> import torch
+    Differentiable inputs are the floating-point and complex tensors with
+    ``requires_grad=True`` (dense, sparse COO or 2-D CSR), anywhere in ``inputs``
+    (nested tuples, lists, dicts); every other argument passes through. ``fn`` may return
+    a tensor or tuples/lists/dicts/dataclasses of tensors (integer outputs are ignored).
+    Inputs are checked on float64 copies (complex128 for complex ones); ``dtype=None``
+    keeps their dtype (below float64 it emits a ``PrecisionWarning``). Complex inputs and
+    outputs are checked through their real and imaginary parts, the real-linear map torch
+    checks as conjugate Wirtinger derivatives; the table names each entry's part. Sparse
+    inputs: ``masked=False`` (default) perturbs every element, ``masked=True`` only the
+    specified ones, against the densified gradient of the input's own pattern.
+
+    ``mode="full"`` (``fast_mode=False``) checks every Jacobian entry (``max_entries``
+    bounds its size; a sparse one is checked colour group by colour group,
+    ``compress=True``; ``result.colours`` says whether it was); ``mode="fast"`` checks
+    ``probes`` random projections per input and, on a failure, re-runs full mode on inputs
+    with at most ``localise_entries`` Jacobian entries. ``forward_ad=True``
+    (``check_forward_ad``) also checks forward mode; ``check_backward_ad=False`` checks
+    forward mode only; ``second_order=True`` checks gradients of gradients (see also
+    :func:`gradgradcheck`). The backward pass runs twice: a difference beyond
+    ``nondet_tol`` (default: the comparison tolerance) is reported as nondeterminism.
+    Entries whose one-sided differences disagree, the analytic value being one of them,
+    are non-differentiable points that pass unless ``kinks="fail"``. ``seed`` seeds the
+    probes and the RNG the function sees. An ``nn.Module`` is checked as by
+    :func:`check_module`.
+
+    As torch does, every check also runs backward with zero output gradients (the
+    input gradients must be zero, of the input's dtype and shape) and, by default
+    (``check_undefined_grad=True``), with undefined output gradients;
+    ``check_grad_dtypes``, ``check_batched_grad`` and ``check_batched_forward_grad``
+    (vmap against one at a time; skipped with a note where vmap cannot run the function)
+    are off by default. A failed check is named in the text by torch's option name.
+
+    Migrating from torch is a one-line change:
+
+    >>> import torch, graddbg
     >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    >>> assert torch.autograd.gradcheck(torch.sin, (x,), fast_mode=True)
+    >>> assert graddbg.gradcheck(torch.sin, (x,), fast_mode=True)
+
+    Args:
+        fn: the function (or ``nn.Module``) to check.
+        *inputs: its arguments (graddbg's form), or one tuple of them (torch's form).
+        **options: graddbg's options (``mode``, ``eps``, ``atol``, ``rtol``, ``dtype``,
+            ``forward_ad``, ``second_order``, ``nondet_tol``, ``kinks``, ``seed``,
+            ``probes``, ``max_entries``, ``localise_entries``, ``compress``) and torch's
+            (``fast_mode``, ``raise_exception``, ``check_undefined_grad``,
+            ``check_grad_dtypes``, ``check_batched_grad``, ``check_batched_forward_grad``,
+            ``check_forward_ad``, ``check_backward_ad``, ``masked``, ``check_sparse_nnz``).
+
+    Returns:
+        GradcheckResult: ``ok``, a table of the mismatching entries, the errors; truthy
+        when the check passed.
+
+    Raises:
+        GradientMismatchError: the check failed and ``raise_exception`` is set (torch's
+            form by default); an AssertionError and a RuntimeError, like torch's
+            GradcheckError.
+        TypeError, ValueError: bad arguments (an unknown keyword, a bad value, no input
+            that requires grad, an output that is not a tensor).
+
     >>> bool(gradcheck(lambda t: t.exp().sum(), x))
     True
-    >>> gradcheck(torch.sin, x, mode="fast").ok
+    >>> z = torch.randn(2, dtype=torch.complex128, requires_grad=True)
+    >>> gradcheck(torch.exp, z, mode="fast").ok
     True
     >>> s = torch.randperm(500, dtype=torch.float64).requires_grad_()   # no near-ties
     >>> r = gradcheck(lambda t: t.sort().values, s)      # 500 columns in 1 colour group
     >>> r.ok, r.colours, r.n_evaluations, r.n_compared
     (True, 1, 2, 250000)
     """
-    opts = _Options.parse("gradcheck", options)
+    inputs, rest, torch_style = _calling_convention("gradcheck", inputs, options)
+    raise_exception = options.pop("raise_exception", torch_style)
+    opts = _Options.parse("gradcheck", options, extra=("raise_exception", "inputs"))
     if isinstance(fn, torch.nn.Module):
-        return _check_module("gradcheck", fn, inputs, "all", opts)
-    return _check_function("gradcheck", fn, inputs, opts)
+        result = _check_module("gradcheck", fn, inputs, "all", opts)
+    else:
+        result = _check_function("gradcheck", fn, inputs, opts)
+    return _verdict("gradcheck", result, raise_exception)
+
+
+@_options_in_signature
+def gradgradcheck(fn: Callable[..., Any], *inputs: Any, grad_outputs: Any = None,
+                  gen_non_contig_grad_outputs: bool = False, check_fwd_over_rev: bool = False,
+                  check_rev_over_rev: bool = True, **options: Any) -> GradcheckResult:
+    """Check the second derivatives of ``fn``: :func:`gradcheck` of ``(x..., v...) ->
+    v^T J(x)``, a drop-in for ``torch.autograd.gradcheck.gradgradcheck``.
+
+    The output gradients ``v`` are ``grad_outputs`` (torch's third positional argument) or
+    drawn from ``seed``, and are checked as inputs too, as torch does. Reverse over
+    reverse (``check_rev_over_rev``, on) differentiates the gradients by backward; forward
+    over reverse (``check_fwd_over_rev``) by forward mode. Complex and sparse inputs,
+    ``fast_mode``/``mode``, ``raise_exception`` and the other options as in
+    :func:`gradcheck`; ``gen_non_contig_grad_outputs`` is accepted (the drawn output
+    gradients are copies whatever their layout).
+
+    >>> import torch, graddbg
+    >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    >>> assert graddbg.gradgradcheck(torch.tanh, (x,), check_fwd_over_rev=True)
+
+    Args:
+        fn: the function to check (an ``nn.Module`` is called as a function).
+        *inputs: its arguments, or torch's ``inputs`` tuple (then optionally
+            ``grad_outputs`` positionally after it).
+        grad_outputs: a tensor or tuple of tensors, one per differentiable output.
+        gen_non_contig_grad_outputs: accepted for torch's sake.
+        check_fwd_over_rev: also check forward-over-reverse second derivatives.
+        check_rev_over_rev: check reverse-over-reverse second derivatives.
+        **options: as :func:`gradcheck` (not ``forward_ad``/``check_forward_ad``/
+            ``check_backward_ad``/``second_order``: use the two above).
+
+    Returns:
+        GradcheckResult: of the second-order check (rows name ``grad_<output>`` for the
+        output gradients), truthy when it passed.
+
+    Raises:
+        GradientMismatchError: the check failed and ``raise_exception`` is set.
+        TypeError, ValueError: bad arguments.
+    """
+    where = "gradgradcheck"
+    inputs, rest, torch_style = _calling_convention(where, inputs, options, n_tuples=2)
+    if rest:
+        if grad_outputs is not None:
+            raise GraddbgTypeError(f"{where}: grad_outputs given twice (positionally and by name)")
+        grad_outputs = rest[0]
+    raise_exception = options.pop("raise_exception", torch_style)
+    clash = sorted({"forward_ad", "check_forward_ad", "check_backward_ad", "second_order"} & set(options))
+    if clash:
+        raise GraddbgTypeError(f"{where}: {clash} do not apply; use check_fwd_over_rev= and "
+                               f"check_rev_over_rev=")
+    _flag(where, "gen_non_contig_grad_outputs", gen_non_contig_grad_outputs)
+    opts = _Options.parse(where, {**options, "forward_ad": _flag(where, "check_fwd_over_rev", check_fwd_over_rev),
+                                  "check_backward_ad": _flag(where, "check_rev_over_rev", check_rev_over_rev)},
+                          extra=("raise_exception", "inputs", "grad_outputs",
+                                 "gen_non_contig_grad_outputs", "check_fwd_over_rev", "check_rev_over_rev"))
+    t, opts = _function_target(where, fn, inputs, opts)
+    gos = None if grad_outputs is None else _as_tuple(grad_outputs)
+    with torch.random.fork_rng(devices=_devices(t.xs)):
+        _forward(t)
+        if gos is not None and len(gos) != len(t.out_shapes):
+            raise GraddbgValueError(f"{where}: {len(gos)} grad_outputs for {len(t.out_shapes)} "
+                                    f"differentiable outputs ({', '.join(t.out_names)})")
+        result = _check_target(_second_order_target(t, opts.seed, gos), opts)
+    return _verdict(where, result, raise_exception)
 
 
 def _refuse_sharded(where: str, module: torch.nn.Module) -> None:
