@@ -1534,10 +1534,28 @@ def _batched_mismatch(name: str, batched: torch.Tensor, looped: torch.Tensor) ->
             f"{float((batched - looped).abs().max()):.3g}")
 
 
+def _batched_vjp(y: torch.Tensor, xs: List[torch.Tensor], v: torch.Tensor) -> Tuple[Any, ...]:
+    """Vector-Jacobian products for the rows of ``v`` in one batched call: through
+    ``torch.func.vmap`` (which runs custom ops' and autograd.Functions' own vmap rules),
+    else through ``is_grads_batched`` (torch's legacy batching, as torch's gradcheck);
+    raises when neither can run the backward."""
+    def vjp(g: torch.Tensor) -> Tuple[Any, ...]:
+        grads = torch.autograd.grad(y, xs, g, retain_graph=True, allow_unused=True)
+        return tuple(gr if gr is not None else torch.zeros_like(x) for gr, x in zip(grads, xs))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return torch.func.vmap(vjp)(v)
+        except Exception:  # noqa: BLE001 - e.g. an autograd.Function without setup_context
+            return torch.autograd.grad(y, xs, v, retain_graph=True, allow_unused=True,
+                                       is_grads_batched=True)
+
+
 def _check_batched_grad(t: _Target, opts: _Options, xs: List[torch.Tensor],
                         ys: List[torch.Tensor], col: _Collector) -> None:
-    """``check_batched_grad``: vector-Jacobian products batched through vmap
-    (``is_grads_batched``) equal the same products one at a time, output by output."""
+    """``check_batched_grad``: vector-Jacobian products batched through vmap equal the
+    same products one at a time, output by output."""
     gen = torch.Generator().manual_seed(opts.seed + 5)
     for o, y in enumerate(ys):
         if not y.requires_grad:
@@ -1545,10 +1563,7 @@ def _check_batched_grad(t: _Target, opts: _Options, xs: List[torch.Tensor],
         v = _probe(gen, (2, *y.shape), y)
         looped = [torch.autograd.grad(y, xs, v[r], retain_graph=True, allow_unused=True) for r in (0, 1)]
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                batched = torch.autograd.grad(y, xs, v, retain_graph=True, allow_unused=True,
-                                              is_grads_batched=True)
+            batched = _batched_vjp(y, xs, v)
         except Exception as e:  # noqa: BLE001 - vmap cannot run this backward: say so
             col.notes.append(f"check_batched_grad skipped for {t.out_names[o]}: vmap cannot run this "
                              f"backward ({_first_line(e)}); torch's gradcheck fails here")
@@ -1564,21 +1579,29 @@ def _check_batched_grad(t: _Target, opts: _Options, xs: List[torch.Tensor],
 
 def _check_batched_forward_grad(t: _Target, opts: _Options, col: _Collector) -> None:
     """``check_batched_forward_grad``: Jacobian-vector products batched through vmap equal
-    the same products one at a time, input by input."""
+    the same products one at a time (dual numbers), input by input."""
+    import torch.autograd.forward_ad as fwAD
+
     gen = torch.Generator().manual_seed(opts.seed + 7)
     xs = [x.detach() for x in t.xs]
     for b, name in enumerate(t.names):
         def jvp(tan: torch.Tensor, b: int = b) -> Tuple[torch.Tensor, ...]:
-            def f(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-                return tuple(t.call([x if i == b else xi for i, xi in enumerate(xs)]))
-            return torch.func.jvp(f, (xs[b],), (tan,))[1]
+            with fwAD.dual_level():
+                duals = [fwAD.make_dual(x, tan) if i == b else x for i, x in enumerate(xs)]
+                outs = [fwAD.unpack_dual(y) for y in t.call(duals)]
+                return tuple(o.tangent if o.tangent is not None else torch.zeros_like(o.primal)
+                             for o in outs)
 
         tans = _probe(gen, (2, *xs[b].shape), xs[b])
         looped = [torch.stack(shards) for shards in zip(*(jvp(tans[r]) for r in (0, 1)))]
+        def functorch_jvp(tan: torch.Tensor, b: int = b) -> Tuple[torch.Tensor, ...]:
+            return torch.func.jvp(lambda x: tuple(t.call([x if i == b else xi for i, xi in enumerate(xs)])),
+                                  (xs[b],), (tan,))[1]
+
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                batched = torch.func.vmap(jvp)(tans)
+                batched = torch.func.vmap(functorch_jvp)(tans)
         except Exception as e:  # noqa: BLE001 - vmap cannot run this function: say so
             col.notes.append(f"check_batched_forward_grad skipped: vmap cannot run this forward "
                              f"mode ({_first_line(e)}); torch's gradcheck fails here")
