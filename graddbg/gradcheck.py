@@ -2067,7 +2067,9 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> Gradcheck
     argument, or ``inputs=``, or any keyword only torch's gradcheck has) takes every
     keyword of ``torch.autograd.gradcheck`` (torch 2.3 to 2.13) with its meaning and
     raises, as torch does, unless ``raise_exception=False`` (then the truthy result comes
-    back). A function that takes one tuple argument is given it as ``((pair,),)``.
+    back). A function that takes one tuple argument is given it as ``((pair,),)``. In
+    torch's form non-differentiable points fail the check, as in torch (``kinks="fail"``;
+    the text still names them as such); pass ``kinks="allow"`` to let them pass.
 
     Differentiable inputs are the floating-point and complex tensors with
     ``requires_grad=True`` (dense, sparse COO or 2-D CSR), anywhere in ``inputs``
@@ -2141,6 +2143,8 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> Gradcheck
     """
     inputs, rest, torch_style = _calling_convention("gradcheck", inputs, options)
     raise_exception = options.pop("raise_exception", torch_style)
+    if torch_style:
+        options.setdefault("kinks", "fail")            # torch fails at kinks
     opts = _Options.parse("gradcheck", options, extra=("raise_exception", "inputs"))
     if isinstance(fn, torch.nn.Module):
         result = _check_module("gradcheck", fn, inputs, "all", opts)
@@ -2194,6 +2198,8 @@ def gradgradcheck(fn: Callable[..., Any], *inputs: Any, grad_outputs: Any = None
             raise GraddbgTypeError(f"{where}: grad_outputs given twice (positionally and by name)")
         grad_outputs = rest[0]
     raise_exception = options.pop("raise_exception", torch_style)
+    if torch_style:
+        options.setdefault("kinks", "fail")            # torch fails at kinks
     clash = sorted({"forward_ad", "check_forward_ad", "check_backward_ad", "second_order"} & set(options))
     if clash:
         raise GraddbgTypeError(f"{where}: {clash} do not apply; use check_fwd_over_rev= and "
