@@ -216,7 +216,7 @@ class GradcheckResult:
             lines.append(f"  ... {len(self.kinks) - 3} more non-differentiable points")
         lines.extend(f"  FAILED {what}" for what in self.failed_checks)
         lines.extend(f"  {note}" for note in self.notes)
-        bad = [r for r in self.rows if r["note"] != "non-differentiable point"]
+        bad = [r for r in self.rows if not r.get("allowed")]     # allowed kinks: listed above
         if bad:
             lines.append(f"  worst {min(_STR_ROWS, len(bad))} of {self.n_mismatched}:")
             lines.extend("    " + line for line in _format_rows(bad[:_STR_ROWS]))
@@ -989,6 +989,7 @@ def _at_kink(col: _Collector, row: dict, one_sided: Any, i: int) -> bool:
     row["left"], row["right"] = left, right
     if opts.kinks != "allow":
         return False
+    row["allowed"] = True
     col.kink_rows.append(row)
     col.kinks.append(f"{row['input']}{list(row['index'])} -> {row['output']}"
                      f"{list(row['output_index'])}: left {left:.4g}, right {right:.4g}, "

@@ -248,6 +248,15 @@ def test_fast_mode_is_mode_and_a_contradiction_is_an_error():
         gradcheck(torch.sin, (x,), fast_mode=True, mode="full")
 
 
+def test_kinks_fail_in_torchs_form_as_in_torch_and_are_named():
+    x = torch.tensor([0.0, 1.0, -2.0], **F64, requires_grad=True)     # relu's kink at 0
+    assert torch_verdict(torch.relu, (x,)) is False
+    r = gradcheck(torch.relu, (x,), raise_exception=False)
+    assert not r.ok and "non-differentiable point" in str(r)
+    assert gradcheck(torch.relu, (x,), kinks="allow")                # graddbg's choice, asked for
+    assert gradcheck(torch.relu, x).ok                                 # graddbg's form: allowed
+
+
 def test_torchs_argument_rules():
     x = x64(3)
     with pytest.raises(ValueError, match="check_backward_ad=False needs check_forward_ad=True"):
