@@ -1431,7 +1431,7 @@ def _further_checks(t: _Target, opts: _Options, col: _Collector) -> None:
         if opts.check_batched_grad:
             _check_batched_grad(t, opts, xs, ys, col)
         if opts.check_undefined_grad:
-            _check_undefined_backward(t, col, opts.nondet_tol or 0.0)
+            _check_undefined_backward(t, xs, ys, col, opts.nondet_tol or 0.0)
     if opts.forward_ad and opts.check_undefined_grad:
         _check_undefined_forward(t, opts, col)
     if opts.forward_ad and opts.check_batched_forward_grad:
@@ -1482,15 +1482,13 @@ def _check_grad_dtypes(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor
             col.fail("check_grad_dtypes", f"the gradient of {name} is {g.dtype}, the input {x.dtype}")
 
 
-def _check_undefined_backward(t: _Target, col: _Collector, noise: float) -> None:
+def _check_undefined_backward(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor],
+                              col: _Collector, noise: float) -> None:
     """``check_undefined_grad``: with undefined (None) gradients for every output, then
     for one output at a time, backward runs and gives undefined or zero input gradients
     (up to ``noise``, the ``nondet_tol`` of a backward declared noisy)."""
-    xs, ys = _forward(t)
     n_diff = sum(y.requires_grad for y in ys)
     for which in [None] + (list(range(n_diff)) if n_diff > 1 else []):
-        if which is not None:
-            xs, ys = _forward(t)
         diff = [(k, y) for k, y in enumerate(y for y in ys if y.requires_grad)]
         outs = [_Undefined.apply(y) if which in (None, k) else y for k, y in diff]
         label = "every output" if which is None else t.out_names[[i for i, y in enumerate(ys)
@@ -1499,7 +1497,7 @@ def _check_undefined_backward(t: _Target, col: _Collector, noise: float) -> None
                 "check_undefined_grad=False to skip this check")
         try:
             grads = torch.autograd.grad(outs, xs, [torch.zeros_like(o) for o in outs],
-                                        allow_unused=True)
+                                        retain_graph=True, allow_unused=True)
         except Exception as e:  # noqa: BLE001 - the user's backward raised: the check fails
             col.fail("check_undefined_grad", f"backward raised with undefined gradients for "
                      f"{label} ({_first_line(e)}); {hint}")
