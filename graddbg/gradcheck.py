@@ -130,7 +130,8 @@ class GradcheckResult:
 
     ``table`` (a pandas DataFrame, built on first access) lists the entries that did not
     match, worst first: ``input`` (argument or parameter name), ``index`` (a tuple into
-    that input), ``output``/``output_index``, ``analytic``, ``numerical``, ``abs_err``,
+    that input), ``input_part`` (``"real"``/``"imag"`` for a complex input, else empty),
+    ``output``/``output_index``/``output_part``, ``analytic``, ``numerical``, ``abs_err``,
     ``rel_err`` (``abs_err / max(|numerical|, atol)``), ``check`` (``"jacobian"``,
     ``"projection"`` in fast mode, ``"forward_ad"``, ``"forward_vs_reverse"``,
     ``"second_order"``) and ``note`` (``"non-differentiable point"`` when one-sided
@@ -140,7 +141,9 @@ class GradcheckResult:
     their forward-difference error (about ``eps * |f''| / 2``), the others with their
     central-difference error. ``n_evaluations`` counts the perturbed function
     evaluations; ``colours`` is the number of colour groups when full mode compressed
-    the Jacobian's columns (None when it checked them one by one).
+    the Jacobian's columns (None when it checked them one by one). ``failed_checks``
+    lists the further checks that failed (named by torch's option: ``check_undefined_grad``,
+    ``check_batched_grad``, ``backward not multiplied by grad_output``, ...).
 
     >>> import torch
     >>> r = gradcheck(torch.sin, torch.randn(4, dtype=torch.float64, requires_grad=True))
@@ -412,7 +415,8 @@ class _Target:
     """A function of a flat list of differentiable tensors returning a flat list of
     floating-point output tensors: the outputs are found with :func:`graddbg._model.named_tensors`
     (tensors in tuples, lists, dicts, dataclasses...), integer ones are dropped and complex
-    ones are checked as their real and imaginary parts (a trailing dimension of 2).
+    ones are checked as their real and imaginary parts (a trailing dimension of 2), as the
+    carriers of complex inputs are (``in_complex``).
     ``where`` names the public function in error messages."""
 
     def __init__(self, fn: Callable[[Sequence[torch.Tensor]], Any], xs: List[torch.Tensor],
