@@ -441,6 +441,7 @@ class _Target:
         self.colours: Optional[int] = None
         self.cuda_gens = [torch.cuda.default_generators[i] for i in _devices(xs)]
         self.in_complex: List[bool] = [False] * len(xs)   # carriers of complex inputs
+        self.graph: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = None
         self.out_complex: List[bool] = []
 
     # The RNG is reseeded before every evaluation, so dropout and friends draw the same
@@ -796,7 +797,7 @@ def _forward(t: _Target) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
 def _run_full(t: _Target, opts: _Options, col: _Collector) -> None:
     """Every Jacobian entry: analytic (backward passes, twice), numerical (forward
     differences, then central ones where they do not clear), compressed when sparse."""
-    xs, ys = _forward(t)
+    xs, ys = t.graph = _forward(t)            # kept for the further checks
     if t.n * t.m > opts.max_entries:
         raise GraddbgValueError(
             f"{t.where}: the Jacobian has {t.m} x {t.n} = {t.m * t.n} entries, more than "
@@ -1262,7 +1263,7 @@ class _Projections:
 
 def _run_fast(t: _Target, opts: _Options, col: _Collector) -> Dict[int, int]:
     """Projection check; returns {input: number of failed projections}."""
-    xs, ys = _forward(t)
+    xs, ys = t.graph = _forward(t)            # kept for the further checks
     p = _fast_measure(t, opts, xs, ys)
     failing: Dict[int, int] = {}
     if p.g1 is None:
@@ -1428,7 +1429,8 @@ class _Undefined(torch.autograd.Function):
 def _further_checks(t: _Target, opts: _Options, col: _Collector) -> None:
     """The checks beyond the Jacobian, as ``torch.autograd.gradcheck`` runs them."""
     if opts.check_backward_ad:
-        xs, ys = _forward(t)
+        xs, ys = t.graph or _forward(t)      # the main check's forward pass, its graph retained
+        t.graph = None
         _check_zero_grad_outputs(t, xs, ys, col, opts.nondet_tol or 0.0)
         if opts.check_grad_dtypes:
             _check_grad_dtypes(t, xs, ys, col)
