@@ -61,6 +61,7 @@ _LAZY = {
     "check_module": "graddbg.gradcheck",
     "assert_gradients_close": "graddbg.gradcheck",
     "GradcheckResult": "graddbg.gradcheck",
+    "gradgradcheck": "graddbg.gradcheck",
     "graph": "graddbg.graphviz",
     "Graph": "graddbg.graphviz",
     "grad_stats": "graddbg.stats",

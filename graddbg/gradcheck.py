@@ -49,6 +49,28 @@ Two modes:
 
 Floating-point inputs (and modules) are checked on float64 copies by default; nothing
 passed in is modified.
+
+Migrating from ``torch.autograd.gradcheck``: a one-line change. ``graddbg.gradcheck``
+and ``graddbg.gradgradcheck`` take torch's calling convention (a tuple of inputs) and every
+keyword of torch's (2.3 to 2.13) with its meaning; they raise on failure as torch does
+(``raise_exception=False``: a result that is truthy like torch's bool), with a table of
+the wrong entries instead of two Jacobians. Complex inputs and outputs (Wirtinger, as
+torch) and sparse COO/CSR inputs (``masked=``) are checked too.
+
+>>> import torch
+>>> class MySquare(torch.autograd.Function):
+...     @staticmethod
+...     def forward(ctx, x):
+...         ctx.save_for_backward(x)
+...         return x * x
+...     @staticmethod
+...     def backward(ctx, g):
+...         (x,) = ctx.saved_tensors
+...         return 2 * x * g
+>>> x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+>>> # before: assert torch.autograd.gradcheck(MySquare.apply, (x,), eps=1e-6, atol=1e-4)
+>>> assert gradcheck(MySquare.apply, (x,), eps=1e-6, atol=1e-4)
+>>> assert gradgradcheck(MySquare.apply, (x,), fast_mode=True)
 """
 from __future__ import annotations
 
@@ -72,7 +94,7 @@ from graddbg._errors import (GraddbgTypeError, GraddbgValueError, GradientMismat
 from graddbg._model import check_model, named_tensors, unwrap
 
 
-__all__ = ["gradcheck", "check_module", "assert_gradients_close", "GradcheckResult",
+__all__ = ["gradcheck", "gradgradcheck", "check_module", "assert_gradients_close", "GradcheckResult",
            "TOLERANCES"]
 
 #: (eps, atol, rtol) by the dtype the check runs in; every value can be overridden.
@@ -95,8 +117,8 @@ _SMALL_BATCH = 4           # the smaller batch size timed against it
 _MIN_BATCH = 12            # fewer rows than this are cheaper in a loop
 _NOISE = 64.0              # rounding units assumed per function output (fast mode)
 
-_COLUMNS = ["input", "index", "output", "output_index", "analytic", "numerical",
-            "abs_err", "rel_err", "check", "note"]
+_COLUMNS = ["input", "index", "input_part", "output", "output_index", "output_part",
+            "analytic", "numerical", "abs_err", "rel_err", "check", "note"]
 
 
 # --------------------------------------------------------------------------- result
@@ -108,7 +130,8 @@ class GradcheckResult:
 
     ``table`` (a pandas DataFrame, built on first access) lists the entries that did not
     match, worst first: ``input`` (argument or parameter name), ``index`` (a tuple into
-    that input), ``output``/``output_index``, ``analytic``, ``numerical``, ``abs_err``,
+    that input), ``input_part`` (``"real"``/``"imag"`` for a complex input, else empty),
+    ``output``/``output_index``/``output_part``, ``analytic``, ``numerical``, ``abs_err``,
     ``rel_err`` (``abs_err / max(|numerical|, atol)``), ``check`` (``"jacobian"``,
     ``"projection"`` in fast mode, ``"forward_ad"``, ``"forward_vs_reverse"``,
     ``"second_order"``) and ``note`` (``"non-differentiable point"`` when one-sided
@@ -118,7 +141,9 @@ class GradcheckResult:
     their forward-difference error (about ``eps * |f''| / 2``), the others with their
     central-difference error. ``n_evaluations`` counts the perturbed function
     evaluations; ``colours`` is the number of colour groups when full mode compressed
-    the Jacobian's columns (None when it checked them one by one).
+    the Jacobian's columns (None when it checked them one by one). ``failed_checks``
+    lists the further checks that failed (named by torch's option: ``check_undefined_grad``,
+    ``check_batched_grad``, ``backward not multiplied by grad_output``, ...).
 
     >>> import torch
     >>> r = gradcheck(torch.sin, torch.randn(4, dtype=torch.float64, requires_grad=True))
@@ -144,6 +169,7 @@ class GradcheckResult:
     kinks: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     localised: Optional[str] = None
+    failed_checks: List[str] = field(default_factory=list)
     rows: List[dict] = field(default_factory=list, repr=False)
     _table: Any = field(default=None, repr=False)
 
@@ -191,8 +217,9 @@ class GradcheckResult:
             lines.append(f"  non-differentiable point: {note}")
         if len(self.kinks) > 3:
             lines.append(f"  ... {len(self.kinks) - 3} more non-differentiable points")
+        lines.extend(f"  FAILED {what}" for what in self.failed_checks)
         lines.extend(f"  {note}" for note in self.notes)
-        bad = [r for r in self.rows if r["note"] != "non-differentiable point"]
+        bad = [r for r in self.rows if not r.get("allowed")]     # allowed kinks: listed above
         if bad:
             lines.append(f"  worst {min(_STR_ROWS, len(bad))} of {self.n_mismatched}:")
             lines.extend("    " + line for line in _format_rows(bad[:_STR_ROWS]))
@@ -256,6 +283,10 @@ def _flag(where: str, name: str, value: Any) -> bool:
     return bool(value)
 
 
+def _optional_flag(where: str, name: str, value: Any) -> Optional[bool]:
+    return None if value is None else _flag(where, name, value)
+
+
 def _integer(minimum: Optional[int]) -> Callable[[str, str, Any], int]:
     def check(where: str, name: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -299,19 +330,36 @@ class _Options:
     max_entries: int = _option(2 ** 27, _integer(1))
     localise_entries: int = _option(1_000_000, _integer(0))
     compress: bool = _option(True, _flag)
+    # torch.autograd.gradcheck's further checks, under torch's names and defaults
+    check_backward_ad: bool = _option(True, _flag)
+    check_undefined_grad: bool = _option(True, _flag)
+    check_grad_dtypes: bool = _option(False, _flag)
+    check_batched_grad: bool = _option(False, _flag)
+    check_batched_forward_grad: bool = _option(False, _flag)
+    masked: Optional[bool] = _option(None, _optional_flag)
 
     @classmethod
     def parse(cls, where: str, kw: Dict[str, Any], extra: Sequence[str] = ()) -> "_Options":
         """The options of a call to ``where`` (``extra``: its own other keywords, listed
         in the error for an unknown keyword)."""
         checks = {f.name: f.metadata["check"] for f in fields(cls)}
+        kw = _translate_aliases(where, kw)
         unknown = sorted(set(kw) - set(checks))
         if unknown:
-            accepted = sorted([*checks, *extra])
+            accepted = sorted([*checks, *_ALIASES, *extra])
             close = difflib.get_close_matches(unknown[0], accepted, n=1)
             raise GraddbgTypeError(f"{where}: unknown keyword(s) {unknown}; accepted: {accepted}"
                                    + (f" (did you mean {close[0]!r}?)" if close else ""))
-        return cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
+        opts = cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
+        if not opts.check_backward_ad and not opts.forward_ad:
+            raise GraddbgValueError(f"{where}: check_backward_ad=False needs check_forward_ad=True "
+                                    f"(forward_ad=True): at least one kind of AD must be checked")
+        if opts.check_batched_grad and not opts.check_backward_ad:
+            raise GraddbgValueError(f"{where}: check_batched_grad=True needs check_backward_ad=True")
+        if opts.check_batched_forward_grad and not opts.forward_ad:
+            raise GraddbgValueError(f"{where}: check_batched_forward_grad=True needs "
+                                    f"check_forward_ad=True (forward_ad=True)")
+        return opts
 
     def resolve(self, dtype: torch.dtype) -> "_Options":
         """These options with the tolerances left None taken from ``TOLERANCES[dtype]``."""
@@ -321,13 +369,41 @@ class _Options:
                        rtol=rtol if self.rtol is None else self.rtol)
 
 
+#: torch.autograd.gradcheck's keywords spelled differently here -> graddbg's option
+_ALIASES = {"fast_mode": "mode", "check_forward_ad": "forward_ad", "check_sparse_nnz": "masked"}
+
+
+def _translate_aliases(where: str, kw: Dict[str, Any]) -> Dict[str, Any]:
+    """torch's spellings (``fast_mode=True`` -> ``mode="fast"``, ``check_forward_ad`` ->
+    ``forward_ad``, torch < 2.1's ``check_sparse_nnz`` -> ``masked``) in graddbg's words; a
+    torch keyword that contradicts graddbg's own given alongside is an error."""
+    kw = dict(kw)
+    for old, new in _ALIASES.items():
+        if old not in kw:
+            continue
+        value = _flag(where, old, kw.pop(old))
+        if old == "fast_mode":
+            value = "fast" if value else "full"
+        if new in kw and kw[new] != value:
+            raise GraddbgValueError(f"{where}: {old}= and {new}={kw[new]!r} disagree; pass one of them")
+        kw[new] = value
+    return kw
+
+
 def _options_in_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Show the options as keyword-only parameters in ``fn``'s signature (``help()``,
-    ``inspect.signature``, IDEs) in place of its ``**options``."""
+    ``inspect.signature``, IDEs) in place of its ``**options`` (gradgradcheck: without the
+    first-order AD switches it replaces by its own)."""
     sig = inspect.signature(fn)
     own = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    skip = {p.name for p in own}
+    if fn.__name__ == "gradgradcheck":
+        skip |= {"forward_ad", "second_order", "check_backward_ad"}
     opts = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                              annotation=f.type) for f in fields(_Options)]
+                              annotation=f.type) for f in fields(_Options) if f.name not in skip]
+    if fn.__name__ in ("gradcheck", "gradgradcheck"):
+        opts.append(inspect.Parameter("raise_exception", inspect.Parameter.KEYWORD_ONLY,
+                                      default=None, annotation=Optional[bool]))
     fn.__signature__ = sig.replace(parameters=own + opts)  # type: ignore[attr-defined]
     return fn
 
@@ -339,7 +415,8 @@ class _Target:
     """A function of a flat list of differentiable tensors returning a flat list of
     floating-point output tensors: the outputs are found with :func:`graddbg._model.named_tensors`
     (tensors in tuples, lists, dicts, dataclasses...), integer ones are dropped and complex
-    ones are checked as their real and imaginary parts (a trailing dimension of 2).
+    ones are checked as their real and imaginary parts (a trailing dimension of 2), as the
+    carriers of complex inputs are (``in_complex``).
     ``where`` names the public function in error messages."""
 
     def __init__(self, fn: Callable[[Sequence[torch.Tensor]], Any], xs: List[torch.Tensor],
@@ -363,6 +440,9 @@ class _Target:
         self.evaluations = 0
         self.colours: Optional[int] = None
         self.cuda_gens = [torch.cuda.default_generators[i] for i in _devices(xs)]
+        self.in_complex: List[bool] = [False] * len(xs)   # carriers of complex inputs
+        self.graph: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = None
+        self.out_complex: List[bool] = []
 
     # The RNG is reseeded before every evaluation, so dropout and friends draw the same
     # numbers in every perturbed call as in the analytic one (states are restored by
@@ -404,6 +484,7 @@ class _Target:
         self.paths = [p for p, _ in floats]
         self.out_names = [_output_name(p) for p in self.paths]
         self.out_shapes = [y.shape + ((2,) if y.is_complex() else ()) for _, y in floats]
+        self.out_complex = [y.is_complex() for _, y in floats]
         self.out_offsets = [0, *itertools.accumulate(math.prod(s) for s in self.out_shapes)]
         self.m = self.out_offsets[-1]
 
@@ -670,6 +751,11 @@ class _Collector:
         self.n_mismatched = 0
         self.nondet = False
         self.spread = 0.0
+        self.failed: List[str] = []
+
+    def fail(self, check: str, message: str) -> None:
+        """A further check (named as torch names its option) failed."""
+        self.failed.append(f"{check}: {message}")
 
     def errors(self, abs_err: torch.Tensor, n_abs: torch.Tensor) -> None:
         """Record the largest absolute and relative errors of compared entries (``n_abs``:
@@ -711,7 +797,7 @@ def _forward(t: _Target) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
 def _run_full(t: _Target, opts: _Options, col: _Collector) -> None:
     """Every Jacobian entry: analytic (backward passes, twice), numerical (forward
     differences, then central ones where they do not clear), compressed when sparse."""
-    xs, ys = _forward(t)
+    xs, ys = t.graph = _forward(t)            # kept for the further checks
     if t.n * t.m > opts.max_entries:
         raise GraddbgValueError(
             f"{t.where}: the Jacobian has {t.m} x {t.n} = {t.m * t.n} entries, more than "
@@ -720,8 +806,11 @@ def _run_full(t: _Target, opts: _Options, col: _Collector) -> None:
     f0 = _flat([y.detach().unsqueeze(0) for y in ys], 1)[0]
     # the analytic Jacobian is the only full-size matrix kept; the second backward pass
     # and the numerical columns are compared chunk by chunk against it
-    ana = _analytic_jacobian(t, xs, ys)
-    widen = _second_backward(t, xs, ys, ana, col)
+    if opts.check_backward_ad:
+        ana = _analytic_jacobian(t, xs, ys)
+        widen = _second_backward(t, xs, ys, ana, col)
+    else:                                   # check_backward_ad=False: forward mode only
+        ana, widen = _forward_jacobian(t), None
     kink = _kink_fn(t, opts.eps, f0)
     cp = _compression(t, ana, opts)
     if cp is not None:
@@ -734,9 +823,10 @@ def _run_full(t: _Target, opts: _Options, col: _Collector) -> None:
         c1 = min(t.n, c0 + step)
         num, suspect = _screened_columns(t, opts, ana[:, c0:c1], c0, c1, f0, widen, col)
         if suspect.numel():
-            _compare_full(t, ana[:, c0:c1][:, suspect], num[:, suspect], col, "jacobian",
+            _compare_full(t, ana[:, c0:c1][:, suspect], num[:, suspect], col,
+                          "jacobian" if opts.check_backward_ad else "forward_ad",
                           widen, kink, suspect + c0)
-        if opts.forward_ad:
+        if opts.forward_ad and opts.check_backward_ad:
             fwd = _jvp_cols(t, _unit_rows(x0, t.n, range(c0, c1))).T
             _compare_full(t, fwd, num, col, "forward_ad", None, kink, c0)
             _compare_full(t, fwd, ana[:, c0:c1], col, "forward_vs_reverse", widen, None, c0)
@@ -751,6 +841,17 @@ def _analytic_jacobian(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor
     for r0 in range(0, t.m, step):
         r1 = min(t.m, r0 + step)
         _vjp_rows(t, xs, ys, _unit_rows(x0, t.m, range(r0, r1)), out[r0:r1])
+    return out
+
+
+def _forward_jacobian(t: _Target) -> torch.Tensor:
+    """The Jacobian (M, N) by forward mode, one column per input element."""
+    x0 = t.xs[0]
+    out = x0.new_empty(t.m, t.n)
+    step = _chunk(t.n, t.m + t.n)
+    for c0 in range(0, t.n, step):
+        c1 = min(t.n, c0 + step)
+        out[:, c0:c1] = _jvp_cols(t, _unit_rows(x0, t.n, range(c0, c1))).T
     return out
 
 
@@ -801,14 +902,16 @@ def _screened_columns(t: _Target, opts: _Options, ana: torch.Tensor, c0: int, c1
     is within half the tolerance of the analytic value (their errors enter the
     statistics here); every other column is recomputed with central differences, which
     decide every reported mismatch. This halves the function evaluations of full mode,
-    at no cost in what is reported."""
+    at no cost in what is reported. A column the screen clears has the analytic value
+    as its right-hand derivative, which ``kinks="allow"`` accepts anyway; with
+    ``kinks="fail"`` (torch's form) every column takes central differences, as torch's."""
     x0 = t.xs[0]
     fp = _eval_directions(t, _unit_rows(x0, t.n, range(c0, c1), opts.eps))    # (k, M)
     num = torch.sub(fp, f0).div_(opts.eps).T
     err = torch.sub(ana, num).abs_()
     n_abs = num.abs()
     half = n_abs * (0.5 * opts.rtol) + (0.5 * opts.atol + (0.5 * widen if widen else 0.0))
-    cleared = (err <= half).all(0)
+    cleared = (err <= half).all(0) & (opts.kinks == "allow")
     suspect = (~cleared).nonzero().flatten()
     if err.numel() and bool(cleared.any()):
         e = err[:, cleared]
@@ -862,10 +965,20 @@ def _entry_row(t: _Target, opts: _Options, i: int, j: int, av: float, nv: float,
     """The table row of Jacobian entry (output element i, input element j)."""
     b, in_idx = t.locate_input(j)
     o, out_idx = t.locate_output(i)
+    in_idx, in_part = _part(in_idx, t.in_complex[b] if b < len(t.in_complex) else False)
+    out_idx, out_part = _part(out_idx, t.out_complex[o] if o < len(t.out_complex) else False)
     err = abs(av - nv) if math.isfinite(av - nv) else float("inf")
-    return dict(input=t.names[b], index=in_idx, output=t.out_names[o], output_index=out_idx,
-                analytic=av, numerical=nv, abs_err=err,
-                rel_err=err / max(abs(nv), opts.atol, 1e-300), check=check, note="")
+    return dict(input=t.names[b], index=in_idx, input_part=in_part, output=t.out_names[o],
+                output_index=out_idx, output_part=out_part, analytic=av, numerical=nv,
+                abs_err=err, rel_err=err / max(abs(nv), opts.atol, 1e-300), check=check, note="")
+
+
+def _part(index: Tuple[int, ...], is_complex: bool) -> Tuple[Tuple[int, ...], str]:
+    """A complex tensor's element index and part ("real"/"imag") from the index into its
+    real view (whose last dimension holds the two parts); ("", index) for a real one."""
+    if not is_complex:
+        return index, ""
+    return index[:-1], ("real", "imag")[index[-1]]
 
 
 def _at_kink(col: _Collector, row: dict, one_sided: Any, i: int) -> bool:
@@ -883,6 +996,7 @@ def _at_kink(col: _Collector, row: dict, one_sided: Any, i: int) -> bool:
     row["left"], row["right"] = left, right
     if opts.kinks != "allow":
         return False
+    row["allowed"] = True
     col.kink_rows.append(row)
     col.kinks.append(f"{row['input']}{list(row['index'])} -> {row['output']}"
                      f"{list(row['output_index'])}: left {left:.4g}, right {right:.4g}, "
@@ -1074,7 +1188,9 @@ def _run_compressed(cp: _Compressed, opts: _Options, f0: torch.Tensor, widen: Op
     refine: List[torch.Tensor] = []
     for _ in range(2 if len(pending) <= _REDRAW else 1):
         weights = draw()
-        screened = cp.check(pending, weights, opts, f0, widen, col, central=False)
+        # the forward-difference screen only where kinks are allowed (_screened_columns)
+        screened = cp.check(pending, weights, opts, f0, widen, col, central=False) \
+            if opts.kinks == "allow" else [True] * len(pending)
         suspect = [g for g, bad in zip(pending, screened) if bad]
         failed = cp.check(suspect, weights, opts, f0, widen, col, central=True) if suspect else []
         refine += [g for g, bad in zip(suspect, failed) if bad]
@@ -1147,9 +1263,12 @@ class _Projections:
 
 def _run_fast(t: _Target, opts: _Options, col: _Collector) -> Dict[int, int]:
     """Projection check; returns {input: number of failed projections}."""
-    xs, ys = _forward(t)
+    xs, ys = t.graph = _forward(t)            # kept for the further checks
     p = _fast_measure(t, opts, xs, ys)
     failing: Dict[int, int] = {}
+    if p.g1 is None:
+        _fast_forward_ad(t, opts, col, p, failing)
+        return failing
     for b in _fast_compare(opts, col, p):
         confirmed = _fast_confirm(t, opts, col, p, b)
         if confirmed:
@@ -1176,6 +1295,8 @@ def _fast_measure(t: _Target, opts: _Options, xs: List[torch.Tensor],
     fp, fm = f[:k * nb], f[k * nb:]
     d = (fp - fm) / (2 * opts.eps)
     noise_el = (fp.abs() + fm.abs()) * (_NOISE * torch.finfo(x0.dtype).eps / (2 * opts.eps))
+    if not opts.check_backward_ad:          # forward mode only: no backward pass
+        return _Projections(k, nb, u, v, d, noise_el, None, None)   # type: ignore[arg-type]
     g12 = _vjp_rows(t, xs, ys, torch.cat([v, v[:1]]))
     return _Projections(k, nb, u, v, d, noise_el, g12[:k], g12[k:])
 
@@ -1233,6 +1354,8 @@ def _fast_confirm(t: _Target, opts: _Options, col: _Collector, p: _Projections, 
     fd_err = (p.v @ d2.T - num[:, ks]).abs()
     confirmed = ~(err[:, ks] <= tol[:, ks] + 2 * fd_err) & ~(ana[:, ks] == num[:, ks])
     if not bool(confirmed.any()):
+        if opts.kinks != "allow" and t.sizes[b] * t.m <= min(opts.localise_entries, opts.max_entries):
+            return int(bad.sum())     # a jump also moves with eps: full mode decides (torch's form)
         col.notes.append(f"fast-mode projections of {t.names[b]} disagreed by up to "
                          f"{float(err[bad].max()):.3g} but moved with eps (finite-"
                          f"difference error, not a wrong gradient); mode='full' checks entries")
@@ -1259,10 +1382,14 @@ def _fast_forward_ad(t: _Target, opts: _Options, col: _Collector, p: _Projection
         m = (vv @ (jf[rows] ** 2).T).sqrt()
         noise = (vv @ (p.noise_el[rows] ** 2).T).sqrt()
         tol = opts.atol * ub.norm(dim=1)[None, :] * v.norm(dim=1)[:, None] + opts.rtol * m + noise
-        for other, name in ((v @ p.d[rows].T, "forward_ad"), (p.g1[:, sl] @ ub.T, "forward_vs_reverse")):
+        pairs = [(v @ p.d[rows].T, "forward_ad")]
+        if p.g1 is not None:
+            pairs.append((p.g1[:, sl] @ ub.T, "forward_vs_reverse"))
+        for other, name in pairs:
             err = (fw - other).abs()
             bad = (err > tol) | (~torch.isfinite(err) & (fw != other))
             col.n_compared += err.numel()
+            col.errors(err, m)
             if not bool(bad.any()):
                 continue
             failing[b] = failing.get(b, 0) + int(bad.sum())
@@ -1274,9 +1401,227 @@ def _fast_forward_ad(t: _Target, opts: _Options, col: _Collector, p: _Projection
 def _projection_row(name: str, l: int, c: int, av: float, nv: float, err: float, scale: float,
                     check: str) -> dict:
     """The table row of projection (v_l, u_c) of input ``name``."""
-    return dict(input=name, index=(l, c), output="v^T J u", output_index=(), analytic=av,
+    return dict(input=name, index=(l, c), input_part="", output="v^T J u", output_index=(),
+                output_part="", analytic=av,
                 numerical=nv, abs_err=err, rel_err=err / max(scale, 1e-300), check=check,
                 note=f"probe v{l}, u{c}")
+
+
+# --------------------------------------------------------------------------- further checks
+#
+# torch.autograd.gradcheck checks more than the Jacobian; each of these is on where torch's
+# is by default, and a failure names torch's option (and what to fix).
+
+
+class _Undefined(torch.autograd.Function):
+    """The identity, whose backward hands an undefined (None) gradient on: what torch's
+    gradcheck feeds a backward for ``check_undefined_grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:  # type: ignore[override]
+        return None
+
+
+def _further_checks(t: _Target, opts: _Options, col: _Collector) -> None:
+    """The checks beyond the Jacobian, as ``torch.autograd.gradcheck`` runs them."""
+    if opts.check_backward_ad:
+        xs, ys = t.graph or _forward(t)      # the main check's forward pass, its graph retained
+        t.graph = None
+        _check_zero_grad_outputs(t, xs, ys, col, opts.nondet_tol or 0.0)
+        if opts.check_grad_dtypes:
+            _check_grad_dtypes(t, xs, ys, col)
+        if opts.check_batched_grad:
+            _check_batched_grad(t, opts, xs, ys, col)
+        if opts.check_undefined_grad:
+            _check_undefined_backward(t, xs, ys, col, opts.nondet_tol or 0.0)
+    if opts.forward_ad and opts.check_undefined_grad:
+        _check_undefined_forward(t, opts, col)
+    if opts.forward_ad and opts.check_batched_forward_grad:
+        _check_batched_forward_grad(t, opts, col)
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+
+
+def _check_zero_grad_outputs(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor],
+                             col: _Collector, noise: float) -> None:
+    """Zero output gradients must give zero input gradients (backward multiplies by the
+    output gradient) of the input's dtype and shape (torch runs this one always). A
+    backward declared noisy (``nondet_tol``) may give gradients up to that noise."""
+    diff = [y for y in ys if y.requires_grad]
+    if not diff:
+        return
+    try:
+        grads = torch.autograd.grad(diff, xs, [torch.zeros_like(y) for y in diff],
+                                    retain_graph=True, allow_unused=True)
+    except Exception as e:  # noqa: BLE001 - the user's backward raised: the check fails
+        col.fail("backward", f"backward raised with zero output gradients ({_first_line(e)})")
+        return
+    for g, x, name in zip(grads, xs, t.names):
+        if g is None:
+            continue
+        if g.dtype != x.dtype or g.shape != x.shape:
+            col.fail("grad dtype/shape", f"the gradient of {name} is {g.dtype} {tuple(g.shape)}, the "
+                     f"input {x.dtype} {tuple(x.shape)}; backward must return one of the input's")
+        elif not bool((g.abs() <= noise).all()):
+            col.fail("backward not multiplied by grad_output",
+                     f"zero output gradients give a gradient of {name} with "
+                     f"{int(g.ne(0).sum())} nonzero entries (largest {float(g.abs().max()):.3g}); "
+                     f"backward must scale by the incoming gradient")
+
+
+def _check_grad_dtypes(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor],
+                       col: _Collector) -> None:
+    """``check_grad_dtypes``: a random vector-Jacobian product has the inputs' dtypes."""
+    diff = [y for y in ys if y.requires_grad]
+    if not diff:
+        return
+    grads = torch.autograd.grad(diff, xs, [torch.ones_like(y) for y in diff],
+                                retain_graph=True, allow_unused=True)
+    for g, x, name in zip(grads, xs, t.names):
+        if g is not None and g.dtype != x.dtype:
+            col.fail("check_grad_dtypes", f"the gradient of {name} is {g.dtype}, the input {x.dtype}")
+
+
+def _check_undefined_backward(t: _Target, xs: List[torch.Tensor], ys: List[torch.Tensor],
+                              col: _Collector, noise: float) -> None:
+    """``check_undefined_grad``: with undefined (None) gradients for every output, then
+    for one output at a time, backward runs and gives undefined or zero input gradients
+    (up to ``noise``, the ``nondet_tol`` of a backward declared noisy)."""
+    n_diff = sum(y.requires_grad for y in ys)
+    for which in [None] + (list(range(n_diff)) if n_diff > 1 else []):
+        diff = [(k, y) for k, y in enumerate(y for y in ys if y.requires_grad)]
+        outs = [_Undefined.apply(y) if which in (None, k) else y for k, y in diff]
+        label = "every output" if which is None else t.out_names[[i for i, y in enumerate(ys)
+                                                                  if y.requires_grad][which]]
+        hint = ("a backward must treat an undefined (None) output gradient as zero; pass "
+                "check_undefined_grad=False to skip this check")
+        try:
+            grads = torch.autograd.grad(outs, xs, [torch.zeros_like(o) for o in outs],
+                                        retain_graph=True, allow_unused=True)
+        except Exception as e:  # noqa: BLE001 - the user's backward raised: the check fails
+            col.fail("check_undefined_grad", f"backward raised with undefined gradients for "
+                     f"{label} ({_first_line(e)}); {hint}")
+            return
+        bad = [n for g, n in zip(grads, t.names) if g is not None and not bool((g.abs() <= noise).all())]
+        if bad:
+            col.fail("check_undefined_grad", f"with undefined gradients for {label}, the "
+                     f"gradients of {', '.join(bad)} are neither undefined nor zero; {hint}")
+            return
+
+
+def _check_undefined_forward(t: _Target, opts: _Options, col: _Collector) -> None:
+    """``check_undefined_grad`` in forward mode: an input with a zero tangent and the same
+    input without one give the same output tangents."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(opts.seed + 6)
+    xs = [x.detach() for x in t.xs]
+    tangents = [_probe(gen, tuple(x.shape), x) for x in xs]
+    for b in range(len(xs)):
+        outs = []
+        for zero_dual in (True, False):
+            with fwAD.dual_level():
+                duals = [fwAD.make_dual(x, torch.zeros_like(x) if i == b else u) if
+                         (i != b or zero_dual) else x for i, (x, u) in enumerate(zip(xs, tangents))]
+                ys = t.call(duals)
+                outs.append([fwAD.unpack_dual(y).tangent for y in ys])
+        for o, (a, c) in enumerate(zip(*outs)):
+            if a is not None and c is not None and not torch.allclose(a, c):
+                col.fail("check_undefined_grad", f"forward mode: output {t.out_names[o]}'s tangent "
+                         f"differs between a zero tangent and no tangent on {t.names[b]}")
+                return
+
+
+def _batched_mismatch(name: str, batched: torch.Tensor, looped: torch.Tensor) -> Optional[str]:
+    if torch.allclose(batched, looped):
+        return None
+    return (f"batched through vmap, the result for {name} differs from one at a time by up to "
+            f"{float((batched - looped).abs().max()):.3g}")
+
+
+def _batched_vjp(y: torch.Tensor, xs: List[torch.Tensor], v: torch.Tensor) -> Tuple[Any, ...]:
+    """Vector-Jacobian products for the rows of ``v`` in one batched call: through
+    ``torch.func.vmap`` (which runs custom ops' and autograd.Functions' own vmap rules),
+    else through ``is_grads_batched`` (torch's legacy batching, as torch's gradcheck);
+    raises when neither can run the backward."""
+    def vjp(g: torch.Tensor) -> Tuple[Any, ...]:
+        grads = torch.autograd.grad(y, xs, g, retain_graph=True, allow_unused=True)
+        return tuple(gr if gr is not None else torch.zeros_like(x) for gr, x in zip(grads, xs))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return torch.func.vmap(vjp)(v)
+        except Exception:  # noqa: BLE001 - e.g. an autograd.Function without setup_context
+            return torch.autograd.grad(y, xs, v, retain_graph=True, allow_unused=True,
+                                       is_grads_batched=True)
+
+
+def _check_batched_grad(t: _Target, opts: _Options, xs: List[torch.Tensor],
+                        ys: List[torch.Tensor], col: _Collector) -> None:
+    """``check_batched_grad``: vector-Jacobian products batched through vmap equal the
+    same products one at a time, output by output."""
+    gen = torch.Generator().manual_seed(opts.seed + 5)
+    for o, y in enumerate(ys):
+        if not y.requires_grad:
+            continue
+        v = _probe(gen, (2, *y.shape), y)
+        looped = [torch.autograd.grad(y, xs, v[r], retain_graph=True, allow_unused=True) for r in (0, 1)]
+        try:
+            batched = _batched_vjp(y, xs, v)
+        except Exception as e:  # noqa: BLE001 - vmap cannot run this backward: say so
+            col.notes.append(f"check_batched_grad skipped for {t.out_names[o]}: vmap cannot run this "
+                             f"backward ({_first_line(e)}); torch's gradcheck fails here")
+            return
+        for b, name in enumerate(t.names):
+            exp = torch.stack([g[b] if g[b] is not None else torch.zeros_like(xs[b]) for g in looped])
+            got = batched[b] if batched[b] is not None else torch.zeros_like(exp)
+            bad = _batched_mismatch(f"{name} (output {t.out_names[o]})", got, exp)
+            if bad:
+                col.fail("check_batched_grad", bad)
+                return
+
+
+def _check_batched_forward_grad(t: _Target, opts: _Options, col: _Collector) -> None:
+    """``check_batched_forward_grad``: Jacobian-vector products batched through vmap equal
+    the same products one at a time (dual numbers), input by input."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(opts.seed + 7)
+    xs = [x.detach() for x in t.xs]
+    for b, name in enumerate(t.names):
+        def jvp(tan: torch.Tensor, b: int = b) -> Tuple[torch.Tensor, ...]:
+            with fwAD.dual_level():
+                duals = [fwAD.make_dual(x, tan) if i == b else x for i, x in enumerate(xs)]
+                outs = [fwAD.unpack_dual(y) for y in t.call(duals)]
+                return tuple(o.tangent if o.tangent is not None else torch.zeros_like(o.primal)
+                             for o in outs)
+
+        tans = _probe(gen, (2, *xs[b].shape), xs[b])
+        looped = [torch.stack(shards) for shards in zip(*(jvp(tans[r]) for r in (0, 1)))]
+        def functorch_jvp(tan: torch.Tensor, b: int = b) -> Tuple[torch.Tensor, ...]:
+            return torch.func.jvp(lambda x: tuple(t.call([x if i == b else xi for i, xi in enumerate(xs)])),
+                                  (xs[b],), (tan,))[1]
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                batched = torch.func.vmap(functorch_jvp)(tans)
+        except Exception as e:  # noqa: BLE001 - vmap cannot run this function: say so
+            col.notes.append(f"check_batched_forward_grad skipped: vmap cannot run this forward "
+                             f"mode ({_first_line(e)}); torch's gradcheck fails here")
+            return
+        for o, (got, exp) in enumerate(zip(batched, looped)):
+            bad = _batched_mismatch(f"output {t.out_names[o]} along {name}", got, exp)
+            if bad:
+                col.fail("check_batched_forward_grad", bad)
+                return
 
 
 # --------------------------------------------------------------------------- driver
@@ -1305,14 +1650,15 @@ def _check_target(t: _Target, opts: _Options) -> GradcheckResult:
         localised, evaluations = _run_fast_and_localise(t, opts, col)
     if t.skipped:
         col.notes.append(f"not checked (outputs that do not require grad): {', '.join(t.skipped)}")
+    _further_checks(t, opts, col)
     rows = sorted(col.rows, key=_row_key) + col.kink_rows
-    ok = not col.rows and not col.nondet and col.n_mismatched == 0
+    ok = not col.rows and not col.nondet and col.n_mismatched == 0 and not col.failed
     return GradcheckResult(
         ok=ok, mode=opts.mode, eps=opts.eps, atol=opts.atol, rtol=opts.rtol, dtype=t.xs[0].dtype,
         max_abs_err=col.max_abs, max_rel_err=col.max_rel, n_compared=col.n_compared,
         n_mismatched=col.n_mismatched, nondeterministic=col.nondet,
         nondet_spread=col.spread, nondet_tol=opts.nondet_tol, kinks=col.kinks,
-        notes=col.notes, localised=localised, rows=rows[:_TABLE_ROWS],
+        notes=col.notes, localised=localised, failed_checks=col.failed, rows=rows[:_TABLE_ROWS],
         n_evaluations=t.evaluations + evaluations, colours=t.colours)
 
 
@@ -1362,16 +1708,25 @@ def _sub_target(t: _Target, b: int) -> _Target:
     with torch.no_grad():
         sub.call([t.xs[b].detach()])
     sub.out_names, sub.out_shapes = t.out_names, t.out_shapes
+    sub.in_complex, sub.out_complex = [t.in_complex[b]], t.out_complex
     return sub
 
 
-def _second_order_target(t: _Target, seed: int) -> _Target:
-    """(x..., v...) -> v^T dJ/dx: gradients of the outputs, as a function to check."""
+def _second_order_target(t: _Target, seed: int,
+                         grad_outputs: Optional[Sequence[torch.Tensor]] = None) -> _Target:
+    """(x..., v...) -> v^T dJ/dx: gradients of the outputs, as a function to check; the
+    output gradients v are ``grad_outputs`` (copies, complex ones as real views) or drawn
+    from ``seed``. The gradients of complex inputs come out complex again."""
     gen = torch.Generator().manual_seed(seed + 1)
     x0 = t.xs[0]
-    vs = [torch.randn(tuple(s), generator=gen, dtype=torch.float64).to(x0.device, x0.dtype)
-          for s in t.out_shapes]
+    if grad_outputs is None:
+        vs = [torch.randn(tuple(s), generator=gen, dtype=torch.float64).to(x0.device, x0.dtype)
+              for s in t.out_shapes]
+    else:
+        vs = [(torch.view_as_real(g.detach()) if g.is_complex() else g.detach())
+              .to(x0.device, x0.dtype).reshape(s).clone() for g, s in zip(grad_outputs, t.out_shapes)]
     nb = len(t.xs)
+    flags = t.in_complex
 
     def fn(args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         xs, gos = list(args[:nb]), list(args[nb:])
@@ -1384,10 +1739,13 @@ def _second_order_target(t: _Target, seed: int) -> _Target:
                 return [torch.zeros_like(x) for x in xs]
             grads = torch.autograd.grad([p[0] for p in pairs], xs, [p[1] for p in pairs],
                                         create_graph=True, allow_unused=True)
-        return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
+        grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
+        return [torch.view_as_complex(g.contiguous()) if c else g for g, c in zip(grads, flags)]
 
     names = t.names + [f"grad_{name}" for name in t.out_names]
-    return _Target(fn, list(t.xs) + vs, names, t.seed, t.where)
+    second = _Target(fn, list(t.xs) + vs, names, t.seed, t.where)
+    second.in_complex = list(t.in_complex) + list(t.out_complex)
+    return second
 
 
 def _merge_second(first: GradcheckResult, second: GradcheckResult) -> GradcheckResult:
@@ -1411,6 +1769,7 @@ def _merge_second(first: GradcheckResult, second: GradcheckResult) -> GradcheckR
         first.localised = ", ".join(filter(None, [first.localised,
                                                    f"second order: {second.localised}"]))
     first.notes += [f"second order: {n}" for n in second.notes]
+    first.failed_checks += [f"second order {c}" for c in second.failed_checks]
     if not second.ok:
         first.notes.append(f"second-order check (gradients of gradients) FAILED: "
                            f"{second.n_mismatched} mismatches, max abs err {second.max_abs_err:.3g}")
@@ -1431,10 +1790,16 @@ class _Arguments:
     names: List[str]            # of every leaf
     positions: List[int]        # of the checked leaves
     flat: bool                  # every argument is a leaf (no pytree round trip)
+    carriers: List["_Carrier"] = field(default_factory=list)   # of the checked leaves
 
     @property
     def checked(self) -> List[torch.Tensor]:
-        return [self.leaves[i] for i in self.positions]
+        """What the check perturbs: real dense tensors (:attr:`_Carrier.real`)."""
+        return [c.real for c in self.carriers]
+
+    @property
+    def complex_flags(self) -> List[bool]:
+        return [c.complex for c in self.carriers]
 
     @property
     def checked_names(self) -> List[str]:
@@ -1443,40 +1808,127 @@ class _Arguments:
     @property
     def floating_names(self) -> List[str]:
         return [n for n, x in zip(self.names, self.leaves)
-                if isinstance(x, torch.Tensor) and x.is_floating_point()]
+                if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
 
     def rebuild(self, checked: Sequence[torch.Tensor]) -> Tuple[Any, ...]:
         """The arguments, with ``checked`` in place of the checked leaves."""
         args = list(self.leaves)
-        for p, x in zip(self.positions, checked):
-            args[p] = x
+        for p, x, c in zip(self.positions, checked, self.carriers):
+            args[p] = c.rebuild(x)
         return tuple(args) if self.flat else pytree.tree_unflatten(args, self.spec)
 
 
 def _prepare(where: str, inputs: Tuple[Any, ...], dtype: Optional[torch.dtype],
-             select: Callable[[str, torch.Tensor], bool]) -> _Arguments:
-    """Copy the leaves of the inputs (floating tensors to ``dtype``); pick those to check."""
+             select: Callable[[str, torch.Tensor], bool], masked: bool = False) -> _Arguments:
+    """Copy the leaves of the inputs (floating and complex tensors to ``dtype`` or its
+    complex twin); pick those to check. A checked complex or sparse tensor is checked
+    through a real dense carrier (:class:`_Carrier`), rebuilt inside every call."""
     with_paths, spec = pytree.tree_flatten_with_path(inputs)
     names = [f"input{path[0].idx}{pytree.keystr(path[1:])}" for path, _ in with_paths]
     leaves: List[Any] = []
     positions: List[int] = []
+    carriers: List[_Carrier] = []
     for i, (_, leaf) in enumerate(with_paths):
-        if isinstance(leaf, torch.Tensor):
-            if leaf.is_complex() and (leaf.requires_grad or select(names[i], leaf)):
-                raise NotImplementedError(
-                    f"{where}: {names[i]} is complex ({leaf.dtype}); complex inputs are not "
-                    f"supported yet: pass torch.view_as_real(x) and rebuild it inside the "
-                    f"function with torch.view_as_complex")
-            if leaf.layout != torch.strided:
-                raise NotImplementedError(f"{where}: {names[i]} has layout {leaf.layout}; only "
-                                          f"dense (strided) tensors are supported")
-            if leaf.is_floating_point():
-                if select(names[i], leaf):
-                    positions.append(i)
-                leaf = leaf.detach().to(dtype=dtype or leaf.dtype, copy=True)
+        if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
+            if select(names[i], leaf):
+                positions.append(i)
+                carrier = _Carrier.of(where, names[i], leaf, dtype, masked)
+                carriers.append(carrier)
+                leaf = carrier.dense
+            elif leaf.layout == torch.strided:
+                leaf = leaf.detach().to(dtype=_dtype_like(leaf, dtype), copy=True)
         leaves.append(leaf)
     flat = len(with_paths) == len(inputs) and all(len(path) == 1 for path, _ in with_paths)
-    return _Arguments(leaves, spec, names, positions, flat)
+    return _Arguments(leaves, spec, names, positions, flat, carriers)
+
+
+def _dtype_like(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
+    """``dtype`` for a real ``x``, its complex twin for a complex one (None: x's own)."""
+    if dtype is None:
+        return x.dtype
+    if x.is_complex():
+        return {torch.float64: torch.complex128, torch.float32: torch.complex64,
+                torch.float16: torch.complex32}.get(dtype, torch.complex128)
+    return dtype
+
+
+class _SparseLeaf(torch.autograd.Function):
+    """A sparse tensor of the input's own pattern made from a dense carrier; backward hands
+    the carrier the whole gradient (densified), as torch's gradcheck reads it."""
+
+    @staticmethod
+    def forward(ctx: Any, dense: torch.Tensor, carrier: "_Carrier") -> torch.Tensor:  # type: ignore[override]
+        return carrier.with_pattern(dense)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return (grad.to_dense() if grad.layout != torch.strided else grad), None
+
+
+@dataclass
+class _Carrier:
+    """How a checked input travels: ``dense`` (the input as a dense tensor, the copy the
+    function sees rebuilt) and ``real`` (what the check perturbs: ``dense`` itself, or
+    ``view_as_real(dense)`` for a complex input, whose trailing dimension of 2 holds the
+    real and imaginary parts). A sparse (COO or CSR) input is rebuilt in its layout: with
+    its own pattern in the backward pass; for the finite differences with every element
+    specified (``masked=False``: unspecified elements are zeros that count) or with its own
+    pattern (``masked=True``: unspecified elements are not inputs), as torch does."""
+
+    dense: torch.Tensor
+    real: torch.Tensor
+    complex: bool
+    layout: Any = torch.strided
+    index: Optional[Tuple[torch.Tensor, ...]] = None
+    crow: Optional[torch.Tensor] = None
+    masked: bool = False
+
+    @classmethod
+    def of(cls, where: str, name: str, leaf: torch.Tensor, dtype: Optional[torch.dtype],
+           masked: bool) -> "_Carrier":
+        layout, index, crow = leaf.layout, None, None
+        x = leaf.detach()
+        if layout == torch.sparse_coo:
+            x = x.coalesce()
+            index = tuple(x.indices())
+        elif layout == torch.sparse_csr and x.dim() == 2:
+            crow, col = x.crow_indices(), x.col_indices()
+            rows = torch.repeat_interleave(torch.arange(x.shape[0], device=x.device), crow.diff())
+            index = (rows, col)
+        elif layout != torch.strided:
+            raise NotImplementedError(
+                f"{where}: {name} has layout {layout}{'' if layout != torch.sparse_csr else ' with batch dimensions'}; "
+                f"supported: strided, sparse_coo and 2-D sparse_csr tensors")
+        dense = (x.to_dense() if layout != torch.strided else x).to(_dtype_like(x, dtype), copy=True)
+        real = torch.view_as_real(dense).clone() if dense.is_complex() else dense
+        return cls(dense, real, dense.is_complex(), layout, index, crow, bool(masked))
+
+    def rebuild(self, r: torch.Tensor) -> torch.Tensor:
+        x = torch.view_as_complex(r) if self.complex else r
+        if self.layout == torch.strided:
+            return x
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _SparseLeaf.apply(x, self)
+        return self.with_pattern(x) if self.masked else self.fully_specified(x)
+
+    def with_pattern(self, x: torch.Tensor) -> torch.Tensor:
+        values = x[self.index]
+        if self.layout == torch.sparse_coo:
+            return torch.sparse_coo_tensor(torch.stack(self.index), values, x.shape,
+                                           is_coalesced=True, check_invariants=False)
+        return torch.sparse_csr_tensor(self.crow, self.index[1], values, x.shape,
+                                       check_invariants=False)
+
+    def fully_specified(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == torch.sparse_coo:
+            sd = len(self.index)
+            idx = torch.ones(x.shape[:sd], dtype=torch.int8, device=x.device).nonzero().T
+            return torch.sparse_coo_tensor(idx, x.reshape(-1, *x.shape[sd:]), x.shape,
+                                           is_coalesced=True, check_invariants=False)
+        n_rows, n_cols = x.shape
+        crow = torch.arange(n_rows + 1, device=x.device) * n_cols
+        col = torch.arange(n_cols, device=x.device).repeat(n_rows)
+        return torch.sparse_csr_tensor(crow, col, x.reshape(-1), x.shape, check_invariants=False)
 
 
 def _warn_precision(xs: Sequence[torch.Tensor]) -> None:
@@ -1490,6 +1942,14 @@ def _warn_precision(xs: Sequence[torch.Tensor]) -> None:
 
 def _check_function(where: str, fn: Any, inputs: Tuple[Any, ...], opts: _Options) -> GradcheckResult:
     """gradcheck of a callable: its inputs that require grad, on copies."""
+    target, opts = _function_target(where, fn, inputs, opts)
+    return _run(target, opts)
+
+
+def _function_target(where: str, fn: Any, inputs: Tuple[Any, ...],
+                     opts: _Options) -> Tuple["_Target", _Options]:
+    """The target of a callable (its inputs that require grad, on copies) and the options
+    resolved for its dtype."""
     if isinstance(fn, type) and issubclass(fn, torch.nn.Module):
         check_model(fn, where, "fn")                     # raises: instantiate it first
     if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
@@ -1498,7 +1958,7 @@ def _check_function(where: str, fn: Any, inputs: Tuple[Any, ...], opts: _Options
     if not callable(fn):
         raise GraddbgTypeError(f"{where}(fn=...): got {type(fn).__name__}, expected a callable (a "
                                f"function, an autograd.Function's .apply or an nn.Module)")
-    args = _prepare(where, inputs, opts.dtype, lambda name, x: x.requires_grad)
+    args = _prepare(where, inputs, opts.dtype, lambda name, x: x.requires_grad, bool(opts.masked))
     xs = args.checked
     if not xs:
         given = ", ".join(f"Tensor({v.dtype}, requires_grad={v.requires_grad})"
@@ -1509,7 +1969,8 @@ def _check_function(where: str, fn: Any, inputs: Tuple[Any, ...], opts: _Options
     opts = opts.resolve(xs[0].dtype)
     _warn_precision(xs)
     target = _Target(lambda diff: fn(*args.rebuild(diff)), xs, args.checked_names, opts.seed, where)
-    return _run(target, opts)
+    target.in_complex = args.complex_flags
+    return target, opts
 
 
 def _check_module(where: str, module: Any, inputs: Tuple[Any, ...], wrt: Any,
@@ -1522,7 +1983,8 @@ def _check_module(where: str, module: Any, inputs: Tuple[Any, ...], wrt: Any,
     _refuse_sharded(where, module)
     params = [n for n, p in module.named_parameters() if p.requires_grad]
     want_params, want_inputs = _wrt(where, wrt, params)
-    args = _prepare(where, inputs, opts.dtype, lambda n, x: want_inputs is None or n in want_inputs)
+    args = _prepare(where, inputs, opts.dtype, lambda n, x: want_inputs is None or n in want_inputs,
+                    bool(opts.masked))
     unknown = sorted((want_inputs or set()) - set(args.checked_names))
     if unknown:
         raise GraddbgValueError(
@@ -1547,7 +2009,9 @@ def _check_module(where: str, module: Any, inputs: Tuple[Any, ...], wrt: Any,
         return torch.func.functional_call(mod, dict(zip(p_names, diff[:n_p])),
                                           args.rebuild(diff[n_p:]))
 
-    return _run(_Target(call, xs, p_names + args.checked_names, opts.seed, where), opts)
+    target = _Target(call, xs, p_names + args.checked_names, opts.seed, where)
+    target.in_complex = [False] * n_p + args.complex_flags
+    return _run(target, opts)
 
 
 def _wrt(where: str, wrt: Any, params: List[str]) -> Tuple[set, Optional[set]]:
@@ -1567,47 +2031,204 @@ def _wrt(where: str, wrt: Any, params: List[str]) -> Tuple[set, Optional[set]]:
 # --------------------------------------------------------------------------- public API
 
 
+#: keywords only torch's gradcheck has: any of them makes a call torch-style (raising)
+_TORCH_ONLY = ("fast_mode", "check_forward_ad", "check_sparse_nnz", "check_backward_ad",
+               "check_undefined_grad", "check_grad_dtypes", "check_batched_grad",
+               "check_batched_forward_grad", "masked", "raise_exception")
+
+
+def _calling_convention(where: str, inputs: Tuple[Any, ...], options: Dict[str, Any],
+                        n_tuples: int = 1) -> Tuple[Tuple[Any, ...], Tuple[Any, ...], bool]:
+    """(inputs, the positional arguments after them, torch-style?) of a call. torch's
+    convention, ``fn, inputs`` with ``inputs`` a tuple of arguments (or ``inputs=``), is
+    recognised by a tuple as the only positional argument (gradgradcheck: followed by at
+    most ``n_tuples - 1`` more, its ``grad_outputs``); a call with a keyword that only
+    torch's gradcheck has is torch-style too. Otherwise the positional arguments are the
+    inputs (graddbg's varargs form)."""
+    if "inputs" in options:
+        if inputs:
+            raise GraddbgTypeError(f"{where}: got inputs both as positional arguments and as "
+                                   f"inputs=; pass one of them")
+        given = options.pop("inputs")
+        return _as_tuple(given), (), True
+    if 1 <= len(inputs) <= n_tuples and isinstance(inputs[0], tuple):
+        return inputs[0], inputs[1:], True
+    return inputs, (), any(k in options for k in _TORCH_ONLY)
+
+
+def _as_tuple(x: Any) -> Tuple[Any, ...]:
+    return x if isinstance(x, tuple) else tuple(x) if isinstance(x, list) else (x,)
+
+
+def _verdict(where: str, result: GradcheckResult, raise_exception: Any) -> GradcheckResult:
+    """``result``, or GradientMismatchError with its text when it failed and
+    ``raise_exception`` is set."""
+    if _flag(where, "raise_exception", raise_exception) and not result.ok:
+        raise GradientMismatchError(str(result), result)
+    return result
+
+
 @_options_in_signature
 def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> GradcheckResult:
     """Compare the derivatives of ``fn`` at ``inputs`` with central finite differences.
 
-    Differentiable inputs are the floating-point tensors with ``requires_grad=True``,
-    anywhere in ``inputs`` (nested tuples, lists, dicts); every other argument passes
-    through. ``fn`` may return a tensor or tuples/lists/dicts/dataclasses of tensors
-    (integer outputs are ignored). Inputs are checked on float64 copies (``dtype=None``
-    keeps their dtype; anything below float64 emits a ``PrecisionWarning``);
-    ``eps``/``atol``/``rtol`` default from ``TOLERANCES``. ``mode="full"`` checks every
-    Jacobian entry (``max_entries`` bounds its size; a sparse one is checked colour group
-    by colour group, ``compress=True``, see the module's documentation; ``result.colours``
-    says whether it was); ``mode="fast"`` checks ``probes`` random projections per input
-    and, on a failure, re-runs full mode on inputs with at most ``localise_entries``
-    Jacobian entries. Use full mode for functions up to a few thousand elements and to
-    find single wrong entries; fast mode for anything larger (it finds scaled, dropped
-    and transposed gradients at any size). ``forward_ad=True`` also checks forward mode
-    (jvp); ``second_order=True`` checks gradients of gradients. The backward pass runs
-    twice: a difference beyond ``nondet_tol`` (default: the comparison tolerance) is
-    reported as nondeterminism. Entries whose one-sided differences disagree, with the
-    analytic value being one of them, are listed as non-differentiable points and do not
-    fail the check unless ``kinks="fail"``. ``seed`` seeds the probes and the RNG the
-    function sees. An ``nn.Module`` as ``fn`` is checked as by :func:`check_module`.
-    Bad arguments (an unknown keyword, a bad value, no input that requires grad, an
-    output that is not a tensor) raise ``TypeError`` or ``ValueError``.
+    Two calling conventions. graddbg's: ``gradcheck(fn, x, y, mode="fast")`` returns a
+    :class:`GradcheckResult` (truthy when the check passed). torch's:
+    ``gradcheck(fn, (x, y), fast_mode=True)`` (a tuple of inputs as the only positional
+    argument, or ``inputs=``, or any keyword only torch's gradcheck has) takes every
+    keyword of ``torch.autograd.gradcheck`` (torch 2.3 to 2.13) with its meaning and
+    raises, as torch does, unless ``raise_exception=False`` (then the truthy result comes
+    back). A function that takes one tuple argument is given it as ``((pair,),)``. In
+    torch's form non-differentiable points fail the check, as in torch (``kinks="fail"``;
+    the text still names them as such); pass ``kinks="allow"`` to let them pass.
 
-    >>> import torch
+    Differentiable inputs are the floating-point and complex tensors with
+    ``requires_grad=True`` (dense, sparse COO or 2-D CSR), anywhere in ``inputs``
+    (nested tuples, lists, dicts); every other argument passes through. ``fn`` may return
+    a tensor or tuples/lists/dicts/dataclasses of tensors (integer outputs are ignored).
+    Inputs are checked on float64 copies (complex128 for complex ones); ``dtype=None``
+    keeps their dtype (below float64 it emits a ``PrecisionWarning``). Complex inputs and
+    outputs are checked through their real and imaginary parts, the real-linear map torch
+    checks as conjugate Wirtinger derivatives; the table names each entry's part. Sparse
+    inputs: ``masked=False`` (default) perturbs every element, ``masked=True`` only the
+    specified ones, against the densified gradient of the input's own pattern.
+
+    ``mode="full"`` (``fast_mode=False``) checks every Jacobian entry (``max_entries``
+    bounds its size; a sparse one is checked colour group by colour group,
+    ``compress=True``; ``result.colours`` says whether it was); ``mode="fast"`` checks
+    ``probes`` random projections per input and, on a failure, re-runs full mode on inputs
+    with at most ``localise_entries`` Jacobian entries. ``forward_ad=True``
+    (``check_forward_ad``) also checks forward mode; ``check_backward_ad=False`` checks
+    forward mode only; ``second_order=True`` checks gradients of gradients (see also
+    :func:`gradgradcheck`). The backward pass runs twice: a difference beyond
+    ``nondet_tol`` (default: the comparison tolerance) is reported as nondeterminism.
+    Entries whose one-sided differences disagree, the analytic value being one of them,
+    are non-differentiable points that pass unless ``kinks="fail"``. ``seed`` seeds the
+    probes and the RNG the function sees. An ``nn.Module`` is checked as by
+    :func:`check_module`.
+
+    As torch does, every check also runs backward with zero output gradients (the
+    input gradients must be zero, of the input's dtype and shape) and, by default
+    (``check_undefined_grad=True``), with undefined output gradients;
+    ``check_grad_dtypes``, ``check_batched_grad`` and ``check_batched_forward_grad``
+    (vmap against one at a time; skipped with a note where vmap cannot run the function)
+    are off by default. A failed check is named in the text by torch's option name.
+
+    Migrating from torch is a one-line change:
+
+    >>> import torch, graddbg
     >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    >>> assert torch.autograd.gradcheck(torch.sin, (x,), fast_mode=True)
+    >>> assert graddbg.gradcheck(torch.sin, (x,), fast_mode=True)
+
+    Args:
+        fn: the function (or ``nn.Module``) to check.
+        *inputs: its arguments (graddbg's form), or one tuple of them (torch's form).
+        **options: graddbg's options (``mode``, ``eps``, ``atol``, ``rtol``, ``dtype``,
+            ``forward_ad``, ``second_order``, ``nondet_tol``, ``kinks``, ``seed``,
+            ``probes``, ``max_entries``, ``localise_entries``, ``compress``) and torch's
+            (``fast_mode``, ``raise_exception``, ``check_undefined_grad``,
+            ``check_grad_dtypes``, ``check_batched_grad``, ``check_batched_forward_grad``,
+            ``check_forward_ad``, ``check_backward_ad``, ``masked``, ``check_sparse_nnz``).
+
+    Returns:
+        GradcheckResult: ``ok``, a table of the mismatching entries, the errors; truthy
+        when the check passed.
+
+    Raises:
+        GradientMismatchError: the check failed and ``raise_exception`` is set (torch's
+            form by default); an AssertionError and a RuntimeError, like torch's
+            GradcheckError.
+        TypeError, ValueError: bad arguments (an unknown keyword, a bad value, no input
+            that requires grad, an output that is not a tensor).
+
     >>> bool(gradcheck(lambda t: t.exp().sum(), x))
     True
-    >>> gradcheck(torch.sin, x, mode="fast").ok
+    >>> z = torch.randn(2, dtype=torch.complex128, requires_grad=True)
+    >>> gradcheck(torch.exp, z, mode="fast").ok
     True
     >>> s = torch.randperm(500, dtype=torch.float64).requires_grad_()   # no near-ties
     >>> r = gradcheck(lambda t: t.sort().values, s)      # 500 columns in 1 colour group
     >>> r.ok, r.colours, r.n_evaluations, r.n_compared
     (True, 1, 2, 250000)
     """
-    opts = _Options.parse("gradcheck", options)
+    inputs, rest, torch_style = _calling_convention("gradcheck", inputs, options)
+    raise_exception = options.pop("raise_exception", torch_style)
+    if torch_style:
+        options.setdefault("kinks", "fail")            # torch fails at kinks
+    opts = _Options.parse("gradcheck", options, extra=("raise_exception", "inputs"))
     if isinstance(fn, torch.nn.Module):
-        return _check_module("gradcheck", fn, inputs, "all", opts)
-    return _check_function("gradcheck", fn, inputs, opts)
+        result = _check_module("gradcheck", fn, inputs, "all", opts)
+    else:
+        result = _check_function("gradcheck", fn, inputs, opts)
+    return _verdict("gradcheck", result, raise_exception)
+
+
+@_options_in_signature
+def gradgradcheck(fn: Callable[..., Any], *inputs: Any, grad_outputs: Any = None,
+                  gen_non_contig_grad_outputs: bool = False, check_fwd_over_rev: bool = False,
+                  check_rev_over_rev: bool = True, **options: Any) -> GradcheckResult:
+    """Check the second derivatives of ``fn``: :func:`gradcheck` of ``(x..., v...) ->
+    v^T J(x)``, a drop-in for ``torch.autograd.gradcheck.gradgradcheck``.
+
+    The output gradients ``v`` are ``grad_outputs`` (torch's third positional argument) or
+    drawn from ``seed``, and are checked as inputs too, as torch does. Reverse over
+    reverse (``check_rev_over_rev``, on) differentiates the gradients by backward; forward
+    over reverse (``check_fwd_over_rev``) by forward mode. Complex and sparse inputs,
+    ``fast_mode``/``mode``, ``raise_exception`` and the other options as in
+    :func:`gradcheck`; ``gen_non_contig_grad_outputs`` is accepted (the drawn output
+    gradients are copies whatever their layout).
+
+    >>> import torch, graddbg
+    >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    >>> assert graddbg.gradgradcheck(torch.tanh, (x,), check_fwd_over_rev=True)
+
+    Args:
+        fn: the function to check (an ``nn.Module`` is called as a function).
+        *inputs: its arguments, or torch's ``inputs`` tuple (then optionally
+            ``grad_outputs`` positionally after it).
+        grad_outputs: a tensor or tuple of tensors, one per differentiable output.
+        gen_non_contig_grad_outputs: accepted for torch's sake.
+        check_fwd_over_rev: also check forward-over-reverse second derivatives.
+        check_rev_over_rev: check reverse-over-reverse second derivatives.
+        **options: as :func:`gradcheck` (not ``forward_ad``/``check_forward_ad``/
+            ``check_backward_ad``/``second_order``: use the two above).
+
+    Returns:
+        GradcheckResult: of the second-order check (rows name ``grad_<output>`` for the
+        output gradients), truthy when it passed.
+
+    Raises:
+        GradientMismatchError: the check failed and ``raise_exception`` is set.
+        TypeError, ValueError: bad arguments.
+    """
+    where = "gradgradcheck"
+    inputs, rest, torch_style = _calling_convention(where, inputs, options, n_tuples=2)
+    if rest:
+        if grad_outputs is not None:
+            raise GraddbgTypeError(f"{where}: grad_outputs given twice (positionally and by name)")
+        grad_outputs = rest[0]
+    raise_exception = options.pop("raise_exception", torch_style)
+    if torch_style:
+        options.setdefault("kinks", "fail")            # torch fails at kinks
+    clash = sorted({"forward_ad", "check_forward_ad", "check_backward_ad", "second_order"} & set(options))
+    if clash:
+        raise GraddbgTypeError(f"{where}: {clash} do not apply; use check_fwd_over_rev= and "
+                               f"check_rev_over_rev=")
+    _flag(where, "gen_non_contig_grad_outputs", gen_non_contig_grad_outputs)
+    opts = _Options.parse(where, {**options, "forward_ad": _flag(where, "check_fwd_over_rev", check_fwd_over_rev),
+                                  "check_backward_ad": _flag(where, "check_rev_over_rev", check_rev_over_rev)},
+                          extra=("raise_exception", "inputs", "grad_outputs",
+                                 "gen_non_contig_grad_outputs", "check_fwd_over_rev", "check_rev_over_rev"))
+    t, opts = _function_target(where, fn, inputs, opts)
+    gos = None if grad_outputs is None else _as_tuple(grad_outputs)
+    with torch.random.fork_rng(devices=_devices(t.xs)):
+        _forward(t)
+        if gos is not None and len(gos) != len(t.out_shapes):
+            raise GraddbgValueError(f"{where}: {len(gos)} grad_outputs for {len(t.out_shapes)} "
+                                    f"differentiable outputs ({', '.join(t.out_names)})")
+        result = _check_target(_second_order_target(t, opts.seed, gos), opts)
+    return _verdict(where, result, raise_exception)
 
 
 def _refuse_sharded(where: str, module: torch.nn.Module) -> None:

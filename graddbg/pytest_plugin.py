@@ -72,6 +72,12 @@ class GradcheckHelpers:
 
         return gradcheck(fn, *inputs, **kw)
 
+    def gradgradcheck(self, fn: Any, *inputs: Any, **kw: Any) -> Any:
+        """``graddbg.gradgradcheck`` (see there)."""
+        from graddbg.gradcheck import gradgradcheck
+
+        return gradgradcheck(fn, *inputs, **kw)
+
     def check_module(self, module: Any, *inputs: Any, **kw: Any) -> Any:
         """``graddbg.check_module`` (see there)."""
         from graddbg.gradcheck import check_module

@@ -380,11 +380,10 @@ def test_non_tensor_output():
         gradcheck(lambda t: (t > 0), x64(3))
 
 
-def test_complex_is_a_clear_not_implemented_error():
+def test_complex_input_is_checked_through_its_real_and_imaginary_parts():
     z = torch.randn(3, dtype=torch.complex128, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="input0 is complex.*view_as_real"):
-        gradcheck(torch.sin, z)
-
+    r = gradcheck(torch.sin, z)
+    assert r.ok and r.n_compared == (3 * 2) ** 2     # (real, imag) x (real, imag) per element
 
 
 def test_complex_output_checked_as_real_and_imaginary_parts():
@@ -479,7 +478,10 @@ def test_gradcheck_is_the_function_in_every_import_order(first):
 DESIGN_OPTIONS = dict(mode="full", eps=None, atol=None, rtol=None, forward_ad=False,
                       second_order=False)
 EXTRA_OPTIONS = dict(nondet_tol=None, dtype=torch.float64, kinks="allow", seed=0, probes=2,
-                     max_entries=2 ** 27, localise_entries=1_000_000, compress=True)
+                     max_entries=2 ** 27, localise_entries=1_000_000, compress=True,
+                     check_backward_ad=True, check_undefined_grad=True, check_grad_dtypes=False,
+                     check_batched_grad=False, check_batched_forward_grad=False, masked=None)
+TORCH_STYLE_EXTRA = dict(raise_exception=None)   # gradcheck only
 
 
 @pytest.mark.parametrize("fn, head", [(gradcheck, ["fn", "inputs"]),
@@ -490,8 +492,9 @@ def test_every_entry_point_shows_the_same_options_in_its_signature(fn, head):
     params = inspect.signature(fn).parameters
     assert list(params)[:len(head)] == head
     options = {name: p.default for name, p in params.items() if name not in head}
-    assert list(options) == [*DESIGN_OPTIONS, *EXTRA_OPTIONS]
-    assert options == {**DESIGN_OPTIONS, **EXTRA_OPTIONS}
+    extra = TORCH_STYLE_EXTRA if fn is gradcheck else {}
+    assert list(options) == [*DESIGN_OPTIONS, *EXTRA_OPTIONS, *extra]
+    assert options == {**DESIGN_OPTIONS, **EXTRA_OPTIONS, **extra}
     assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in options)
 
 
@@ -503,9 +506,14 @@ ENTRY_POINTS = {"gradcheck": gradcheck, "check_module": check_module,
 def test_unknown_keyword_is_a_type_error_naming_it_and_the_accepted_ones(entry):
     fn = ENTRY_POINTS[entry]
     wrt = ", 'wrt'" if entry != "gradcheck" else ""
-    match = (rf"^{entry}: unknown keyword\(s\) \['atoll', 'zzz'\]; accepted: \['atol', 'compress', "
-             rf"'dtype', 'eps', 'forward_ad', 'kinks', 'localise_entries', 'max_entries', 'mode', "
-             rf"'nondet_tol', 'probes', 'rtol', 'second_order', 'seed'{wrt}\] \(did you mean 'atol'\?\)$")
+    torch_style = "'inputs', " if entry == "gradcheck" else ""
+    raising = "'raise_exception', " if entry == "gradcheck" else ""
+    match = (rf"^{entry}: unknown keyword\(s\) \['atoll', 'zzz'\]; accepted: \['atol', "
+             rf"'check_backward_ad', 'check_batched_forward_grad', 'check_batched_grad', "
+             rf"'check_forward_ad', 'check_grad_dtypes', 'check_sparse_nnz', 'check_undefined_grad', "
+             rf"'compress', 'dtype', 'eps', 'fast_mode', 'forward_ad', {torch_style}'kinks', "
+             rf"'localise_entries', 'masked', 'max_entries', 'mode', 'nondet_tol', 'probes', {raising}"
+             rf"'rtol', 'second_order', 'seed'{wrt}\] \(did you mean 'atol'\?\)$")
     with pytest.raises(TypeError, match=match) as info:
         fn(nn.Linear(2, 2), torch.randn(1, 2), atoll=1e-3, zzz=1)
     assert isinstance(info.value, GraddbgError)
@@ -618,7 +626,8 @@ def test_a_tuple_argument_reaches_the_function_as_a_tuple():
         seen.append(type(pair))
         return pair[0].sin()
 
-    r = gradcheck(first_sin, (x64(3),))
+    # a lone tuple is torch's ``inputs``: a tuple argument is passed inside one
+    r = gradcheck(first_sin, ((x64(3),),))
     assert r.ok and r.n_compared == 3 * 3 and set(seen) == {tuple}
 
 
