@@ -152,9 +152,23 @@ def module_of(name: str) -> str:
 def named_trainable_parameters(model_or_named_params: Any) -> List[Tuple[str, nn.Parameter]]:
     """(clean name, parameter) for every parameter that requires grad, tied ones once.
 
-    >>> lin = torch.nn.Linear(2, 2); _ = lin.bias.requires_grad_(False)
-    >>> [n for n, _ in named_trainable_parameters(lin)]
-    ['weight']
+    Names are the model's own, without the ``module.`` / ``_orig_mod.`` prefixes of DDP,
+    FSDP and compiled wrappers.
+
+    Args:
+        model_or_named_params: an ``nn.Module``, a dict of name -> tensor, or an iterable
+            of (name, tensor) pairs.
+
+    Returns:
+        A list of (clean name, parameter).
+
+    Raises:
+        GraddbgTypeError: anything else, or a pair whose value is not a tensor.
+
+    Examples:
+        >>> lin = torch.nn.Linear(2, 2); _ = lin.bias.requires_grad_(False)
+        >>> [n for n, _ in named_trainable_parameters(lin)]
+        ['weight']
     """
     from graddbg._errors import GraddbgTypeError
 

@@ -91,7 +91,7 @@ from torch.utils import _pytree as pytree
 
 from graddbg._errors import (GraddbgTypeError, GraddbgValueError, GradientMismatchError,
                              PrecisionWarning)
-from graddbg._model import check_model, named_tensors, unwrap
+from graddbg._model import check_model, is_dtensor, named_tensors, unwrap
 
 
 __all__ = ["gradcheck", "gradgradcheck", "check_module", "assert_gradients_close", "GradcheckResult",
@@ -2234,7 +2234,7 @@ def gradgradcheck(fn: Callable[..., Any], *inputs: Any, grad_outputs: Any = None
 def _refuse_sharded(where: str, module: torch.nn.Module) -> None:
     """Finite differences need the whole module in one process: a module whose parameters
     are DTensors (FSDP2's fully_shard, HSDP, tensor parallel) is refused with what to pass."""
-    sharded = [n for n, p in module.named_parameters() if hasattr(p, "device_mesh") and hasattr(p, "to_local")]
+    sharded = [n for n, p in module.named_parameters() if is_dtensor(p)]
     if sharded:
         raise GraddbgValueError(
             f"{where}(module=...): {type(module).__name__} holds sharded (DTensor) parameters, e.g. "
