@@ -20,6 +20,8 @@ from graddbg._errors import (CoverageWarning, GradientAnomalyError, GraddbgTypeE
 __all__ = [
     "Anomaly",
     "KINDS",
+    "HYGIENE_KINDS",
+    "Blame",
     "POLICIES",
     "NonFinite",
     "Explode",
@@ -401,8 +403,24 @@ def apply_policy(anomaly: Anomaly, policy: Any, skip: Callable[[], None]) -> Opt
     return None
 
 
+@dataclass
+class Blame:
+    """Where a non-finite value started, as the watch found it: the ``module`` (and the
+    parameter ``name`` of it among the affected), the autograd ``op`` and the forward
+    ``source`` line where known, ``how`` it was found, whether a replay ``reproduced`` it,
+    and the ``ranks`` whose shards were non-finite."""
+
+    module: Optional[str] = None
+    name: Optional[str] = None
+    how: str = "parameter gradients"
+    op: Optional[str] = None
+    source: Optional[str] = None
+    reproduced: Optional[bool] = None
+    ranks: Sequence[int] = ()
+
+
 def nonfinite_anomaly(step: int, names: Sequence[str], shapes: Sequence[tuple], total: Optional[int],
-                      where: Dict[str, Any], rank: Optional[int] = None) -> Anomaly:
+                      where: Blame, rank: Optional[int] = None) -> Anomaly:
     """The anomaly of non-finite gradients in parameters ``names``, blamed on ``where``.
 
     Args:
@@ -417,20 +435,20 @@ def nonfinite_anomaly(step: int, names: Sequence[str], shapes: Sequence[tuple], 
     Returns:
         Anomaly: of kind ``"nonfinite"``, with its message.
     """
-    module, op, source = where.get("module"), where.get("op"), where.get("source")
+    module, op, source = where.module, where.op, where.source
     shown = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names[:6], shapes[:6]))
     more = f" and {len(names) - 6} more" if len(names) > 6 else ""
     msg = (f"graddbg: non-finite gradient at step {step}"
            + (f" on rank {rank}" if rank is not None else "") + ": "
            + (f"{total} NaN/Inf entries in " if total else "")
            + f"{len(names)} parameter(s): {shown}{more}. "
-           + (f"The non-finite shards were on rank(s) {', '.join(map(str, where['ranks']))}. "
-              if where.get("ranks") else "")
+           + (f"The non-finite shards were on rank(s) {', '.join(map(str, where.ranks))}. "
+              if where.ranks else "")
            + f"It started in module '{module or '<root>'}'"
            + (f", op {op}" if op else "") + (f", created at {source}" if source else "")
-           + f" (found from {where.get('how', 'parameter gradients')}). "
+           + f" (found from {where.how}). "
            + "Next: wrap one step in graddbg.find_nonfinite(model) to see every op's inputs, "
              "or check the loss for log(0), sqrt(0), division by zero or overflow.")
-    return Anomaly(step=step, kind="nonfinite", name=where.get("name"), module=module, op=op,
+    return Anomaly(step=step, kind="nonfinite", name=where.name, module=module, op=op,
                    value=float("nan"), threshold=None, source=source, message=msg, rank=rank,
-                   params=tuple(names), reproduced=where.get("reproduced"))
+                   params=tuple(names), reproduced=where.reproduced)

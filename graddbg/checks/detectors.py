@@ -3,12 +3,12 @@ explosions and vanishing gradients. Each reads what the statistics recorder meas
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Iterator, List
 
 import numpy as np
 
 from graddbg._model import unwrap
-from graddbg.anomaly import Anomaly, nonfinite_anomaly
+from graddbg.anomaly import Anomaly, Blame, nonfinite_anomaly
 from graddbg.blame import nonfinite_state, replay, state_anomaly
 from graddbg.checks.base import Check, Finding, Step, Watched
 
@@ -35,33 +35,32 @@ class NonFiniteCheck(Check):
         if state:  # a NaN/Inf weight or buffer: it is the producer
             return state_anomaly(state, step.first_bad, ctx.rank)
         where = self._localise(step, names, idx)
-        if where.get("module"):  # name a parameter of the module blamed, when it has one among the affected
-            own = [n for n in names if n.startswith(where["module"] + ".")]
-            where["name"] = own[0] if own else where.get("name")
+        if where.module:  # name a parameter of the module blamed, when it has one among the affected
+            own = [n for n in names if n.startswith(where.module + ".")]
+            where.name = own[0] if own else where.name
         st = step.stats
         total = int(st.nonfinite[idx].sum()) or None
         if st.shard_ranks:
-            where["ranks"] = sorted({r for i in idx for r in st.shard_ranks.get(int(i), ())})
+            where.ranks = sorted({r for i in idx for r in st.shard_ranks.get(int(i), ())})
         return nonfinite_anomaly(step.first_bad, names, [tuple(ctx.params[i].shape) for i in idx], total,
                                  where, ctx.rank)
 
-    def _localise(self, step: Step, names: List[str], idx: np.ndarray) -> Dict[str, Any]:
+    def _localise(self, step: Step, names: List[str], idx: np.ndarray) -> Blame:
         """Where the non-finite value started: the affected parameter nearest the output
         (the first the backward pass reached), refined by the activations and by a replay."""
         modules = self.ctx.modules
         module = modules[idx[-1]]
-        where: Dict[str, Any] = {"module": module, "how": "parameter gradients",
-                                 "name": next(n for n, i in zip(names, idx) if modules[i] == module)}
+        where = Blame(module=module, name=next(n for n, i in zip(names, idx) if modules[i] == module))
         if step.hint is not None:
-            where["module"], where["how"] = step.hint
+            where.module, where.how = step.hint
         cap = step.capture
         if self.ctx.options.localise and cap is not None and step.first_bad == step.index:
             with self._replaying():
                 ran, got = replay(self.ctx.model, cap, step.index)
-            where["reproduced"] = (got is not None) if ran else None
+            where.reproduced = (got is not None) if ran else None
             if got is not None and (got.module is not None or got.op is not None):
-                where.update(module=got.module if got.module is not None else where["module"],
-                             op=got.op, source=got.source, how="a replay of the forward and backward pass")
+                where.module = got.module if got.module is not None else where.module
+                where.op, where.source, where.how = got.op, got.source, "a replay of the forward and backward pass"
         return where
 
     @contextlib.contextmanager
