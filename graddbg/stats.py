@@ -597,15 +597,17 @@ def grad_stats(model_or_named_params: Any, stats: Sequence[str] = STAT_NAMES):
 # --------------------------------------------------------------------------- history
 @dataclass
 class StepRecord:
-    """What one step boundary recorded (host-side, numpy; small)."""
+    """What one step boundary recorded (host-side, numpy; small). Built by keyword; a step
+    that read nothing (or a GradScaler's skipped step) has only ``step``, ``overflow``,
+    ``scale`` and ``lr``."""
 
     step: int
-    stats: Optional[StepStats]  # None when per-parameter statistics were not due
-    global_norm: float
-    clipped_norm: float
-    overflow: bool
-    scale: float
-    lr: float
+    per_param: Optional[StepStats] = None  # None when per-parameter statistics were not due
+    global_norm: float = math.nan
+    clipped_norm: float = math.nan
+    overflow: bool = False
+    scale: float = math.nan
+    lr: float = math.nan
     hist: Any = None  # numpy [P, bins] counts or None
 
 
@@ -646,11 +648,11 @@ class History:
 
     def append(self, rec: StepRecord) -> None:
         self._steps.append({"step": rec.step, "global_norm": rec.global_norm, "clipped_norm": rec.clipped_norm,
-                            "nonfinite": 0 if rec.stats is None else int(rec.stats.nonfinite.sum()),
-                            "overflow": rec.overflow, "scale": rec.scale, "recorded": rec.stats is not None,
+                            "nonfinite": 0 if rec.per_param is None else int(rec.per_param.nonfinite.sum()),
+                            "overflow": rec.overflow, "scale": rec.scale, "recorded": rec.per_param is not None,
                             "lr": rec.lr}, self.keep)
-        if rec.stats is not None:
-            st = rec.stats
+        if rec.per_param is not None:
+            st = rec.per_param
             self._rows.append({"step": rec.step, "norm": st.norm, "absmax": st.absmax, "update": np.nan,
                                "nonfinite": st.nonfinite, "has_grad": st.has_grad,
                                "extras": st.extras if st.extras is not None else np.nan}, self.keep)

@@ -188,16 +188,6 @@ def test_public_api_names_resolve():
         graddbg.nope
 
 
-def test_no_c_bindings_in_the_package():
-    for path in PKG.glob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                assert not any(a.name.split(".")[0] == "ctypes" for a in node.names), path.name
-            elif isinstance(node, ast.ImportFrom):
-                assert (node.module or "").split(".")[0] != "ctypes", path.name
-
-
 def test_anomaly_does_not_import_blame():
     top, nested = _split_imports(PKG / "anomaly.py")
     assert "blame" not in top | nested

@@ -173,7 +173,7 @@ class StatsRecorder(Check):
         if pending is not None:
             self.ever_grad |= np.array([g is not None for g in pending.grads], dtype=bool)
         scale = pending.scale if pending is not None and pending.scale is not None else math.nan
-        self.history.append(StepRecord(index, None, math.nan, math.nan, True, float(scale), self._lr()))
+        self.history.append(StepRecord(index, overflow=True, scale=float(scale), lr=self._lr()))
 
     def queue(self, step: Step) -> None:
         launch, scale, div, changed = self._take(step)
@@ -204,7 +204,7 @@ class StatsRecorder(Check):
         launch, scale, div, live, hist = self._step_state
         self._step_state = None
         if launch is None:
-            self.history.append(StepRecord(step.index, None, math.nan, math.nan, False, scale, self._lr()))
+            self.history.append(StepRecord(step.index, scale=scale, lr=self._lr()))
             return []
         st = self._stats(launch, step.got, step.grads, div, changed=live is not None)
         bad, first = st.bad, step.index
@@ -220,12 +220,12 @@ class StatsRecorder(Check):
         if bad.any() and self.ctx.optimizer is None and self.ctx.options.scaler is not None:
             # each backward pass is a step and a GradScaler is in use: scaled gradients that
             # overflowed are the scaler's to skip, an overflow step, never an anomaly
-            self.history.append(StepRecord(step.index, None, math.nan, math.nan, True, scale, self._lr()))
+            self.history.append(StepRecord(step.index, overflow=True, scale=scale, lr=self._lr()))
             return []
         P = len(self.ctx)
         counts = step.got["hist"].reshape(P, -1).astype(np.int64) if hist else None
-        self.history.append(StepRecord(step.index, st if step.due_stats else None, st.global_norm, clip_norm,
-                                       False, scale, self._lr(), hist=counts))
+        self.history.append(StepRecord(step.index, per_param=st if step.due_stats else None, global_norm=st.global_norm,
+                                       clipped_norm=clip_norm, scale=scale, lr=self._lr(), hist=counts))
         step.stats, step.bad, step.first_bad, step.clipped_norm = st, bad, first, clip_norm
         return []
 
