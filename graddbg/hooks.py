@@ -156,6 +156,95 @@ def _world() -> Tuple[int, int]:
     return 0, 1
 
 
+# --------------------------------------------------------------------------- the model's output
+class _OutputTap:
+    """The hooks on the model's output of each forward pass: the end of the backward pass
+    seen from the output's gradient, and what a replay of the step needs (the inputs, the
+    RNG state, the output's gradient). Temporary: removed at each step, and when a forward
+    pass was never backpropagated (an evaluation loop with grad enabled)."""
+
+    def __init__(self, localise: bool, on_gradient: Callable[[], None], alive: Callable[[], bool]) -> None:
+        self.localise, self._on_gradient, self._alive = localise, on_gradient, alive
+        self.handles: List[Any] = []
+        self.capture: Optional[Capture] = None
+        self._rng: Optional[Tensor] = None
+        self._backward_since = True
+
+    def before(self) -> None:
+        if not self._backward_since:
+            self.clear()  # (the previous forward pass's output never got a gradient)
+        self._backward_since = False
+        if self.localise:
+            self._rng = torch.get_rng_state()
+
+    def after(self, args: Any, kwargs: Any, output: Any) -> None:
+        for i, t in enumerate(tensors_in(output)):
+            if t.requires_grad:
+                cap = Capture(args, kwargs, self._rng, i) if self.localise else None
+                fn = t.grad_fn
+                if fn is not None:  # (a pre-hook on its node costs less than a tensor hook)
+                    self.handles.append(fn.register_prehook(self._hook(cap, t.output_nr)))
+                else:
+                    self.handles.append(t.register_hook(self._hook(cap, None)))
+                return
+
+    def _hook(self, cap: Optional[Capture], output_nr: Optional[int]) -> Callable[[Any], None]:
+        """A tensor hook (``output_nr`` None) or a pre-hook on the output's autograd node."""
+        wself = weakref.ref(self)
+
+        def hook(grad: Any) -> None:
+            tap = wself()
+            if tap is None or not tap._alive():
+                return
+            tap._backward_since = True
+            if output_nr is not None:
+                grad = grad[output_nr]
+            if cap is not None and grad is not None:
+                cap.grad = grad
+                tap.capture = cap
+            tap._on_gradient()
+
+        return hook
+
+    def clear(self) -> None:
+        """The step ended (or the watch closed): its hooks and capture go."""
+        handles, self.handles, self.capture = self.handles, [], None
+        self._backward_since = True
+        for h in handles:
+            h.remove()
+
+
+def _check_optimizer(ctx: Watched) -> None:
+    """An optimizer that holds none of the model's trainable parameters is a usage error."""
+    opt = ctx.optimizer
+    if opt is None or not ctx.params:
+        return
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    if not any(id(p) in held for p in ctx.params):
+        raise GraddbgValueError(
+            f"watch(optimizer=...): {type(opt).__name__} holds none of the model's {len(ctx.params)} "
+            f"trainable parameters; pass the optimizer built from this model's parameters "
+            f"(e.g. {type(opt).__name__}(model.parameters(), ...))")
+
+
+def _meta(opts: WatchOptions, ctx: Watched) -> Dict[str, Any]:
+    """The run's facts, saved with it."""
+    names = {k: None if getattr(opts, k) is None else opts.policy(k) for k in ("nonfinite", "explode", "vanish")}
+    names = {k: v if isinstance(v, str) or v is None else getattr(v, "__name__", "callable")
+             for k, v in names.items()}
+    return {"model": type(unwrap(ctx.model)).__name__,
+            "optimizer": type(ctx.optimizer).__name__ if ctx.optimizer else None,
+            "every": opts.every, "stats": list(opts.quantities), "torch": torch.__version__, **names,
+            "params": len(ctx.params), "numel": int(sum(ctx.numel)), "world_size": ctx.world_size,
+            "rank": ctx.rank or 0, "uncovered": []}
+
+
+def _drop_grads(params: List[Tensor], which: Optional[List[int]]) -> None:
+    """The ``"skip"`` policy: the affected gradients (all when None) are set to None."""
+    for i in range(len(params)) if which is None else which:
+        params[i].grad = None
+
+
 # --------------------------------------------------------------------------- the record
 class _Results:
     """What a watch recorded, as tables, figures and files (the read side of :class:`Watch`)."""
@@ -261,13 +350,14 @@ class Watch(_Results):
                               opts.history, MAX_ROWS)
         ctx.alive, ctx.read_scale = self._alive, self._scale
         self._frozen = _frozen_parameters(model, ctx.params)
-        self._check_parameters(model, ctx)
-        self.meta = self._meta()
+        if not ctx.params:
+            warnings.warn(f"graddbg.watch: {type(model).__name__} has no trainable parameter (none requires "
+                          f"grad), so nothing will be recorded until one is unfrozen "
+                          f"({len(self._frozen)} frozen).", CoverageWarning, stacklevel=3)
+        _check_optimizer(ctx)
+        self.meta = _meta(opts, ctx)
         self._bw: Tuple[int, Optional[float]] = (-1, None)  # (step, loss scale) of the last backward
-        self._temp_handles: List[Any] = []
-        self._backward_since_forward = True
-        self._capture: Optional[Capture] = None
-        self._rng: Optional[Tensor] = None
+        self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive)
         self._cb_queued = False
         self._closure = self._closure_seen = self._scaler_looked = False
         self._errors_warned: set = set()
@@ -291,32 +381,6 @@ class Watch(_Results):
     def host_syncs(self) -> int:
         """Host synchronisations made by the watch (read-backs)."""
         return self._ctx.host_syncs
-
-    def _check_parameters(self, model: nn.Module, ctx: Watched) -> None:
-        if not ctx.params:
-            warnings.warn(f"graddbg.watch: {type(model).__name__} has no trainable parameter (none requires "
-                          f"grad), so nothing will be recorded until one is unfrozen "
-                          f"({len(self._frozen)} frozen).", CoverageWarning, stacklevel=4)
-        opt = ctx.optimizer
-        if opt is None or not ctx.params:
-            return
-        held = {id(p) for g in opt.param_groups for p in g["params"]}
-        if not any(id(p) in held for p in ctx.params):
-            raise GraddbgValueError(
-                f"watch(optimizer=...): {type(opt).__name__} holds none of the model's {len(ctx.params)} "
-                f"trainable parameters; pass the optimizer built from this model's parameters "
-                f"(e.g. {type(opt).__name__}(model.parameters(), ...))")
-
-    def _meta(self) -> Dict[str, Any]:
-        opts, ctx = self.options, self._ctx
-        names = {k: None if getattr(opts, k) is None else opts.policy(k) for k in ("nonfinite", "explode", "vanish")}
-        names = {k: v if isinstance(v, str) or v is None else getattr(v, "__name__", "callable")
-                 for k, v in names.items()}
-        return {"model": type(unwrap(ctx.model)).__name__,
-                "optimizer": type(ctx.optimizer).__name__ if ctx.optimizer else None,
-                "every": opts.every, "stats": list(opts.quantities), "torch": torch.__version__, **names,
-                "params": len(ctx.params), "numel": int(sum(ctx.numel)), "world_size": ctx.world_size,
-                "rank": ctx.rank or 0, "uncovered": []}
 
     def _internal_error(self, where: str, step: int, err: Exception) -> None:
         """A failure inside graddbg's own hook: warn once per place, keep the step count
@@ -358,8 +422,8 @@ class Watch(_Results):
         self._ctx.hooks.remove_all() if hasattr(self, "_ctx") else None
         for c in self._checks:
             c.close()
-        if hasattr(self, "_temp_handles"):
-            self._remove_temp_handles()
+        if hasattr(self, "_tap"):
+            self._tap.clear()
 
     def _adopt_unfrozen(self) -> None:
         """Parameters frozen when the watch began and trainable now (fine-tuning schedules
@@ -378,51 +442,16 @@ class Watch(_Results):
     def _on_root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if _is_compiling() or not self._alive() or not torch.is_grad_enabled() or in_backward():
             return None
-        if not self._backward_since_forward:
-            # the previous forward pass was never backpropagated (an evaluation loop with
-            # grad enabled, say): drop what it registered, so nothing piles up
-            self._remove_temp_handles()
-        self._backward_since_forward = False
-        if self.options.localise:
-            self._rng = torch.get_rng_state()
+        self._tap.before()
         for handle in self._on["on_forward"]:
             handle()
         return None
 
     @_guarded
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if _is_compiling() or not self._alive() or not torch.is_grad_enabled() or in_backward():
-            return None
-        for i, t in enumerate(tensors_in(output)):
-            if t.requires_grad:
-                cap = Capture(args, kwargs, self._rng, i) if self.options.localise else None
-                fn = t.grad_fn
-                if fn is not None:  # (a pre-hook on its node costs less than a tensor hook)
-                    handle = fn.register_prehook(self._output_hook(cap, t.output_nr))
-                else:
-                    handle = t.register_hook(self._output_hook(cap, None))
-                self._temp_handles.append(handle)
-                break
+        if not (_is_compiling() or not self._alive() or not torch.is_grad_enabled() or in_backward()):
+            self._tap.after(args, kwargs, output)
         return None
-
-    def _output_hook(self, cap: Optional[Capture], output_nr: Optional[int]) -> Callable[[Any], None]:
-        """The hook that sees the gradient of the model's output: a tensor hook
-        (``output_nr`` None) or a pre-hook on the output's autograd node."""
-        wself = weakref.ref(self)
-
-        def hook(grad: Any) -> None:
-            w = wself()
-            if w is None or not w._alive():
-                return
-            w._backward_since_forward = True
-            if output_nr is not None:
-                grad = grad[output_nr]
-            if cap is not None and grad is not None:
-                cap.grad = grad
-                w._capture = cap
-            w._queue_end_of_backward()
-
-        return hook
 
     def _on_param_grad(self, p: Tensor) -> None:
         if self._alive():
@@ -506,7 +535,7 @@ class Watch(_Results):
         due_nf = opts.nonfinite is not None and index % opts.nonfinite.every == 0
         due_stats = index % opts.every == 0
         step = Step(index, self._ctx.grads(), due_stats, read=due_stats or due_nf or
-                    any(due(index) for due in self._on["due"]), capture=self._capture, closure=closure)
+                    any(due(index) for due in self._on["due"]), capture=self._tap.capture, closure=closure)
         for handle in self._on["queue"]:
             handle(step)
         if step.read:
@@ -526,28 +555,15 @@ class Watch(_Results):
         for f in found:
             self.anomalies.append(f.anomaly)
             self._ctx.history.keep.add(f.anomaly.step)
-            err = apply_policy(f.anomaly, f.policy, functools.partial(self._drop_grads, f.skip))
+            err = apply_policy(f.anomaly, f.policy, functools.partial(_drop_grads, self._ctx.params, f.skip))
             if err is not None and to_raise is None:
                 to_raise = err
         if to_raise is not None:
             raise to_raise
 
-    def _drop_grads(self, which: Optional[List[int]]) -> None:
-        """The ``"skip"`` policy: the affected gradients (all when None) are set to None."""
-        params = self._ctx.params
-        for i in range(len(params)) if which is None else which:
-            params[i].grad = None
-
     def _finish_step(self) -> None:
         self._step += 1
-        self._capture = None
-        self._backward_since_forward = True
-        self._remove_temp_handles()
-
-    def _remove_temp_handles(self) -> None:
-        handles, self._temp_handles = self._temp_handles, []
-        for h in handles:
-            h.remove()
+        self._tap.clear()
 
     def _skipped(self) -> None:
         """The GradScaler skipped a step (an overflow): recorded as such, never an anomaly."""
@@ -604,7 +620,6 @@ class Watch(_Results):
             self._unused()
         finally:
             self._detach()
-            self._capture = None
             # keep only what the tables need; no tensors of the user's past the watch
             ctx = self._ctx
             ctx.params, ctx.model, ctx.optimizer = [], None, None

@@ -717,7 +717,7 @@ def test_forwards_without_backward_do_not_pile_up():
     with graddbg.watch(model, opt, activations=True) as w:
         for _ in range(50):  # an evaluation loop that forgot torch.no_grad()
             model(x)
-        assert len(w._temp_handles) <= 20 and w._part(Activations).pending() <= 20
+        assert len(w._tap.handles) <= 20 and w._part(Activations).pending() <= 20
         F.cross_entropy(model(x), y).backward()
         opt.step()
     assert len(w.stats) == 8 and w.activations["step"].unique().tolist() == [0]
