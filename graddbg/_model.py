@@ -117,8 +117,22 @@ def check_model(model: Any, fn: str, arg: str = "model") -> nn.Module:
 def clean_name(name: str) -> str:
     """Strip the wrappers' prefixes (DDP's ``module.``, torch.compile's ``_orig_mod.``).
 
-    >>> clean_name("module._orig_mod.fc.weight")
-    'fc.weight'
+    Leading prefixes are removed however they nest; a compiled submodule's ``_orig_mod.``
+    inside the name is removed too.
+
+    Args:
+        name: a parameter or module name as a wrapped model's ``named_parameters()`` or
+            ``named_modules()`` gives it.
+
+    Returns:
+        str: the name in the user's model.
+
+    Raises:
+        AttributeError: ``name`` is not a string (not checked: the caller passes names).
+
+    Examples:
+        >>> clean_name("module._orig_mod.fc.weight")
+        'fc.weight'
     """
     changed = True
     while changed:
@@ -132,14 +146,25 @@ def clean_name(name: str) -> str:
 
 
 def module_of(name: str) -> str:
-    """The qualified module name that owns a parameter name ("" for the root). A
-    parametrized weight (``torch.nn.utils.parametrize``, ``weight_norm``) belongs to the
+    """The qualified module name that owns a parameter name ("" for the root).
+
+    A parametrized weight (``torch.nn.utils.parametrize``, ``weight_norm``) belongs to the
     layer it parametrizes.
 
-    >>> module_of("encoder.layers.0.linear1.weight"), module_of("bias")
-    ('encoder.layers.0.linear1', '')
-    >>> module_of("0.parametrizations.weight.original0")
-    '0'
+    Args:
+        name: a (clean) parameter name, dotted as ``named_parameters()`` gives it.
+
+    Returns:
+        str: the owning module's qualified name; ``""`` for a parameter of the root module.
+
+    Raises:
+        AttributeError: ``name`` is not a string (not checked: the caller passes names).
+
+    Examples:
+        >>> module_of("encoder.layers.0.linear1.weight"), module_of("bias")
+        ('encoder.layers.0.linear1', '')
+        >>> module_of("0.parametrizations.weight.original0")
+        '0'
     """
     head, sep, _ = name.partition(".parametrizations.")
     if sep:

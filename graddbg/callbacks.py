@@ -174,10 +174,32 @@ class _Adapter:
 
 # --------------------------------------------------------------------------- Lightning
 class _LightningHooks(_Adapter):
-    """A Lightning callback that watches the ``LightningModule``'s gradients during ``fit``
-    (see :mod:`graddbg.callbacks`). ``LightningCallback(report=False, **watch_kwargs)``:
-    ``watch()``'s keyword options, checked here. With one optimizer, its step is the step
-    boundary; with several (manual optimisation), each backward pass is one.
+    """A Lightning callback that watches the ``LightningModule``'s gradients during ``fit``.
+
+    ``LightningCallback(report=False, **watch_kwargs)`` (see `graddbg.callbacks`). With one
+    optimizer, its step is the step boundary; with several (manual optimisation), each
+    backward pass is one. It logs ``graddbg/global_norm`` and ``graddbg/anomalies`` through
+    ``LightningModule.log`` and closes the watch when training ends or raises.
+
+    Reading ``graddbg.callbacks.LightningCallback`` raises ``ImportError`` when Lightning
+    (``lightning`` or ``pytorch-lightning``) is not installed. The watch is the callback's ``.watch`` once training has started (None
+    before); ``report_path()`` says where the report goes.
+
+    Args:
+        report: write the HTML report when training ends: False (the default), True
+            (``report.html`` in ``trainer.log_dir``, else ``trainer.default_root_dir``)
+            or a path (a relative one inside that folder). Only the first process writes it; a report that cannot be
+            written is a `GraddbgWarning`, not an error.
+        **watch_kwargs: `graddbg.watch`'s keyword options (``every``, ``nonfinite``,
+            ``explode``, ``scaler``, ...), checked here; not ``model`` or ``optimizer``,
+            which are the trainer's.
+
+    Raises:
+        GraddbgTypeError: ``report`` is not a bool or a path, ``model=`` or ``optimizer=``
+            is given, a keyword that `graddbg.watch` does not take, or an option of the
+            wrong type (as `graddbg.watch` raises it).
+        GraddbgValueError: an option's value is not accepted (``every=0``, an unknown
+            policy, ...), as `graddbg.watch` raises it.
     """
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -215,9 +237,32 @@ def _lightning_base() -> type:
 
 # --------------------------------------------------------------------------- transformers
 class _TransformersHooks(_Adapter):
-    """A ``transformers.TrainerCallback`` that watches the trainer's model during ``train()``
-    (see :mod:`graddbg.callbacks`). ``TransformersCallback(report=False, **watch_kwargs)``:
-    ``watch()``'s keyword options, checked here.
+    """A ``transformers.TrainerCallback`` that watches the trainer's model during ``train()``.
+
+    ``TransformersCallback(report=False, **watch_kwargs)`` (see `graddbg.callbacks`). The
+    optimizer's step is the step boundary. It adds ``graddbg/global_norm`` and
+    ``graddbg/anomalies`` to the trainer's logs at each logging step and closes the watch
+    when training ends.
+
+    Reading ``graddbg.callbacks.TransformersCallback`` raises ``ImportError`` when
+    transformers is not installed. The watch is the callback's ``.watch`` once training has started (None
+    before); ``report_path()`` says where the report goes.
+
+    Args:
+        report: write the HTML report when training ends: False (the default), True
+            (``report.html`` in ``args.output_dir``, else the current folder) or a path
+            (a relative one inside that folder). Only the first process writes it; a report that cannot be
+            written is a `GraddbgWarning`, not an error.
+        **watch_kwargs: `graddbg.watch`'s keyword options (``every``, ``nonfinite``,
+            ``explode``, ``scaler``, ...), checked here; not ``model`` or ``optimizer``,
+            which are the trainer's.
+
+    Raises:
+        GraddbgTypeError: ``report`` is not a bool or a path, ``model=`` or ``optimizer=``
+            is given, a keyword that `graddbg.watch` does not take, or an option of the
+            wrong type (as `graddbg.watch` raises it).
+        GraddbgValueError: an option's value is not accepted (``every=0``, an unknown
+            policy, ...), as `graddbg.watch` raises it.
     """
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,

@@ -168,15 +168,39 @@ def demo_model() -> nn.Module:
 
 def demo(out: str = "graddbg-out", steps: int = 120, *, nan_step: int = 30, jump_step: int = 80,
          stream: Any = None, seed: int = 0) -> Dict[str, Any]:
-    """Train a small regression model with two planted faults and watch catch both:
+    """Train a small regression model with two planted faults and watch catch both.
 
     - at step ``nan_step`` a batch holds an all-zero row: ``RowNorm`` computes 0/0 in the
       forward pass (NaN), caught as ``nonfinite`` and skipped (the weights stay finite);
     - at step ``jump_step`` the learning rate jumps 1000x for one step: the next gradient
       norm explodes and is caught as ``explode``.
 
-    Writes ``report.html``, ``graph.svg`` (the annotated autograd graph) and
-    ``stats.parquet`` to ``out`` and returns their paths and the watch.
+    Writes ``report.html``, ``graph.svg`` (the annotated autograd graph; ``graph.dot``,
+    with a note on ``stream``, when Graphviz's ``dot`` is not installed) and
+    ``stats.parquet`` to ``out``, and prints a progress bar (on stderr), the per-parameter
+    summary and the anomalies caught (on ``stream``). ``graddbg demo`` calls it.
+
+    Args:
+        out: the output folder, created if needed (with its parents).
+        steps: the number of training steps (an int >= 1).
+        nan_step: the step (counted from 0) whose batch holds the all-zero row; a step
+            >= ``steps`` plants no NaN.
+        jump_step: the step (counted from 0) whose learning rate is 1000 times larger; a
+            step >= ``steps`` plants no jump.
+        stream: where the summary is printed (None: ``sys.stdout``).
+        seed: the seed of the model's initialisation and of the data.
+
+    Returns:
+        dict: ``"watch"``, the closed `graddbg.Watch` of the run, and ``"files"``, a dict
+            of the paths written (``"report"``, ``"graph"``, ``"stats"``, each a
+            ``pathlib.Path``).
+
+    Raises:
+        UsageError: ``steps``, ``nan_step`` or ``jump_step`` is not an int (or is a bool),
+            ``steps`` < 1 or a step < 0, or ``out`` is not a folder name, names a file, or
+            cannot be created or written in (checked before training). A ``UsageError`` is
+            a `GraddbgValueError`.
+        GraddbgError: the statistics or the report could not be written.
     """
     for arg, value in (("steps", steps), ("nan_step", nan_step), ("jump_step", jump_step)):
         if not isinstance(value, int) or isinstance(value, bool) or value < (1 if arg == "steps" else 0):
@@ -675,14 +699,42 @@ def _watch_options(given: Dict[str, Any]) -> Dict[str, Any]:
 
 def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fail_on: str = "any",
                save_every: float = SAVE_EVERY, stream: Any = None, **watch_options: Any) -> int:
-    """Run ``script`` unchanged with what it trains watched (every optimizer it steps, with
-    its model; without an optimizer, the model it runs backward through, a step per
-    backward pass: see :class:`ScriptWatcher`); write the statistics
-    and the report at exit, also when the script crashes, is interrupted (Ctrl-C) or is
-    stopped by SIGTERM / SIGHUP, and the statistics every ``save_every`` seconds on the way.
-    ``watch_options`` are :func:`graddbg.watch`'s (a policy may be spelled "none").
-    Every argument and the ``out`` folder are checked before the script starts (a
-    ``UsageError``, which is a ``ValueError``). Returns the exit code."""
+    """Run ``script`` unchanged with what it trains watched; ``graddbg run`` calls it.
+
+    What is watched: every optimizer the script steps, with its model; without an
+    optimizer, the model it runs backward through, a step per backward pass (see
+    `ScriptWatcher`). The statistics (``stats.parquet``) and the report (``report.html``)
+    are written to ``out`` at exit, also when the script crashes, is interrupted (Ctrl-C)
+    or is stopped by SIGTERM / SIGHUP, and the statistics every ``save_every`` seconds on
+    the way. Every argument and the ``out`` folder are checked before the script starts.
+    The script's own exceptions are not raised: they are printed on stderr and make the
+    exit code (see the module docstring).
+
+    Args:
+        script: the path of the Python script, run as ``__main__``.
+        args: the script's command-line arguments (its ``sys.argv[1:]``).
+        out: the output folder, created if needed (removed again when it was created here
+            and nothing was watched).
+        fail_on: which findings make the exit code 1: ``"any"`` (every anomaly),
+            ``"nonfinite"`` (NaN/Inf only) or ``"never"``.
+        save_every: seconds between the statistics snapshots written while the script
+            runs (0: only at exit).
+        stream: where the summary lines are printed (None: ``sys.stdout``).
+        **watch_options: `graddbg.watch`'s keyword options; a policy may be spelled
+            ``"none"`` (for None).
+
+    Returns:
+        int: the exit code, 0 healthy, 1 anomalies counted by ``fail_on``, a script that failed
+            or an output not written, 128 + the signal's number when stopped by a signal,
+            or the code of the script's own ``sys.exit``.
+
+    Raises:
+        UsageError: ``script`` is not an existing file, ``fail_on`` or ``save_every`` is
+            not accepted, a watch option is unknown or has a bad value (``every`` < 1, a
+            policy that is not one of ``"raise"``, ``"warn"``, ``"skip"``, ``"record"``,
+            ``"none"``), or ``out`` cannot be created or written in. A ``UsageError`` is a
+            `GraddbgValueError` (a ``ValueError``).
+    """
     stream = stream or sys.stdout
     path = _check_run_args(script, fail_on, save_every)
     kwargs = _watch_options(watch_options)
@@ -805,8 +857,22 @@ def _write(w: Any, outdir: pathlib.Path, i: int, stream: Any) -> bool:
 # --------------------------------------------------------------------------- report
 
 def report(run_path: str, out: str) -> pathlib.Path:
-    """Render a saved run (``w.save``) as an HTML report. A missing or invalid run file,
-    or an ``out`` that cannot be written, is a UsageError (exit 2)."""
+    """Render a saved run (``w.save``) as an HTML report; ``graddbg report`` calls it.
+
+    Args:
+        run_path: a file written by `Watch.save` or `Run.save`.
+        out: the HTML file to write (its folder must exist).
+
+    Returns:
+        pathlib.Path: the report written (``out``).
+
+    Raises:
+        UsageError: ``run_path`` is not an existing file or is not a run that `graddbg.load`
+            reads; ``out`` is a folder, or its folder does not exist or cannot be written
+            in (checked before the run is read). A ``UsageError`` is a `GraddbgValueError`:
+            the command exits with 2.
+        GraddbgError: the report could not be written.
+    """
     import graddbg
 
     if not isinstance(run_path, (str, os.PathLike)) or not pathlib.Path(run_path).is_file():
@@ -869,7 +935,29 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``graddbg`` console script and ``python -m graddbg``."""
+    """Entry point of the ``graddbg`` console script and ``python -m graddbg``.
+
+    Runs one command (``demo``, ``run`` or ``report``; see `demo`, `run_script` and
+    `report`). Errors are exit codes, not exceptions: a usage error or bad input prints
+    one line on stderr (no traceback) and returns 2; an output that could not be written
+    prints one line and returns 1.
+
+    Args:
+        argv: the command-line arguments, without the program name (None:
+            ``sys.argv[1:]``).
+
+    Returns:
+        int: the exit code, 0 healthy, 1 anomalies found, a failed script or an output not
+            written, 2 a usage error or bad input (also when no command is given),
+            ``graddbg run``'s own codes (see `run_script`), 0 for ``--help``.
+
+    Raises:
+        TypeError: ``argv`` holds something other than strings (argparse's own error).
+
+    Examples:
+        >>> main(["report", "no-such-run.parquet"])
+        2
+    """
     parser = _parser()
     try:
         args = parser.parse_args(argv)

@@ -431,13 +431,28 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitw
     Computed on the tensors' device; the table lands on ``device`` (default: the first
     tensor's device).
 
-    >>> a = torch.tensor([1.0, float("nan"), 3.0])
-    >>> b = a.clone(); b[2] = 3.0000002
-    >>> fp = fingerprints([a, a.clone(), b, None])
-    >>> fp.shape
-    torch.Size([4, 3])
-    >>> bool((fp[0] == fp[1]).all()), bool((fp[0] == fp[2]).all()), fp[3, 0].item()
-    (True, False, 0)
+    Args:
+        tensors: the tensors, or None for an absent one (entries are not checked: anything
+            else fails inside torch).
+        mode: ``"bitwise"`` or ``"tolerance"``.
+        device: where the table lands (None: the first tensor's device, or the CPU when
+            every entry is None).
+
+    Returns:
+        torch.Tensor: the int64 ``[len(tensors), k]`` table, k = 3 (bitwise) or 7
+            (tolerance); no rows for an empty ``tensors``.
+
+    Raises:
+        GraddbgValueError: ``mode`` is neither ``"bitwise"`` nor ``"tolerance"``.
+
+    Examples:
+        >>> a = torch.tensor([1.0, float("nan"), 3.0])
+        >>> b = a.clone(); b[2] = 3.0000002
+        >>> fp = fingerprints([a, a.clone(), b, None])
+        >>> fp.shape
+        torch.Size([4, 3])
+        >>> bool((fp[0] == fp[1]).all()), bool((fp[0] == fp[2]).all()), fp[3, 0].item()
+        (True, False, 0)
     """
     if mode not in ("bitwise", "tolerance"):
         raise GraddbgValueError(f"fingerprints(mode=...): got {mode!r}; accepted: 'bitwise', "
@@ -874,8 +889,27 @@ def prepare(group: Any = None, *, timeout: Timeout = timedelta(seconds=300)) -> 
     on every rank of ``group`` at the same point, right after ``init_process_group``,
     when a later check may be reached by some ranks only. Checks of a model holding
     DTensors exchange over the default group, whatever their ``group=``: ``prepare()``.
+    For a gloo group there is nothing to create.
 
-    >>> prepare()  # doctest: +SKIP
+    Args:
+        group: the process group the checks will be given (None: the default group).
+        timeout: how long creating the group may wait for the other ranks (a
+            ``datetime.timedelta`` or a number of seconds > 0; 300 s).
+
+    Returns:
+        None.
+
+    Raises:
+        GraddbgTypeError: ``group`` is not None or a ``ProcessGroup``, or ``timeout`` has a
+            wrong type.
+        GraddbgValueError: a timeout <= 0 or not finite, or a ``group`` this rank is not a
+            member of.
+        GraddbgError: ``torch.distributed`` is unavailable or not initialized.
+        DDPTimeoutError: the gloo group could not be created (some rank did not arrive
+            within ``timeout``).
+
+    Examples:
+        >>> prepare()  # doctest: +SKIP
     """
     timeout = _timeout_arg("prepare", timeout)
     _group_arg("prepare", group)
@@ -1555,29 +1589,57 @@ def check_gradients(model: nn.Module, *, group: Any = None, atol: float = 0.0, r
     """Check that every parameter's ``.grad`` is the same on every rank of ``group``.
 
     Collective: call it on every rank at the same point (after the synchronising backward,
-    before ``optimizer.step()``). ``model`` is a ``DistributedDataParallel`` or a plain
-    module (names never carry DDP's ``module.`` prefix). A parameter whose gradient is
-    ``None`` on some ranks only is reported by name and rank. ``atol``/``rtol`` > 0 switch
-    from the bitwise comparison to tolerance mode; ``details=True`` gathers the differing
-    tensors (only those) to report the largest difference per rank;
-    ``raise_on_mismatch=True`` raises :class:`DDPInconsistencyError` on every rank after
-    all of them have reached the same verdict. A rank that does not arrive within
-    ``timeout`` makes the others raise :class:`DDPTimeoutError`; ranks holding different
-    models raise :class:`DDPInconsistencyError` naming the first difference.
+    before ``optimizer.step()``). A parameter whose gradient is ``None`` on some ranks only
+    is reported by name and rank.
 
     On a model holding DTensors (FSDP2, HSDP, tensor parallel) every rank of the default
     group calls it, and each rank's shards are compared with its replicas' (see the module
     docstring); ``group`` may then also be a mesh dimension name (``"replicate"``) or a 1-D
     ``DeviceMesh``. Pure FSDP has no replicas: ``GraddbgValueError``.
 
-    >>> import os, tempfile, torch.distributed as dist
-    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    >>> model = torch.nn.Linear(3, 2)
-    >>> model(torch.randn(4, 3)).sum().backward()
-    >>> report = check_gradients(model)
-    >>> report.ok, report.world_size, report.checked
-    (True, 1, 2)
-    >>> dist.destroy_process_group()
+    Args:
+        model: a ``DistributedDataParallel`` or a plain module (names never carry DDP's
+            ``module.`` prefix).
+        group: the process group (None: the default group). On a model holding DTensors
+            also a 1-D ``DeviceMesh`` or the name of a mesh dimension of the model's
+            DTensors (such as ``"replicate"``).
+        atol: the absolute tolerance (a finite number >= 0); ``atol`` or ``rtol`` > 0
+            switches from the bitwise comparison to tolerance mode.
+        rtol: the relative tolerance (a finite number >= 0).
+        timeout: how long to wait for the other ranks (a ``datetime.timedelta`` or a
+            number of seconds > 0; 60 s).
+        details: gather the differing tensors (only those) to report the largest
+            difference per rank.
+        raise_on_mismatch: raise `DDPInconsistencyError` on every rank, after all of them
+            have reached the same verdict, when the ranks disagree.
+
+    Returns:
+        ConsistencyReport: the same verdict on every rank, truthy when consistent, with
+            one `Mismatch` row per differing tensor and rank.
+
+    Raises:
+        GraddbgTypeError: ``model`` is not an ``nn.Module`` instance, or ``atol``,
+            ``rtol``, ``timeout`` or ``group`` has a wrong type (on the calling rank,
+            before any collective).
+        GraddbgValueError: a negative or non-finite tolerance, a timeout <= 0, a ``group``
+            this rank is not a member of or a mesh that is not 1-D, or a sharded model with
+            no replicas to compare (pure FSDP).
+        GraddbgError: ``torch.distributed`` is unavailable or not initialized.
+        DDPTimeoutError: some rank did not enter the check within ``timeout`` (naming the
+            ranks whose counters are behind).
+        DDPInconsistencyError: the ranks hold different models or called different checks
+            (naming the first difference), a rank could not compute its fingerprints, or
+            the ranks disagree and ``raise_on_mismatch`` is set.
+
+    Examples:
+        >>> import os, tempfile, torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = torch.nn.Linear(3, 2)
+        >>> model(torch.randn(4, 3)).sum().backward()
+        >>> report = check_gradients(model)
+        >>> report.ok, report.world_size, report.checked
+        (True, 1, 2)
+        >>> dist.destroy_process_group()
     """
     return _check("check_gradients", "gradients", model, group, atol, rtol, timeout, details,
                   raise_on_mismatch)
@@ -1586,15 +1648,50 @@ def check_gradients(model: nn.Module, *, group: Any = None, atol: float = 0.0, r
 def check_parameters(model: nn.Module, *, group: Any = None, atol: float = 0.0,
                      rtol: float = 0.0, timeout: Timeout = _DEFAULT_TIMEOUT,
                      details: bool = False, raise_on_mismatch: bool = False) -> ConsistencyReport:
-    """Check that every parameter's value is the same on every rank (see :func:`check_gradients`).
+    """Check that every parameter's value is the same on every rank (see `check_gradients`).
 
-    Run it after ``optimizer.step()`` to catch weights that drifted apart.
+    Collective, like `check_gradients`. Run it after ``optimizer.step()`` to catch weights
+    that drifted apart.
 
-    >>> import torch.distributed as dist
-    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    >>> print(check_parameters(torch.nn.Linear(3, 2)))
-    ConsistencyReport[rank 0]: parameters (bitwise) across 1 ranks: consistent (2 tensors)
-    >>> dist.destroy_process_group()
+    Args:
+        model: a ``DistributedDataParallel`` or a plain module.
+        group: the process group (None: the default group). On a model holding DTensors
+            also a 1-D ``DeviceMesh`` or the name of a mesh dimension of the model's
+            DTensors (such as ``"replicate"``).
+        atol: the absolute tolerance (a finite number >= 0); ``atol`` or ``rtol`` > 0
+            switches from the bitwise comparison to tolerance mode.
+        rtol: the relative tolerance (a finite number >= 0).
+        timeout: how long to wait for the other ranks (a ``datetime.timedelta`` or a
+            number of seconds > 0; 60 s).
+        details: gather the differing tensors (only those) to report the largest
+            difference per rank.
+        raise_on_mismatch: raise `DDPInconsistencyError` on every rank, after all of them
+            have reached the same verdict, when the ranks disagree.
+
+    Returns:
+        ConsistencyReport: the same verdict on every rank, truthy when consistent, with
+            one `Mismatch` row per differing tensor and rank.
+
+    Raises:
+        GraddbgTypeError: ``model`` is not an ``nn.Module`` instance, or ``atol``,
+            ``rtol``, ``timeout`` or ``group`` has a wrong type (on the calling rank,
+            before any collective).
+        GraddbgValueError: a negative or non-finite tolerance, a timeout <= 0, a ``group``
+            this rank is not a member of or a mesh that is not 1-D, or a sharded model with
+            no replicas to compare (pure FSDP).
+        GraddbgError: ``torch.distributed`` is unavailable or not initialized.
+        DDPTimeoutError: some rank did not enter the check within ``timeout`` (naming the
+            ranks whose counters are behind).
+        DDPInconsistencyError: the ranks hold different models or called different checks
+            (naming the first difference), a rank could not compute its fingerprints, or
+            the ranks disagree and ``raise_on_mismatch`` is set.
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> print(check_parameters(torch.nn.Linear(3, 2)))
+        ConsistencyReport[rank 0]: parameters (bitwise) across 1 ranks: consistent (2 tensors)
+        >>> dist.destroy_process_group()
     """
     return _check("check_parameters", "parameters", model, group, atol, rtol, timeout, details,
                   raise_on_mismatch)
@@ -1605,17 +1702,51 @@ def check_buffers(model: nn.Module, *, group: Any = None, atol: float = 0.0, rto
                   raise_on_mismatch: bool = False) -> ConsistencyReport:
     """Check that every buffer (BatchNorm statistics, for instance) is the same on every rank.
 
-    Buffers drift apart under ``DistributedDataParallel(..., broadcast_buffers=False)``.
-    With ``broadcast_buffers=True`` DDP copies rank 0's buffers at the start of every
-    forward, so a training forward on different data leaves them different until the next
-    one: check before the forward (or after an eval-mode forward) to test the broadcast.
-    See :func:`check_gradients` for the arguments.
+    Collective, like `check_gradients`. Buffers drift apart under
+    ``DistributedDataParallel(..., broadcast_buffers=False)``. With
+    ``broadcast_buffers=True`` DDP copies rank 0's buffers at the start of every forward,
+    so a training forward on different data leaves them different until the next one:
+    check before the forward (or after an eval-mode forward) to test the broadcast.
 
-    >>> import torch.distributed as dist
-    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    >>> check_buffers(torch.nn.BatchNorm1d(4)).names
-    []
-    >>> dist.destroy_process_group()
+    Args:
+        model: a ``DistributedDataParallel`` or a plain module.
+        group: the process group (None: the default group). On a model holding DTensors
+            also a 1-D ``DeviceMesh`` or the name of a mesh dimension of the model's
+            DTensors (such as ``"replicate"``).
+        atol: the absolute tolerance (a finite number >= 0); ``atol`` or ``rtol`` > 0
+            switches from the bitwise comparison to tolerance mode.
+        rtol: the relative tolerance (a finite number >= 0).
+        timeout: how long to wait for the other ranks (a ``datetime.timedelta`` or a
+            number of seconds > 0; 60 s).
+        details: gather the differing tensors (only those) to report the largest
+            difference per rank.
+        raise_on_mismatch: raise `DDPInconsistencyError` on every rank, after all of them
+            have reached the same verdict, when the ranks disagree.
+
+    Returns:
+        ConsistencyReport: the same verdict on every rank, truthy when consistent, with
+            one `Mismatch` row per differing tensor and rank.
+
+    Raises:
+        GraddbgTypeError: ``model`` is not an ``nn.Module`` instance, or ``atol``,
+            ``rtol``, ``timeout`` or ``group`` has a wrong type (on the calling rank,
+            before any collective).
+        GraddbgValueError: a negative or non-finite tolerance, a timeout <= 0, a ``group``
+            this rank is not a member of or a mesh that is not 1-D, or a sharded model with
+            no replicas to compare (pure FSDP).
+        GraddbgError: ``torch.distributed`` is unavailable or not initialized.
+        DDPTimeoutError: some rank did not enter the check within ``timeout`` (naming the
+            ranks whose counters are behind).
+        DDPInconsistencyError: the ranks hold different models or called different checks
+            (naming the first difference), a rank could not compute its fingerprints, or
+            the ranks disagree and ``raise_on_mismatch`` is set.
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> check_buffers(torch.nn.BatchNorm1d(4)).names
+        []
+        >>> dist.destroy_process_group()
     """
     return _check("check_buffers", "buffers", model, group, atol, rtol, timeout, details,
                   raise_on_mismatch)
@@ -1637,28 +1768,64 @@ def check_replicas(model: nn.Module, *, gradients: bool = True, parameters: bool
                    initial: bool = False, group: Any = None, atol: float = 0.0,
                    rtol: float = 0.0, timeout: Timeout = _DEFAULT_TIMEOUT, details: bool = False,
                    raise_on_mismatch: bool = False) -> ConsistencyReport:
-    """Check gradients and parameters across the replicas in one exchange (what ``watch``
-    needs): every tensor that should be equal across some ranks is compared with exactly
-    those ranks (DDP, HSDP's replicate dimension, data-parallel copies and the replicated
-    tensors of a tensor-parallel model).
+    """Check gradients and parameters across the replicas in one exchange (what ``watch`` needs).
 
-    Collective, like :func:`check_gradients` (same ``group``, ``atol``, ``rtol``,
-    ``timeout``, ``details`` and ``raise_on_mismatch``). Call it after backward and before
-    ``optimizer.step()``: then the gradients are those the step will use and the
-    parameters those of the previous step. ``initial=True`` says that no optimizer step
-    has run yet (differing parameters then mean a model not wrapped in DDP on every rank,
-    initialised differently, or parameters replaced after wrapping). Each mismatch has a
-    ``kind`` ("gradients" or "parameters") and a ``cause``: what probably happened, judged
-    from what else differs (parameters that differ while their gradients agree: a replica
-    updated differently).
+    Every tensor that should be equal across some ranks is compared with exactly those
+    ranks (DDP, HSDP's replicate dimension, data-parallel copies and the replicated tensors
+    of a tensor-parallel model). Collective, like `check_gradients`. Call it after backward
+    and before ``optimizer.step()``: then the gradients are those the step will use and the
+    parameters those of the previous step. Each mismatch has a ``kind`` ("gradients" or
+    "parameters") and a ``cause``: what probably happened, judged from what else differs
+    (parameters that differ while their gradients agree: a replica updated differently).
 
-    >>> import torch.distributed as dist
-    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    >>> model = torch.nn.Linear(3, 2)
-    >>> model(torch.randn(4, 3)).sum().backward()
-    >>> print(check_replicas(model))
-    ConsistencyReport[rank 0]: gradients and parameters (bitwise) across 1 ranks: consistent (4 tensors)
-    >>> dist.destroy_process_group()
+    Args:
+        model: a ``DistributedDataParallel``, a plain module or a model holding DTensors.
+        gradients: compare the parameters' gradients (True or False).
+        parameters: compare the parameters' values (True or False; at least one of the two).
+        initial: no optimizer step has run yet (differing parameters then mean a model not
+            wrapped in DDP on every rank, initialised differently, or parameters replaced
+            after wrapping).
+        group: the process group (None: the default group). On a model holding DTensors
+            also a 1-D ``DeviceMesh`` or the name of a mesh dimension of the model's
+            DTensors (such as ``"replicate"``).
+        atol: the absolute tolerance (a finite number >= 0); ``atol`` or ``rtol`` > 0
+            switches from the bitwise comparison to tolerance mode.
+        rtol: the relative tolerance (a finite number >= 0).
+        timeout: how long to wait for the other ranks (a ``datetime.timedelta`` or a
+            number of seconds > 0; 60 s).
+        details: gather the differing tensors (only those) to report the largest
+            difference per rank.
+        raise_on_mismatch: raise `DDPInconsistencyError` on every rank, after all of them
+            have reached the same verdict, when the ranks disagree.
+
+    Returns:
+        ConsistencyReport: the same verdict on every rank, truthy when consistent, with
+            one `Mismatch` row per differing tensor and rank, with its ``kind`` and
+            ``cause``.
+
+    Raises:
+        GraddbgTypeError: ``model`` is not an ``nn.Module`` instance, ``gradients`` or
+            ``parameters`` is not a bool, or ``atol``, ``rtol``, ``timeout`` or ``group``
+            has a wrong type (on the calling rank, before any collective).
+        GraddbgValueError: ``gradients`` and ``parameters`` both False, a negative or
+            non-finite tolerance, a timeout <= 0, a ``group``
+            this rank is not a member of or a mesh that is not 1-D, or a sharded model with
+            no replicas to compare (pure FSDP).
+        GraddbgError: ``torch.distributed`` is unavailable or not initialized.
+        DDPTimeoutError: some rank did not enter the check within ``timeout`` (naming the
+            ranks whose counters are behind).
+        DDPInconsistencyError: the ranks hold different models or called different checks
+            (naming the first difference), a rank could not compute its fingerprints, or
+            the ranks disagree and ``raise_on_mismatch`` is set.
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = torch.nn.Linear(3, 2)
+        >>> model(torch.randn(4, 3)).sum().backward()
+        >>> print(check_replicas(model))
+        ConsistencyReport[rank 0]: gradients and parameters (bitwise) across 1 ranks: consistent (4 tensors)
+        >>> dist.destroy_process_group()
     """
     kind = _replica_kind(gradients, parameters)
     return _check("check_replicas", kind, model, group, atol, rtol, timeout, details,

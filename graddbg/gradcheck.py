@@ -2249,20 +2249,48 @@ def check_module(module: torch.nn.Module, *inputs: Any,
                  wrt: Union[str, Sequence[str]] = "all", **options: Any) -> GradcheckResult:
     """Check a module's gradients w.r.t. its parameters and/or inputs, on a copy.
 
-    ``wrt``: ``"params"`` (parameters with ``requires_grad``), ``"inputs"`` (every
-    floating-point tensor in ``inputs``), ``"all"`` (both), or a list of names
-    (parameter names as ``named_parameters()`` gives them, inputs as ``input0``,
-    ``input1['key']``...). A DDP, DataParallel or ``torch.compile`` wrapper is checked as
-    the module it wraps. The module is deep-copied and converted to float64 (``dtype``
-    keyword, as in :func:`gradcheck`) and called through ``torch.func.functional_call``:
-    the module and tensors passed in are never changed. Other keywords as
-    :func:`gradcheck`.
+    A DDP, DataParallel or ``torch.compile`` wrapper is checked as the module it wraps.
+    The module is deep-copied and converted to float64 (the ``dtype`` keyword, as in
+    `gradcheck`) and called through ``torch.func.functional_call``: the module and tensors
+    passed in are never changed. A failed check is a falsy result, not an exception.
 
-    >>> import torch
-    >>> lin = torch.nn.Linear(3, 2)
-    >>> r = check_module(lin, torch.randn(4, 3))
-    >>> r.ok, lin.weight.dtype
-    (True, torch.float32)
+    Args:
+        module: the ``nn.Module`` to check (not sharded: its parameters must not be
+            DTensors).
+        *inputs: the module's positional arguments; floating-point tensors among them
+            (nested in tuples, lists, dicts) are checked when ``wrt`` selects inputs,
+            whether or not they require grad.
+        wrt: ``"params"`` (parameters with ``requires_grad``), ``"inputs"`` (every
+            floating-point tensor in ``inputs``), ``"all"`` (both), or a list of names
+            (parameter names as ``named_parameters()`` gives them, inputs as ``input0``,
+            ``input1['key']``...).
+        **options: graddbg's options of `gradcheck` (``mode``, ``eps``, ``atol``,
+            ``rtol``, ``dtype``, ``forward_ad``, ``second_order``, ``nondet_tol``,
+            ``kinks``, ``seed``, ``probes``, ``max_entries``, ``localise_entries``,
+            ``compress``) and torch's check switches (``check_forward_ad``,
+            ``check_backward_ad``, ``check_undefined_grad``, ``check_grad_dtypes``,
+            ``check_batched_grad``, ``check_batched_forward_grad``, ``masked``); not
+            ``raise_exception`` or ``fast_mode``.
+
+    Returns:
+        GradcheckResult: ``ok``, a table of the mismatching entries (parameters by name),
+            the errors; truthy when the check passed.
+
+    Raises:
+        GraddbgTypeError: ``module`` is not an ``nn.Module`` instance (a function: use
+            `gradcheck`), ``wrt`` is neither a string nor a list of strings, or an unknown
+            keyword or a value of the wrong type.
+        GraddbgValueError: an unsupported ``wrt`` string, ``wrt`` names that are neither
+            trainable parameters nor floating-point inputs, nothing selected to check, a
+            module holding sharded (DTensor) parameters, or a bad option value (such as
+            an unknown ``mode``).
+
+    Examples:
+        >>> import torch
+        >>> lin = torch.nn.Linear(3, 2)
+        >>> r = check_module(lin, torch.randn(4, 3))
+        >>> r.ok, lin.weight.dtype
+        (True, torch.float32)
     """
     opts = _Options.parse("check_module", options, extra=("wrt",))
     return _check_module("check_module", module, inputs, wrt, opts)
@@ -2272,21 +2300,49 @@ def check_module(module: torch.nn.Module, *inputs: Any,
 def assert_gradients_close(fn_or_module: Union[Callable[..., Any], torch.nn.Module],
                            *inputs: Any, wrt: Union[str, Sequence[str], None] = None,
                            **options: Any) -> None:
-    """Run :func:`gradcheck` (or :func:`check_module` for a module, with ``wrt``, default
-    ``"all"``) and raise ``GradientMismatchError`` (an AssertionError) with the result's
-    text on failure.
+    """Check gradients as a test assertion: raise with the result's text on failure.
 
-    >>> import torch
-    >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    >>> assert_gradients_close(torch.tanh, x)
-    >>> class Bad(torch.autograd.Function):
-    ...     @staticmethod
-    ...     def forward(ctx, t): return t * 2
-    ...     @staticmethod
-    ...     def backward(ctx, g): return g * 3
-    >>> assert_gradients_close(Bad.apply, x)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    graddbg._errors.GradientMismatchError: gradcheck FAILED (mode=full, ...
+    Runs `gradcheck` on a function (graddbg's calling form: the inputs are its arguments),
+    or `check_module` on an ``nn.Module``.
+
+    Args:
+        fn_or_module: the function, or the ``nn.Module`` (checked on a copy).
+        *inputs: the arguments of the function or the module; a function is checked
+            w.r.t. every input that requires grad.
+        wrt: for a module, what to check as in `check_module` (None: ``"all"``); must be
+            None for a function.
+        **options: graddbg's options of `gradcheck` (``mode``, ``eps``, ``atol``,
+            ``rtol``, ``dtype``, ``forward_ad``, ``second_order``, ``nondet_tol``,
+            ``kinks``, ``seed``, ``probes``, ``max_entries``, ``localise_entries``,
+            ``compress``) and torch's check switches (``check_forward_ad``,
+            ``check_backward_ad``, ``check_undefined_grad``, ``check_grad_dtypes``,
+            ``check_batched_grad``, ``check_batched_forward_grad``, ``masked``); not
+            ``raise_exception`` or ``fast_mode``.
+
+    Returns:
+        None: the check passed.
+
+    Raises:
+        GradientMismatchError: the check failed (an ``AssertionError``; the message is the
+            result's text, the result is its ``.result``).
+        GraddbgTypeError: ``fn_or_module`` is not callable, ``wrt`` is given with a
+            function or is neither a string nor a list of strings, or an unknown keyword
+            or a value of the wrong type.
+        GraddbgValueError: a bad option value, nothing to check (no input requires grad,
+            or nothing that ``wrt`` selects), or a module holding sharded parameters.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        >>> assert_gradients_close(torch.tanh, x)
+        >>> class Bad(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, t): return t * 2
+        ...     @staticmethod
+        ...     def backward(ctx, g): return g * 3
+        >>> assert_gradients_close(Bad.apply, x)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        graddbg._errors.GradientMismatchError: gradcheck FAILED (mode=full, ...
     """
     where = "assert_gradients_close"
     opts = _Options.parse(where, options, extra=("wrt",))

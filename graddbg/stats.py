@@ -822,16 +822,33 @@ def _typed_empty(cols: Sequence[str], names: Sequence[str] = ()):
 
 # --------------------------------------------------------------------------- roll-ups
 def rollup_norms(key: np.ndarray, norm: np.ndarray, has: np.ndarray, n: int) -> np.ndarray:
-    """The norms of groups of parameters (a module, a module at some depth, per step):
-    the root of the sum of their squared norms, the one rule of graddbg's tables, plots and
-    report. ``key[i]`` in ``range(n)`` is row i's group. Scaled by each group's largest
-    finite norm, so finite norms never overflow (1e38 squared is no Inf); a group with an
-    Inf norm is Inf, one with a NaN norm is NaN (NaN before Inf: it is never quietly
-    smaller), and a group where no parameter had a gradient is NaN.
+    """The norms of groups of parameters (a module, a module at some depth, per step).
 
-    >>> rollup_norms(np.array([0, 0, 1, 2]), np.array([3.0, 4.0, np.nan, 1e38]),
-    ...              np.array([True, True, True, True]), 4).tolist()
-    [5.0, nan, 1e+38, nan]
+    A group's norm is the root of the sum of its rows' squared norms, the one rule of
+    graddbg's tables, plots and report. Scaled by each group's largest finite norm, so
+    finite norms never overflow (1e38 squared is no Inf); a group with an Inf norm is Inf,
+    one with a NaN norm is NaN (NaN before Inf: it is never quietly smaller), and a group
+    where no parameter had a gradient (or with no row at all) is NaN. Rows without a
+    gradient (``has[i]`` False) are left out whatever their norm.
+
+    Args:
+        key: row i's group, an integer array (cast to int64) with values in ``range(n)``.
+        norm: row i's norm (float64), of ``key``'s length.
+        has: whether row i had a gradient (bool), of ``key``'s length.
+        n: the number of groups.
+
+    Returns:
+        numpy.ndarray: the ``n`` group norms (float64).
+
+    Raises:
+        IndexError: a key >= ``n``.
+        ValueError: a negative key, or arrays of different lengths (numpy's errors: the
+            arguments are not checked).
+
+    Examples:
+        >>> rollup_norms(np.array([0, 0, 1, 2]), np.array([3.0, 4.0, np.nan, 1e38]),
+        ...              np.array([True, True, True, True]), 4).tolist()
+        [5.0, nan, 1e+38, nan]
     """
     key = np.asarray(key, dtype=np.int64)
     v = np.asarray(norm, dtype=np.float64)
