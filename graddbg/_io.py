@@ -1,9 +1,9 @@
 """Files written atomically: the one writer of every file graddbg makes.
 
-:func:`replacing` yields a temporary path in the target's folder; when the block ends
+`replacing` yields a temporary path in the target's folder; when the block ends
 without error the file is flushed to disk and renamed over the target (``os.replace``),
 so a failed write (a full disk, a file size limit, no permission) leaves the previous file
-whole and raises a :class:`~graddbg.GraddbgError` naming the path. :func:`write_atomic`
+whole and raises a `graddbg.GraddbgError` naming the path. `write_atomic`
 writes text or bytes through it. ``graddbg.run`` (``Run.save``, ``Watch.save``), the report
 and ``Graph.render`` all write through here.
 
@@ -30,7 +30,7 @@ def replacing(path: PathLike) -> Iterator[pathlib.Path]:
     writer to fill; when the block ends without error the file is flushed to disk and
     renamed over ``path`` (``os.replace``). When writing fails (a full disk, a file size
     limit, no permission) the temporary file is removed, the previous ``path`` is left
-    whole, and a :class:`GraddbgError` names the path.
+    whole, and a `GraddbgError` names the path.
 
     >>> import tempfile, os
     >>> with tempfile.TemporaryDirectory() as d:
@@ -62,7 +62,7 @@ def replacing(path: PathLike) -> Iterator[pathlib.Path]:
 
 
 def write_atomic(path: PathLike, data: Union[str, bytes]) -> pathlib.Path:
-    """Write ``data`` (text as UTF-8, or bytes) to ``path`` through :func:`replacing`;
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` through `replacing`;
     returns the path.
 
     >>> import tempfile, os

@@ -1,14 +1,14 @@
 """What every part of graddbg needs to know about a user's model, written once.
 
-- :func:`unwrap`: the module that DDP, DataParallel, ``torch.compile``, FSDP1 and
+- `unwrap`: the module that DDP, DataParallel, ``torch.compile``, FSDP1 and
   activation-checkpoint wrappers hold, so that names and replays are the user's own;
-- :func:`check_model`: the one validation of a ``model=`` argument;
-- :func:`clean_name`, :func:`module_of`, :func:`named_trainable_parameters`: qualified
+- `check_model`: the one validation of a ``model=`` argument;
+- `clean_name`, `module_of`, `named_trainable_parameters`: qualified
   names as ``model.named_parameters()`` gives them, without the wrappers' prefixes;
-- :func:`tensors_in`, :func:`named_tensors`: the tensors inside a nested output (tuples,
+- `tensors_in`, `named_tensors`: the tensors inside a nested output (tuples,
   lists, dicts, dataclasses, namedtuples, ``ModelOutput``), walked iteratively.
 
-Imports torch and :mod:`graddbg._errors` only.
+Imports torch and `graddbg._errors` only.
 """
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ def named_tensors(obj: Any, *, floating: bool = True, max_depth: int = 16) -> Li
 
 
 def tensors_in(obj: Any, *, floating: bool = True) -> List[Tensor]:
-    """The tensors of :func:`named_tensors`, without their paths (a plain tensor is
+    """The tensors of `named_tensors`, without their paths (a plain tensor is
     returned at once: the common case of a forward hook).
 
     >>> len(tensors_in((torch.ones(1), [torch.ones(2)], "text")))

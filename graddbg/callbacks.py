@@ -1,6 +1,6 @@
 """Callbacks that watch the gradients of a Lightning or a transformers ``Trainer``.
 
-Two thin adapters around :func:`graddbg.watch`; everything they record is the watch's::
+Two thin adapters around `graddbg.watch`; everything they record is the watch's::
 
     import lightning.pytorch as L
     from graddbg.callbacks import LightningCallback
@@ -48,7 +48,7 @@ and ``TransformersCallback`` are real subclasses of ``lightning.pytorch.Callback
 ``pytorch_lightning.Callback`` where only that is installed) and of
 ``transformers.TrainerCallback``: each class is built on its first use, by the module's
 ``__getattr__``, from the framework's base class and a plain mixin defined here
-(:class:`_LightningHooks`, :class:`_TransformersHooks`), and is the same class afterwards.
+(`_LightningHooks`, `_TransformersHooks`), and is the same class afterwards.
 """
 from __future__ import annotations
 

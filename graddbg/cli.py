@@ -366,7 +366,7 @@ class ScriptWatcher:
 
     - every optimizer the script steps, from its first step, with its model: of the
       outermost modules called and the modules that the calling frames hold, the one that
-      owns the optimizer's parameters (see :func:`_choose`). When the first step begins
+      owns the optimizer's parameters (see `_choose`). When the first step begins
       before any such module was called and has a closure (LBFGS in pytorch/examples'
       time_sequence_prediction: the closure makes the first forward pass), the model is
       the module owning them that the closure calls first: its watch replaces, within that
@@ -678,7 +678,7 @@ def _check_run_args(script: Any, fail_on: Any, save_every: Any) -> pathlib.Path:
 
 def _watch_options(given: Dict[str, Any]) -> Dict[str, Any]:
     """watch()'s options from the command line's spelling (a policy "none" is None),
-    validated through :class:`graddbg.options.WatchOptions` (UsageError: exit 2)."""
+    validated through `graddbg.options.WatchOptions` (UsageError: exit 2)."""
     every = given.get("every", 1)
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise UsageError(f"--every must be >= 1, got {every!r}")

@@ -1,12 +1,12 @@
 """Cross-rank consistency checks: do gradients, parameters and buffers agree on every rank?
 
 Every check is *collective*: every rank of the group calls it at the same point of the
-program, and every rank gets the same :class:`ConsistencyReport`. A check is a short
+program, and every rank gets the same `ConsistencyReport`. A check is a short
 list of steps (see ``_check``):
 
 1. the arguments, validated once (bad ones raise ``GraddbgValueError`` /
    ``GraddbgTypeError`` on the calling rank, before any collective);
-2. local fingerprints of every tensor (:func:`fingerprints`), computed with torch's own
+2. local fingerprints of every tensor (`fingerprints`), computed with torch's own
    kernels on the tensors' device, the same code on CPU and GPU: every word of every
    tensor mixed with its position, in chunks that stay near the cache, then a few kernels
    over the small table of block values, no host synchronisation; the result is an int64
@@ -15,17 +15,17 @@ list of steps (see ``_check``):
 3. the rendezvous: this rank writes its count of checks entered to the process group's
    store (a ``set``, which awaits no reply), then one all-gather of a 7-integer header
    on a gloo group (the group itself when it is a gloo group, a gloo side group
-   otherwise, created once per group and cached, see :func:`prepare`), waited for at
+   otherwise, created once per group and cached, see `prepare`), waited for at
    most ``timeout``: a hash of the names, shapes and dtypes of the tensors, their count,
    a hash of what was asked, the world size, the digest, and the time the rank started
    waiting. When some rank never arrives, the others' wait times out and every rank that
-   did arrive raises :class:`DDPTimeoutError` naming the ranks whose counters are behind
+   did arrive raises `DDPTimeoutError` naming the ranks whose counters are behind
    its own, instead of hanging; a rank that arrives after the others gave up sees from
    their times that it is late, and raises too. (Where the store cannot be reached, a
    monitored barrier on that gloo group names the missing ranks first.)
 4. the structure, before any value: a rank whose fingerprinting failed says so in its
    header, so that every rank raises; ranks whose models differ raise
-   :class:`DDPInconsistencyError` naming the first difference (only then are the names
+   `DDPInconsistencyError` naming the first difference (only then are the names
    themselves exchanged). When every digest is equal the check is over: consistent.
 5. only when the digests differ, one all-gather of the fingerprint tables, to find which
    tensors differ on which ranks; with ``details=True``, then, the differing tensors
@@ -34,7 +34,7 @@ list of steps (see ``_check``):
 
 Two modes. With ``atol == rtol == 0`` (the default) the comparison is *bitwise*: a
 fingerprint is two 64-bit lanes in which every element's bits are mixed with its
-position, exact integer arithmetic (see :func:`fingerprints` for what is guaranteed): any
+position, exact integer arithmetic (see `fingerprints` for what is guaranteed): any
 change of a single element is always caught, and every other change (a permutation, a
 transpose, swapped rows, a uniform offset, sign flips, any number of one-ulp changes)
 escapes with a probability of about 2**-62 to 2**-64 when it was not built against the
@@ -73,7 +73,7 @@ Gradient accumulation with ``no_sync``: check right before ``optimizer.step()``,
 after the backward that should have synchronised. If a loop got its ``no_sync`` logic
 wrong (the last micro-batch inside ``no_sync``, an off-by-one), the gradients the
 optimizer is about to use differ across ranks and the check names them;
-:func:`check_parameters` after the step catches weights that have already drifted apart.
+`check_parameters` after the step catches weights that have already drifted apart.
 
 Sharded models (FSDP2's ``fully_shard``, HSDP, DTensor tensor parallelism). The checks
 compare replicas, tensor by tensor and shard by shard. Each rank fingerprints what it
@@ -211,7 +211,7 @@ def _block_values(rows: torch.Tensor, keys: torch.Tensor, buffers: torch.Tensor)
     """The int64 value of each block (row) of int32 words: the two weighted sums
     ``sum_j B_j h_j`` and ``sum_j C_j h_j`` modulo 2**32 (its low and high half) of the
     mixed words ``h_j = fold(M * fold(w_j))``, j the position in the block, B_j and C_j odd
-    (:func:`_keys`). ``rows`` may be shorter than a block: the missing words count as
+    (`_keys`). ``rows`` may be shorter than a block: the missing words count as
     zeros (which mix to zero). ``buffers``: two int32 scratch rows of a chunk's size."""
     shape, width = rows.shape, rows.shape[1]
     h, tmp = (b[: rows.numel()].view(shape) for b in buffers)
@@ -222,7 +222,7 @@ def _block_values(rows: torch.Tensor, keys: torch.Tensor, buffers: torch.Tensor)
 
 
 def _tensor_blocks(words: torch.Tensor, keys: torch.Tensor, buffers: torch.Tensor) -> torch.Tensor:
-    """The block values (see :func:`_block_values`) of one tensor's words, in chunks of
+    """The block values (see `_block_values`) of one tensor's words, in chunks of
     ``_ROWS`` blocks (the mixed words of a chunk stay in cache); the last block may be
     partial. No words: no blocks."""
     n = words.numel()
@@ -272,7 +272,7 @@ def _finish(segments: List[Tuple[torch.Tensor, List[int], List[int]]], present: 
 def _small_words(small: List[Tuple[int, torch.Tensor]]) -> List[Tuple[List[int], torch.Tensor]]:
     """Small tensors as rows of int32 words, in groups: tensors of one 4-byte dtype and
     shape stacked into one ``[count, words]`` matrix (one copy, whatever their strides),
-    any other alone (:func:`_words`); with the indices of the tensors of each group."""
+    any other alone (`_words`); with the indices of the tensors of each group."""
     groups: dict = {}
     for k, t in small:
         fast = t.layout == torch.strided and t.element_size() == 4 and not t.is_complex()
@@ -292,7 +292,7 @@ def _packed_blocks(small: List[Tuple[int, torch.Tensor]], keys: torch.Tensor,
                    buffers: torch.Tensor) -> Tuple[torch.Tensor, List[int], List[int]]:
     """The block values of many small tensors (one device) in one pass: their words laid
     out block-aligned, each padded with the zeros that fill its last block (as
-    :func:`_tensor_blocks` counts them), in one concatenation; the values, the tensors
+    `_tensor_blocks` counts them), in one concatenation; the values, the tensors
     they belong to, in order, and how many blocks each has."""
     pieces: List[torch.Tensor] = []
     ks: List[int] = []
@@ -309,8 +309,8 @@ def _packed_blocks(small: List[Tuple[int, torch.Tensor]], keys: torch.Tensor,
 
 
 def _bitwise_table(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """The bitwise table (see :func:`fingerprints`) on the first tensor's device. Tensors
-    of at most ``_SMALL`` words are mixed together, per device (:func:`_packed_blocks`)."""
+    """The bitwise table (see `fingerprints`) on the first tensor's device. Tensors
+    of at most ``_SMALL`` words are mixed together, per device (`_packed_blocks`)."""
     home = next(t.device for t in tensors if t is not None)
     buffers: dict = {}
     segments: List[Tuple[torch.Tensor, List[int], List[int]]] = []
@@ -376,7 +376,7 @@ def _tolerance_row(t: Optional[torch.Tensor], counts: bool) -> torch.Tensor:
 
 def _tolerance_table(tensors: Sequence[Optional[torch.Tensor]], device: torch.device,
                      counts: bool = True) -> torch.Tensor:
-    """The tolerance rows of every tensor (see :func:`_tolerance_row`), on ``device``."""
+    """The tolerance rows of every tensor (see `_tolerance_row`), on ``device``."""
     k = _TOLERANCE_K if counts else 4
     if not tensors:
         return torch.zeros(0, k, dtype=torch.int64, device=device)
@@ -497,7 +497,7 @@ class ConsistencyReport:
     ``ok`` (also ``bool(report)``), ``world_size``, ``rank`` (this process's rank in the
     group), ``kind`` ("gradients", "parameters" or "buffers"), ``mode`` ("bitwise" or
     "tolerance"), ``checked`` (number of tensors compared), ``rows`` (the
-    :class:`Mismatch` records) and ``mismatches``, the same as a DataFrame. On a sharded
+    `Mismatch` records) and ``mismatches``, the same as a DataFrame. On a sharded
     model, ``replica_groups`` holds the groups of (global) ranks that were compared with
     each other, shard by shard; it is empty otherwise (every rank of the group compared).
     """
@@ -577,7 +577,7 @@ class ConsistencyReport:
 # --------------------------------------------------------------------------- arguments
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    """One check's arguments, validated once (see :func:`_options`)."""
+    """One check's arguments, validated once (see `_options`)."""
 
     fn: str
     kind: str
@@ -679,7 +679,7 @@ def _group_arg(fn: str, group: Any, sharded: Optional[bool] = None) -> None:
 def _options(fn: str, kind: str, group: Any, atol: Any, rtol: Any, timeout: Any,
              details: bool, raise_on_mismatch: bool, mesh: Any) -> _Options:
     """The arguments, validated; ``mesh``: the DeviceMesh of the model's DTensors (None
-    when it holds none, see :func:`_collect_all`)."""
+    when it holds none, see `_collect_all`)."""
     options = _Options(fn, kind, group, _tolerance_arg(fn, "atol", atol),
                        _tolerance_arg(fn, "rtol", rtol), _timeout_arg(fn, timeout),
                        bool(details), bool(raise_on_mismatch))
@@ -772,7 +772,7 @@ def _resolve(options: _Options, mesh: Any) -> _Options:
     default group (every rank takes part and gets the same verdict), each rank compared
     with its replicas only: the ranks of ``group`` (a dimension name, a 1-D DeviceMesh or a
     ProcessGroup), or by default the ranks that hold the same shard of every tensor (see
-    :func:`_replica_header`)."""
+    `_replica_header`)."""
     group = options.group
     if mesh is None:
         exchange = group.get_group() if _is_mesh(group) else group
@@ -793,7 +793,7 @@ def _entry(name: str, t: torch.Tensor, kind: str) -> Tuple[Optional[torch.Tensor
     """What one parameter or buffer contributes to a check of ``kind``: the tensor this
     rank holds (a gradient may be None; a DTensor's local shard), its metadata (name,
     global shape, dtype, and for gradients requires_grad) and layout (see
-    :func:`_layout_entry`; None for a plain tensor)."""
+    `_layout_entry`; None for a plain tensor)."""
     source = t.grad if kind == "gradients" else t
     spec = (_spec(source) if source is not None else None) or _spec(t)
     entry = (name, spec[2] if spec else tuple(t.shape), str(t.dtype).replace("torch.", ""))
@@ -804,7 +804,7 @@ def _entry(name: str, t: torch.Tensor, kind: str) -> Tuple[Optional[torch.Tensor
 
 def _collect_all(model: nn.Module, parts: Sequence[str]) -> Tuple[
         List[str], List[Optional[torch.Tensor]], List[tuple], List[Optional[tuple]], List[str], Any]:
-    """Names, tensors, metadata and layouts (see :func:`_entry`) of every kind in
+    """Names, tensors, metadata and layouts (see `_entry`) of every kind in
     ``parts``, laid end to end, without DDP's ignored ones; the kind of each tensor (a
     gradient's metadata has one field more than a parameter's, so the two are told apart
     in the structure hash); and the DeviceMesh of the model's DTensors (None when it holds
@@ -1299,7 +1299,7 @@ def _local(options: _Options, tensors: List[Optional[torch.Tensor]], meta: List[
            device: torch.device) -> Tuple[Optional[torch.Tensor], List[int], Optional[BaseException]]:
     """This rank's fingerprint table (round one in tolerance mode) on ``device`` and its
     header: [metadata hash, tensor count, call hash, world size, digest a, digest b], then
-    on a sharded model the replica fields (:func:`_replica_header`). A failure is told to
+    on a sharded model the replica fields (`_replica_header`). A failure is told to
     the other ranks (a header of -1s), so that every rank raises."""
     try:
         if options.mode == "bitwise":
@@ -1383,9 +1383,9 @@ def _no_replicas(options: _Options, names: List[str], layout: List[Optional[tupl
 
 def _replica_sets(options: _Options, rows: List[List[int]], names: List[str],
                   layout: List[Optional[tuple]]) -> Optional[List[List[int]]]:
-    """The sets of ranks compared with each other (see :func:`_replica_header`), the same
+    """The sets of ranks compared with each other (see `_replica_header`), the same
     on every rank; None on a sharded model without ``group=``: its replicas are found
-    tensor by tensor (:func:`_tensor_sets`). Raises on every rank alike when the groups
+    tensor by tensor (`_tensor_sets`). Raises on every rank alike when the groups
     passed do not split the ranks into replica groups, when a group holds different
     shards, or when no two ranks of such a group hold the same shards."""
     if not options.sharded:
@@ -1432,7 +1432,7 @@ def _gather_tables(options: _Options, local: torch.Tensor, meta: List[tuple],
 def _tensor_sets(shards: List[List[int]], sets: Optional[List[List[int]]]) -> List[List[List[int]]]:
     """Per tensor, the sets of ranks compared: within each of ``sets`` (every rank when
     None), the ranks that hold the same shard of it (``shards[r][p]``, see
-    :func:`_gather_tables`): a plain tensor or a ``Replicate`` placement on every rank, a
+    `_gather_tables`): a plain tensor or a ``Replicate`` placement on every rank, a
     sharded one along the dimensions it is replicated over."""
     outer = sets if sets is not None else [list(range(len(shards)))]
     count = len(shards[0]) if shards else 0
@@ -1451,7 +1451,7 @@ def _compare(options: _Options, rows: List[List[int]], sets: Optional[List[List[
              layout: List[Optional[tuple]], device: torch.device, names: List[str]
              ) -> Tuple[Optional[torch.Tensor], List[Tuple[int, int, int, str]], List[List[List[int]]]]:
     """Every rank's table ``[W, P, k]`` (None when, in bitwise mode, every digest agrees:
-    nothing differs), the entries that disagree (see :func:`_verdict`) and per tensor the
+    nothing differs), the entries that disagree (see `_verdict`) and per tensor the
     sets of ranks compared. A plain model whose digests agree needs nothing more; a
     sharded one gathers the tables, which say which shard each rank holds."""
     world = len(rows)

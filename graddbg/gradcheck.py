@@ -312,8 +312,8 @@ def _option(default: Any, check: Callable[[str, str, Any], Any]) -> Any:
 @dataclass(frozen=True)
 class _Options:
     """The options of ``gradcheck``, ``check_module`` and ``assert_gradients_close``,
-    written once. :meth:`parse` builds them from a call's keywords, validating each;
-    ``eps``/``atol``/``rtol`` left None are filled from ``TOLERANCES`` by :meth:`resolve`
+    written once. `parse` builds them from a call's keywords, validating each;
+    ``eps``/``atol``/``rtol`` left None are filled from ``TOLERANCES`` by `resolve`
     once the dtype of the check is known."""
 
     mode: str = _option("full", _choice(_MODES))
@@ -413,7 +413,7 @@ def _options_in_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 class _Target:
     """A function of a flat list of differentiable tensors returning a flat list of
-    floating-point output tensors: the outputs are found with :func:`graddbg._model.named_tensors`
+    floating-point output tensors: the outputs are found with `graddbg._model.named_tensors`
     (tensors in tuples, lists, dicts, dataclasses...), integer ones are dropped and complex
     ones are checked as their real and imaginary parts (a trailing dimension of 2), as the
     carriers of complex inputs are (``in_complex``).
@@ -514,7 +514,7 @@ def _check_output_types(where: str, out: Any, tensors: List[Tuple[str, torch.Ten
 
 
 def _output_name(path: str) -> str:
-    """``output``, ``output[0]``, ``output.logits`` from a :func:`named_tensors` path."""
+    """``output``, ``output[0]``, ``output.logits`` from a `named_tensors` path."""
     return "output" + (path if not path or path.startswith("[") else "." + path)
 
 
@@ -547,7 +547,7 @@ def _unit_rows(like: torch.Tensor, n: int, cols: Union[range, torch.Tensor],
 
 
 class _Sink:
-    """Where :func:`_rows` puts the rows it computes: into ``out`` when given, else into
+    """Where `_rows` puts the rows it computes: into ``out`` when given, else into
     blocks concatenated at the end."""
 
     def __init__(self, out: Optional[torch.Tensor]) -> None:
@@ -572,7 +572,7 @@ def _rows(t: _Target, attr: str, k: int, batched: Callable[[int, int], torch.Ten
     """Rows 0..k-1 of some result (written into ``out`` when given): batched (vmap, at
     most ``_VMAP_ROWS`` rows a call) when that works and pays off, else one at a time.
     ``t.<attr>`` remembers the choice: None (not tried yet), True (batched), False (loop).
-    The first large request races the two (:func:`_race`)."""
+    The first large request races the two (`_race`)."""
     sink = _Sink(out)
     state = getattr(t, attr)
     if state is False or k < _MIN_BATCH:
@@ -929,7 +929,7 @@ def _compare_full(t: _Target, a: torch.Tensor, n: torch.Tensor, col: _Collector,
                   c0: Union[int, torch.Tensor] = 0) -> None:
     """Compare Jacobian columns entry by entry: a block starting at column ``c0``, or the
     columns whose global indices ``c0`` (a tensor) lists. Mismatches, worst first, become
-    rows of the table, except at allowed kinks (:func:`_at_kink`)."""
+    rows of the table, except at allowed kinks (`_at_kink`)."""
     opts = col.opts
     abs_err = (a - n).abs_()
     n_abs = n.abs()
@@ -1794,7 +1794,7 @@ class _Arguments:
 
     @property
     def checked(self) -> List[torch.Tensor]:
-        """What the check perturbs: real dense tensors (:attr:`_Carrier.real`)."""
+        """What the check perturbs: real dense tensors (`_Carrier.real`)."""
         return [c.real for c in self.carriers]
 
     @property
@@ -1822,7 +1822,7 @@ def _prepare(where: str, inputs: Tuple[Any, ...], dtype: Optional[torch.dtype],
              select: Callable[[str, torch.Tensor], bool], masked: bool = False) -> _Arguments:
     """Copy the leaves of the inputs (floating and complex tensors to ``dtype`` or its
     complex twin); pick those to check. A checked complex or sparse tensor is checked
-    through a real dense carrier (:class:`_Carrier`), rebuilt inside every call."""
+    through a real dense carrier (`_Carrier`), rebuilt inside every call."""
     with_paths, spec = pytree.tree_flatten_with_path(inputs)
     names = [f"input{path[0].idx}{pytree.keystr(path[1:])}" for path, _ in with_paths]
     leaves: List[Any] = []
@@ -2073,7 +2073,7 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> Gradcheck
     """Compare the derivatives of ``fn`` at ``inputs`` with central finite differences.
 
     Two calling conventions. graddbg's: ``gradcheck(fn, x, y, mode="fast")`` returns a
-    :class:`GradcheckResult` (truthy when the check passed). torch's:
+    `GradcheckResult` (truthy when the check passed). torch's:
     ``gradcheck(fn, (x, y), fast_mode=True)`` (a tuple of inputs as the only positional
     argument, or ``inputs=``, or any keyword only torch's gradcheck has) takes every
     keyword of ``torch.autograd.gradcheck`` (torch 2.3 to 2.13) with its meaning and
@@ -2100,12 +2100,12 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> Gradcheck
     with at most ``localise_entries`` Jacobian entries. ``forward_ad=True``
     (``check_forward_ad``) also checks forward mode; ``check_backward_ad=False`` checks
     forward mode only; ``second_order=True`` checks gradients of gradients (see also
-    :func:`gradgradcheck`). The backward pass runs twice: a difference beyond
+    `gradgradcheck`). The backward pass runs twice: a difference beyond
     ``nondet_tol`` (default: the comparison tolerance) is reported as nondeterminism.
     Entries whose one-sided differences disagree, the analytic value being one of them,
     are non-differentiable points that pass unless ``kinks="fail"``. ``seed`` seeds the
     probes and the RNG the function sees. An ``nn.Module`` is checked as by
-    :func:`check_module`.
+    `check_module`.
 
     As torch does, every check also runs backward with zero output gradients (the
     input gradients must be zero, of the input's dtype and shape) and, by default
@@ -2168,7 +2168,7 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> Gradcheck
 def gradgradcheck(fn: Callable[..., Any], *inputs: Any, grad_outputs: Any = None,
                   gen_non_contig_grad_outputs: bool = False, check_fwd_over_rev: bool = False,
                   check_rev_over_rev: bool = True, **options: Any) -> GradcheckResult:
-    """Check the second derivatives of ``fn``: :func:`gradcheck` of ``(x..., v...) ->
+    """Check the second derivatives of ``fn``: `gradcheck` of ``(x..., v...) ->
     v^T J(x)``, a drop-in for ``torch.autograd.gradcheck.gradgradcheck``.
 
     The output gradients ``v`` are ``grad_outputs`` (torch's third positional argument) or
@@ -2176,7 +2176,7 @@ def gradgradcheck(fn: Callable[..., Any], *inputs: Any, grad_outputs: Any = None
     reverse (``check_rev_over_rev``, on) differentiates the gradients by backward; forward
     over reverse (``check_fwd_over_rev``) by forward mode. Complex and sparse inputs,
     ``fast_mode``/``mode``, ``raise_exception`` and the other options as in
-    :func:`gradcheck`; ``gen_non_contig_grad_outputs`` is accepted (the drawn output
+    `gradcheck`; ``gen_non_contig_grad_outputs`` is accepted (the drawn output
     gradients are copies whatever their layout).
 
     >>> import torch, graddbg
@@ -2191,7 +2191,7 @@ def gradgradcheck(fn: Callable[..., Any], *inputs: Any, grad_outputs: Any = None
         gen_non_contig_grad_outputs: accepted for torch's sake.
         check_fwd_over_rev: also check forward-over-reverse second derivatives.
         check_rev_over_rev: check reverse-over-reverse second derivatives.
-        **options: as :func:`gradcheck` (not ``forward_ad``/``check_forward_ad``/
+        **options: as `gradcheck` (not ``forward_ad``/``check_forward_ad``/
             ``check_backward_ad``/``second_order``: use the two above).
 
     Returns:

@@ -1,14 +1,14 @@
 """``watch()``: hooks that record gradient statistics and catch anomalies while you train.
 
-:class:`Watch` owns the hooks (every handle goes through one :class:`HookSet` and is removed
+`Watch` owns the hooks (every handle goes through one `HookSet` and is removed
 on exit, whether the body returned or raised) and turns them into a few step events: the
 root module's forward, the end of a backward pass, the step boundary (the optimizer's step,
 or the end of each backward pass without an optimizer, or ``w.step()``), after the
 optimizer's step, and close. Each event goes to an ordered list of small checks
-(:mod:`graddbg.checks`): the statistics recorder reads the gradients once per step; the
+(`graddbg.checks`): the statistics recorder reads the gradients once per step; the
 detectors, the update ratio, activations, the replica check and the hygiene checks read
 what it measured or cheap host-side facts. The findings of a step are handled by their
-policies once, here (:meth:`Watch._apply`).
+policies once, here (`Watch._apply`).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ _is_compiling = torch.compiler.is_compiling
 
 
 class HookSet:
-    """Owns hook handles: every handle added here is removed by :meth:`remove_all`.
+    """Owns hook handles: every handle added here is removed by `remove_all`.
 
     >>> hs = HookSet()
     >>> m = torch.nn.Linear(2, 2)
@@ -79,7 +79,7 @@ class HookSet:
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A hook body that never takes the training loop down by a bug of graddbg's own: an
-    unexpected exception becomes one :class:`GraddbgWarning` naming what failed, and
+    unexpected exception becomes one `GraddbgWarning` naming what failed, and
     recording goes on. Anomalies under the ``"raise"`` policy, and whatever a user's policy
     callable raises, still propagate."""
 
@@ -247,7 +247,7 @@ def _drop_grads(params: List[Tensor], which: Optional[List[int]]) -> None:
 
 # --------------------------------------------------------------------------- the record
 class _Results:
-    """What a watch recorded, as tables, figures and files (the read side of :class:`Watch`)."""
+    """What a watch recorded, as tables, figures and files (the read side of `Watch`)."""
 
     @property
     def stats(self):
@@ -291,7 +291,7 @@ class _Results:
         return pd.DataFrame(rows, columns=["kind", "name", "covered"])
 
     def to_run(self):
-        """A snapshot of what was recorded, as a :class:`graddbg.run.Run`."""
+        """A snapshot of what was recorded, as a `graddbg.run.Run`."""
         from graddbg.run import Run
 
         meta = dict(self.meta, uncovered=self._part(StatsRecorder).uncovered(),
@@ -321,10 +321,10 @@ class _Results:
 
 # --------------------------------------------------------------------------- the watch
 class Watch(_Results):
-    """Records per-parameter gradient statistics and catches anomalies; see :func:`watch`.
+    """Records per-parameter gradient statistics and catches anomalies; see `watch`.
 
-    ``Watch(model, optimizer, **options)`` takes the options of :func:`watch`
-    (:class:`graddbg.options.WatchOptions`)."""
+    ``Watch(model, optimizer, **options)`` takes the options of `watch`
+    (`graddbg.options.WatchOptions`)."""
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  **options: Any) -> None:
@@ -685,13 +685,13 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             (NaN between), on accelerators on every one; name it to have it on every step.
         nonfinite: what to do with NaN/Inf gradients: a policy ("raise", the default;
             "warn", "skip" (the affected gradients are set to None), "record", a callable
-            receiving the :class:`graddbg.Anomaly`) or a :class:`graddbg.NonFinite`
+            receiving the `graddbg.Anomaly`) or a `graddbg.NonFinite`
             detector; None turns it off. With ``NonFinite(every=k)`` and ``every=k`` the
             steps between checks make no host synchronisation and the first bad step is
             still named.
-        explode: a policy (default "warn") or a :class:`graddbg.Explode` detector for a
+        explode: a policy (default "warn") or a `graddbg.Explode` detector for a
             global norm far above its running level; None turns it off.
-        vanish: a policy or a :class:`graddbg.Vanish` detector for gradients that stay
+        vanish: a policy or a `graddbg.Vanish` detector for gradients that stay
             tiny; None (the default) leaves it off.
         stale_grad: the policy (default "warn") for gradients that survive an optimizer
             step into the next backward pass (``zero_grad()`` missing); None: off.
@@ -706,7 +706,7 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             for several steps (dead ReLUs); None: off.
         unused_param: the policy for trainable parameters that never received a gradient
             while watched (unused in forward, a ``.detach()``), found when the watch closes
-            after at least one step; "warn" gives a :class:`graddbg.CoverageWarning`; None: off.
+            after at least one step; "warn" gives a `graddbg.CoverageWarning`; None: off.
         activations: also record the gradient at every leaf module's output and check
             forward activations for NaN/Inf (False).
         histograms: histograms of |grad| on every recorded step (True) or every N-th
@@ -724,13 +724,13 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             step, the first included (200; None: off). It copies the weights before the
             step; without memory for the copy it warns and switches itself off.
         localise: on a non-finite gradient, replay the last forward and backward pass
-            under :func:`graddbg.find_nonfinite` to name the op and source line (True).
+            under `graddbg.find_nonfinite` to name the op and source line (True).
             The old spelling ``localize=`` is accepted.
         ddp_timeout: the timeout of the replica checks (a ``datetime.timedelta``).
         **old_spellings: ``localize=`` for ``localise=``.
 
     Returns:
-        The :class:`Watch`, recording until it is closed (at the end of the ``with``).
+        The `Watch`, recording until it is closed (at the end of the ``with``).
 
     Raises:
         GraddbgTypeError: an unknown option, or a value of the wrong type.

@@ -1,8 +1,8 @@
 """``watch()``'s options, declared once.
 
-Each option is one field of :class:`WatchOptions`: its name, its default and the check
+Each option is one field of `WatchOptions`: its name, its default and the check
 that validates (and normalises) a value given for it. ``watch``, ``Watch``, the trainer
-callbacks and ``graddbg run`` all build their options through :meth:`WatchOptions.parse`,
+callbacks and ``graddbg run`` all build their options through `WatchOptions.parse`,
 so a bad value raises the same error everywhere, at the moment it is given.
 
 >>> opts = WatchOptions.parse("watch", {"every": 2, "explode": None})
@@ -94,9 +94,9 @@ def _option(default: Any, check: Callable[[str, Any], Any], doc: str) -> Any:
 # --------------------------------------------------------------------------- the options
 @dataclass(frozen=True)
 class WatchOptions:
-    """The keyword options of :func:`graddbg.watch`, validated once; see its docstring
+    """The keyword options of `graddbg.watch`, validated once; see its docstring
     for what each means. ``stats`` is kept as given (its canonical form is
-    :attr:`quantities`)."""
+    `quantities`)."""
 
     every: int = _option(1, _int(False), "record statistics on every every-th step")
     stats: Tuple[str, ...] = _option(DEFAULT_STATS, lambda n, v: v, "the per-parameter quantities read")
@@ -160,7 +160,7 @@ class WatchOptions:
         return dataclasses.replace(self, **changes)
 
     def as_kwargs(self) -> Dict[str, Any]:
-        """The options as ``watch()`` keywords (what :meth:`parse` gives back unchanged)."""
+        """The options as ``watch()`` keywords (what `parse` gives back unchanged)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
 

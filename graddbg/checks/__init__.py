@@ -1,7 +1,7 @@
-"""The checks a :class:`graddbg.Watch` passes its step events to, in order.
+"""The checks a `graddbg.Watch` passes its step events to, in order.
 
-Adding a check: write a :class:`~graddbg.checks.base.Check` subclass in its own module and
-add one line to :func:`default_checks`. The watch never changes for it.
+Adding a check: write a `graddbg.checks.base.Check` subclass in its own module and
+add one line to `default_checks`. The watch never changes for it.
 """
 from __future__ import annotations
 

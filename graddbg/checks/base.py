@@ -1,6 +1,6 @@
 """What every check shares: the watched parameters, the step being read, the base class.
 
-A check is a small class with its own state. :class:`graddbg.hooks.Watch` calls its
+A check is a small class with its own state. `graddbg.hooks.Watch` calls its
 methods in order at each step event; a check returns its findings (``Anomaly`` records)
 and never reaches into another check or into the watch. The events:
 
@@ -48,8 +48,8 @@ class Watched:
         self.params: List[nn.Parameter] = []
         self.host_syncs = 0  #: host synchronisations made by the watch (read-backs)
         self.replaying = False  #: a check is replaying the step: the watch's hooks ignore it
-        self.history: Any = None  #: the record (:class:`graddbg.stats.History`), written by the checks
-        self.guard: Any = None  #: the :class:`~graddbg.checks.copies.CopyGuard` of every hooked module
+        self.history: Any = None  #: the record (`graddbg.stats.History`), written by the checks
+        self.guard: Any = None  #: the `graddbg.checks.copies.CopyGuard` of every hooked module
         self.alive: Callable[[], bool] = lambda: True  #: whether the watch's hooks should act now
         self.read_scale: Callable[[], Optional[float]] = lambda: None  #: the GradScaler's scale now
         self.add(named)

@@ -19,7 +19,7 @@ class NonFiniteCheck(Check):
     """NaN/Inf gradients, blamed on the module, op and line that made them: a non-finite
     weight or buffer is its own producer; otherwise the affected parameter nearest the
     output, refined by the activations (``step.hint``) and by a replay of the step's
-    forward and backward pass under :func:`graddbg.find_nonfinite`."""
+    forward and backward pass under `graddbg.find_nonfinite`."""
 
     def read(self, step: Step) -> List[Finding]:
         det = self.ctx.options.nonfinite
@@ -73,7 +73,7 @@ class NonFiniteCheck(Check):
 
 
 class ExplodeCheck(Check):
-    """A global gradient norm far above its robust running level (see :class:`graddbg.Explode`)."""
+    """A global gradient norm far above its robust running level (see `graddbg.Explode`)."""
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
@@ -91,7 +91,7 @@ class ExplodeCheck(Check):
 
 
 class VanishCheck(Check):
-    """Parameters whose gradient norm stays tiny (see :class:`graddbg.Vanish`)."""
+    """Parameters whose gradient norm stays tiny (see `graddbg.Vanish`)."""
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)

@@ -15,7 +15,7 @@ once, with the step, the parameters and the likely fix:
 - ``dead_grad``: a gradient that was non-zero and is now exactly zero, step after step
   (a layer whose ReLUs died), distinct from small ("vanishing") gradients;
 - ``unused_param``: trainable parameters that never received a gradient while watched
-  (found when the watch closes: :func:`unused_anomaly`).
+  (found when the watch closes: `unused_anomaly`).
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 on the hot path.
 
 At the end of each backward pass it launches the statistics kernels of
-:class:`graddbg.stats.StepReader` (so that a clip between backward and step does not hide
+`graddbg.stats.StepReader` (so that a clip between backward and step does not hide
 the pre-clip gradient); at the step boundary it queues their results for the one read-back,
-then fills the :class:`~graddbg.checks.base.Step` (statistics unscaled, the non-finite mask)
+then fills the `graddbg.checks.base.Step` (statistics unscaled, the non-finite mask)
 and appends the step to the history. Non-finite flags of backward passes that the optimizer
 never stepped on, and of steps not read, accumulate on the device until the next read.
 """

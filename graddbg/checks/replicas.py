@@ -1,6 +1,6 @@
 """The replica check: under distribution, the tensors that should be equal across ranks
 (DDP replicas, HSDP's replicate dimension, data-parallel copies and replicated tensors of a
-tensor-parallel model) compared with :func:`graddbg.ddp_verify.check_replicas`.
+tensor-parallel model) compared with `graddbg.ddp_verify.check_replicas`.
 
 On by default (``ddp_check_every="auto"``) when a process group of more than one rank is
 initialised: the parameters at the first step (a model not wrapped in DDP on every rank,
