@@ -24,11 +24,12 @@ from torch import Tensor, nn
 
 from graddbg._errors import CoverageWarning, GradientAnomalyError, GraddbgTypeError, GraddbgValueError, \
     GraddbgWarning, warn_at_user
+from graddbg import _deepspeed
 from graddbg._model import check_model, in_backward, module_of, named_trainable_parameters, tensors_in, unwrap
 from graddbg.anomaly import apply_policy
 from graddbg.blame import Capture
 from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, StatsRecorder, Step, Watched,
-                            default_checks)
+                            ZeroRecorder, default_checks)
 from graddbg.options import UPDATE_EVERY, WatchOptions, options_in_signature
 from graddbg.stats import DEFAULT_STATS, History
 
@@ -246,6 +247,9 @@ class Watch(_Results):
         self._in_policy = False
         model = check_model(model, "watch")
         self.options = opts = WatchOptions.parse("watch", options)
+        self._zero = zero = _deepspeed.find(model, optimizer)  # DeepSpeed: the engine's module and optimizer
+        if zero is not None:
+            model, optimizer, opts = zero.module, zero.optimizer, zero.adjust(opts)
         rank, world = _world()
         if isinstance(opts.ddp_check_every, int) and world == 1 and not torch.distributed.is_initialized():
             raise GraddbgValueError(f"ddp_check_every={opts.ddp_check_every} needs an initialised process group: "
@@ -260,8 +264,11 @@ class Watch(_Results):
                               opts.history, MAX_ROWS)
         ctx.alive, ctx.read_scale = self._alive, self._scale
         self._frozen = _frozen_parameters(model, ctx.params)
-        self._check_parameters(model, ctx)
+        if zero is None:
+            self._check_parameters(model, ctx)
         self.meta = self._meta()
+        if zero is not None:
+            self.meta["deepspeed"] = zero.describe()
         self._bw: Tuple[int, Optional[float]] = (-1, None)  # (step, loss scale) of the last backward
         self._temp_handles: List[Any] = []
         self._backward_since_forward = True
@@ -272,6 +279,8 @@ class Watch(_Results):
         self._errors_warned: set = set()
         try:
             self._checks = default_checks(model, opts)
+            if zero is not None:  # ZeRO's reduced partitions, not .grad
+                self._checks[self._checks.index(self._part(StatsRecorder))] = ZeroRecorder(zero)
             ctx.guard = self._part(CopyGuard)
             for c in self._checks:
                 c.attach(ctx)
@@ -338,7 +347,10 @@ class Watch(_Results):
             hooks.add(model.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
             hooks.add(model.register_forward_hook(self._on_root_forward, with_kwargs=True))
             ctx.guard.protect(model)
-        if opt is not None:
+        if self._zero is not None:  # engine.step() at an accumulation boundary is the step
+            hooks.add(self._zero.hook_step(lambda: self._on_opt_pre(None, (None,), {}),
+                                           lambda: self._on_opt_post(None, (), {})))
+        elif opt is not None:
             hooks.add(opt.register_step_pre_hook(self._on_opt_pre))
             hooks.add(opt.register_step_post_hook(self._on_opt_post))
         # the end of a backward pass is seen from the model's output (when its own forward

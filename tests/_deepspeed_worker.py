@@ -1,0 +1,103 @@
+"""Spawned by tests/test_deepspeed.py: one 2-rank gloo world on 127.0.0.1 that runs every
+case (ZeRO stage, dtype, accumulation, clipping, how the watch is given the engine) and
+writes, per case, the watch's table beside ``deepspeed.utils.safe_get_full_grad``'s norms
+read at the same moment (after the boundary's backward, before ``engine.step()``)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+
+STEPS = 3
+
+
+def _model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)  # the same weights on every rank
+    # 96 + 16 + 64 + 4 = 180 elements: ZeRO's 2 partitions split the first weight
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
+
+
+def _config(stage: int, bf16: bool, gas: int, clip: float) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
+            "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "gradient_clipping": clip,
+            "wall_clock_breakdown": False}
+
+
+def _batch(rank: int, micro: int, dtype: torch.dtype, nan: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + micro)
+    x = torch.randn(4, 6, generator=g) * 3
+    if nan:
+        x[0, 0] = float("nan")
+    return x.to(dtype)
+
+
+def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, form: str = "engine",
+             nan_at: int = -1) -> dict:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    import graddbg
+
+    rank = torch.distributed.get_rank()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = _model(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_config(stage, bf16, gas, clip))
+    target = (engine,) if form == "engine" else (model, opt)
+    rec: dict = {"ref": {}, "ds_norm": {}, "anomalies": [], "raised": None}
+    micro, t0 = 0, time.perf_counter()
+    try:
+        with graddbg.watch(*target, explode=None) as w:
+            for step in range(STEPS):
+                for _ in range(gas):
+                    x = _batch(rank, micro, dtype, nan=(step == nan_at and rank == 1))
+                    micro += 1
+                    engine.backward(engine(x).float().pow(2).mean())
+                    if engine.is_gradient_accumulation_boundary():
+                        rec["ref"][step] = {n: float(safe_get_full_grad(p).float().norm())
+                                            for n, p in engine.module.named_parameters()}
+                    engine.step()
+                rec["ds_norm"][step] = float(engine.get_global_grad_norm() or float("nan"))
+    except graddbg.NonFiniteError as err:
+        rec["raised"] = {"step": err.anomaly.step, "text": str(err)}
+    rec["seconds"] = time.perf_counter() - t0
+    df = w.stats
+    rec["norms"] = {int(s): dict(zip(g["name"], g["norm"])) for s, g in df.groupby("step")}
+    rec["absmax"] = {int(s): dict(zip(g["name"], g["absmax"])) for s, g in df.groupby("step")}
+    rec["global"] = [float(v) for v in w.steps["global_norm"]]
+    rec["names"] = list(dict.fromkeys(df["name"]))
+    rec["anomalies"] = [(a.kind, a.step, a.name, a.message) for a in w.anomalies]
+    rec["meta"] = w.meta.get("deepspeed")
+    engine.destroy() if hasattr(engine, "destroy") else None
+    return rec
+
+
+CASES = {
+    "z0": dict(stage=0), "z1": dict(stage=1), "z2": dict(stage=2), "z3": dict(stage=3),
+    "z0_bf16": dict(stage=0, bf16=True), "z2_bf16": dict(stage=2, bf16=True), "z3_bf16": dict(stage=3, bf16=True),
+    "z1_gas_clip": dict(stage=1, gas=2, clip=0.05), "z2_gas_clip": dict(stage=2, gas=3, clip=0.05),
+    "z3_gas_clip": dict(stage=3, gas=2, clip=0.05), "z0_clip": dict(stage=0, clip=0.05),
+    "z2_pair": dict(stage=2, form="pair"), "z3_pair": dict(stage=3, form="pair"), "z0_pair": dict(stage=0, form="pair"),
+    "z2_nan": dict(stage=2, nan_at=1), "z0_nan": dict(stage=0, nan_at=1), "z3_nan": dict(stage=3, nan_at=1),
+}
+
+
+def main(rank: int, world: int, port: int, out: str, cases: list) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
+    record: dict = {}
+    try:
+        for case in cases:
+            record[case] = run_case(**CASES[case])
+    except BaseException:
+        record = {"error": traceback.format_exc()}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    torch.distributed.destroy_process_group()
