@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from graddbg._errors import CoverageWarning, GradientAnomalyError, GraddbgTypeError, GraddbgValueError, \
     GraddbgWarning, warn_at_user
-from graddbg import _deepspeed
+from graddbg._deepspeed import find as find_deepspeed
 from graddbg._model import check_model, in_backward, module_of, named_trainable_parameters, tensors_in, unwrap
 from graddbg.anomaly import apply_policy
 from graddbg.blame import Capture
@@ -247,7 +247,7 @@ class Watch(_Results):
         self._in_policy = False
         model = check_model(model, "watch")
         self.options = opts = WatchOptions.parse("watch", options)
-        self._zero = zero = _deepspeed.find(model, optimizer)  # DeepSpeed: the engine's module and optimizer
+        self._zero = zero = find_deepspeed(model, optimizer)  # DeepSpeed: the engine's module and optimizer
         if zero is not None:
             model, optimizer, opts = zero.module, zero.optimizer, zero.adjust(opts)
         rank, world = _world()

@@ -41,6 +41,7 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     from deepspeed.utils import safe_get_full_grad
 
     import graddbg
+    import graddbg._model
 
     rank = torch.distributed.get_rank()
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -72,6 +73,7 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     rec["names"] = list(dict.fromkeys(df["name"]))
     rec["anomalies"] = [(a.kind, a.step, a.name, a.message) for a in w.anomalies]
     rec["meta"] = w.meta.get("deepspeed")
+    rec["unwrapped"] = graddbg._model.unwrap(engine) is model
     engine.destroy() if hasattr(engine, "destroy") else None
     return rec
 

@@ -1,0 +1,78 @@
+"""watch() under DeepSpeed ZeRO (stages 0-3): real 2-rank gloo processes on 127.0.0.1 (CPU,
+``DS_ACCELERATOR=cpu``), one spawned world shared by every case (tests/_deepspeed_worker.py).
+
+Every rank's table holds the statistics of the full, reduced gradient: equal to
+``deepspeed.utils.safe_get_full_grad``'s norms read at the same moment, pre-clip, one record
+per optimizer step, the same on every rank; a NaN planted on one rank makes every rank raise
+at the same step."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install graddbg[dev])")
+
+import _deepspeed_worker as worker  # noqa: E402
+from _dist import spawn  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("deepspeed")
+    cases = list(worker.CASES)
+    return spawn(worker.main, 2, lambda r, port: (r, 2, port, str(out), cases), lambda r: out / f"rank{r}.json",
+                 timeout=240)
+
+
+def _agree(world: dict, case: str, rel: float) -> None:
+    r0, r1 = world[0][case], world[1][case]
+    assert r0["unwrapped"]  # graddbg._model.unwrap(engine) is the user's model
+    assert r0["meta"] == f"ZeRO stage {worker.CASES[case]['stage']}"
+    assert r0["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the model's own names
+    assert r0["norms"] == r1["norms"] and r0["absmax"] == r1["absmax"], "the ranks' tables differ"
+    assert sorted(r0["norms"]) == [str(s) for s in range(worker.STEPS)]  # one record per optimizer step
+    for rec in (r0, r1):
+        for step, ref in rec["ref"].items():
+            got = rec["norms"][step]
+            for name, want in ref.items():
+                assert got[name] == pytest.approx(want, rel=rel), (case, step, name)
+            ds = rec["ds_norm"][step]  # DeepSpeed's own (pre-clip) global norm, where it keeps one
+            if not math.isnan(ds):
+                assert rec["global"][int(step)] == pytest.approx(ds, rel=rel)
+
+
+@pytest.mark.parametrize("case", ["z0", "z1", "z2", "z3"])
+def test_fp32_norms_equal_safe_get_full_grad_at_every_stage(world, case):
+    _agree(world, case, 1e-5)
+
+
+@pytest.mark.parametrize("case", ["z0_bf16", "z2_bf16", "z3_bf16"])
+def test_bf16_norms_equal_safe_get_full_grad(world, case):
+    _agree(world, case, 1e-5)
+
+
+@pytest.mark.parametrize("case", ["z0_clip", "z1_gas_clip", "z2_gas_clip", "z3_gas_clip"])
+def test_accumulation_and_clipping_record_the_pre_clip_gradient_once_per_step(world, case):
+    _agree(world, case, 1e-5)
+    rec = world[0][case]
+    clip = worker.CASES[case]["clip"]
+    assert all(g > 4 * clip for g in rec["global"])  # the clip really cut these steps
+
+
+@pytest.mark.parametrize("case", ["z0_pair", "z2_pair", "z3_pair"])
+def test_watch_model_and_optimizer_given_to_initialize(world, case):
+    _agree(world, case, 1e-5)
+    assert world[0][case]["norms"] == world[0][case.replace("_pair", "")]["norms"]
+
+
+@pytest.mark.parametrize("case", ["z0_nan", "z2_nan", "z3_nan"])
+def test_nan_on_one_rank_raises_on_every_rank_at_the_same_step(world, case):
+    for r in (0, 1):
+        raised = world[r][case]["raised"]
+        assert raised is not None, f"rank {r} did not raise"
+        assert raised["step"] == 1
+        assert f"on rank {r}" in raised["text"] and "rank(s) 0, 1" in raised["text"]
+        assert sorted(world[r][case]["norms"]) == ["0", "1"]  # the good step was recorded
