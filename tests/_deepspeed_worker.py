@@ -97,9 +97,39 @@ def main(rank: int, world: int, port: int, out: str, cases: list) -> None:
     record: dict = {}
     try:
         for case in cases:
-            record[case] = run_case(**CASES[case])
+            record[case] = run_verify(int(case[6]), case.endswith("p")) if case.startswith("verify") else run_case(**CASES[case])
     except BaseException:
         record = {"error": traceback.format_exc()}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     torch.distributed.destroy_process_group()
+
+
+def run_verify(stage: int, partitioned: bool = False) -> dict:
+    """graddbg.ddp_verify's replica checks on a ZeRO engine: as trained, then with one
+    weight changed on rank 1 only (stage 0-2: every rank holds the full weights)."""
+    import deepspeed
+
+    from graddbg import ddp_verify
+
+    model = _model(torch.float32)
+    config = _config(stage, False, 1, 0.0)
+    if partitioned:  # (by default ZeRO-3 keeps small parameters whole on every rank)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+                                      config=config)
+    rank = torch.distributed.get_rank()
+    engine.backward(engine(_batch(rank, 0, torch.float32)).pow(2).mean())
+    engine.step()
+    out: dict = {"local_numel": [p.numel() for p in engine.module.parameters()]}
+    for label in ("same", "changed"):
+        if label == "changed" and rank == 1:
+            with torch.no_grad():
+                next(engine.module.parameters()).view(-1)[:1].add_(1.0)
+        for what, target in (("module", engine.module), ("engine", engine)):
+            try:
+                rep = ddp_verify.check_parameters(target, timeout=timedelta(seconds=30))
+                out[f"{label}-{what}"] = {"ok": bool(rep.ok), "mismatches": len(rep.mismatches)}
+            except Exception as err:  # noqa: BLE001 (recorded: the test reads it)
+                out[f"{label}-{what}"] = {"error": f"{type(err).__name__}: {err}"[:400]}
+    return out
