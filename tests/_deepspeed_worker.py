@@ -97,7 +97,14 @@ def main(rank: int, world: int, port: int, out: str, cases: list) -> None:
     record: dict = {}
     try:
         for case in cases:
-            record[case] = run_verify(int(case[6]), case.endswith("p")) if case.startswith("verify") else run_case(**CASES[case])
+            if case == "trainer":
+                record[case] = run_trainer(out)
+            elif case == "accelerate":
+                record[case] = run_accelerate()
+            elif case.startswith("verify"):
+                record[case] = run_verify(int(case[6]), case.endswith("p"))
+            else:
+                record[case] = run_case(**CASES[case])
     except BaseException:
         record = {"error": traceback.format_exc()}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -133,3 +140,71 @@ def run_verify(stage: int, partitioned: bool = False) -> dict:
             except Exception as err:  # noqa: BLE001 (recorded: the test reads it)
                 out[f"{label}-{what}"] = {"error": f"{type(err).__name__}: {err}"[:400]}
     return out
+
+
+class _LossModel(torch.nn.Module):
+    """The worker's model, returning ``{"loss": ...}`` as the transformers Trainer expects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model(torch.float32)
+
+    def forward(self, x, labels=None):
+        return {"loss": self.net(x).pow(2).mean()}
+
+
+def _table(w) -> dict:
+    df = w.stats
+    return {"norms": {int(s): dict(zip(g["name"], g["norm"])) for s, g in df.groupby("step")},
+            "global": [float(v) for v in w.steps["global_norm"]], "meta": w.meta.get("deepspeed"),
+            "anomalies": [(a.kind, a.step, a.message) for a in w.anomalies]}
+
+
+def run_trainer(out: str) -> dict:
+    """transformers.Trainer with a ZeRO-2 config and graddbg's TransformersCallback."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from graddbg.callbacks import TransformersCallback
+
+    rank = torch.distributed.get_rank()
+    data = [{"x": _batch(rank, i, torch.float32)[0]} for i in range(64)]
+    norms: list = []
+
+    class Log(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "grad_norm" in logs:
+                norms.append(float(logs["grad_norm"]))
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, "train_batch_size": "auto"}
+    args = TrainingArguments(output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=4, max_steps=3,
+                             gradient_accumulation_steps=2, max_grad_norm=0.05, logging_steps=1, report_to=[],
+                             save_strategy="no", deepspeed=ds, use_cpu=True, disable_tqdm=True)
+    cb = TransformersCallback(explode=None)
+    Trainer(model=_LossModel(), args=args, train_dataset=data, callbacks=[cb, Log()]).train()
+    return dict(_table(cb.watch), trainer_grad_norm=norms)
+
+
+def run_accelerate() -> dict:
+    """accelerate with a DeepSpeed plugin (ZeRO-2, accumulation 2): watch(model, optimizer)
+    with what accelerator.prepare returned."""
+    from accelerate import Accelerator, DeepSpeedPlugin
+
+    import graddbg
+
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=2,
+                                                                 gradient_clipping=0.05))
+    net = _model(torch.float32)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    acc.deepspeed_plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=4, train_batch_size=16)
+    model, opt = acc.prepare(net, opt)
+    rank, ds_norms = torch.distributed.get_rank(), []
+    with graddbg.watch(model, opt, explode=None) as w:
+        for i in range(6):
+            with acc.accumulate(model):
+                acc.backward(model(_batch(rank, i, torch.float32)).pow(2).mean())
+                opt.step()
+                opt.zero_grad()
+            if acc.sync_gradients:
+                ds_norms.append(float(model.get_global_grad_norm()))
+    return dict(_table(w), ds_norms=ds_norms)

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("deepspeed")
-    cases = list(worker.CASES) + ["verify0", "verify1", "verify2", "verify3", "verify3p"]
+    cases = list(worker.CASES) + ["verify0", "verify1", "verify2", "verify3", "verify3p",
+                                    "accelerate", "trainer"]
     return spawn(worker.main, 2, lambda r, port: (r, 2, port, str(out), cases), lambda r: out / f"rank{r}.json",
                  timeout=240)
 
@@ -97,3 +98,28 @@ def test_replica_check_on_zero3_partitions_says_there_is_nothing_to_compare(worl
     rec = world[0]["verify3p"]
     assert rec["local_numel"] == [0, 0, 0, 0]  # every weight partitioned away
     assert "error" in rec["same-module"] and "nothing to compare" in rec["same-module"]["error"]
+
+
+def test_accelerate_with_a_deepspeed_plugin(world):
+    """accelerate's DeepSpeedPlugin (ZeRO-2, accumulation 2, clipping): watch(model, optimizer)
+    with what accelerator.prepare returned; the same batches as the z1_gas_clip case, so
+    the same norms as safe_get_full_grad's there."""
+    r0, r1 = world[0]["accelerate"], world[1]["accelerate"]
+    assert r0["meta"] == "ZeRO stage 2" and r0["norms"] == r1["norms"] and not r0["anomalies"]
+    ref = world[0]["z1_gas_clip"]["ref"]
+    for step, want in ref.items():
+        for name, v in want.items():
+            assert r0["norms"][step][name] == pytest.approx(v, rel=1e-5)
+    assert r0["global"] == pytest.approx(r0["ds_norms"], rel=1e-5)  # DeepSpeed's pre-clip global norm
+
+
+def test_transformers_trainer_with_a_deepspeed_config_and_the_callback(world):
+    """transformers.Trainer(args=TrainingArguments(deepspeed={ZeRO-2 ...}), callbacks=[
+    TransformersCallback()]): one record per optimizer step (3 steps of 2 micro-batches), the
+    same on both ranks, whose global norms are the Trainer's own logged (pre-clip) grad_norm."""
+    r0, r1 = world[0]["trainer"], world[1]["trainer"]
+    assert r0["meta"] == "ZeRO stage 2" and r0["norms"] == r1["norms"] and not r0["anomalies"]
+    assert sorted(r0["norms"]) == ["0", "1", "2"]
+    assert list(r0["norms"]["0"]) == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+    assert len(r0["trainer_grad_norm"]) == 3
+    assert r0["global"] == pytest.approx(r0["trainer_grad_norm"], rel=1e-5)
