@@ -131,6 +131,10 @@ class Zero:
             scale = getattr(getattr(opt, "loss_scale_config", None), "cur_scale", 1.0)
         return float(scale)
 
+    def skips_overflow(self) -> bool:
+        """Whether DeepSpeed skips a step whose gradients overflowed (fp16, dynamic loss scale)."""
+        return bool(self.engine.fp16_enabled() and self.engine.dynamic_loss_scale())
+
     def hook_step(self, pre: Callable[[], None], post: Callable[[], None]) -> _StepHook:
         """``pre``/``post`` around each ``engine.step()`` at an accumulation boundary."""
         return _StepHook(self.engine, pre, post)

@@ -21,8 +21,8 @@ def _model(dtype: torch.dtype) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
 
 
-def _config(stage: int, bf16: bool, gas: int, clip: float) -> dict:
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
+def _config(stage: int, bf16: bool, gas: int, clip: float, fp16: bool = False) -> dict:
+    return {"fp16": {"enabled": fp16, "initial_scale_power": 8},"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
             "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "gradient_clipping": clip,
             "wall_clock_breakdown": False}
 
@@ -36,7 +36,7 @@ def _batch(rank: int, micro: int, dtype: torch.dtype, nan: bool = False) -> torc
 
 
 def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, form: str = "engine",
-             nan_at: int = -1) -> dict:
+             nan_at: int = -1, fp16: bool = False) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -44,10 +44,10 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     import graddbg._model
 
     rank = torch.distributed.get_rank()
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     model = _model(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_config(stage, bf16, gas, clip))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_config(stage, bf16, gas, clip, fp16))
     target = (engine,) if form == "engine" else (model, opt)
     rec: dict = {"ref": {}, "ds_norm": {}, "anomalies": [], "raised": None}
     micro, t0 = 0, time.perf_counter()

@@ -92,8 +92,8 @@ def test_replica_check_compares_full_weights_where_every_rank_holds_them(world, 
             assert rec[f"changed-{what}"] == {"ok": False, "mismatches": 1}
 
 
-@pytest.mark.xfail(strict=True, reason="ddp_verify compares ZeRO-3's empty local parameters and says ok: it needs "
-                                       "the hook described in docs/howto/deepspeed.md (nothing to compare)")
+@pytest.mark.xfail(strict=True, reason="ddp_verify compares ZeRO-3's empty local parameters and says ok: it must "
+                                       "skip parameters with ds_id and numel() == 0 and say so (issue 27, point 4)")
 def test_replica_check_on_zero3_partitions_says_there_is_nothing_to_compare(world):
     rec = world[0]["verify3p"]
     assert rec["local_numel"] == [0, 0, 0, 0]  # every weight partitioned away
@@ -123,3 +123,20 @@ def test_transformers_trainer_with_a_deepspeed_config_and_the_callback(world):
     assert list(r0["norms"]["0"]) == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
     assert len(r0["trainer_grad_norm"]) == 3
     assert r0["global"] == pytest.approx(r0["trainer_grad_norm"], rel=1e-5)
+
+
+def test_the_table_combines_partitions_in_quadrature_and_names_non_finite_ranks():
+    """graddbg._deepspeed.gather_stats on a hand-made table of 2 ranks x 3 parameters."""
+    import numpy as np
+
+    from graddbg._deepspeed import gather_stats
+
+    got = np.zeros((2, 3, 3), dtype=np.float32)
+    got[0, 0], got[1, 0] = (3.0, 2.0, 1), (4.0, 5.0, 1)  # split over both ranks: norm 5, absmax 5
+    got[0, 1] = (0.0, 0.0, 0); got[1, 1] = (2.0, 1.0, 1)  # held by rank 1 only
+    got[0, 2] = (np.nan, np.nan, 1); got[1, 2] = (1.0, 1.0, 1)  # NaN in rank 0's piece
+    st = gather_stats(got, [10, 4, 6], absmax=True, div=2.0, ranks=[4, 5])
+    assert st.norm[:2] == pytest.approx([2.5, 1.0]) and np.isnan(st.norm[2])
+    assert st.absmax[:2] == pytest.approx([2.5, 0.5]) and np.isnan(st.absmax[2])
+    assert st.has_grad.tolist() == [True, True, True]
+    assert st.shard_ranks == {2: [4]}  # the global rank of group rank 0

@@ -52,6 +52,11 @@ class ZeroRecorder(StatsRecorder):
         if self.source.rescue(st, pieces, scale):
             self.ctx.host_syncs += 1
         self.ever_grad |= st.has_grad
+        if st.bad.any() and self.source.skips_overflow():
+            # fp16's dynamic loss scale overflowed: DeepSpeed skips this step and lowers the
+            # scale by design; an overflow step, as with GradScaler, not an anomaly
+            self.history.append(StepRecord(step.index, None, math.nan, math.nan, True, scale, self._lr()))
+            return []
         scale_rec = scale if self.source.engine.fp16_enabled() else math.nan
         self.history.append(StepRecord(step.index, st if step.due_stats else None, st.global_norm, math.nan,
                                        False, scale_rec, self._lr()))
