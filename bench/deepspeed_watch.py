@@ -86,6 +86,7 @@ class Variant:
         g = torch.Generator().manual_seed(dist.get_rank())
         self.x = torch.randn(16, width, generator=g)
         self.times: list = []
+        self.cpu: list = []
 
     def step(self) -> None:
         self.engine.backward(self.engine(self.x).pow(2).mean())
@@ -95,13 +96,18 @@ class Variant:
 
 
 def _time(v: Variant, n: int) -> None:
+    """Wall time per step (between barriers: the slower rank's) and the CPU time of both
+    ranks together per step (steadier on a shared machine)."""
     v.step()
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         v.step()
+    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
     dist.barrier()
     v.times.append((time.perf_counter() - t0) / n)
+    dist.all_reduce(cpu)
+    v.cpu.append(float(cpu) / n)
 
 
 def _worker(rank: int, port: int, args: dict, out: str) -> None:
@@ -121,7 +127,8 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
     if rank == 0:
         params = sum(p.numel() for p in variants["bare"].engine.module.parameters())
         with open(out, "w") as f:
-            json.dump({"times": {n: v.times for n, v in variants.items()}, "params": params}, f)
+            json.dump({"times": {n: v.times for n, v in variants.items()},
+                       "cpu": {n: v.cpu for n, v in variants.items()}, "params": params}, f)
     for v in variants.values():
         if v.ctx is not None:
             v.ctx.close()
@@ -129,16 +136,16 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
 
 
 def _report(res: dict, args: dict) -> None:
-    t = res["times"]
-    paired = {n: statistics.median(a / b for a, b in zip(t[n], t["bare"])) for n in VARIANTS}
     print(f"ZeRO-2, {WORLD} ranks (gloo, CPU), MLP width {args['width']} x {args['depth']} "
           f"({res['params'] / 1e6:.2f}M parameters), {args['repeats']} repeats x {args['steps']} steps")
-    print(f"{'variant':<12}{'ms/step':>10}{'x bare':>9}{'overhead / floor overhead':>28}")
-    floor_over = paired["floor"] - 1
-    for n in VARIANTS:
-        rel = (paired[n] - 1) / floor_over if n not in ("bare", "floor") and floor_over > 0 else float("nan")
-        shown = "" if n in ("bare", "floor") else f"{rel:.2f}x"
-        print(f"{n:<12}{statistics.median(t[n]) * 1e3:>10.2f}{paired[n]:>9.3f}{shown:>28}")
+    for clock, t in (("cpu time of both ranks", res["cpu"]), ("wall time", res["times"])):
+        paired = {n: statistics.median(a / b for a, b in zip(t[n], t["bare"])) for n in VARIANTS}
+        print(f"-- {clock}\n{'variant':<12}{'ms/step':>10}{'x bare':>9}{'overhead / floor overhead':>28}")
+        floor_over = paired["floor"] - 1
+        for n in VARIANTS:
+            rel = (paired[n] - 1) / floor_over if floor_over > 0 else float("nan")
+            shown = "" if n in ("bare", "floor") else f"{rel:.2f}x"
+            print(f"{n:<12}{statistics.median(t[n]) * 1e3:>10.2f}{paired[n]:>9.3f}{shown:>28}")
     print("target: watch overhead <= 1.5x the floor's")
 
 

@@ -44,7 +44,7 @@ def _engine_of(model: Any, optimizer: Any) -> Any:
         for ref in gc.get_referrers(*frontier):
             if is_engine(ref) and (ref.module is model or _torch_optimizer(ref.optimizer) is optimizer):
                 return ref
-            if id(ref) not in seen and isinstance(ref, (dict, nn.Module)) or hasattr(ref, "__dict__"):
+            if id(ref) not in seen and (isinstance(ref, dict) or hasattr(ref, "__dict__")):
                 seen.add(id(ref))
                 nxt.append(ref)
         frontier = [r for r in nxt if not isinstance(r, (type, type(sys)))][:256]
@@ -225,19 +225,17 @@ def _piece(p: Tensor, rank: int, world: int) -> Optional[Tensor]:
 
 def local_table(pieces: Sequence[Optional[Tensor]], absmax: bool) -> Tensor:
     """``[P, 3]`` float32 on this rank: each piece's norm, largest magnitude (0 when not
-    asked for) and whether it exists (1/0). Two batched kernels at most."""
-    P = len(pieces)
-    have = [i for i, g in enumerate(pieces) if g is not None and g.numel()]
-    dev = pieces[have[0]].device if have else torch.device("cpu")
-    out = torch.zeros(P, 3, dtype=torch.float32, device=dev)
-    present = [i for i, g in enumerate(pieces) if g is not None]
-    out[present, 2] = 1.0
-    if have:
-        ts = [pieces[i] for i in have]
-        out[have, 0] = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))
-        if absmax:
-            out[have, 1] = torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32))
-    return out
+    asked for) and whether it exists (1/0). One or two batched kernels; a missing or empty
+    piece counts as a zero."""
+    dev = next((g.device for g in pieces if g is not None), torch.device("cpu"))
+    zero = torch.zeros(1, device=dev)
+    ts = [g if g is not None and g.numel() else zero for g in pieces]
+    if not ts:
+        return torch.zeros(0, 3, device=dev)
+    norms = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))
+    maxes = torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32)) if absmax else torch.zeros_like(norms)
+    flags = torch.tensor([g is not None for g in pieces], dtype=torch.float32).to(dev, non_blocking=True)
+    return torch.stack([norms, maxes, flags], 1)
 
 
 def gather(table: Tensor, group: Any) -> Tensor:
