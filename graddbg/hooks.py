@@ -667,7 +667,9 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
 
     Args:
         model: the ``nn.Module`` to watch (DDP, FSDP and ``torch.compile`` wrappers are
-            looked through; parameter names are the model's own).
+            looked through; parameter names are the model's own), or a DeepSpeed engine
+            (ZeRO 0-3: its module, optimizer and loss scale are found from it, and
+            ``engine.step()`` at an accumulation boundary is the step).
         optimizer: the optimizer that steps ``model``'s parameters (or a wrapper holding
             one as ``.optimizer``), or None: then each backward pass is a step.
         every: record per-parameter statistics on every ``every``-th step (1).

@@ -66,6 +66,7 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     except graddbg.NonFiniteError as err:
         rec["raised"] = {"step": err.anomaly.step, "text": str(err)}
     rec["seconds"] = time.perf_counter() - t0
+    rec["restored"] = "step" not in vars(engine) and w.anomalies is not None  # the step hook is gone
     df = w.stats
     rec["norms"] = {int(s): dict(zip(g["name"], g["norm"])) for s, g in df.groupby("step")}
     rec["absmax"] = {int(s): dict(zip(g["name"], g["absmax"])) for s, g in df.groupby("step")}

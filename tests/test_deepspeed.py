@@ -31,6 +31,7 @@ def world(tmp_path_factory) -> dict:
 def _agree(world: dict, case: str, rel: float) -> None:
     r0, r1 = world[0][case], world[1][case]
     assert r0["unwrapped"]  # graddbg._model.unwrap(engine) is the user's model
+    assert r0["restored"] and r1["restored"]  # engine.step is the engine's own again after the watch
     assert r0["meta"] == f"ZeRO stage {worker.CASES[case]['stage']}"
     assert r0["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the model's own names
     assert r0["norms"] == r1["norms"] and r0["absmax"] == r1["absmax"], "the ranks' tables differ"
