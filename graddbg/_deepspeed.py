@@ -64,8 +64,40 @@ def find(model: Any, optimizer: Any) -> Optional["Zero"]:
         return Zero(optimizer.engine)  # (accelerate's DeepSpeedOptimizerWrapper has none; kept for others)
     if not isinstance(model, nn.Module):
         return None
-    engine = _engine_of(model, optimizer)
+    engine = _engine_from_hooks(model)
+    if engine is None and _marked(model, optimizer):
+        engine = _engine_of(model, optimizer)
     return Zero(engine) if engine is not None else None
+
+
+def _engine_from_hooks(model: nn.Module) -> Any:
+    """The engine whose forward hooks are on ``model`` (every ``DeepSpeedEngine`` puts two
+    on its module; their closures hold the engine). Cheap: no search of the heap."""
+    # (torch has no public way to list a module's hooks)
+    hooks = list(model.__dict__.get("_forward_pre_hooks", {}).values())
+    hooks += list(model.__dict__.get("_forward_hooks", {}).values())
+    for fn in hooks:
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                obj = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if is_engine(obj) and obj.module is model:
+                return obj
+    return None
+
+
+def _marked(model: nn.Module, optimizer: Any) -> bool:
+    """Signs of ZeRO on a model: parameters that its optimizers tagged, or an optimizer
+    whose param groups ZeRO replaced (it holds none of the model's parameters)."""
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") or hasattr(p, "_dp_group") for p in params[:8]):
+        return True
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups or not params:
+        return False
+    held = {id(p) for g in groups for p in g["params"]}
+    return not any(id(p) in held for p in params)
 
 
 def _torch_optimizer(opt: Any) -> Optional[torch.optim.Optimizer]:

@@ -49,6 +49,9 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_config(stage, bf16, gas, clip, fp16))
     target = (engine,) if form == "engine" else (model, opt)
+    from graddbg._deepspeed import _engine_of
+
+    found_by_search = form == "pair" and _engine_of(model, opt) is engine
     rec: dict = {"ref": {}, "ds_norm": {}, "anomalies": [], "raised": None}
     micro, t0 = 0, time.perf_counter()
     try:
@@ -75,6 +78,7 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     rec["anomalies"] = [(a.kind, a.step, a.name, a.message) for a in w.anomalies]
     rec["meta"] = w.meta.get("deepspeed")
     rec["unwrapped"] = graddbg._model.unwrap(engine) is model
+    rec["found_by_search"] = found_by_search
     engine.destroy() if hasattr(engine, "destroy") else None
     return rec
 
