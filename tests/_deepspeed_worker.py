@@ -36,7 +36,7 @@ def _batch(rank: int, micro: int, dtype: torch.dtype, nan: bool = False) -> torc
 
 
 def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, form: str = "engine",
-             nan_at: int = -1, fp16: bool = False) -> dict:
+             nan_at: int = -1, fp16: bool = False, partitioned: bool = False) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -47,7 +47,10 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     model = _model(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_config(stage, bf16, gas, clip, fp16))
+    config = _config(stage, bf16, gas, clip, fp16)
+    if partitioned:  # (by default ZeRO-3 keeps small parameters whole on every rank)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     target = (engine,) if form == "engine" else (model, opt)
     from graddbg._deepspeed import _engine_of
 
@@ -79,6 +82,7 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     rec["meta"] = w.meta.get("deepspeed")
     rec["unwrapped"] = graddbg._model.unwrap(engine) is model
     rec["found_by_search"] = found_by_search
+    rec["local_numel"] = [p.numel() for p in model.parameters()]
     engine.destroy() if hasattr(engine, "destroy") else None
     return rec
 
@@ -87,7 +91,7 @@ CASES = {
     "z0": dict(stage=0), "z1": dict(stage=1), "z2": dict(stage=2), "z3": dict(stage=3),
     "z0_bf16": dict(stage=0, bf16=True), "z2_bf16": dict(stage=2, bf16=True), "z3_bf16": dict(stage=3, bf16=True),
     "z1_gas_clip": dict(stage=1, gas=2, clip=0.05), "z2_gas_clip": dict(stage=2, gas=3, clip=0.05),
-    "z3_gas_clip": dict(stage=3, gas=2, clip=0.05), "z0_clip": dict(stage=0, clip=0.05),
+    "z3_gas_clip": dict(stage=3, gas=2, clip=0.05), "z3_part": dict(stage=3, gas=2, partitioned=True), "z0_clip": dict(stage=0, clip=0.05),
     "z2_pair": dict(stage=2, form="pair"), "z3_pair": dict(stage=3, form="pair"), "z0_pair": dict(stage=0, form="pair"),
     "z2_nan": dict(stage=2, nan_at=1), "z0_nan": dict(stage=0, nan_at=1), "z3_nan": dict(stage=3, nan_at=1),
 }

@@ -67,6 +67,14 @@ def test_accumulation_and_clipping_record_the_pre_clip_gradient_once_per_step(wo
     assert all(g > 4 * clip for g in rec["global"])  # the clip really cut these steps
 
 
+def test_zero3_partitioned_weights(world):
+    """ZeRO-3 with every weight partitioned away (persistence threshold 0), accumulating 2."""
+    _agree(world, "z3_part", 1e-5)
+    assert world[0]["z3_part"]["local_numel"] == [0, 0, 0, 0]
+    # the first step's batches and weights are those of z3_gas_clip (whose clip changes later steps)
+    assert world[0]["z3_part"]["norms"]["0"] == pytest.approx(world[0]["z3_gas_clip"]["norms"]["0"], rel=1e-5)
+
+
 @pytest.mark.parametrize("case", ["z0_pair", "z2_pair", "z3_pair"])
 def test_watch_model_and_optimizer_given_to_initialize(world, case):
     _agree(world, case, 1e-5)
