@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from typing import Any, List
 
-import numpy as np
 
 from graddbg.checks.base import BackwardEnd, Finding, Step
 from graddbg.checks.recorder import StatsRecorder
