@@ -1,7 +1,7 @@
 """What every part of graddbg needs to know about a user's model, written once.
 
-- `unwrap`: the module that DDP, DataParallel, ``torch.compile``, FSDP1 and
-  activation-checkpoint wrappers hold, so that names and replays are the user's own;
+- `unwrap`: the module that DDP, DataParallel, ``torch.compile``, FSDP1,
+  activation-checkpoint wrappers and DeepSpeed's engine hold, so that names and replays are the user's own;
 - `check_model`: the one validation of a ``model=`` argument;
 - `clean_name`, `module_of`, `named_trainable_parameters`: qualified
   names as ``model.named_parameters()`` gives them, without the wrappers' prefixes;
@@ -43,6 +43,7 @@ _INNER = {
     "FullyShardedDataParallel": "_fsdp_wrapped_module",
     "CheckpointWrapper": "_checkpoint_wrapped_module",
     "OffloadWrapper": "_checkpoint_wrapped_module",
+    "DeepSpeedEngine": "module",
 }
 
 

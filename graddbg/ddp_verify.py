@@ -816,9 +816,13 @@ def _collect_all(model: nn.Module, parts: Sequence[str]) -> Tuple[
         walks.insert(0, ("params", model.named_parameters()))
     found: dict = {k: ([], [], [], []) for k in parts}
     mesh = None
+    partitioned = 0
     for walk, items in walks:
         for name, t in items:
             if name in ignore:
+                continue
+            if walk == "params" and _zero3_partitioned(t):
+                partitioned += 1  # (each rank holds other bytes of it: not a replica)
                 continue
             if mesh is None and _spec(t) is not None:
                 mesh = _spec(t)[0]
@@ -831,7 +835,18 @@ def _collect_all(model: nn.Module, parts: Sequence[str]) -> Tuple[
         mesh = _model_mesh(model, skip_parameters=bool(wanted))
     columns = [sum((found[k][c] for k in parts), []) for c in range(4)]
     kinds = sum(([k] * len(found[k][0]) for k in parts), [])
+    if partitioned and not columns[0]:
+        raise GraddbgValueError(
+            f"nothing to compare: every one of the model's {partitioned} parameters is partitioned by "
+            f"DeepSpeed ZeRO-3 (each rank holds different bytes of it, and no two ranks hold the same); "
+            f"at ZeRO stages 0-2 every rank holds the full parameters and they are compared")
     return columns[0], columns[1], columns[2], columns[3], kinds, mesh
+
+
+def _zero3_partitioned(t: Any) -> bool:
+    """A parameter that DeepSpeed ZeRO-3 partitioned away: empty here, its full size kept
+    as ``ds_numel`` (recognised without importing deepspeed)."""
+    return hasattr(t, "ds_id") and t.numel() == 0 and getattr(t, "ds_numel", 0) > 0
 
 
 # --------------------------------------------------------------------------- groups

@@ -24,12 +24,13 @@ from torch import Tensor, nn
 
 from graddbg._errors import CoverageWarning, GradientAnomalyError, GraddbgTypeError, GraddbgValueError, \
     GraddbgWarning, warn_at_user
+from graddbg._deepspeed import find as find_deepspeed
 from graddbg._model import check_model, in_backward, module_of, named_trainable_parameters, tensors_in, unwrap
 from graddbg.anomaly import apply_policy
 from graddbg.blame import Capture
 from graddbg.checks.hygiene import unused_anomaly
 from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, StatsRecorder, Step, Watched,
-                            default_checks)
+                            ZeroRecorder, default_checks)
 from graddbg.options import UPDATE_EVERY, WatchOptions, options_in_signature
 from graddbg.stats import DEFAULT_STATS, History
 
@@ -336,6 +337,9 @@ class Watch(_Results):
         self._in_policy = False
         model = check_model(model, "watch")
         self.options = opts = WatchOptions.parse("watch", options)
+        self._zero = zero = find_deepspeed(model, optimizer)  # DeepSpeed: the engine's module and optimizer
+        if zero is not None:
+            model, optimizer, opts = zero.module, zero.optimizer, zero.adjust(opts)
         rank, world = _world()
         if isinstance(opts.ddp_check_every, int) and world == 1 and not torch.distributed.is_initialized():
             raise GraddbgValueError(f"ddp_check_every={opts.ddp_check_every} needs an initialised process group: "
@@ -354,8 +358,11 @@ class Watch(_Results):
             warnings.warn(f"graddbg.watch: {type(model).__name__} has no trainable parameter (none requires "
                           f"grad), so nothing will be recorded until one is unfrozen "
                           f"({len(self._frozen)} frozen).", CoverageWarning, stacklevel=3)
-        _check_optimizer(ctx)
+        if zero is None:  # (ZeRO replaced the optimizer's param groups with its flat partitions)
+            _check_optimizer(ctx)
         self.meta = _meta(opts, ctx)
+        if zero is not None:
+            self.meta["deepspeed"] = zero.describe()
         self._bw: Tuple[int, Optional[float]] = (-1, None)  # (step, loss scale) of the last backward
         self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive)
         self._cb_queued = False
@@ -363,6 +370,8 @@ class Watch(_Results):
         self._errors_warned: set = set()
         try:
             self._checks = default_checks(model, opts)
+            if zero is not None:  # ZeRO's reduced partitions, not .grad
+                self._checks[self._checks.index(self._part(StatsRecorder))] = ZeroRecorder(zero)
             ctx.guard = self._part(CopyGuard)
             for c in self._checks:
                 c.attach(ctx)
@@ -403,7 +412,10 @@ class Watch(_Results):
             hooks.add(model.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
             hooks.add(model.register_forward_hook(self._on_root_forward, with_kwargs=True))
             ctx.guard.protect(model)
-        if opt is not None:
+        if self._zero is not None:  # engine.step() at an accumulation boundary is the step
+            hooks.add(self._zero.hook_step(lambda: self._on_opt_pre(None, (None,), {}),
+                                           lambda: self._on_opt_post(None, (), {})))
+        elif opt is not None:
             hooks.add(opt.register_step_pre_hook(self._on_opt_pre))
             hooks.add(opt.register_step_post_hook(self._on_opt_post))
         # the end of a backward pass is seen from the model's output (when its own forward
@@ -674,7 +686,9 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
 
     Args:
         model: the ``nn.Module`` to watch (DDP, FSDP and ``torch.compile`` wrappers are
-            looked through; parameter names are the model's own).
+            looked through; parameter names are the model's own), or a DeepSpeed engine
+            (ZeRO 0-3: its module, optimizer and loss scale are found from it, and
+            ``engine.step()`` at an accumulation boundary is the step).
         optimizer: the optimizer that steps ``model``'s parameters (or a wrapper holding
             one as ``.optimizer``), or None: then each backward pass is a step.
         every: record per-parameter statistics on every ``every``-th step (1).

@@ -21,10 +21,11 @@ from graddbg.checks.hygiene import DeadGrad, EmptyStep, StaleGrad, Unchanged
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.checks.replicas import ReplicaCheck
 from graddbg.checks.update import UpdateRatio
+from graddbg.checks.zero import ZeroRecorder
 
 __all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "default_checks",
            "CopyGuard", "StatsRecorder", "Activations", "NonFiniteCheck", "ExplodeCheck", "VanishCheck",
-           "UpdateRatio", "ReplicaCheck", "StaleGrad", "EmptyStep", "Unchanged", "DeadGrad"]
+           "UpdateRatio", "ReplicaCheck", "StaleGrad", "EmptyStep", "Unchanged", "DeadGrad", "ZeroRecorder"]
 
 
 def _hookable(model: Any) -> bool:

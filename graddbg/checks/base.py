@@ -61,7 +61,7 @@ class Watched:
 
     @property
     def numel(self) -> List[int]:
-        return [p.numel() for p in self.params]
+        return [int(getattr(p, "ds_numel", p.numel())) for p in self.params]  # (ZeRO-3 empties its parameters)
 
     def grads(self) -> List[Optional[Tensor]]:
         return [p.grad for p in self.params]

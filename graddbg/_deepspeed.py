@@ -1,0 +1,339 @@
+"""DeepSpeed (ZeRO stages 0-3): what ``watch()`` needs to know of a ``DeepSpeedEngine``.
+
+- `find`: the engine of ``watch(engine)`` or of ``watch(model, optimizer)`` with the
+  objects given to ``deepspeed.initialize``; None when DeepSpeed is not in use;
+- `Zero`: the engine's module, its torch optimizer (under ZeRO's wrappers), its loss
+  scale, the accumulation boundary, a hook around ``engine.step()``, and this rank's piece
+  of each parameter's reduced gradient;
+- `gather_stats`: per-parameter statistics of the full, reduced gradient from every
+  rank's pieces: one all-gather of a small table (a norm and a largest magnitude per
+  parameter), never of the gradients.
+
+DeepSpeed is imported lazily (only when it is already imported by the user's program):
+``import graddbg`` never imports it. Imports torch, `graddbg._errors` and
+`graddbg.stats` only.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import sys
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from graddbg.stats import StepStats
+
+__all__ = ["is_engine", "find", "Zero", "gather_stats", "local_table", "exact_table"]
+
+
+def is_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a ``deepspeed.DeepSpeedEngine`` (without importing deepspeed)."""
+    return "deepspeed" in sys.modules and any(c.__name__ == "DeepSpeedEngine" for c in type(obj).__mro__)
+
+
+def _engine_of(model: Any, optimizer: Any) -> Any:
+    """The engine that ``deepspeed.initialize`` built around ``model`` (or around the
+    optimizer it was given): found among the objects that refer to them, a few levels up."""
+    targets = [t for t in (model, optimizer) if t is not None]
+    frontier, seen = list(targets), {id(t) for t in targets}
+    for _ in range(3):
+        nxt = []
+        for ref in gc.get_referrers(*frontier):
+            if is_engine(ref) and (ref.module is model or _torch_optimizer(ref.optimizer) is optimizer):
+                return ref
+            if id(ref) not in seen and (isinstance(ref, dict) or hasattr(ref, "__dict__")):
+                seen.add(id(ref))
+                nxt.append(ref)
+        frontier = [r for r in nxt if not isinstance(r, (type, type(sys)))][:256]
+        if not frontier:
+            break
+    return None
+
+
+def find(model: Any, optimizer: Any) -> Optional["Zero"]:
+    """The `Zero` view of the DeepSpeed engine that ``model`` is (or wraps
+    ``model``, stepped by ``optimizer``), or None when DeepSpeed is not in use."""
+    if "deepspeed" not in sys.modules:
+        return None
+    if is_engine(model):
+        return Zero(model)
+    if optimizer is not None and is_engine(getattr(optimizer, "engine", None)):
+        return Zero(optimizer.engine)  # (accelerate's DeepSpeedOptimizerWrapper has none; kept for others)
+    if not isinstance(model, nn.Module):
+        return None
+    engine = _engine_from_hooks(model)
+    if engine is None and _marked(model, optimizer):
+        engine = _engine_of(model, optimizer)
+    return Zero(engine) if engine is not None else None
+
+
+def _engine_from_hooks(model: nn.Module) -> Any:
+    """The engine whose forward hooks are on ``model`` (every ``DeepSpeedEngine`` puts two
+    on its module; their closures hold the engine). Cheap: no search of the heap."""
+    # (torch has no public way to list a module's hooks)
+    hooks = list(model.__dict__.get("_forward_pre_hooks", {}).values())
+    hooks += list(model.__dict__.get("_forward_hooks", {}).values())
+    for fn in hooks:
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                obj = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if is_engine(obj) and obj.module is model:
+                return obj
+    return None
+
+
+def _marked(model: nn.Module, optimizer: Any) -> bool:
+    """Signs of ZeRO on a model: parameters that its optimizers tagged, or an optimizer
+    whose param groups ZeRO replaced (it holds none of the model's parameters)."""
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") or hasattr(p, "_dp_group") for p in params[:8]):
+        return True
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups or not params:
+        return False
+    held = {id(p) for g in groups for p in g["params"]}
+    return not any(id(p) in held for p in params)
+
+
+def _torch_optimizer(opt: Any) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer inside ZeRO's (and accelerate's) wrappers."""
+    for _ in range(6):
+        if isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "optimizer"):
+            return opt
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner is opt:
+            break
+        opt = inner
+    return opt if isinstance(opt, torch.optim.Optimizer) else None
+
+
+class _StepHook:
+    """``engine.step`` wrapped on the instance (DeepSpeed offers no step hook): ``pre`` and
+    ``post`` run around the steps at an accumulation boundary. ``remove()`` puts it back."""
+
+    def __init__(self, engine: Any, pre: Callable[[], None], post: Callable[[], None]) -> None:
+        self.engine, original = engine, engine.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            at = engine.is_gradient_accumulation_boundary()
+            if at:
+                pre()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if at:
+                    post()
+
+        self.wrapper = step
+        object.__setattr__(engine, "step", step)
+
+    def remove(self) -> None:
+        if self.engine is not None and self.engine.__dict__.get("step") is self.wrapper:
+            del self.engine.__dict__["step"]
+        self.engine = None
+
+
+class Zero:
+    """What the watch needs of one ``DeepSpeedEngine`` (ZeRO stage 0-3)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.stage = int(engine.zero_optimization_stage())
+        self.zero_optimizer = engine.optimizer  #: ZeRO's optimizer (or the torch one at stage 0, fp32)
+        self.optimizer = _torch_optimizer(engine.optimizer)  #: the torch optimizer under it
+        self._group: Any = None
+        self._ranks: Optional[List[int]] = None
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    def loss_scale(self) -> float:
+        """The loss scale the gradients carry (fp16's dynamic scale; 1 otherwise)."""
+        if not self.engine.fp16_enabled():
+            return 1.0
+        opt = self.zero_optimizer
+        scale = getattr(opt, "cur_scale", None)
+        if scale is None:
+            scale = getattr(getattr(opt, "loss_scale_config", None), "cur_scale", 1.0)
+        return float(scale)
+
+    def skips_overflow(self) -> bool:
+        """Whether DeepSpeed skips a step whose gradients overflowed (fp16, dynamic loss scale)."""
+        return bool(self.engine.fp16_enabled() and self.engine.dynamic_loss_scale())
+
+    def hook_step(self, pre: Callable[[], None], post: Callable[[], None]) -> _StepHook:
+        """``pre``/``post`` around each ``engine.step()`` at an accumulation boundary."""
+        return _StepHook(self.engine, pre, post)
+
+    @property
+    def group(self) -> Any:
+        """The data-parallel process group the gradients are reduced over."""
+        if self._group is None:
+            opt = self.zero_optimizer
+            group = getattr(opt, "dp_process_group", None)
+            if group is None:
+                group = getattr(self.engine, "seq_data_parallel_group", None)
+            self._group = group if group is not None else torch.distributed.group.WORLD
+        return self._group
+
+    def pieces(self, params: Sequence[Tensor]) -> List[Optional[Tensor]]:
+        """This rank's piece (1-D) of each parameter's reduced gradient, the pieces of
+        all ranks making each gradient once; None where this rank holds none of it."""
+        dist = torch.distributed
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        return [_piece(p, rank, world) for p in params]
+
+    def numel(self, p: Tensor) -> int:
+        """The full size of a parameter (ZeRO-3 leaves an empty tensor in its place)."""
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    def read(self, params: Sequence[Tensor], absmax: bool) -> Tuple[List[Optional[Tensor]], Tensor]:
+        """This rank's pieces and every rank's table of them, ``[world, P, 3]`` (one
+        all-gather: the collective of a recorded step)."""
+        pieces = self.pieces(params)
+        return pieces, gather(local_table(pieces, absmax), self.group)
+
+    def combine(self, got: np.ndarray, numel: Sequence[int], absmax: bool, div: float) -> StepStats:
+        """The full gradients' statistics from the gathered table (see `gather_stats`)."""
+        if self._ranks is None:
+            self._ranks = global_ranks(self.group)
+        return gather_stats(got, numel, absmax, div, self._ranks)
+
+    def rescue(self, st: StepStats, pieces: Sequence[Optional[Tensor]], div: float) -> bool:
+        return rescue(st, pieces, self.group, div)
+
+    def adjust(self, options: Any) -> Any:
+        """The watch's options under ZeRO: the checks of the user's own ``zero_grad`` and
+        param groups are off (DeepSpeed owns both), and so is the replay (it would run
+        ZeRO's collectives on one rank); from stage 1 the gradients are partitioned (no
+        replicas to compare); at stage 3 the weights are too, so the checks that compare
+        them before and after the step are off."""
+        off: dict = dict(stale_grad=None, empty_step=None, orphan_param=None, localise=False)
+        if self.stage >= 1:
+            off.update(ddp_check_every=None)
+        if self.stage == 3:
+            off.update(no_update=None, update_every=None)
+        return options.replace(**off)
+
+    def describe(self) -> str:
+        return f"ZeRO stage {self.stage}"
+
+
+def _piece(p: Tensor, rank: int, world: int) -> Optional[Tensor]:
+    """This rank's part of ``p``'s reduced gradient (see `Zero.pieces`)."""
+    if hasattr(p, "ds_id"):  # ZeRO-3: the local partition (padded at the end)
+        from deepspeed.utils import safe_get_local_grad
+
+        g = safe_get_local_grad(p)
+        if g is None:
+            return None
+        n = g.numel()
+        return g.reshape(-1).narrow(0, 0, max(0, min(n, int(p.ds_numel) - rank * n)))
+    if hasattr(p, "_hp_mapping"):  # ZeRO-1/2, BF16_Optimizer: the fragment this rank's partition holds
+        mapping = p._hp_mapping
+        if mapping is None:
+            return None
+        try:
+            g = mapping.get_lp_grad_fragment(p._index_in_param_group).reshape(-1)
+        except (ValueError, KeyError, IndexError, TypeError):
+            return None  # (no gradient: after the step, or before any backward)
+        if g.numel() == p.numel():
+            address = mapping.lp_fragment_address
+            g = g.narrow(0, address.start, address.numel)
+        return g
+    g = p.grad  # stage 0: every rank holds the whole reduced gradient; each reads its slice
+    if g is None:
+        return None
+    g, n = g.reshape(-1), g.numel()
+    lo, hi = rank * n // world, (rank + 1) * n // world
+    return g.narrow(0, lo, hi - lo)
+
+
+def local_table(pieces: Sequence[Optional[Tensor]], absmax: bool) -> Tensor:
+    """``[P, 3]`` float32 on this rank: each piece's norm, largest magnitude (0 when not
+    asked for) and whether it exists (1/0). One or two batched kernels; a missing or empty
+    piece counts as a zero."""
+    dev = next((g.device for g in pieces if g is not None), torch.device("cpu"))
+    zero = torch.zeros(1, device=dev)
+    ts = [g if g is not None and g.numel() else zero for g in pieces]
+    if not ts:
+        return torch.zeros(0, 3, device=dev)
+    norms = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))
+    maxes = torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32)) if absmax else torch.zeros_like(norms)
+    flags = torch.tensor([g is not None for g in pieces], dtype=torch.float32).to(dev, non_blocking=True)
+    return torch.stack([norms, maxes, flags], 1)
+
+
+def gather(table: Tensor, group: Any) -> Tensor:
+    """Every rank's table, ``[world, ...]``: the one collective of a recorded step."""
+    dist = torch.distributed
+    out = [torch.empty_like(table) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, table.contiguous(), group=group)
+    return torch.stack(out)
+
+
+def gather_stats(got: np.ndarray, numel: Sequence[int], absmax: bool, div: float,
+                 ranks: Sequence[int]) -> StepStats:
+    """The full gradients' statistics from every rank's table ``got`` ``[world, P, 3]``:
+    norms add in quadrature, the largest magnitude is the largest; ``div`` unscales;
+    ``shard_ranks`` names the (global) ranks whose piece was non-finite."""
+    W, P = got.shape[0], got.shape[1]
+    norms = got[:, :, 0].astype(np.float64)
+    has = got[:, :, 2].max(axis=0) > 0
+    with np.errstate(invalid="ignore", over="ignore"):
+        norm = np.sqrt((norms * norms).sum(axis=0)) / div
+    norm[~has] = np.nan
+    amax = got[:, :, 1].astype(np.float64).max(axis=0) / div if absmax else np.full(P, np.nan)
+    if absmax:
+        amax[np.isnan(got[:, :, 1]).any(axis=0)] = np.nan
+        amax[~has] = np.nan
+    st = StepStats(norm, amax, np.zeros(P, dtype=np.int64), has)
+    bad = ~np.isfinite(norms)
+    st.shard_ranks = {int(i): [int(ranks[r]) for r in np.nonzero(bad[:, i])[0]] for i in np.nonzero(bad.any(0))[0]}
+    return st
+
+
+def exact_table(pieces: Sequence[Optional[Tensor]], idx: Sequence[int]) -> Tensor:
+    """``[len(idx), 2]`` float64 of the suspects (a non-finite norm): the count of NaN/Inf
+    entries of this rank's piece, and the norm of the piece scaled by its largest finite
+    magnitude (so that squares cannot overflow) times that magnitude."""
+    rows = []
+    for i in idx:
+        g = pieces[i]
+        if g is None or not g.numel():
+            rows.append(torch.zeros(2, dtype=torch.float64))
+            continue
+        g = g.detach().double()
+        bad = (~torch.isfinite(g)).sum().double()
+        m = g.abs().max()
+        norm = (g / m).norm() * m if torch.isfinite(m) and m > 0 else g.norm()
+        rows.append(torch.stack([bad, norm]).cpu())
+    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
+
+
+def rescue(st: StepStats, pieces: Sequence[Optional[Tensor]], group: Any, div: float) -> bool:
+    """Exact counts and float64 norms of the parameters whose norm is non-finite (every
+    rank has the same suspects, so every rank makes the same one collective). Returns
+    whether it ran."""
+    idx = [int(i) for i in np.nonzero(st.has_grad & ~np.isfinite(st.norm))[0]]
+    if not idx:
+        return False
+    got = gather(exact_table(pieces, idx), group).numpy()
+    for k, i in enumerate(idx):
+        st.nonfinite[i] = int(got[:, k, 0].sum())
+        if not st.nonfinite[i]:
+            st.norm[i] = math.sqrt(float(np.dot(got[:, k, 1], got[:, k, 1]))) / div
+    return True
+
+
+def global_ranks(group: Any) -> List[int]:
+    """The global rank of each rank of ``group``."""
+    dist = torch.distributed
+    return [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r
+            for r in range(dist.get_world_size(group))]

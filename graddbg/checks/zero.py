@@ -1,0 +1,67 @@
+"""The statistics recorder under DeepSpeed ZeRO (stages 0-3): the gradients the optimizer
+uses are not the parameters' ``.grad`` but ZeRO's reduced partitions, read at the start of
+``engine.step()`` at an accumulation boundary (after DeepSpeed's reduction, before its
+clipping and unscaling). Each rank measures its own pieces; one all-gather of a small table
+(a norm, a largest magnitude and a presence flag per parameter) makes the full gradients'
+statistics, the same on every rank; never a gather of gradients.
+
+``source`` is a `graddbg._deepspeed.Zero` (given by the watch: the checks import
+nothing of DeepSpeed).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, List
+
+
+from graddbg.checks.base import BackwardEnd, Finding, Step
+from graddbg.checks.recorder import StatsRecorder
+from graddbg.stats import StepRecord
+
+__all__ = ["ZeroRecorder"]
+
+
+class ZeroRecorder(StatsRecorder):
+    """`StatsRecorder` reading ZeRO's reduced gradient pieces instead of ``.grad``."""
+
+    def __init__(self, source: Any) -> None:
+        super().__init__()
+        self.source = source
+        self._state: Any = None
+
+    def on_backward_end(self, bw: BackwardEnd) -> None:
+        pass  # (a micro-batch's local, unreduced gradients: nothing to read)
+
+    def queue(self, step: Step) -> None:
+        if not step.read:
+            self._state = None
+            return
+        absmax = self._absmax_due(step.index, [])
+        pieces, table = self.source.read(self.ctx.params, absmax)
+        step.readback.add("zero_table", table)
+        self._state = (pieces, absmax, table.shape, self.source.loss_scale())
+
+    def read(self, step: Step) -> List[Finding]:
+        state, self._state = self._state, None
+        if state is None:
+            self.history.append(StepRecord(step.index, None, math.nan, math.nan, False, math.nan, self._lr()))
+            return []
+        pieces, absmax, shape, scale = state
+        st = self.source.combine(step.got["zero_table"].reshape(tuple(shape)), self.ctx.numel, absmax, scale)
+        if self.source.rescue(st, pieces, scale):
+            self.ctx.host_syncs += 1
+        self.ever_grad |= st.has_grad
+        if st.bad.any() and self.source.skips_overflow():
+            # fp16's dynamic loss scale overflowed: DeepSpeed skips this step and lowers the
+            # scale by design; an overflow step, as with GradScaler, not an anomaly
+            self.history.append(StepRecord(step.index, None, math.nan, math.nan, True, scale, self._lr()))
+            return []
+        scale_rec = scale if self.source.engine.fp16_enabled() else math.nan
+        self.history.append(StepRecord(step.index, st if step.due_stats else None, st.global_norm, math.nan,
+                                       False, scale_rec, self._lr()))
+        step.stats, step.bad, step.first_bad = st, st.bad, step.index
+        return []
+
+    def close(self) -> None:
+        self._state = None
+        super().close()

@@ -1,0 +1,153 @@
+"""watch() under DeepSpeed ZeRO (stages 0-3): real 2-rank gloo processes on 127.0.0.1 (CPU,
+``DS_ACCELERATOR=cpu``), one spawned world shared by every case (tests/_deepspeed_worker.py).
+
+Every rank's table holds the statistics of the full, reduced gradient: equal to
+``deepspeed.utils.safe_get_full_grad``'s norms read at the same moment, pre-clip, one record
+per optimizer step, the same on every rank; a NaN planted on one rank makes every rank raise
+at the same step."""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+
+import _deepspeed_worker as worker
+from _dist import spawn
+
+# (deepspeed is imported only in the spawned ranks: importing it here would change the
+# process that runs the rest of the suite)
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="deepspeed is not installed (pip install graddbg[dev])")]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("deepspeed")
+    cases = list(worker.CASES) + ["verify0", "verify1", "verify2", "verify3", "verify3p",
+                                    "accelerate", "trainer"]
+    return spawn(worker.main, 2, lambda r, port: (r, 2, port, str(out), cases), lambda r: out / f"rank{r}.json",
+                 timeout=240)
+
+
+def _agree(world: dict, case: str, rel: float) -> None:
+    r0, r1 = world[0][case], world[1][case]
+    assert r0["unwrapped"]  # graddbg._model.unwrap(engine) is the user's model
+    assert r0["restored"] and r1["restored"]  # engine.step is the engine's own again after the watch
+    assert r0["meta"] == f"ZeRO stage {worker.CASES[case]['stage']}"
+    assert r0["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the model's own names
+    assert r0["norms"] == r1["norms"] and r0["absmax"] == r1["absmax"], "the ranks' tables differ"
+    assert sorted(r0["norms"]) == [str(s) for s in range(worker.STEPS)]  # one record per optimizer step
+    for rec in (r0, r1):
+        for step, ref in rec["ref"].items():
+            got = rec["norms"][step]
+            for name, want in ref.items():
+                assert got[name] == pytest.approx(want, rel=rel), (case, step, name)
+            ds = rec["ds_norm"][step]  # DeepSpeed's own (pre-clip) global norm, where it keeps one
+            if not math.isnan(ds):
+                assert rec["global"][int(step)] == pytest.approx(ds, rel=rel)
+
+
+@pytest.mark.parametrize("case", ["z0", "z1", "z2", "z3"])
+def test_fp32_norms_equal_safe_get_full_grad_at_every_stage(world, case):
+    _agree(world, case, 1e-5)
+
+
+@pytest.mark.parametrize("case", ["z0_bf16", "z2_bf16", "z3_bf16"])
+def test_bf16_norms_equal_safe_get_full_grad(world, case):
+    _agree(world, case, 1e-5)
+
+
+@pytest.mark.parametrize("case", ["z0_clip", "z1_gas_clip", "z2_gas_clip", "z3_gas_clip"])
+def test_accumulation_and_clipping_record_the_pre_clip_gradient_once_per_step(world, case):
+    _agree(world, case, 1e-5)
+    rec = world[0][case]
+    clip = worker.CASES[case]["clip"]
+    assert all(g > 4 * clip for g in rec["global"])  # the clip really cut these steps
+
+
+def test_zero3_partitioned_weights(world):
+    """ZeRO-3 with every weight partitioned away (persistence threshold 0), accumulating 2."""
+    _agree(world, "z3_part", 1e-5)
+    assert world[0]["z3_part"]["local_numel"] == [0, 0, 0, 0]
+    # the first step's batches and weights are those of z3_gas_clip (whose clip changes later steps)
+    assert world[0]["z3_part"]["norms"]["0"] == pytest.approx(world[0]["z3_gas_clip"]["norms"]["0"], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["z0_pair", "z2_pair", "z3_pair"])
+def test_watch_model_and_optimizer_given_to_initialize(world, case):
+    _agree(world, case, 1e-5)
+    assert world[0][case]["norms"] == world[0][case.replace("_pair", "")]["norms"]
+    assert world[0][case]["found_by_search"]  # the fallback without the engine's hooks finds it too
+
+
+@pytest.mark.parametrize("case", ["z0_nan", "z2_nan", "z3_nan"])
+def test_nan_on_one_rank_raises_on_every_rank_at_the_same_step(world, case):
+    for r in (0, 1):
+        raised = world[r][case]["raised"]
+        assert raised is not None, f"rank {r} did not raise"
+        assert raised["step"] == 1
+        assert f"on rank {r}" in raised["text"] and "rank(s) 0, 1" in raised["text"]
+        assert sorted(world[r][case]["norms"]) == ["0", "1"]  # the good step was recorded
+
+
+@pytest.mark.parametrize("case", ["verify0", "verify1", "verify2", "verify3"])
+def test_replica_check_compares_full_weights_where_every_rank_holds_them(world, case):
+    """Stages 0-2 (and ZeRO-3's small, persistent parameters) keep the whole weights on every
+    rank: ddp_verify compares them, through the engine or its module, and names a change
+    made on one rank only."""
+    for r in (0, 1):
+        rec = world[r][case]
+        assert all(n > 0 for n in rec["local_numel"])
+        for what in ("module", "engine"):
+            assert rec[f"same-{what}"] == {"ok": True, "mismatches": 0}
+            assert rec[f"changed-{what}"] == {"ok": False, "mismatches": 1}
+
+
+def test_replica_check_on_zero3_partitions_says_there_is_nothing_to_compare(world):
+    rec = world[0]["verify3p"]
+    assert rec["local_numel"] == [0, 0, 0, 0]  # every weight partitioned away
+    assert "error" in rec["same-module"] and "nothing to compare" in rec["same-module"]["error"]
+
+
+def test_accelerate_with_a_deepspeed_plugin(world):
+    """accelerate's DeepSpeedPlugin (ZeRO-2, accumulation 2, clipping): watch(model, optimizer)
+    with what accelerator.prepare returned; the same batches as the z1_gas_clip case, so
+    the same norms as safe_get_full_grad's there."""
+    r0, r1 = world[0]["accelerate"], world[1]["accelerate"]
+    assert r0["meta"] == "ZeRO stage 2" and r0["norms"] == r1["norms"] and not r0["anomalies"]
+    ref = world[0]["z1_gas_clip"]["ref"]
+    for step, want in ref.items():
+        for name, v in want.items():
+            assert r0["norms"][step][name] == pytest.approx(v, rel=1e-5)
+    assert r0["global"] == pytest.approx(r0["ds_norms"], rel=1e-5)  # DeepSpeed's pre-clip global norm
+
+
+def test_transformers_trainer_with_a_deepspeed_config_and_the_callback(world):
+    """transformers.Trainer(args=TrainingArguments(deepspeed={ZeRO-2 ...}), callbacks=[
+    TransformersCallback()]): one record per optimizer step (3 steps of 2 micro-batches), the
+    same on both ranks, whose global norms are the Trainer's own logged (pre-clip) grad_norm."""
+    r0, r1 = world[0]["trainer"], world[1]["trainer"]
+    assert r0["meta"] == "ZeRO stage 2" and r0["norms"] == r1["norms"] and not r0["anomalies"]
+    assert sorted(r0["norms"]) == ["0", "1", "2"]
+    assert list(r0["norms"]["0"]) == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+    assert len(r0["trainer_grad_norm"]) == 3
+    assert r0["global"] == pytest.approx(r0["trainer_grad_norm"], rel=1e-5)
+
+
+def test_the_table_combines_partitions_in_quadrature_and_names_non_finite_ranks():
+    """graddbg._deepspeed.gather_stats on a hand-made table of 2 ranks x 3 parameters."""
+    import numpy as np
+
+    from graddbg._deepspeed import gather_stats
+
+    got = np.zeros((2, 3, 3), dtype=np.float32)
+    got[0, 0], got[1, 0] = (3.0, 2.0, 1), (4.0, 5.0, 1)  # split over both ranks: norm 5, absmax 5
+    got[0, 1] = (0.0, 0.0, 0); got[1, 1] = (2.0, 1.0, 1)  # held by rank 1 only
+    got[0, 2] = (np.nan, np.nan, 1); got[1, 2] = (1.0, 1.0, 1)  # NaN in rank 0's piece
+    st = gather_stats(got, [10, 4, 6], absmax=True, div=2.0, ranks=[4, 5])
+    assert st.norm[:2] == pytest.approx([2.5, 1.0]) and np.isnan(st.norm[2])
+    assert st.absmax[:2] == pytest.approx([2.5, 0.5]) and np.isnan(st.absmax[2])
+    assert st.has_grad.tolist() == [True, True, True]
+    assert st.shard_ranks == {2: [4]}  # the global rank of group rank 0
