@@ -397,6 +397,7 @@ class ScriptWatcher:
         self.pid = os.getpid()
         self.outdir: Optional[pathlib.Path] = None  # where forked workers write their records
         self._in_child = False
+        self._rng: Optional[torch.Tensor] = None
 
     def __enter__(self) -> "ScriptWatcher":
         from torch.nn.modules import module as module_mod
@@ -415,6 +416,8 @@ class ScriptWatcher:
     def _pre(self, module: nn.Module, args: Any) -> None:
         if self._depth == 0:
             self._roots.add(module)
+            if self._looking:  # (what a replay of this forward pass needs, should it be watched)
+                self._rng = torch.get_rng_state()
             if self._deferred:
                 self._safely(self._resolve_deferred, module)
             if self._free is not None and self.after_step is not None:
@@ -424,7 +427,7 @@ class ScriptWatcher:
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
         if self._depth == 0 and self._looking:
-            self._safely(self._maybe_watch_free, module, output)
+            self._safely(self._maybe_watch_free, module, args, output)
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer in self._seen:
@@ -457,9 +460,11 @@ class ScriptWatcher:
             w = self._start(model if model is not None else module, opt)
             w.begin_step(_closure(d.args, d.kwargs))  # the step began before this watch did
 
-    def _maybe_watch_free(self, module: nn.Module, output: Any) -> None:
+    def _maybe_watch_free(self, module: nn.Module, args: Any, output: Any) -> None:
         """A model trained without an optimizer: the first outermost module called with
-        grad enabled, its output requiring grad, with trainable parameters."""
+        grad enabled, its output requiring grad, with trainable parameters. The forward pass
+        that ran is handed to the new watch, so that a NaN at this very step is blamed (and
+        replayed) as under watch()."""
         from graddbg._model import in_backward, tensors_in
         if not torch.is_grad_enabled() or in_backward() or isinstance(module, torch.jit.ScriptModule):
             return
@@ -468,6 +473,7 @@ class ScriptWatcher:
         if not any(p.requires_grad for p in module.parameters()):
             return  # a loss function, a frozen encoder
         w = self._start(module, None)
+        w.adopt_forward(args, {}, output, rng_state=self._rng)
         self._free = (w, weakref.ref(module))
 
     def _start(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:

@@ -171,12 +171,12 @@ class _OutputTap:
         self._rng: Optional[Tensor] = None
         self._backward_since = True
 
-    def before(self) -> None:
+    def before(self, rng_state: Optional[Tensor] = None) -> None:
         if not self._backward_since:
             self.clear()  # (the previous forward pass's output never got a gradient)
         self._backward_since = False
         if self.localise:
-            self._rng = torch.get_rng_state()
+            self._rng = torch.get_rng_state() if rng_state is None else rng_state
 
     def after(self, args: Any, kwargs: Any, output: Any) -> None:
         for i, t in enumerate(tensors_in(output)):
@@ -600,6 +600,22 @@ class Watch(_Results):
         self._part(StatsRecorder).adopt_scale(float(scaler.get_scale()))
 
     # ------------------------------------------------------------------ public API
+    def adopt_forward(self, args: Any, kwargs: Any, output: Any, rng_state: Optional[Tensor] = None) -> None:
+        """A forward pass of the model that ran before this watch began (``graddbg run``
+        starts watching after the first one): its output is tapped as if the watch had seen
+        it, so that the end of its backward pass is seen and a NaN it makes is replayed.
+
+        Args:
+            args: the positional inputs of that forward pass.
+            kwargs: its keyword inputs.
+            output: what it returned.
+            rng_state: the CPU RNG state before it (``torch.get_rng_state()``), for the replay.
+        """
+        if self._closed or not torch.is_grad_enabled():
+            return
+        self._tap.before(rng_state)
+        self._tap.after(args, kwargs, output)
+
     def step(self) -> None:
         """Mark a step boundary by hand (statistics are read from the current ``.grad``)."""
         if self._closed:

@@ -456,3 +456,14 @@ def test_hogwild_workers_write_their_own_records(tmp_path):
         assert (path.parent / "report.html").exists()
     assert res.stdout.count("a worker process (worker-") == 2
     assert "stepped no optimizer" not in res.stdout
+
+
+def test_a_nan_at_the_first_step_is_blamed_on_its_op_as_under_watch(tmp_path):
+    """graddbg run starts watching after the first forward pass; that pass is handed to the
+    watch, so a sqrt(0) NaN at step 0 is named by module, op and line (not 'found from
+    parameter gradients' on the module upstream)."""
+    res = _graddbg("run", "--out", str(tmp_path / "out"), str(SCRIPTS / "sqrt_train.py"))
+    assert res.returncode == 1, res.stdout + res.stderr
+    (a,) = graddbg.load(tmp_path / "out" / "stats.parquet").anomalies
+    assert (a.kind, a.step, a.module, a.op) == ("nonfinite", 0, "1", "SqrtBackward0")
+    assert a.source.endswith("sqrt_train.py:8") and a.reproduced is True
