@@ -35,6 +35,8 @@ MAX_BYTES = 400_000  # each stored notebook, outputs included (tests/test_notebo
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 _TMP = re.compile(r"(/private)?/(tmp|var/folders)/[^\s'\")<>:]*")
+#: a file of the graddbg package, wherever the checkout (or the install) lies
+_PACKAGE = re.compile(r"[^\s'\"(<>]*/graddbg/(?=[\w/]+\.py)")
 _SITE = re.compile(r"[^\s'\"]*/site-packages/")
 _RELATIVE = re.compile(r"(\.\./)+")
 _LINE = re.compile(r"\.py:\d+")
@@ -66,8 +68,9 @@ def _numbers_to_3_digits(text: str) -> str:
 def _text(text: str) -> str:
     text = _ANSI.sub("", text)
     text = _ADDRESS.sub("0x…", text)
-    text = _TMP.sub("<tmp>", text)
+    text = _PACKAGE.sub("<repo>/graddbg/", text)  # (before the temporary paths: a clone may lie in /tmp)
     text = text.replace(str(ROOT), "<repo>")  # where the checkout lies
+    text = _TMP.sub("<tmp>", text)
     text = _SITE.sub("<site-packages>/", text)
     text = _RELATIVE.sub("<up>/", text)
     text = _LINE.sub(".py:<line>", text)  # line numbers move with every edit of the code
