@@ -31,7 +31,7 @@ def world(tmp_path_factory) -> dict:
                  timeout=240)
 
 
-def _agree(world: dict, case: str, rel: float) -> None:
+def _assert_tables_agree(world: dict, case: str, rel: float) -> None:
     r0, r1 = world[0][case], world[1][case]
     assert r0["unwrapped"]  # graddbg._model.unwrap(engine) is the user's model
     assert r0["restored"] and r1["restored"]  # engine.step is the engine's own again after the watch
@@ -51,17 +51,17 @@ def _agree(world: dict, case: str, rel: float) -> None:
 
 @pytest.mark.parametrize("case", ["z0", "z1", "z2", "z3"])
 def test_fp32_norms_equal_safe_get_full_grad_at_every_stage(world, case):
-    _agree(world, case, 1e-5)
+    _assert_tables_agree(world, case, 1e-5)
 
 
 @pytest.mark.parametrize("case", ["z0_bf16", "z2_bf16", "z3_bf16"])
 def test_bf16_norms_equal_safe_get_full_grad(world, case):
-    _agree(world, case, 1e-5)
+    _assert_tables_agree(world, case, 1e-5)
 
 
 @pytest.mark.parametrize("case", ["z0_clip", "z1_gas_clip", "z2_gas_clip", "z3_gas_clip"])
 def test_accumulation_and_clipping_record_the_pre_clip_gradient_once_per_step(world, case):
-    _agree(world, case, 1e-5)
+    _assert_tables_agree(world, case, 1e-5)
     rec = world[0][case]
     clip = worker.CASES[case]["clip"]
     assert all(g > 4 * clip for g in rec["global"])  # the clip really cut these steps
@@ -69,7 +69,7 @@ def test_accumulation_and_clipping_record_the_pre_clip_gradient_once_per_step(wo
 
 def test_zero3_partitioned_weights(world):
     """ZeRO-3 with every weight partitioned away (persistence threshold 0), accumulating 2."""
-    _agree(world, "z3_part", 1e-5)
+    _assert_tables_agree(world, "z3_part", 1e-5)
     assert world[0]["z3_part"]["local_numel"] == [0, 0, 0, 0]
     # the first step's batches and weights are those of z3_gas_clip (whose clip changes later steps)
     assert world[0]["z3_part"]["norms"]["0"] == pytest.approx(world[0]["z3_gas_clip"]["norms"]["0"], rel=1e-5)
@@ -77,7 +77,7 @@ def test_zero3_partitioned_weights(world):
 
 @pytest.mark.parametrize("case", ["z0_pair", "z2_pair", "z3_pair"])
 def test_watch_model_and_optimizer_given_to_initialize(world, case):
-    _agree(world, case, 1e-5)
+    _assert_tables_agree(world, case, 1e-5)
     assert world[0][case]["norms"] == world[0][case.replace("_pair", "")]["norms"]
     assert world[0][case]["found_by_search"]  # the fallback without the engine's hooks finds it too
 
