@@ -23,7 +23,7 @@ other rank), and the bytes the check hands to collectives against those of an al
 of every gradient (target: >= 1000x fewer), counted by wrapping the process group's
 allgather / allreduce in this process only.
 
-    .venv/bin/python bench/ddp_check.py [--repeats 40] [--steps 10] [--threads 1]
+    .venv/bin/python bench/ddp_check.py [--repeats 40] [--steps 10] [--threads 1] [--kernel compiled]
 
 Then, for choosing how often ``watch()`` checks the replicas: the cost of one
 ``check_replicas`` (gradients and parameters in one exchange, as the watch makes it) as a
@@ -32,7 +32,7 @@ net), each check timed right after a step and a barrier, interleaved with plain 
 the smallest N such that checking every N steps costs at most 1% of a step (the proposed
 default is the largest N over the models). ``--cost-only`` runs only that part.
 
-``--fingerprints`` instead times the local fingerprint kernels on 32 MB of float32 in
+``--fingerprints`` instead times the local fingerprint kernels (compiled and eager) on 32 MB of float32 in
 this process (no distributed run), interleaved, against one read of the same data
 (torch._foreach_norm), the floor for anything that reads every element once.
 
@@ -240,10 +240,12 @@ def _step_cost(name: str, repeats: int) -> dict:
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def _cost_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+def _cost_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue,
+                 kernel: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
+    _use_kernel(kernel)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     costs = {name: _step_cost(name, repeats) for name in COST_MODELS}
     if rank == 0:
@@ -271,11 +273,18 @@ def _print_costs(costs: dict, repeats: int) -> int:
     return n
 
 
+def _use_kernel(kernel: str) -> str:
+    from graddbg import ddp_verify
+
+    return ddp_verify.set_fingerprint_kernel(kernel)
+
+
 def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads: int,
-            queue) -> None:
+            queue, kernel: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
+    in_use = _use_kernel(kernel)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     b = _Bench(rank, world)
     for _ in range(3):
@@ -294,7 +303,7 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
         for g in b.grads():
             dist.all_reduce(g.clone())
     if rank == 0:
-        queue.put({"rank": "summary", "blocks": blocks, "alone": alone,
+        queue.put({"rank": "summary", "blocks": blocks, "alone": alone, "kernel": in_use,
                    "check_bytes": c.bytes, "check_calls": c.calls, "grad_bytes": a.bytes,
                    "params": sum(p.numel() for p in b.model.parameters()),
                    "tensors": len(b.grads())})
@@ -360,12 +369,16 @@ def _fingerprint_kernels(repeats: int, threads: int) -> None:
     w = x.view(torch.int32)
     candidates = {
         "one read: torch._foreach_norm": lambda: torch._foreach_norm([x]),
-        "fingerprints(bitwise)": lambda: ddp_verify.fingerprints([x]),
+        "fingerprints(bitwise), compiled kernel": lambda: (
+            ddp_verify.set_fingerprint_kernel("compiled"), ddp_verify.fingerprints([x])),
+        "fingerprints(bitwise), eager kernels": lambda: (
+            ddp_verify.set_fingerprint_kernel("eager"), ddp_verify.fingerprints([x])),
         "  the block sums it replaced (blind to reordering)": lambda: w.view(-1, 1024).sum(
             1, dtype=torch.int32),
         "fingerprints(tolerance)": lambda: ddp_verify.fingerprints([x], mode="tolerance"),
     }
     times = {k: [] for k in candidates}
+    print("fingerprint kernel:", ddp_verify.set_fingerprint_kernel("compiled"))
     for fn in candidates.values():
         fn()
     other = torch.randn(16 * 1024 * 1024)    # read before each candidate: x starts cold,
@@ -390,6 +403,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--fingerprints", action="store_true",
                         help="time the local fingerprint kernels only (one process)")
+    parser.add_argument("--kernel", choices=("compiled", "eager", "auto"), default="compiled",
+                        help="the fingerprint kernel (ddp_verify.set_fingerprint_kernel); default: "
+                             "compiled, set before training starts")
     parser.add_argument("--cost-only", action="store_true",
                         help="only the check's cost as a share of a step, and the proposed N")
     args = parser.parse_args()
@@ -400,20 +416,22 @@ def main() -> None:
     queue = mp.get_context("spawn").SimpleQueue()
     if not args.cost_only:
         _check_against_floor(args, world, queue)
-    mp.start_processes(_cost_worker, args=(world, _free_port(), args.repeats, args.threads, queue),
+    mp.start_processes(_cost_worker, args=(world, _free_port(), args.repeats, args.threads, queue,
+                                           args.kernel),
                        nprocs=world, start_method="spawn", join=True)
     _print_costs(queue.get(), args.repeats)
 
 
 def _check_against_floor(args: argparse.Namespace, world: int, queue) -> None:
     port = _free_port()
-    mp.start_processes(_worker, args=(world, port, args.repeats, args.steps, args.threads, queue),
+    mp.start_processes(_worker, args=(world, port, args.repeats, args.steps, args.threads, queue,
+                                      args.kernel),
                        nprocs=world, start_method="spawn", join=True)
     got = [queue.get() for _ in range(world + 1)]
     r = next(g for g in got if g["rank"] == "summary")
     ranks = sorted((g for g in got if g["rank"] != "summary"), key=lambda g: g["rank"])
     print(f"mlp8m: {r['params'] / 1e6:.2f}M parameters in {r['tensors']} tensors, gloo, "
-          f"{world} ranks, {args.threads} thread(s) per rank")
+          f"{world} ranks, {args.threads} thread(s) per rank; fingerprint kernel: {r['kernel']}")
     _print_blocks(r, args.repeats, args.steps)
     _print_phases(ranks)
     _print_standalone(r, args.repeats)

@@ -121,6 +121,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graddbg._compiled import KINDS, Twin
 from graddbg._errors import (DDPInconsistencyError, DDPTimeoutError, GraddbgError,
                              GraddbgTypeError, GraddbgValueError)
 from graddbg._model import check_model, clean_name, is_dtensor, local_tensor, unwrap
@@ -134,6 +135,7 @@ __all__ = [
     "check_replicas",
     "fingerprints",
     "prepare",
+    "set_fingerprint_kernel",
 ]
 
 _BLOCK = 1024                   # int32 words per block of the bitwise fingerprint
@@ -141,6 +143,8 @@ _ROWS = 512                     # blocks mixed per chunk (2 MB of words: few cal
 _SMALL = 16 * 1024              # tensors of at most this many words are mixed together
 _KEY_SEED = 0x67726164646267    # seeds the fixed keys (_keys)
 _MIX32 = 0x45D9F3B              # odd multiplier between the two folds of a word
+_MIN_COMPILED_ROWS = 2          # fewer blocks: eager (a compiled call would specialise on 1)
+_RENT = 2.0                     # seconds of eager fingerprints after which they are compiled
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: a block's position, spread
 _LANE_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)   # one per 64-bit lane
 _DIGEST_PRIMES = (2_147_483_647, 2_147_483_629)  # the digest of a table: two primes below 2**31
@@ -190,15 +194,40 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def _keys(device: torch.device) -> torch.Tensor:
-    """The fixed weights, ``[2, _BLOCK]`` int32 on ``device``: two odd weights per position
-    in a block (one per 32-bit sum). Drawn once from a seeded CPU generator, so they are
-    the same on every machine and device; cached per device."""
+    """The fixed weights, ``[_BLOCK]`` int64 on ``device``: one odd 64-bit weight per
+    position in a block. Drawn once from a seeded CPU generator, so they are the same on
+    every machine and device; cached per device."""
     key = str(device)
     if key not in _KEY_CACHE:
         g = torch.Generator().manual_seed(_KEY_SEED)
-        keys = torch.randint(-2 ** 31, 2 ** 31, (2, _BLOCK), generator=g, dtype=torch.int64)
-        _KEY_CACHE[key] = (keys | 1).to(torch.int32).to(device)
+        keys = torch.randint(-2 ** 63, 2 ** 63 - 1, (_BLOCK,), generator=g, dtype=torch.int64)
+        _KEY_CACHE[key] = (keys | 1).to(device)
     return _KEY_CACHE[key]
+
+
+def _block_kernel(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The int64 value of each block (row) of int32 words: ``sum_j K_j h_j`` modulo 2**64
+    of the mixed words ``h_j = fold(M * fold(w_j))`` (sign-extended), ``fold(x) = x ^
+    (x >>> 16)``, j the position in the block, K_j odd (`_keys`). Rows shorter than a block
+    take the first weights. Written as one expression so that ``torch.compile`` fuses it
+    into one pass (`_KERNEL`); it is also the eager reference of that kernel's self-test."""
+    h = rows ^ ((rows >> 16) & 0xFFFF)
+    h = h * _MIX32
+    h = h ^ ((h >> 16) & 0xFFFF)
+    return (h.to(torch.int64) * keys[: rows.shape[1]]).sum(1)
+
+
+def _kernel_samples(device: torch.device) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Words for the compiled kernel's self-test: every bit pattern class, two heights."""
+    g = torch.Generator().manual_seed(_KEY_SEED + 1)
+    words = torch.randint(-2 ** 31, 2 ** 31, (67, _BLOCK), generator=g, dtype=torch.int64)
+    words[0, :4] = torch.tensor([0, -1, -2 ** 31, 2 ** 31 - 1])
+    words = words.to(torch.int32).to(device)
+    return [(words, _keys(device)), (words[: _MIN_COMPILED_ROWS + 3], _keys(device))]
+
+
+# the fused fingerprint kernel: compiled once eager fingerprints have cost about as much
+_KERNEL = Twin(_block_kernel, _kernel_samples, rent=_RENT)
 
 
 def _fold(x: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
@@ -207,31 +236,50 @@ def _fold(x: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor
     return torch.bitwise_xor(x, tmp.bitwise_and_(0xFFFF), out=out)
 
 
-def _block_values(rows: torch.Tensor, keys: torch.Tensor, buffers: torch.Tensor) -> torch.Tensor:
-    """The int64 value of each block (row) of int32 words: the two weighted sums
-    ``sum_j B_j h_j`` and ``sum_j C_j h_j`` modulo 2**32 (its low and high half) of the
-    mixed words ``h_j = fold(M * fold(w_j))``, j the position in the block, B_j and C_j odd
-    (`_keys`). ``rows`` may be shorter than a block: the missing words count as
-    zeros (which mix to zero). ``buffers``: two int32 scratch rows of a chunk's size."""
+def _eager_blocks(rows: torch.Tensor, keys: torch.Tensor, buffers: Tuple[torch.Tensor, torch.Tensor]
+                  ) -> torch.Tensor:
+    """`_block_kernel` in place, in scratch ``buffers`` (two int32 rows and one int64 row
+    of a chunk's size): the same values."""
     shape, width = rows.shape, rows.shape[1]
-    h, tmp = (b[: rows.numel()].view(shape) for b in buffers)
+    h, tmp = (b[: rows.numel()].view(shape) for b in buffers[0])
     _fold(rows, h, tmp).mul_(_MIX32)
     _fold(h, h, tmp)
-    sums = [torch.mul(h, keys[k, :width], out=tmp).sum(1, dtype=torch.int32) for k in (0, 1)]
-    return (sums[0].to(torch.int64) & 0xFFFFFFFF) | (sums[1].to(torch.int64) << 32)
+    wide = buffers[1][: rows.numel()].view(shape)
+    wide.copy_(h)
+    return wide.mul_(keys[:width]).sum(1)
 
 
-def _tensor_blocks(words: torch.Tensor, keys: torch.Tensor, buffers: torch.Tensor) -> torch.Tensor:
-    """The block values (see `_block_values`) of one tensor's words, in chunks of
-    ``_ROWS`` blocks (the mixed words of a chunk stay in cache); the last block may be
+def _full_blocks(rows: torch.Tensor, keys: torch.Tensor,
+                 buffers: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The block values of ``[blocks, _BLOCK]`` words: through the compiled kernel in one
+    call where there is one (`_KERNEL`), else eagerly in chunks of ``_ROWS`` blocks (the
+    mixed words of a chunk stay in cache), their time counted towards compiling."""
+    kernel = _KERNEL.due(rows.device) if rows.shape[0] >= _MIN_COMPILED_ROWS else None
+    if kernel is not None:
+        return kernel(rows, keys)
+    start = time.perf_counter()
+    out = torch.cat([_eager_blocks(rows[s: s + _ROWS], keys, buffers)
+                     for s in range(0, rows.shape[0], _ROWS)])
+    _KERNEL.charge(time.perf_counter() - start)
+    return out
+
+
+def _tensor_blocks(words: torch.Tensor, keys: torch.Tensor,
+                   buffers: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The block values (see `_block_kernel`) of one tensor's words; the last block may be
     partial. No words: no blocks."""
     n = words.numel()
     full = n // _BLOCK
-    parts = [_block_values(words[s * _BLOCK: min(full, s + _ROWS) * _BLOCK].view(-1, _BLOCK),
-                           keys, buffers) for s in range(0, full, _ROWS)]
+    parts = [_full_blocks(words[: full * _BLOCK].view(full, _BLOCK), keys, buffers)] if full else []
     if n > full * _BLOCK:
-        parts.append(_block_values(words[full * _BLOCK:].view(1, -1), keys, buffers))
+        parts.append(_eager_blocks(words[full * _BLOCK:].view(1, -1), keys, buffers))
     return torch.cat(parts) if parts else words.new_zeros(0, dtype=torch.int64)
+
+
+def _buffers(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Scratch rows for `_eager_blocks` on ``device``."""
+    return (torch.empty(2, _ROWS * _BLOCK, dtype=torch.int32, device=device),
+            torch.empty(_ROWS * _BLOCK, dtype=torch.int64, device=device))
 
 
 def _mix64(z: torch.Tensor) -> torch.Tensor:
@@ -250,17 +298,17 @@ def _finish(segments: List[Tuple[torch.Tensor, List[int], List[int]]], present: 
     then two lanes, each the sum modulo 2**64 of ``mix64(value_b + b * G + seed)`` over the
     tensor's blocks b (one seed per lane)."""
     n = len(present)
-    values, owners, blocks = [], [], []
-    for vals, ks, counts in segments:
-        count = torch.tensor(counts, dtype=torch.int64, device=device)
-        starts = torch.cumsum(count, 0) - count
-        values.append(vals.to(device))
-        owners.append(torch.repeat_interleave(torch.tensor(ks, device=device), count,
-                                              output_size=vals.numel()))
-        blocks.append(torch.arange(vals.numel(), device=device)
-                      - torch.repeat_interleave(starts, count, output_size=vals.numel()))
-    empty = torch.zeros(0, dtype=torch.int64, device=device)
-    value, owner, block = (torch.cat(x) if x else empty for x in (values, owners, blocks))
+    ks = [k for _, owners, _ in segments for k in owners]
+    counts = [c for _, _, cs in segments for c in cs]
+    value = (torch.cat([vals.to(device) for vals, _, _ in segments]) if segments else
+             torch.zeros(0, dtype=torch.int64, device=device))
+    # one host-to-device copy of the owners and counts; the rest on ``device``
+    host = torch.tensor([ks, counts], dtype=torch.int64).to(device) if ks else \
+        torch.zeros(2, 0, dtype=torch.int64, device=device)
+    starts = torch.cumsum(host[1], 0) - host[1]
+    owner = torch.repeat_interleave(host[0], host[1], output_size=value.numel())
+    block = torch.arange(value.numel(), device=device) - torch.repeat_interleave(
+        starts, host[1], output_size=value.numel())
     z = (value + block * _GOLDEN)[None] + torch.tensor(_LANE_SEEDS, device=device)[:, None]
     slots = owner + torch.arange(0, 2 * n, n, device=device)[:, None]      # (lane, tensor), flat
     sums = torch.zeros(2 * n, dtype=torch.int64, device=device).scatter_add_(
@@ -289,7 +337,7 @@ def _small_words(small: List[Tuple[int, torch.Tensor]]) -> List[Tuple[List[int],
 
 
 def _packed_blocks(small: List[Tuple[int, torch.Tensor]], keys: torch.Tensor,
-                   buffers: torch.Tensor) -> Tuple[torch.Tensor, List[int], List[int]]:
+                   buffers: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[torch.Tensor, List[int], List[int]]:
     """The block values of many small tensors (one device) in one pass: their words laid
     out block-aligned, each padded with the zeros that fill its last block (as
     `_tensor_blocks` counts them), in one concatenation; the values, the tensors
@@ -319,7 +367,7 @@ def _bitwise_table(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
         if t is None:
             continue
         if t.device not in buffers:
-            buffers[t.device] = torch.empty(2, _ROWS * _BLOCK, dtype=torch.int32, device=t.device)
+            buffers[t.device] = _buffers(t.device)
         if t.numel() * t.element_size() <= 4 * _SMALL:
             small.setdefault(t.device, []).append((k, t))
         else:
@@ -399,26 +447,32 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitw
     little-endian int32 words (8-byte elements give two; 1- and 2-byte elements are packed,
     the last word zero-padded), in blocks of ``_BLOCK`` (1024) words. Every word ``w`` at
     position j of its block is mixed, ``h = fold(M * fold(w))`` with ``fold(x) = x ^
-    (x >>> 16)`` (a bijection: any change of a word changes h, high bits reach the low
-    ones), and each block gets two sums ``sum_j B_j h_j`` modulo 2**32 with fixed odd
-    weights per position (B and C, from a seeded generator). The 64-bit value of block b
-    (the two sums) is mixed with b and a seed per lane by SplitMix64's finaliser (a
+    (x >>> 16)`` (a bijection: any change of a word changes h, and high bits reach the low
+    ones), and each block gets one weighted sum ``v = sum_j K_j h_j`` modulo 2**64 (h
+    sign-extended) with a fixed odd 64-bit weight per position (from a seeded generator).
+    The value of block b is mixed with b and a seed per lane by SplitMix64's finaliser (a
     bijection) and each lane is the sum of those over the blocks, modulo 2**64.
     Guaranteed:
 
     * a change of a single element is always detected (fold and multiply are bijections,
-      so its mixed word changes, and an odd weight times a non-zero 32-bit difference is
-      not 0 modulo 2**32); so is any change that alters one block's value alone (the
-      finaliser is a bijection, so that block's term changes in both lanes);
+      so its mixed word changes, by less than 2**32 in absolute value, and an odd weight
+      times such a difference is not 0 modulo 2**64); so is any change that alters one
+      block's value alone (the finaliser is a bijection, so that block's term changes in
+      both lanes);
     * everything else (permutations, transposes, swapped rows, uniform offsets, sign
-      flips, many one-ulp changes, changes over many blocks) escapes only if both weighted
-      sums of every changed block cancel, or the changed blocks' terms cancel in both
-      64-bit lanes at once. For weights drawn independently of the change (odd: 31 random
-      bits each) the first has probability at most 2**-(62 - 2v), v the lowest changed bit
+      flips, many one-ulp changes, changes over many blocks) escapes only if the weighted
+      sum of every changed block cancels, or the changed blocks' terms cancel in both
+      64-bit lanes at once. For weights drawn independently of the change (odd: 63 random
+      bits each) the first has probability at most 2**-(63 - v), v the lowest changed bit
       of the mixed words (0 for all but contrived changes: the two folds bring changes of
       the high bits, a sign flip included, down to the low ones); the second about 2**-64
-      for the SplitMix64 finaliser. About 1 in 2**62 to 2**64 overall; weaker than the
-      "always" of the word sums this replaced only for changes that sums could see anyway.
+      for the SplitMix64 finaliser. About 1 in 2**63 overall; weaker than the "always" of
+      the word sums this replaced only for changes that sums could see anyway.
+
+    The block sums run as one fused kernel (``torch.compile``, used only after it matched
+    the eager kernel bit for bit on a self-test) once eager fingerprints have cost about two
+    seconds in this process, or at once after ``set_fingerprint_kernel("compiled")``; both
+    give the same values, so ranks may differ in which they use.
 
     Every element's position enters (its weights within the block, its block through the
     mix), so no reordering is invisible by construction. Not cryptographic: the weights
@@ -464,6 +518,48 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]], *, mode: str = "bitw
     if all(t is None for t in tensors):
         return torch.zeros(len(tensors), _BITWISE_K, dtype=torch.int64, device=device)
     return _bitwise_table(tensors).to(device)
+
+
+def set_fingerprint_kernel(kind: str = "auto", *, device: Any = "cpu") -> str:
+    """Choose how the bitwise fingerprints compute their block sums (local to this process).
+
+    ``"auto"`` (the default): eagerly, in a few torch kernels per chunk, until that has
+    cost about two seconds in this process, then through one fused kernel compiled by
+    ``torch.compile`` (a few seconds, once; used only after it gave the eager result bit
+    for bit on a self-test, else eager for good). ``"compiled"``: compile for ``device``
+    now (a predictable moment, e.g. before training) and use it from now on.
+    ``"eager"``: never compile. The fingerprints are the same whichever is used, so ranks
+    may choose differently. On a CPU the compiled kernel reads the words once (about 1.5-2x
+    one read of the data against about 15-20x eagerly); it needs a C++ compiler on CPUs and
+    triton on GPUs.
+
+    Args:
+        kind: ``"auto"``, ``"compiled"`` or ``"eager"``.
+        device: the device to compile for with ``"compiled"`` (a ``torch.device`` or its
+            name; other devices compile when first used).
+
+    Returns:
+        str: the kind now in use: ``"auto"``, ``"compiled"``, ``"eager"``, or ``"eager:
+        <why>"`` when compiling failed (the reason, e.g. no C++ compiler).
+
+    Raises:
+        GraddbgValueError: ``kind`` is not one of the three, or ``device`` is not a device.
+
+    Examples:
+        >>> set_fingerprint_kernel("eager")
+        'eager'
+        >>> set_fingerprint_kernel()
+        'auto'
+    """
+    if kind not in KINDS:
+        raise GraddbgValueError(f"set_fingerprint_kernel(kind=...): got {kind!r}; accepted: "
+                                f"{', '.join(map(repr, KINDS))}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise GraddbgValueError(f"set_fingerprint_kernel(device=...): got {device!r}; accepted: "
+                                f"a torch.device or a device name such as 'cpu' or 'cuda'") from exc
+    return _KERNEL.select(kind, device)
 
 
 # --------------------------------------------------------------------------- the report

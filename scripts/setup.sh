@@ -16,6 +16,15 @@ if ! command -v dot >/dev/null 2>&1; then
   $SUDO apt-get install -y -qq graphviz </dev/null >/dev/null
 fi
 
+if [ -n "$extra" ] && ! command -v g++ >/dev/null 2>&1; then
+  # the tests compile ddp_verify's fingerprint kernel (torch.compile needs a C++ compiler)
+  echo "setup: 'g++' not found; installing Debian's g++" >&2
+  if [ "$(id -u)" = "0" ]; then SUDO=""; else SUDO="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq </dev/null
+  $SUDO apt-get install -y -qq g++ </dev/null >/dev/null
+fi
+
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then

@@ -56,10 +56,10 @@ def naive_bitwise(t: torch.Tensor) -> list:
     """The bitwise fingerprint written out with Python integers, from the tensor's bytes.
 
     Words: little-endian 32-bit, the last one zero-padded; each mixed, h = fold(M *
-    fold(w)) with fold(x) = x ^ (x >> 16) on 32 bits; per block of ddp_verify._BLOCK words
-    the two sums of B_j * h_j and C_j * h_j modulo 2**32 (B, C the fixed odd weights of
-    position j) make the block's 64-bit value v_b = sum_B + 2**32 sum_C; each lane is the
-    sum of mix64(v_b + b * golden + seed) over the blocks b, modulo 2**64.
+    fold(w)) with fold(x) = x ^ (x >> 16) on 32 bits, read as a signed 32-bit integer; per
+    block of ddp_verify._BLOCK words the sum of K_j * h_j modulo 2**64 (K the fixed odd
+    weight of position j) is the block's value v_b; each lane is the sum of mix64(v_b + b *
+    golden + seed) over the blocks b, modulo 2**64.
     """
     keys = ddp_verify._keys(torch.device("cpu")).tolist()
     words = _raw_words(t)
@@ -70,9 +70,8 @@ def naive_bitwise(t: torch.Tensor) -> list:
     block = ddp_verify._BLOCK
     values = []
     for start in range(0, len(words), block):
-        h = [fold(fold(w) * ddp_verify._MIX32) for w in words[start:start + block]]
-        sums = [sum(k * x for k, x in zip(keys[lane], h)) % (1 << 32) for lane in (0, 1)]
-        values.append(sums[0] + (sums[1] << 32))
+        h = [_signed(fold(fold(w) * ddp_verify._MIX32), 32) for w in words[start:start + block]]
+        values.append(sum(k * x for k, x in zip(keys, h)) % _M64)
     lanes = [sum(_splitmix64_finaliser(v + b * 0x9E3779B97F4A7C15 + seed)
                  for b, v in enumerate(values)) for seed in ddp_verify._LANE_SEEDS]
     return [1] + [_signed(v % _M64, 64) for v in lanes]

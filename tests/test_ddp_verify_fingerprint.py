@@ -203,3 +203,58 @@ def test_fingerprints_are_exact_integer_functions_of_the_bytes():
                        ddp_verify.fingerprints([t.view(torch.int32)])[0])
     assert torch.equal(ddp_verify.fingerprints([t.t().contiguous().t()])[0],
                        ddp_verify.fingerprints([t])[0])
+
+
+# --------------------------------------------------------------------------- the compiled kernel
+def _assorted() -> list:
+    """Tensors that reach every path of the block sums: a big one with a partial last block
+    (compiled: its full blocks), a float64 one of exactly 70 blocks, 100 small tensors
+    packed together (100 blocks), 1- and 2-byte dtypes, special values."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(300, 3 * 1024 + 5, generator=g)
+    big[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45])
+    small = [torch.randn(1000, generator=g) * (k + 1) for k in range(100)]
+    return [big, torch.randn(70 * 512, generator=g, dtype=torch.float64),
+            torch.randn(4097, 33, generator=g).half(), torch.randn(999, 70, generator=g).bfloat16(),
+            torch.randint(-128, 127, (70 * 4096 + 3,), generator=g, dtype=torch.int8),
+            torch.rand(70 * 4096, generator=g) > 0.5, big.t()] + small
+
+
+def test_the_compiled_kernel_gives_the_eager_fingerprints_bit_for_bit():
+    """Ranks may use either kernel (one compiled, one not): their fingerprints must agree on
+    every path: one tensor's full blocks, a partial block, packed small tensors, any dtype."""
+    tensors = _assorted()
+    try:
+        assert ddp_verify.set_fingerprint_kernel("eager") == "eager"
+        eager = ddp_verify.fingerprints(tensors)
+        assert ddp_verify._KERNEL.due(torch.device("cpu")) is None
+        in_use = ddp_verify.set_fingerprint_kernel("compiled")
+        assert in_use == "compiled", f"torch.compile is needed here (a C++ compiler): {in_use}"
+        assert ddp_verify._KERNEL.due(torch.device("cpu")) is not None
+        compiled = ddp_verify.fingerprints(tensors)
+    finally:
+        ddp_verify.set_fingerprint_kernel("auto")
+    assert torch.equal(compiled, eager)
+    # and still no escape through the compiled path: a transposed 256 x 256 block and a
+    # sign flip in a 64-block tensor
+    w = tensors[0][:256, :256].contiguous()
+    flipped = w.clone().reshape(-1)
+    flipped[12345] = -flipped[12345]
+    try:
+        ddp_verify.set_fingerprint_kernel("compiled")
+        assert _escapes(w, [w.t().contiguous(), flipped.view(256, 256), w.clone()]) == []
+    finally:
+        ddp_verify.set_fingerprint_kernel("auto")
+
+
+def test_set_fingerprint_kernel_names_bad_arguments():
+    import pytest
+
+    from graddbg import GraddbgValueError
+
+    with pytest.raises(GraddbgValueError, match=r"kind=\.\.\.\): got 'fast'; accepted: 'auto', "
+                                                r"'compiled', 'eager'"):
+        ddp_verify.set_fingerprint_kernel("fast")
+    with pytest.raises(GraddbgValueError, match=r"device=\.\.\.\): got 'gpu7'"):
+        ddp_verify.set_fingerprint_kernel("auto", device="gpu7")
+    assert ddp_verify._KERNEL.kind == "auto"
