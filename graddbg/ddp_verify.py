@@ -112,7 +112,9 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import queue
 import re
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
@@ -1076,27 +1078,67 @@ def _counter_key(group: Any, global_rank: int) -> str:
 _ENTERED: dict = {}
 
 
+class _StoreWriter:
+    """Writes the check-in counters to the store from one daemon thread, off the check's
+    path: a store ``set`` waits for the store's reply (a round trip to rank 0's host, which
+    every rank makes at each check), and the counters are read only after an exchange has
+    timed out (`_behind` waits for this rank's own writes first). c10d stores serialise
+    their operations, so the thread shares the store with the rest of the process."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._pending = 0
+        self._done = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    def put(self, store: Any, key: str, value: str) -> None:
+        with self._done:
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="graddbg-ddp-verify-store",
+                                                daemon=True)
+                self._thread.start()
+        self._queue.put((store, key, value))
+
+    def _run(self) -> None:
+        while True:
+            store, key, value = self._queue.get()
+            try:
+                store.set(key, value)
+            except Exception:   # a failed write only leaves missing ranks unnamed after a timeout
+                pass
+            with self._done:
+                self._pending -= 1
+                self._done.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until every queued write is done; whether they are."""
+        with self._done:
+            return self._done.wait_for(lambda: self._pending == 0, timeout)
+
+
+_WRITER = _StoreWriter()
+
+
 def _check_in(group: Any, store: Any) -> int:
     """Count this rank into a check on ``group``: how many checks it has entered so far.
 
-    The count is kept here and written to the process group's store with ``set``, which
-    awaits no reply, right before the exchange: the other ranks read it only after their
-    exchange has timed out. A failed write is let go (it only names missing ranks after a
-    timeout): every rank must take part in the same exchange."""
+    The count is kept here and written to the process group's store by `_WRITER`, off the
+    check's path: the other ranks read it only after their exchange has timed out. A
+    failed write is let go (it only names missing ranks after a timeout): every rank must
+    take part in the same exchange."""
     key = _counter_key(group, dist.get_rank())
     entry = (id(dist.group.WORLD), key)
     count = _ENTERED[entry] = _ENTERED.get(entry, 0) + 1
-    try:
-        if store is not None:
-            store.set(key, str(count))
-    except Exception:
-        pass
+    if store is not None:
+        _WRITER.put(store, key, str(count))
     return count
 
 
 def _behind(group: Any, arrived: int) -> Optional[List[int]]:
     """The ranks of ``group`` whose counters in the store say they entered fewer than
     ``arrived`` checks; None when the store cannot be read (who is missing is unknown)."""
+    _WRITER.flush(timeout=10.0)
     store = _store()
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     keys = [_counter_key(group, global_rank) for global_rank in ranks]
