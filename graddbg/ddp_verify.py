@@ -8,19 +8,21 @@ list of steps (see ``_check``):
    ``GraddbgTypeError`` on the calling rank, before any collective);
 2. local fingerprints of every tensor (`fingerprints`), computed with torch's own
    kernels on the tensors' device, the same code on CPU and GPU: every word of every
-   tensor mixed with its position, in chunks that stay near the cache, then a few kernels
+   tensor mixed with its position, in one fused kernel where ``torch.compile`` made one
+   (`set_fingerprint_kernel`), else in chunks that stay near the cache, then a few kernels
    over the small table of block values, no host synchronisation; the result is an int64
    ``[tensors x k]`` table
    and its digest (two hashes modulo primes near 2**31), one host synchronisation;
-3. the rendezvous: this rank writes its count of checks entered to the process group's
-   store (a ``set``, which awaits no reply), then one all-gather of a 7-integer header
+3. the rendezvous: one all-gather of a 7-integer header
    on a gloo group (the group itself when it is a gloo group, a gloo side group
    otherwise, created once per group and cached, see `prepare`), waited for at
    most ``timeout``: a hash of the names, shapes and dtypes of the tensors, their count,
    a hash of what was asked, the world size, the digest, and the time the rank started
-   waiting. When some rank never arrives, the others' wait times out and every rank that
-   did arrive raises `DDPTimeoutError` naming the ranks whose counters are behind
-   its own, instead of hanging; a rank that arrives after the others gave up sees from
+   waiting. When the exchange has not ended within a quarter of a second, this rank
+   writes its count of checks entered to the process group's store (healthy checks make
+   no store round trip). When some rank never arrives, the others' wait times out and
+   every rank that did arrive raises `DDPTimeoutError` naming the ranks whose counters
+   are behind its own, instead of hanging; a rank that arrives after the others gave up sees from
    their times that it is late, and raises too. (Where the store cannot be reached, a
    monitored barrier on that gloo group names the missing ranks first.)
 4. the structure, before any value: a rank whose fingerprinting failed says so in its
@@ -112,9 +114,7 @@ import dataclasses
 import hashlib
 import itertools
 import math
-import queue
 import re
-import threading
 import time
 from datetime import timedelta
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
@@ -1074,71 +1074,44 @@ def _counter_key(group: Any, global_rank: int) -> str:
 
 
 # Checks this process has entered, by default group and counter key (group and rank); the
-# store holds a copy, written at each check
+# store gets a copy when an exchange is slow (`_settle`)
 _ENTERED: dict = {}
+_QUIET = 0.25       # seconds an exchange may take before this rank's count goes to the store
 
 
-class _StoreWriter:
-    """Writes the check-in counters to the store from one daemon thread, off the check's
-    path: a store ``set`` waits for the store's reply (a round trip to rank 0's host, which
-    every rank makes at each check), and the counters are read only after an exchange has
-    timed out (`_behind` waits for this rank's own writes first). c10d stores serialise
-    their operations, so the thread shares the store with the rest of the process."""
-
-    def __init__(self) -> None:
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._pending = 0
-        self._done = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
-
-    def put(self, store: Any, key: str, value: str) -> None:
-        with self._done:
-            self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="graddbg-ddp-verify-store",
-                                                daemon=True)
-                self._thread.start()
-        self._queue.put((store, key, value))
-
-    def _run(self) -> None:
-        while True:
-            store, key, value = self._queue.get()
-            try:
-                store.set(key, value)
-            except Exception:   # a failed write only leaves missing ranks unnamed after a timeout
-                pass
-            with self._done:
-                self._pending -= 1
-                self._done.notify_all()
-
-    def flush(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` s) until every queued write is done; whether they are."""
-        with self._done:
-            return self._done.wait_for(lambda: self._pending == 0, timeout)
-
-
-_WRITER = _StoreWriter()
-
-
-def _check_in(group: Any, store: Any) -> int:
-    """Count this rank into a check on ``group``: how many checks it has entered so far.
-
-    The count is kept here and written to the process group's store by `_WRITER`, off the
-    check's path: the other ranks read it only after their exchange has timed out. A
-    failed write is let go (it only names missing ranks after a timeout): every rank must
-    take part in the same exchange."""
+def _check_in(group: Any) -> Tuple[str, int]:
+    """Count this rank into a check on ``group``: its store key and how many checks it has
+    entered so far (kept here; `_settle` writes it to the store when the exchange is slow)."""
     key = _counter_key(group, dist.get_rank())
     entry = (id(dist.group.WORLD), key)
     count = _ENTERED[entry] = _ENTERED.get(entry, 0) + 1
-    if store is not None:
-        _WRITER.put(store, key, str(count))
-    return count
+    return key, count
+
+
+def _settle(work: Any, store: Any, key: str, count: int, timeout: timedelta) -> None:
+    """Wait for the exchange ``work``, at most ``timeout``. A healthy exchange ends within
+    milliseconds and costs no store operation (a ``set`` waits for a round trip to rank 0's
+    host). One still running after ``_QUIET`` s writes this rank's check count to the store
+    first, so that ranks whose exchange times out (after at least seconds more) can name
+    the ranks that never entered the check (`_behind`); a failed write is let go."""
+    quiet = min(_QUIET, timeout.total_seconds() / 4)
+    start = time.perf_counter()
+    pause = 0.0
+    while not work.is_completed() and time.perf_counter() - start < quiet:
+        time.sleep(pause)
+        pause = min(2 * pause or 1e-5, 1e-3)
+    if not work.is_completed() and store is not None:
+        try:
+            store.set(key, str(count))
+        except Exception:
+            pass
+    work.wait(timeout=max(timeout - timedelta(seconds=time.perf_counter() - start),
+                          timedelta(milliseconds=1)))
 
 
 def _behind(group: Any, arrived: int) -> Optional[List[int]]:
     """The ranks of ``group`` whose counters in the store say they entered fewer than
     ``arrived`` checks; None when the store cannot be read (who is missing is unknown)."""
-    _WRITER.flush(timeout=10.0)
     store = _store()
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     keys = [_counter_key(group, global_rank) for global_rank in ranks]
@@ -1157,12 +1130,12 @@ def _rendezvous(options: _Options, header: List[int]) -> List[List[int]]:
     store = _store()
     if store is None:
         _barrier(options.fn, options.group, options.timeout)
-    arrived = _check_in(options.group, store)
+    key, arrived = _check_in(options.group)
     wire = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
     out = [torch.empty_like(wire) for _ in range(dist.get_world_size(options.group))]
     work = dist.all_gather(out, wire, group=exchange, async_op=True)
     try:
-        work.wait(timeout=options.timeout)
+        _settle(work, store, key, arrived, options.timeout)
     except RuntimeError as err:
         behind = _behind(options.group, arrived)
         what = ("every rank entered the check, but the exchange" if behind == [] else

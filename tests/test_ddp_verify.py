@@ -8,6 +8,7 @@ it saw; the tests below assert on those records, for every rank.
 from __future__ import annotations
 
 import math
+import time
 import random
 from datetime import timedelta
 
@@ -450,9 +451,24 @@ def test_bad_arguments_are_reported_before_the_missing_process_group(monkeypatch
 @pytest.mark.timeout(60)
 def test_missing_ranks_are_named_from_the_store_or_not_at_all(one_rank_world, monkeypatch):
     """After a timed-out exchange, the counters in the store name the ranks that did not
-    enter the check; when the store cannot be read, no rank is blamed."""
+    enter the check; when the store cannot be read, no rank is blamed. A rank writes its
+    counter only when its exchange is slow."""
     ddp_verify.check_parameters(torch.nn.Linear(2, 2))
-    entered = ddp_verify._ENTERED[(id(dist.group.WORLD), ddp_verify._counter_key(None, 0))]
+    key = ddp_verify._counter_key(None, 0)
+    entered = ddp_verify._ENTERED[(id(dist.group.WORLD), key)]
+
+    class Slow:                                             # an exchange still running
+        waited = None
+
+        def is_completed(self):
+            return False
+
+        def wait(self, timeout):
+            Slow.waited = timeout
+    started = time.perf_counter()
+    ddp_verify._settle(Slow(), ddp_verify._store(), key, entered, timedelta(seconds=2))
+    assert ddp_verify._QUIET <= time.perf_counter() - started < 1.5
+    assert timedelta(seconds=1.5) < Slow.waited < timedelta(seconds=2)
     assert ddp_verify._behind(None, entered) == []
     assert ddp_verify._behind(None, entered + 1) == [0]
 
