@@ -1099,7 +1099,7 @@ def _settle(work: Any, store: Any, key: str, count: int, timeout: timedelta) -> 
     pause = 0.0
     while not work.is_completed() and time.perf_counter() - start < quiet:
         time.sleep(pause)
-        pause = min(2 * pause or 1e-5, 1e-3)
+        pause = min(2 * pause or 1e-5, 1e-4)     # ends at most 0.1 ms after the exchange
     if not work.is_completed() and store is not None:
         try:
             store.set(key, str(count))
