@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from graddbg.stats import StepStats
 
-__all__ = ["is_engine", "find", "Zero", "gather_stats", "local_table", "exact_table"]
+__all__ = ["is_engine", "find", "Zero", "Origin", "gather_stats", "local_table", "exact_table"]
 
 
 def is_engine(obj: Any) -> bool:
@@ -112,30 +112,90 @@ def _torch_optimizer(opt: Any) -> Optional[torch.optim.Optimizer]:
     return opt if isinstance(opt, torch.optim.Optimizer) else None
 
 
-class _StepHook:
-    """``engine.step`` wrapped on the instance (DeepSpeed offers no step hook): ``pre`` and
-    ``post`` run around the steps at an accumulation boundary. ``remove()`` puts it back."""
+class _Wrap:
+    """A method of the engine wrapped on the instance (DeepSpeed offers no hook for it);
+    ``remove()`` puts the engine's own back."""
 
-    def __init__(self, engine: Any, pre: Callable[[], None], post: Callable[[], None]) -> None:
-        self.engine, original = engine, engine.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            at = engine.is_gradient_accumulation_boundary()
-            if at:
-                pre()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                if at:
-                    post()
-
-        self.wrapper = step
-        object.__setattr__(engine, "step", step)
+    def __init__(self, engine: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        self.engine, self.name, self.wrapper = engine, name, wrapper
+        object.__setattr__(engine, name, wrapper)
 
     def remove(self) -> None:
-        if self.engine is not None and self.engine.__dict__.get("step") is self.wrapper:
-            del self.engine.__dict__["step"]
+        if self.engine is not None and self.engine.__dict__.get(self.name) is self.wrapper:
+            del self.engine.__dict__[self.name]
         self.engine = None
+
+
+def _step_hook(engine: Any, pre: Callable[[], None], post: Callable[[], None]) -> _Wrap:
+    """``engine.step`` wrapped: ``pre`` and ``post`` run around the steps at an accumulation
+    boundary."""
+    original = engine.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        at = engine.is_gradient_accumulation_boundary()
+        if at:
+            pre()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if at:
+                post()
+
+    return _Wrap(engine, "step", step)
+
+
+def _keep(kept: List[Tensor], t: Tensor, most: int = 64) -> None:
+    """``t`` into ``kept``; past ``most`` (backward passes that no step read), folded into
+    one sum on the device (non-finite when one of them was)."""
+    kept.append(t)
+    if len(kept) > most:
+        kept[:] = [torch.stack([k.float().reshape(-1).sum() for k in kept]).sum()]
+
+
+class Origin:
+    """Where a non-finite gradient started, from evidence each rank keeps before DeepSpeed
+    reduces its gradients (after the reduction every rank's partition holds the NaN): the
+    loss of each of its micro-batches (a reference to the 0-dim tensor given to
+    ``engine.backward``: no kernel, no host read) and the largest magnitude of the gradient
+    of its model's output (one small on-device reduction per micro-batch, no host read).
+    Read only when the reduced gradients are non-finite: one all-gather of 3 numbers per
+    rank, which every rank enters at the same step (they all see the same table)."""
+
+    def __init__(self) -> None:
+        self.losses: List[Tensor] = []
+        self.out_grads: List[Tensor] = []
+
+    def loss(self, loss: Any) -> None:
+        if isinstance(loss, Tensor):
+            _keep(self.losses, loss.detach())
+
+    def output_grad(self, grad: Tensor) -> None:
+        _keep(self.out_grads, torch.linalg.vector_norm(grad.detach(), math.inf))  # (NaN stays NaN)
+
+    def clear(self) -> None:
+        self.losses.clear()
+        self.out_grads.clear()
+
+    def local(self) -> Tensor:
+        """``[3]`` float32: whether a loss, an output's gradient was non-finite; how many losses seen."""
+        def bad(ts: List[Tensor]) -> float:
+            return float(not bool(torch.isfinite(torch.stack([t.float().reshape(-1).sum() for t in ts])).all())) \
+                if ts else 0.0
+        return torch.tensor([bad(self.losses), bad(self.out_grads), float(len(self.losses))])
+
+    def find(self, group: Any, ranks: Sequence[int]) -> Tuple[Tuple[int, ...], str]:
+        """``(the global ranks where it was first seen, the evidence)``; no ranks when no
+        rank's evidence shows it (it arose later: in the backward pass, the reduction, or an
+        edit of the reduced gradients)."""
+        got = gather(self.local(), group).numpy()
+        for col, what in ((0, "its loss was non-finite"), (1, "the gradient of its model's output was non-finite")):
+            found = tuple(int(ranks[r]) for r in np.nonzero(got[:, col] > 0)[0])
+            if found:
+                return found, f"{what}, before DeepSpeed reduced the gradients"
+        if not got[:, 2].all():
+            return (), "a rank passed no loss to engine.backward()"
+        return (), ("every rank's loss and output gradient were finite: it arose after them, in the "
+                    "backward pass, the reduction or an edit of the reduced gradients")
 
 
 class Zero:
@@ -148,6 +208,7 @@ class Zero:
         self.optimizer = _torch_optimizer(engine.optimizer)  #: the torch optimizer under it
         self._group: Any = None
         self._ranks: Optional[List[int]] = None
+        self.origin = Origin()  #: each rank's evidence of where a non-finite gradient started
 
     @property
     def module(self) -> nn.Module:
@@ -167,9 +228,26 @@ class Zero:
         """Whether DeepSpeed skips a step whose gradients overflowed (fp16, dynamic loss scale)."""
         return bool(self.engine.fp16_enabled() and self.engine.dynamic_loss_scale())
 
-    def hook_step(self, pre: Callable[[], None], post: Callable[[], None]) -> _StepHook:
+    def hook_step(self, pre: Callable[[], None], post: Callable[[], None]) -> _Wrap:
         """``pre``/``post`` around each ``engine.step()`` at an accumulation boundary."""
-        return _StepHook(self.engine, pre, post)
+        return _step_hook(self.engine, pre, post)
+
+    def hook_backward(self) -> _Wrap:
+        """``engine.backward(loss)`` keeps a reference to each micro-batch's loss (`Origin`)."""
+        original, origin = self.engine.backward, self.origin
+
+        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+            origin.loss(loss)
+            return original(loss, *args, **kwargs)
+
+        return _Wrap(self.engine, "backward", backward)
+
+    def find_origin(self) -> Tuple[Tuple[int, ...], str]:
+        """Where this step's non-finite gradients started (see `Origin.find`): call it on
+        every rank at the same step."""
+        if self._ranks is None:
+            self._ranks = global_ranks(self.group)
+        return self.origin.find(self.group, self._ranks)
 
     @property
     def group(self) -> Any:

@@ -42,6 +42,12 @@ class ZeroRecorder(StatsRecorder):
         self._state = (pieces, absmax, table.shape, self.source.loss_scale())
 
     def read(self, step: Step) -> List[Finding]:
+        try:
+            return self._read(step)
+        finally:
+            self.source.origin.clear()  # (the evidence of this step's micro-batches)
+
+    def _read(self, step: Step) -> List[Finding]:
         state, self._state = self._state, None
         if state is None:
             self.history.append(StepRecord(step.index, None, math.nan, math.nan, False, math.nan, self._lr()))
@@ -60,6 +66,9 @@ class ZeroRecorder(StatsRecorder):
         self.history.append(StepRecord(step.index, st if step.due_stats else None, st.global_norm, math.nan,
                                        False, scale_rec, self._lr()))
         step.stats, step.bad, step.first_bad = st, st.bad, step.index
+        if st.bad.any():  # (every rank holds the same table: every rank gathers the evidence)
+            step.origin = self.source.find_origin()
+            self.ctx.host_syncs += 1
         return []
 
     def close(self) -> None:
