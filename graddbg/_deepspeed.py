@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from graddbg.stats import StepStats
+from graddbg.stats import StepStats, absmax_of
 
 __all__ = ["is_engine", "find", "Zero", "Origin", "gather_stats", "local_table", "exact_table"]
 
@@ -208,6 +208,8 @@ class Zero:
         self.optimizer = _torch_optimizer(engine.optimizer)  #: the torch optimizer under it
         self._group: Any = None
         self._ranks: Optional[List[int]] = None
+        self._where: Optional[Tuple[int, int]] = None  # (this rank in the group, the group's size)
+        self._cache: dict = {}  # (local_table's constants)
         self.origin = Origin()  #: each rank's evidence of where a non-finite gradient started
 
     @property
@@ -263,8 +265,10 @@ class Zero:
     def pieces(self, params: Sequence[Tensor]) -> List[Optional[Tensor]]:
         """This rank's piece (1-D) of each parameter's reduced gradient, the pieces of
         all ranks making each gradient once; None where this rank holds none of it."""
-        dist = torch.distributed
-        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if self._where is None:
+            dist = torch.distributed
+            self._where = dist.get_rank(self.group), dist.get_world_size(self.group)
+        rank, world = self._where
         return [_piece(p, rank, world) for p in params]
 
     def numel(self, p: Tensor) -> int:
@@ -275,7 +279,7 @@ class Zero:
         """This rank's pieces and every rank's table of them, ``[world, P, 3]`` (one
         all-gather: the collective of a recorded step)."""
         pieces = self.pieces(params)
-        return pieces, gather(local_table(pieces, absmax), self.group)
+        return pieces, gather(local_table(pieces, absmax, self._cache), self.group)
 
     def combine(self, got: np.ndarray, numel: Sequence[int], absmax: bool, div: float) -> StepStats:
         """The full gradients' statistics from the gathered table (see `gather_stats`)."""
@@ -333,27 +337,46 @@ def _piece(p: Tensor, rank: int, world: int) -> Optional[Tensor]:
     return g.narrow(0, lo, hi - lo)
 
 
-def local_table(pieces: Sequence[Optional[Tensor]], absmax: bool) -> Tensor:
+def local_table(pieces: Sequence[Optional[Tensor]], absmax: bool, cache: Optional[dict] = None) -> Tensor:
     """``[P, 3]`` float32 on this rank: each piece's norm, largest magnitude (0 when not
-    asked for) and whether it exists (1/0). One or two batched kernels; a missing or empty
-    piece counts as a zero."""
+    asked for) and whether it exists (1/0). One batched kernel for the norms, one pass for
+    the largest magnitudes (`graddbg.stats.absmax_of` picks the fast one for the device); a
+    missing or empty piece counts as a zero. ``cache``: the caller's dict, where constants
+    (a zero, the presence column) are kept between calls."""
     dev = next((g.device for g in pieces if g is not None), torch.device("cpu"))
-    zero = torch.zeros(1, device=dev)
-    ts = [g if g is not None and g.numel() else zero for g in pieces]
-    if not ts:
+    if not pieces:
         return torch.zeros(0, 3, device=dev)
+    cache = {} if cache is None else cache
+    zero = cache.get(dev)
+    if zero is None:
+        zero = cache[dev] = torch.zeros((), device=dev)
+    ts = [g if g is not None and g.numel() else zero for g in pieces]
     norms = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))
-    maxes = torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32)) if absmax else torch.zeros_like(norms)
-    flags = torch.tensor([g is not None for g in pieces], dtype=torch.float32).to(dev, non_blocking=True)
+    maxes = absmax_of(ts).float() if absmax else norms.new_zeros(len(ts))
+    present = (dev, tuple(g is not None for g in pieces))
+    flags = cache.get(present)
+    if flags is None:
+        flags = cache[present] = torch.tensor(present[1], dtype=torch.float32, device=dev)
     return torch.stack([norms, maxes, flags], 1)
 
 
 def gather(table: Tensor, group: Any) -> Tensor:
-    """Every rank's table, ``[world, ...]``: the one collective of a recorded step."""
+    """Every rank's table, ``[world, ...]``: the one collective of a recorded step (into one
+    tensor: no list of outputs to allocate and stack)."""
     dist = torch.distributed
-    out = [torch.empty_like(table) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, table.contiguous(), group=group)
-    return torch.stack(out)
+    world = dist.get_world_size(group)
+    if dist.get_backend(group) == "nccl" and table.device.type != "cuda":
+        table = table.to(torch.device("cuda", torch.cuda.current_device()))  # (nccl gathers CUDA tensors only)
+    table = table.contiguous()
+    out = table.new_empty((world * table.shape[0],) + tuple(table.shape[1:]))
+    _all_gather_single(out, table, group)
+    return out.view((world,) + tuple(table.shape))
+
+
+def _all_gather_single(out: Tensor, t: Tensor, group: Any) -> None:
+    dist = torch.distributed
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the newer name first)
+    fn(out, t, group=group)
 
 
 def gather_stats(got: np.ndarray, numel: Sequence[int], absmax: bool, div: float,
@@ -361,19 +384,20 @@ def gather_stats(got: np.ndarray, numel: Sequence[int], absmax: bool, div: float
     """The full gradients' statistics from every rank's table ``got`` ``[world, P, 3]``:
     norms add in quadrature, the largest magnitude is the largest; ``div`` unscales;
     ``shard_ranks`` names the (global) ranks whose piece was non-finite."""
-    W, P = got.shape[0], got.shape[1]
+    P = got.shape[1]
     norms = got[:, :, 0].astype(np.float64)
     has = got[:, :, 2].max(axis=0) > 0
-    with np.errstate(invalid="ignore", over="ignore"):
-        norm = np.sqrt((norms * norms).sum(axis=0)) / div
+    norm = np.sqrt((norms * norms).sum(axis=0)) / div  # (squares of float32 values cannot overflow float64)
     norm[~has] = np.nan
-    amax = got[:, :, 1].astype(np.float64).max(axis=0) / div if absmax else np.full(P, np.nan)
     if absmax:
-        amax[np.isnan(got[:, :, 1]).any(axis=0)] = np.nan
+        amax = got[:, :, 1].astype(np.float64).max(axis=0) / div  # (NaN propagates through max)
         amax[~has] = np.nan
+    else:
+        amax = np.full(P, np.nan)
     st = StepStats(norm, amax, np.zeros(P, dtype=np.int64), has)
     bad = ~np.isfinite(norms)
-    st.shard_ranks = {int(i): [int(ranks[r]) for r in np.nonzero(bad[:, i])[0]] for i in np.nonzero(bad.any(0))[0]}
+    st.shard_ranks = {int(i): [int(ranks[r]) for r in np.nonzero(bad[:, i])[0]]
+                      for i in np.nonzero(bad.any(0))[0]} if bad.any() else {}
     return st
 
 

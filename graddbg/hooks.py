@@ -429,6 +429,8 @@ class Watch(_Results):
         # backward is a step), a few spread over the model with one (when the model is
         # called through another method, as a LightningModule's training_step does)
         P = len(ctx.params)
+        if self._zero is not None:
+            return  # (a DeepSpeedEngine always calls its module: the end of each backward pass is seen from its output)
         for i in (range(P) if opt is None else sorted({(k * P) // 8 for k in range(8)} | {P - 1})):
             if 0 <= i < P:
                 hooks.add(ctx.params[i].register_post_accumulate_grad_hook(self._on_param_grad))
