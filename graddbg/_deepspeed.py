@@ -156,8 +156,8 @@ class Origin:
     """Where a non-finite gradient started, from evidence each rank keeps before DeepSpeed
     reduces its gradients (after the reduction every rank's partition holds the NaN): the
     loss of each of its micro-batches (a reference to the 0-dim tensor given to
-    ``engine.backward``: no kernel, no host read) and the largest magnitude of the gradient
-    of its model's output (one small on-device reduction per micro-batch, no host read).
+    ``engine.backward``: no kernel, no host read) and the sum of the gradient of its model's
+    output (one reduction on the device per micro-batch, no host read).
     Read only when the reduced gradients are non-finite: one all-gather of 3 numbers per
     rank, which every rank enters at the same step (they all see the same table)."""
 
@@ -170,7 +170,9 @@ class Origin:
             _keep(self.losses, loss.detach())
 
     def output_grad(self, grad: Tensor) -> None:
-        _keep(self.out_grads, torch.linalg.vector_norm(grad.detach(), math.inf))  # (NaN stays NaN)
+        # (one reduction, non-finite when an entry is; float32, so that a finite fp16 gradient's
+        # sum does not overflow)
+        _keep(self.out_grads, grad.detach().sum(dtype=torch.float32))
 
     def clear(self) -> None:
         self.losses.clear()
@@ -281,11 +283,11 @@ class Zero:
         pieces = self.pieces(params)
         return pieces, gather(local_table(pieces, absmax, self._cache), self.group)
 
-    def combine(self, got: np.ndarray, numel: Sequence[int], absmax: bool, div: float) -> StepStats:
+    def combine(self, got: np.ndarray, absmax: bool, div: float) -> StepStats:
         """The full gradients' statistics from the gathered table (see `gather_stats`)."""
         if self._ranks is None:
             self._ranks = global_ranks(self.group)
-        return gather_stats(got, numel, absmax, div, self._ranks)
+        return gather_stats(got, absmax, div, self._ranks)
 
     def rescue(self, st: StepStats, pieces: Sequence[Optional[Tensor]], div: float) -> bool:
         return rescue(st, pieces, self.group, div)
@@ -379,25 +381,28 @@ def _all_gather_single(out: Tensor, t: Tensor, group: Any) -> None:
     fn(out, t, group=group)
 
 
-def gather_stats(got: np.ndarray, numel: Sequence[int], absmax: bool, div: float,
-                 ranks: Sequence[int]) -> StepStats:
+def gather_stats(got: np.ndarray, absmax: bool, div: float, ranks: Sequence[int]) -> StepStats:
     """The full gradients' statistics from every rank's table ``got`` ``[world, P, 3]``:
     norms add in quadrature, the largest magnitude is the largest; ``div`` unscales;
     ``shard_ranks`` names the (global) ranks whose piece was non-finite."""
     P = got.shape[1]
     norms = got[:, :, 0].astype(np.float64)
     has = got[:, :, 2].max(axis=0) > 0
-    norm = np.sqrt((norms * norms).sum(axis=0)) / div  # (squares of float32 values cannot overflow float64)
+    norm = np.sqrt(np.einsum("wp,wp->p", norms, norms))  # (squares of float32 values cannot overflow float64)
+    if div != 1.0:
+        norm /= div
     norm[~has] = np.nan
     if absmax:
-        amax = got[:, :, 1].astype(np.float64).max(axis=0) / div  # (NaN propagates through max)
+        amax = got[:, :, 1].max(axis=0).astype(np.float64)  # (NaN propagates through max)
+        if div != 1.0:
+            amax /= div
         amax[~has] = np.nan
     else:
         amax = np.full(P, np.nan)
-    st = StepStats(norm, amax, np.zeros(P, dtype=np.int64), has)
-    bad = ~np.isfinite(norms)
-    st.shard_ranks = {int(i): [int(ranks[r]) for r in np.nonzero(bad[:, i])[0]]
-                      for i in np.nonzero(bad.any(0))[0]} if bad.any() else {}
+    st = StepStats(norm, amax, np.zeros(P, dtype=np.int64), has, shard_ranks={})
+    if not np.isfinite(norm[has]).all():  # (a sum of squares is finite when every piece is)
+        bad = ~np.isfinite(norms)
+        st.shard_ranks = {int(i): [int(ranks[r]) for r in np.nonzero(bad[:, i])[0]] for i in np.nonzero(bad.any(0))[0]}
     return st
 
 

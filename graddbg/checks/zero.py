@@ -14,7 +14,7 @@ import math
 from typing import Any, List
 
 
-from graddbg.checks.base import BackwardEnd, Finding, Step
+from graddbg.checks.base import Check, Finding, Step
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.stats import StepRecord
 
@@ -29,8 +29,9 @@ class ZeroRecorder(StatsRecorder):
         self.source = source
         self._state: Any = None
 
-    def on_backward_end(self, bw: BackwardEnd) -> None:
-        pass  # (a micro-batch's local, unreduced gradients: nothing to read)
+    # (a micro-batch's local, unreduced gradients: nothing to read at the end of a backward
+    # pass; the base class's no-op, so that the watch does not call it)
+    on_backward_end = Check.on_backward_end
 
     def queue(self, step: Step) -> None:
         if not step.read:
@@ -38,8 +39,12 @@ class ZeroRecorder(StatsRecorder):
             return
         absmax = self._absmax_due(step.index, [])
         pieces, table = self.source.read(self.ctx.params, absmax)
-        step.readback.add("zero_table", table)
-        self._state = (pieces, absmax, table.shape, self.source.loss_scale())
+        if table.device.type == "cpu":  # (already on the host: nothing to synchronise)
+            host = table.numpy()
+        else:
+            host = None
+            step.readback.add("zero_table", table)
+        self._state = (pieces, absmax, table.shape, self.source.loss_scale(), host)
 
     def read(self, step: Step) -> List[Finding]:
         try:
@@ -52,8 +57,9 @@ class ZeroRecorder(StatsRecorder):
         if state is None:
             self.history.append(StepRecord(step.index, None, math.nan, math.nan, False, math.nan, self._lr()))
             return []
-        pieces, absmax, shape, scale = state
-        st = self.source.combine(step.got["zero_table"].reshape(tuple(shape)), self.ctx.numel, absmax, scale)
+        pieces, absmax, shape, scale, host = state
+        got = host if host is not None else step.got["zero_table"].reshape(tuple(shape))
+        st = self.source.combine(got, absmax, scale)
         if self.source.rescue(st, pieces, scale):
             self.ctx.host_syncs += 1
         self.ever_grad |= st.has_grad
