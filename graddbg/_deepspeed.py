@@ -210,7 +210,7 @@ class Zero:
         self.optimizer = _torch_optimizer(engine.optimizer)  #: the torch optimizer under it
         self._group: Any = None
         self._ranks: Optional[List[int]] = None
-        self._where: Optional[Tuple[int, int]] = None  # (this rank in the group, the group's size)
+        self._where: Optional[Tuple[int, int, bool]] = None  # (this rank in the group, its size, NCCL)
         self._cache: dict = {}  # (local_table's constants)
         self.origin = Origin()  #: each rank's evidence of where a non-finite gradient started
 
@@ -269,8 +269,9 @@ class Zero:
         all ranks making each gradient once; None where this rank holds none of it."""
         if self._where is None:
             dist = torch.distributed
-            self._where = dist.get_rank(self.group), dist.get_world_size(self.group)
-        rank, world = self._where
+            self._where = (dist.get_rank(self.group), dist.get_world_size(self.group),
+                           dist.get_backend(self.group) == "nccl")
+        rank, world, _ = self._where
         return [_piece(p, rank, world) for p in params]
 
     def numel(self, p: Tensor) -> int:
@@ -281,7 +282,8 @@ class Zero:
         """This rank's pieces and every rank's table of them, ``[world, P, 3]`` (one
         all-gather: the collective of a recorded step)."""
         pieces = self.pieces(params)
-        return pieces, gather(local_table(pieces, absmax, self._cache), self.group)
+        _, world, nccl = self._where
+        return pieces, gather(local_table(pieces, absmax, self._cache), self.group, world, nccl)
 
     def combine(self, got: np.ndarray, absmax: bool, div: float) -> StepStats:
         """The full gradients' statistics from the gathered table (see `gather_stats`)."""
@@ -354,7 +356,12 @@ def local_table(pieces: Sequence[Optional[Tensor]], absmax: bool, cache: Optiona
         zero = cache[dev] = torch.zeros((), device=dev)
     ts = [g if g is not None and g.numel() else zero for g in pieces]
     norms = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))
-    maxes = absmax_of(ts).float() if absmax else norms.new_zeros(len(ts))
+    if absmax:
+        maxes = absmax_of(ts).float()
+    else:
+        maxes = cache.get((dev, len(ts)))
+        if maxes is None:
+            maxes = cache[(dev, len(ts))] = torch.zeros(len(ts), device=dev)
     present = (dev, tuple(g is not None for g in pieces))
     flags = cache.get(present)
     if flags is None:
@@ -362,12 +369,14 @@ def local_table(pieces: Sequence[Optional[Tensor]], absmax: bool, cache: Optiona
     return torch.stack([norms, maxes, flags], 1)
 
 
-def gather(table: Tensor, group: Any) -> Tensor:
+def gather(table: Tensor, group: Any, world: Optional[int] = None, nccl: Optional[bool] = None) -> Tensor:
     """Every rank's table, ``[world, ...]``: the one collective of a recorded step (into one
-    tensor: no list of outputs to allocate and stack)."""
+    tensor: no list of outputs to allocate and stack). ``world``, ``nccl``: the group's size
+    and whether its backend is NCCL, when the caller knows them."""
     dist = torch.distributed
-    world = dist.get_world_size(group)
-    if dist.get_backend(group) == "nccl" and table.device.type != "cuda":
+    world = dist.get_world_size(group) if world is None else world
+    nccl = dist.get_backend(group) == "nccl" if nccl is None else nccl
+    if nccl and table.device.type != "cuda":
         table = table.to(torch.device("cuda", torch.cuda.current_device()))  # (nccl gathers CUDA tensors only)
     table = table.contiguous()
     out = table.new_empty((world * table.shape[0],) + tuple(table.shape[1:]))
@@ -428,6 +437,8 @@ def rescue(st: StepStats, pieces: Sequence[Optional[Tensor]], group: Any, div: f
     """Exact counts and float64 norms of the parameters whose norm is non-finite (every
     rank has the same suspects, so every rank makes the same one collective). Returns
     whether it ran."""
+    if not st.shard_ranks:  # (a norm is non-finite only where a rank's piece is)
+        return False
     idx = [int(i) for i in np.nonzero(st.has_grad & ~np.isfinite(st.norm))[0]]
     if not idx:
         return False

@@ -64,7 +64,7 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
             for step in range(STEPS):
                 for _ in range(gas):
                     here = step == nan_at and rank == nan_rank
-                    x = _batch(rank, micro, dtype, nan=here and nan_how == "input")
+                    x = _batch(rank, micro, dtype, nan=here and nan_how == "input").to(engine.device)
                     micro += 1
                     out = engine(x).float()
                     loss = out.pow(2).mean()
@@ -160,6 +160,23 @@ def main(rank: int, world: int, port: int, out: str, cases: list) -> None:
                     record[case] = run_case(**CASES[case])
             else:
                 record[case] = run_case(**CASES[case])
+    except BaseException:
+        record = {"error": traceback.format_exc()}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    torch.distributed.destroy_process_group()
+
+
+def main_cuda(rank: int, world: int, port: int, out: str) -> None:
+    """One rank on one GPU (nccl): fp16 ZeRO-2 with DeepSpeed's CUDA accelerator, healthy
+    (accumulation 2, clipping) and overflowing (a loss scale of 2**32)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), DS_ACCELERATOR="cuda")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl", timeout=timedelta(seconds=60))
+    try:
+        record = {case: run_case(**CASES[case]) for case in ("z2_fp16", "z2_fp16_overflow")}
     except BaseException:
         record = {"error": traceback.format_exc()}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

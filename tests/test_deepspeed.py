@@ -13,6 +13,7 @@ import math
 import pytest
 
 import _deepspeed_worker as worker
+from conftest import requires_cuda
 from _dist import spawn
 
 # (deepspeed is imported only in the spawned ranks: importing it here would change the
@@ -148,6 +149,24 @@ def test_fp16_overflow_is_a_skipped_step_not_an_anomaly(world):
         assert rec["scale"][0] == 2.0 ** 32 and rec["scale"][-1] < 2.0 ** 32  # lowered as DeepSpeed did
         assert rec["scale"] == [rec["ds_scale"][str(s)] for s in range(worker.STEPS)]
         assert rec["raised"] is None and rec["anomalies"] == [] and rec["norms"] == {}
+
+
+@requires_cuda
+def test_fp16_zero2_on_one_gpu(tmp_path):
+    """fp16 ZeRO-2 on one GPU (one rank, nccl, DeepSpeed's CUDA accelerator, no patch):
+    unscaled norms equal to safe_get_full_grad's over the loss scale; an overflow is a
+    skipped step, not an anomaly."""
+    rec = spawn(worker.main_cuda, 1, lambda r, port: (r, 1, port, str(tmp_path)), lambda r: tmp_path / f"rank{r}.json",
+                timeout=240)[0]
+    ok = rec["z2_fp16"]
+    assert ok["meta"] == "ZeRO stage 2" and ok["anomalies"] == [] and not any(ok["overflow"])
+    assert sorted(ok["norms"]) == [str(s) for s in range(worker.STEPS)]
+    for step, ref in ok["ref"].items():
+        for name, want in ref.items():
+            assert ok["norms"][step][name] == pytest.approx(want / ok["ds_scale"][step], rel=1e-3), (step, name)
+    over = rec["z2_fp16_overflow"]
+    assert over["overflow"] == [True] * worker.STEPS and over["ds_skipped"] == worker.STEPS
+    assert over["raised"] is None and over["anomalies"] == []
 
 
 @pytest.mark.parametrize("case", ["verify0", "verify1", "verify2", "verify3"])

@@ -60,10 +60,13 @@ class ZeroRecorder(StatsRecorder):
         pieces, absmax, shape, scale, host = state
         got = host if host is not None else step.got["zero_table"].reshape(tuple(shape))
         st = self.source.combine(got, absmax, scale)
-        if self.source.rescue(st, pieces, scale):
-            self.ctx.host_syncs += 1
+        any_bad = False
+        if st.shard_ranks:  # (a rank's piece was non-finite: exact counts, float64 norms)
+            if self.source.rescue(st, pieces, scale):
+                self.ctx.host_syncs += 1
+            any_bad = bool(st.bad.any())
         self.ever_grad |= st.has_grad
-        if st.bad.any() and self.source.skips_overflow():
+        if any_bad and self.source.skips_overflow():
             # fp16's dynamic loss scale overflowed: DeepSpeed skips this step and lowers the
             # scale by design; an overflow step, as with GradScaler, not an anomaly
             self.history.append(StepRecord(step.index, None, math.nan, math.nan, True, scale, self._lr()))
@@ -72,7 +75,7 @@ class ZeroRecorder(StatsRecorder):
         self.history.append(StepRecord(step.index, st if step.due_stats else None, st.global_norm, math.nan,
                                        False, scale_rec, self._lr()))
         step.stats, step.bad, step.first_bad = st, st.bad, step.index
-        if st.bad.any():  # (every rank holds the same table: every rank gathers the evidence)
+        if any_bad:  # (every rank holds the same table: every rank gathers the evidence)
             step.origin = self.source.find_origin()
             self.ctx.host_syncs += 1
         return []
