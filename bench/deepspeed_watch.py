@@ -14,16 +14,20 @@ shuffled order on both ranks each repeat:
 
 Each timing of n steps starts after one untimed step of the same variant and a barrier and
 ends with a barrier (the slower rank's wall time). Rank 0 prints the median time per step,
-the paired ratio to bare (the median over repeats of each repeat's ratio) and the watch's
-overhead as a multiple of the floor's (target: <= 1.5x).
+the paired ratio to bare (the median over repeats of each repeat's ratio), the watch's
+overhead as a multiple of the floor's (target: <= 1.5x), and each variant's paired added
+time per step with its quartiles over the repeats (on a shared machine the ratio of two
+small overheads moves a lot between runs: the quartiles show by how much).
 
     .venv/bin/python bench/deepspeed_watch.py
     .venv/bin/python bench/deepspeed_watch.py --repeats 9 --steps 5 --width 512
+    .venv/bin/python bench/deepspeed_watch.py --world 1 --repeats 25 --steps 20   # the fixed cost, one rank
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import socket
@@ -38,7 +42,6 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WORLD = 2
 VARIANTS = ("bare", "floor", "watch", "watch:norm")
 
 
@@ -111,8 +114,9 @@ def _time(v: Variant, n: int) -> None:
 
 
 def _worker(rank: int, port: int, args: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
+    world = args["world"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
     torch.set_num_threads(args["threads"])
     import deepspeed
 
@@ -136,16 +140,20 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
 
 
 def _report(res: dict, args: dict) -> None:
-    print(f"ZeRO-2, {WORLD} ranks (gloo, CPU), MLP width {args['width']} x {args['depth']} "
+    print(f"ZeRO-2, {args['world']} rank(s) (gloo, CPU), MLP width {args['width']} x {args['depth']} "
           f"({res['params'] / 1e6:.2f}M parameters), {args['repeats']} repeats x {args['steps']} steps")
-    for clock, t in (("cpu time of both ranks", res["cpu"]), ("wall time", res["times"])):
+    for clock, t in (("cpu time of all ranks", res["cpu"]), ("wall time", res["times"])):
         paired = {n: statistics.median(a / b for a, b in zip(t[n], t["bare"])) for n in VARIANTS}
-        print(f"-- {clock}\n{'variant':<12}{'ms/step':>10}{'x bare':>9}{'overhead / floor overhead':>28}")
+        print(f"-- {clock}\n{'variant':<12}{'ms/step':>10}{'x bare':>9}{'overhead / floor overhead':>28}"
+              f"{'+ms/step (quartiles)':>28}")
         floor_over = paired["floor"] - 1
         for n in VARIANTS:
             rel = (paired[n] - 1) / floor_over if floor_over > 0 else float("nan")
             shown = "" if n in ("bare", "floor") else f"{rel:.2f}x"
-            print(f"{n:<12}{statistics.median(t[n]) * 1e3:>10.2f}{paired[n]:>9.3f}{shown:>28}")
+            q = statistics.quantiles([(a - b) * 1e3 for a, b in zip(t[n], t["bare"])], n=4) if len(t[n]) > 1 \
+                else [math.nan] * 3
+            spread = "" if n == "bare" else f"{q[1]:+.2f} ({q[0]:+.2f} .. {q[2]:+.2f})"
+            print(f"{n:<12}{statistics.median(t[n]) * 1e3:>10.2f}{paired[n]:>9.3f}{shown:>28}{spread:>28}")
     print("target: watch overhead <= 1.5x the floor's")
 
 
@@ -156,12 +164,14 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--world", type=int, default=2, help="ranks (1: the watch's fixed cost without the other "
+                                                          "rank's noise)")
     args = vars(ap.parse_args())
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"deepspeed_watch_{os.getpid()}.json")
-    mp.start_processes(_worker, args=(port, args, out), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_worker, args=(port, args, out), nprocs=args["world"], start_method="spawn")
     with open(out) as f:
         _report(json.load(f), args)
     os.remove(out)

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from graddbg.stats import StepStats
+from graddbg.stats import StepStats, absmax_of
 
-__all__ = ["is_engine", "find", "Zero", "gather_stats", "local_table", "exact_table"]
+__all__ = ["is_engine", "find", "Zero", "Origin", "gather_stats", "local_table", "exact_table"]
 
 
 def is_engine(obj: Any) -> bool:
@@ -112,30 +112,92 @@ def _torch_optimizer(opt: Any) -> Optional[torch.optim.Optimizer]:
     return opt if isinstance(opt, torch.optim.Optimizer) else None
 
 
-class _StepHook:
-    """``engine.step`` wrapped on the instance (DeepSpeed offers no step hook): ``pre`` and
-    ``post`` run around the steps at an accumulation boundary. ``remove()`` puts it back."""
+class _Wrap:
+    """A method of the engine wrapped on the instance (DeepSpeed offers no hook for it);
+    ``remove()`` puts the engine's own back."""
 
-    def __init__(self, engine: Any, pre: Callable[[], None], post: Callable[[], None]) -> None:
-        self.engine, original = engine, engine.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            at = engine.is_gradient_accumulation_boundary()
-            if at:
-                pre()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                if at:
-                    post()
-
-        self.wrapper = step
-        object.__setattr__(engine, "step", step)
+    def __init__(self, engine: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        self.engine, self.name, self.wrapper = engine, name, wrapper
+        object.__setattr__(engine, name, wrapper)
 
     def remove(self) -> None:
-        if self.engine is not None and self.engine.__dict__.get("step") is self.wrapper:
-            del self.engine.__dict__["step"]
+        if self.engine is not None and self.engine.__dict__.get(self.name) is self.wrapper:
+            del self.engine.__dict__[self.name]
         self.engine = None
+
+
+def _step_hook(engine: Any, pre: Callable[[], None], post: Callable[[], None]) -> _Wrap:
+    """``engine.step`` wrapped: ``pre`` and ``post`` run around the steps at an accumulation
+    boundary."""
+    original = engine.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        at = engine.is_gradient_accumulation_boundary()
+        if at:
+            pre()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if at:
+                post()
+
+    return _Wrap(engine, "step", step)
+
+
+def _keep(kept: List[Tensor], t: Tensor, most: int = 64) -> None:
+    """``t`` into ``kept``; past ``most`` (backward passes that no step read), folded into
+    one sum on the device (non-finite when one of them was)."""
+    kept.append(t)
+    if len(kept) > most:
+        kept[:] = [torch.stack([k.float().reshape(-1).sum() for k in kept]).sum()]
+
+
+class Origin:
+    """Where a non-finite gradient started, from evidence each rank keeps before DeepSpeed
+    reduces its gradients (after the reduction every rank's partition holds the NaN): the
+    loss of each of its micro-batches (a reference to the 0-dim tensor given to
+    ``engine.backward``: no kernel, no host read) and the sum of the gradient of its model's
+    output (one reduction on the device per micro-batch, no host read).
+    Read only when the reduced gradients are non-finite: one all-gather of 3 numbers per
+    rank, which every rank enters at the same step (they all see the same table)."""
+
+    def __init__(self) -> None:
+        self.losses: List[Tensor] = []
+        self.out_grads: List[Tensor] = []
+
+    def loss(self, loss: Any) -> None:
+        if isinstance(loss, Tensor):
+            _keep(self.losses, loss.detach())
+
+    def output_grad(self, grad: Tensor) -> None:
+        # (one reduction, non-finite when an entry is; float32, so that a finite fp16 gradient's
+        # sum does not overflow)
+        _keep(self.out_grads, grad.detach().sum(dtype=torch.float32))
+
+    def clear(self) -> None:
+        self.losses.clear()
+        self.out_grads.clear()
+
+    def local(self) -> Tensor:
+        """``[3]`` float32: whether a loss, an output's gradient was non-finite; how many losses seen."""
+        def bad(ts: List[Tensor]) -> float:
+            return float(not bool(torch.isfinite(torch.stack([t.float().reshape(-1).sum() for t in ts])).all())) \
+                if ts else 0.0
+        return torch.tensor([bad(self.losses), bad(self.out_grads), float(len(self.losses))])
+
+    def find(self, group: Any, ranks: Sequence[int]) -> Tuple[Tuple[int, ...], str]:
+        """``(the global ranks where it was first seen, the evidence)``; no ranks when no
+        rank's evidence shows it (it arose later: in the backward pass, the reduction, or an
+        edit of the reduced gradients)."""
+        got = gather(self.local(), group).numpy()
+        for col, what in ((0, "its loss was non-finite"), (1, "the gradient of its model's output was non-finite")):
+            found = tuple(int(ranks[r]) for r in np.nonzero(got[:, col] > 0)[0])
+            if found:
+                return found, f"{what}, before DeepSpeed reduced the gradients"
+        if not got[:, 2].all():
+            return (), "a rank passed no loss to engine.backward()"
+        return (), ("every rank's loss and output gradient were finite: it arose after them, in the "
+                    "backward pass, the reduction or an edit of the reduced gradients")
 
 
 class Zero:
@@ -148,6 +210,9 @@ class Zero:
         self.optimizer = _torch_optimizer(engine.optimizer)  #: the torch optimizer under it
         self._group: Any = None
         self._ranks: Optional[List[int]] = None
+        self._where: Optional[Tuple[int, int, bool]] = None  # (this rank in the group, its size, NCCL)
+        self._cache: dict = {}  # (local_table's constants)
+        self.origin = Origin()  #: each rank's evidence of where a non-finite gradient started
 
     @property
     def module(self) -> nn.Module:
@@ -167,9 +232,26 @@ class Zero:
         """Whether DeepSpeed skips a step whose gradients overflowed (fp16, dynamic loss scale)."""
         return bool(self.engine.fp16_enabled() and self.engine.dynamic_loss_scale())
 
-    def hook_step(self, pre: Callable[[], None], post: Callable[[], None]) -> _StepHook:
+    def hook_step(self, pre: Callable[[], None], post: Callable[[], None]) -> _Wrap:
         """``pre``/``post`` around each ``engine.step()`` at an accumulation boundary."""
-        return _StepHook(self.engine, pre, post)
+        return _step_hook(self.engine, pre, post)
+
+    def hook_backward(self) -> _Wrap:
+        """``engine.backward(loss)`` keeps a reference to each micro-batch's loss (`Origin`)."""
+        original, origin = self.engine.backward, self.origin
+
+        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+            origin.loss(loss)
+            return original(loss, *args, **kwargs)
+
+        return _Wrap(self.engine, "backward", backward)
+
+    def find_origin(self) -> Tuple[Tuple[int, ...], str]:
+        """Where this step's non-finite gradients started (see `Origin.find`): call it on
+        every rank at the same step."""
+        if self._ranks is None:
+            self._ranks = global_ranks(self.group)
+        return self.origin.find(self.group, self._ranks)
 
     @property
     def group(self) -> Any:
@@ -185,8 +267,11 @@ class Zero:
     def pieces(self, params: Sequence[Tensor]) -> List[Optional[Tensor]]:
         """This rank's piece (1-D) of each parameter's reduced gradient, the pieces of
         all ranks making each gradient once; None where this rank holds none of it."""
-        dist = torch.distributed
-        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if self._where is None:
+            dist = torch.distributed
+            self._where = (dist.get_rank(self.group), dist.get_world_size(self.group),
+                           dist.get_backend(self.group) == "nccl")
+        rank, world, _ = self._where
         return [_piece(p, rank, world) for p in params]
 
     def numel(self, p: Tensor) -> int:
@@ -197,13 +282,14 @@ class Zero:
         """This rank's pieces and every rank's table of them, ``[world, P, 3]`` (one
         all-gather: the collective of a recorded step)."""
         pieces = self.pieces(params)
-        return pieces, gather(local_table(pieces, absmax), self.group)
+        _, world, nccl = self._where
+        return pieces, gather(local_table(pieces, absmax, self._cache), self.group, world, nccl)
 
-    def combine(self, got: np.ndarray, numel: Sequence[int], absmax: bool, div: float) -> StepStats:
+    def combine(self, got: np.ndarray, absmax: bool, div: float) -> StepStats:
         """The full gradients' statistics from the gathered table (see `gather_stats`)."""
         if self._ranks is None:
             self._ranks = global_ranks(self.group)
-        return gather_stats(got, numel, absmax, div, self._ranks)
+        return gather_stats(got, absmax, div, self._ranks)
 
     def rescue(self, st: StepStats, pieces: Sequence[Optional[Tensor]], div: float) -> bool:
         return rescue(st, pieces, self.group, div)
@@ -255,47 +341,77 @@ def _piece(p: Tensor, rank: int, world: int) -> Optional[Tensor]:
     return g.narrow(0, lo, hi - lo)
 
 
-def local_table(pieces: Sequence[Optional[Tensor]], absmax: bool) -> Tensor:
+def local_table(pieces: Sequence[Optional[Tensor]], absmax: bool, cache: Optional[dict] = None) -> Tensor:
     """``[P, 3]`` float32 on this rank: each piece's norm, largest magnitude (0 when not
-    asked for) and whether it exists (1/0). One or two batched kernels; a missing or empty
-    piece counts as a zero."""
+    asked for) and whether it exists (1/0). One batched kernel for the norms, one pass for
+    the largest magnitudes (`graddbg.stats.absmax_of` picks the fast one for the device); a
+    missing or empty piece counts as a zero. ``cache``: the caller's dict, where constants
+    (a zero, the presence column) are kept between calls."""
     dev = next((g.device for g in pieces if g is not None), torch.device("cpu"))
-    zero = torch.zeros(1, device=dev)
-    ts = [g if g is not None and g.numel() else zero for g in pieces]
-    if not ts:
+    if not pieces:
         return torch.zeros(0, 3, device=dev)
+    cache = {} if cache is None else cache
+    zero = cache.get(dev)
+    if zero is None:
+        zero = cache[dev] = torch.zeros((), device=dev)
+    ts = [g if g is not None and g.numel() else zero for g in pieces]
     norms = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))
-    maxes = torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32)) if absmax else torch.zeros_like(norms)
-    flags = torch.tensor([g is not None for g in pieces], dtype=torch.float32).to(dev, non_blocking=True)
+    if absmax:
+        maxes = absmax_of(ts).float()
+    else:
+        maxes = cache.get((dev, len(ts)))
+        if maxes is None:
+            maxes = cache[(dev, len(ts))] = torch.zeros(len(ts), device=dev)
+    present = (dev, tuple(g is not None for g in pieces))
+    flags = cache.get(present)
+    if flags is None:
+        flags = cache[present] = torch.tensor(present[1], dtype=torch.float32, device=dev)
     return torch.stack([norms, maxes, flags], 1)
 
 
-def gather(table: Tensor, group: Any) -> Tensor:
-    """Every rank's table, ``[world, ...]``: the one collective of a recorded step."""
+def gather(table: Tensor, group: Any, world: Optional[int] = None, nccl: Optional[bool] = None) -> Tensor:
+    """Every rank's table, ``[world, ...]``: the one collective of a recorded step (into one
+    tensor: no list of outputs to allocate and stack). ``world``, ``nccl``: the group's size
+    and whether its backend is NCCL, when the caller knows them."""
     dist = torch.distributed
-    out = [torch.empty_like(table) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, table.contiguous(), group=group)
-    return torch.stack(out)
+    world = dist.get_world_size(group) if world is None else world
+    nccl = dist.get_backend(group) == "nccl" if nccl is None else nccl
+    if nccl and table.device.type != "cuda":
+        table = table.to(torch.device("cuda", torch.cuda.current_device()))  # (nccl gathers CUDA tensors only)
+    table = table.contiguous()
+    out = table.new_empty((world * table.shape[0],) + tuple(table.shape[1:]))
+    _all_gather_single(out, table, group)
+    return out.view((world,) + tuple(table.shape))
 
 
-def gather_stats(got: np.ndarray, numel: Sequence[int], absmax: bool, div: float,
-                 ranks: Sequence[int]) -> StepStats:
+def _all_gather_single(out: Tensor, t: Tensor, group: Any) -> None:
+    dist = torch.distributed
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the newer name first)
+    fn(out, t, group=group)
+
+
+def gather_stats(got: np.ndarray, absmax: bool, div: float, ranks: Sequence[int]) -> StepStats:
     """The full gradients' statistics from every rank's table ``got`` ``[world, P, 3]``:
     norms add in quadrature, the largest magnitude is the largest; ``div`` unscales;
     ``shard_ranks`` names the (global) ranks whose piece was non-finite."""
-    W, P = got.shape[0], got.shape[1]
+    P = got.shape[1]
     norms = got[:, :, 0].astype(np.float64)
     has = got[:, :, 2].max(axis=0) > 0
-    with np.errstate(invalid="ignore", over="ignore"):
-        norm = np.sqrt((norms * norms).sum(axis=0)) / div
+    norm = np.sqrt(np.einsum("wp,wp->p", norms, norms))  # (squares of float32 values cannot overflow float64)
+    if div != 1.0:
+        norm /= div
     norm[~has] = np.nan
-    amax = got[:, :, 1].astype(np.float64).max(axis=0) / div if absmax else np.full(P, np.nan)
     if absmax:
-        amax[np.isnan(got[:, :, 1]).any(axis=0)] = np.nan
+        amax = got[:, :, 1].max(axis=0).astype(np.float64)  # (NaN propagates through max)
+        if div != 1.0:
+            amax /= div
         amax[~has] = np.nan
-    st = StepStats(norm, amax, np.zeros(P, dtype=np.int64), has)
-    bad = ~np.isfinite(norms)
-    st.shard_ranks = {int(i): [int(ranks[r]) for r in np.nonzero(bad[:, i])[0]] for i in np.nonzero(bad.any(0))[0]}
+    else:
+        amax = np.full(P, np.nan)
+    st = StepStats(norm, amax, np.zeros(P, dtype=np.int64), has, shard_ranks={})
+    if not np.isfinite(norm[has]).all():  # (a sum of squares is finite when every piece is)
+        bad = ~np.isfinite(norms)
+        st.shard_ranks = {int(i): [int(ranks[r]) for r in np.nonzero(bad[:, i])[0]] for i in np.nonzero(bad.any(0))[0]}
     return st
 
 
@@ -321,6 +437,8 @@ def rescue(st: StepStats, pieces: Sequence[Optional[Tensor]], group: Any, div: f
     """Exact counts and float64 norms of the parameters whose norm is non-finite (every
     rank has the same suspects, so every rank makes the same one collective). Returns
     whether it ran."""
+    if not st.shard_ranks:  # (a norm is non-finite only where a rank's piece is)
+        return False
     idx = [int(i) for i in np.nonzero(st.has_grad & ~np.isfinite(st.norm))[0]]
     if not idx:
         return False

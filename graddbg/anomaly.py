@@ -417,6 +417,18 @@ class Blame:
     source: Optional[str] = None
     reproduced: Optional[bool] = None
     ranks: Sequence[int] = ()
+    #: where it started among the ranks, from each rank's evidence before the gradients were
+    #: reduced (DeepSpeed ZeRO): (ranks, the evidence); no ranks when the evidence names none
+    origin: Optional[Tuple[Sequence[int], str]] = None
+
+
+def _origin_text(origin: Optional[Tuple[Sequence[int], str]]) -> str:
+    if origin is None:
+        return ""
+    ranks, how = origin
+    if not ranks:
+        return f"The rank where it started is unknown ({how}). "
+    return f"It was first seen on rank(s) {', '.join(map(str, ranks))} ({how}). "
 
 
 def nonfinite_anomaly(step: int, names: Sequence[str], shapes: Sequence[tuple], total: Optional[int],
@@ -444,6 +456,7 @@ def nonfinite_anomaly(step: int, names: Sequence[str], shapes: Sequence[tuple], 
            + f"{len(names)} parameter(s): {shown}{more}. "
            + (f"The non-finite shards were on rank(s) {', '.join(map(str, where.ranks))}. "
               if where.ranks else "")
+           + _origin_text(where.origin)
            + f"It started in module '{module or '<root>'}'"
            + (f", op {op}" if op else "") + (f", created at {source}" if source else "")
            + f" (found from {where.how}). "

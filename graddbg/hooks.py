@@ -164,8 +164,10 @@ class _OutputTap:
     RNG state, the output's gradient). Temporary: removed at each step, and when a forward
     pass was never backpropagated (an evaluation loop with grad enabled)."""
 
-    def __init__(self, localise: bool, on_gradient: Callable[[], None], alive: Callable[[], bool]) -> None:
+    def __init__(self, localise: bool, on_gradient: Callable[[], None], alive: Callable[[], bool],
+                 on_output_grad: Optional[Callable[[Tensor], None]] = None) -> None:
         self.localise, self._on_gradient, self._alive = localise, on_gradient, alive
+        self._on_output_grad = on_output_grad  # (DeepSpeed: each rank's evidence, see _deepspeed.Origin)
         self.handles: List[Any] = []
         self.capture: Optional[Capture] = None
         self._rng: Optional[Tensor] = None
@@ -203,6 +205,8 @@ class _OutputTap:
             if cap is not None and grad is not None:
                 cap.grad = grad
                 tap.capture = cap
+            if tap._on_output_grad is not None and isinstance(grad, Tensor):
+                tap._on_output_grad(grad)
             tap._on_gradient()
 
         return hook
@@ -364,7 +368,8 @@ class Watch(_Results):
         if zero is not None:
             self.meta["deepspeed"] = zero.describe()
         self._bw: Tuple[int, Optional[float]] = (-1, None)  # (step, loss scale) of the last backward
-        self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive)
+        self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive,
+                               zero.origin.output_grad if zero is not None else None)
         self._cb_queued = False
         self._closure = self._closure_seen = self._scaler_looked = False
         self._errors_warned: set = set()
@@ -415,6 +420,7 @@ class Watch(_Results):
         if self._zero is not None:  # engine.step() at an accumulation boundary is the step
             hooks.add(self._zero.hook_step(lambda: self._on_opt_pre(None, (None,), {}),
                                            lambda: self._on_opt_post(None, (), {})))
+            hooks.add(self._zero.hook_backward())
         elif opt is not None:
             hooks.add(opt.register_step_pre_hook(self._on_opt_pre))
             hooks.add(opt.register_step_post_hook(self._on_opt_post))
@@ -423,6 +429,8 @@ class Watch(_Results):
         # backward is a step), a few spread over the model with one (when the model is
         # called through another method, as a LightningModule's training_step does)
         P = len(ctx.params)
+        if self._zero is not None:
+            return  # (a DeepSpeedEngine always calls its module: the end of each backward pass is seen from its output)
         for i in (range(P) if opt is None else sorted({(k * P) // 8 for k in range(8)} | {P - 1})):
             if 0 <= i < P:
                 hooks.add(ctx.params[i].register_post_accumulate_grad_hook(self._on_param_grad))

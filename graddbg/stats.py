@@ -36,6 +36,7 @@ __all__ = [
     "StepStats",
     "Readback",
     "validate_stats",
+    "absmax_of",
     "grad_stats",
     "summarize",
     "clean_name",
@@ -283,7 +284,7 @@ class StepReader:
         norms = torch._foreach_norm(ts)
         out.norms.append(torch.stack(norms) if len(norms) > 1 else norms[0].reshape(1))
         if out.absmax:
-            out.maxes.append(_absmax(ts))
+            out.maxes.append(absmax_of(ts))
         if out.extras:
             out.more.append(torch.stack([self._extra_row(t) for t in ts]))
 
@@ -401,7 +402,7 @@ class StepReader:
         return True
 
 
-def _absmax(ts: List[Tensor]) -> Tensor:
+def absmax_of(ts: List[Tensor]) -> Tensor:
     """``[n]`` largest magnitudes (NaN if an entry is NaN). One fused launch per group on
     accelerators; on the CPU, where that kernel is slow, one ``aminmax`` pass each."""
     if ts[0].device.type != "cpu" and all(t.numel() for t in ts):

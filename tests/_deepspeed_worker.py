@@ -4,6 +4,7 @@ writes, per case, the watch's table beside ``deepspeed.utils.safe_get_full_grad`
 read at the same moment (after the boundary's backward, before ``engine.step()``)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -21,8 +22,8 @@ def _model(dtype: torch.dtype) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
 
 
-def _config(stage: int, bf16: bool, gas: int, clip: float, fp16: bool = False) -> dict:
-    return {"fp16": {"enabled": fp16, "initial_scale_power": 8},"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
+def _config(stage: int, bf16: bool, gas: int, clip: float, fp16: bool = False, scale_power: int = 8) -> dict:
+    return {"fp16": {"enabled": fp16, "initial_scale_power": scale_power},"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
             "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "gradient_clipping": clip,
             "wall_clock_breakdown": False}
 
@@ -36,7 +37,8 @@ def _batch(rank: int, micro: int, dtype: torch.dtype, nan: bool = False) -> torc
 
 
 def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, form: str = "engine",
-             nan_at: int = -1, fp16: bool = False, partitioned: bool = False) -> dict:
+             nan_at: int = -1, fp16: bool = False, partitioned: bool = False, nan_rank: int = 1,
+             nan_how: str = "input", scale_power: int = 8) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -47,7 +49,7 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     model = _model(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    config = _config(stage, bf16, gas, clip, fp16)
+    config = _config(stage, bf16, gas, clip, fp16, scale_power)
     if partitioned:  # (by default ZeRO-3 keeps small parameters whole on every rank)
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
@@ -55,18 +57,27 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     from graddbg._deepspeed import _engine_of
 
     found_by_search = form == "pair" and _engine_of(model, opt) is engine
-    rec: dict = {"ref": {}, "ds_norm": {}, "anomalies": [], "raised": None}
+    rec: dict = {"ref": {}, "ds_norm": {}, "anomalies": [], "raised": None, "ds_scale": {}}
     micro, t0 = 0, time.perf_counter()
     try:
         with graddbg.watch(*target, explode=None) as w:
             for step in range(STEPS):
                 for _ in range(gas):
-                    x = _batch(rank, micro, dtype, nan=(step == nan_at and rank == 1))
+                    here = step == nan_at and rank == nan_rank
+                    x = _batch(rank, micro, dtype, nan=here and nan_how == "input").to(engine.device)
                     micro += 1
-                    engine.backward(engine(x).float().pow(2).mean())
+                    out = engine(x).float()
+                    loss = out.pow(2).mean()
+                    if here and nan_how == "backward":  # a finite loss whose gradient is NaN: d sqrt(0) * 0
+                        loss = loss + torch.sqrt(out[0, 0] * 0)
+                    engine.backward(loss)
+                    if here and nan_how == "planted":  # into this rank's reduced partition, by hand
+                        _plant_nan(engine)
                     if engine.is_gradient_accumulation_boundary():
                         rec["ref"][step] = {n: float(safe_get_full_grad(p).float().norm())
                                             for n, p in engine.module.named_parameters()}
+                        if fp16:  # (safe_get_full_grad's fp16 gradients still carry the loss scale)
+                            rec["ds_scale"][step] = float(engine.optimizer.cur_scale)
                     engine.step()
                 rec["ds_norm"][step] = float(engine.get_global_grad_norm() or float("nan"))
     except graddbg.NonFiniteError as err:
@@ -77,6 +88,9 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     rec["norms"] = {int(s): dict(zip(g["name"], g["norm"])) for s, g in df.groupby("step")}
     rec["absmax"] = {int(s): dict(zip(g["name"], g["absmax"])) for s, g in df.groupby("step")}
     rec["global"] = [float(v) for v in w.steps["global_norm"]]
+    rec["overflow"] = [bool(v) for v in w.steps["overflow"]]
+    rec["scale"] = [float(v) for v in w.steps["scale"]]
+    rec["ds_skipped"] = int(engine.skipped_steps)
     rec["names"] = list(dict.fromkeys(df["name"]))
     rec["anomalies"] = [(a.kind, a.step, a.name, a.message) for a in w.anomalies]
     rec["meta"] = w.meta.get("deepspeed")
@@ -87,6 +101,14 @@ def run_case(stage: int, bf16: bool = False, gas: int = 1, clip: float = 0.0, fo
     return rec
 
 
+def _plant_nan(engine) -> None:
+    """A NaN written into this rank's piece of the first weight's reduced gradient."""
+    from graddbg._deepspeed import Zero
+
+    piece = Zero(engine).pieces(list(engine.module.parameters()))[0]
+    piece.view(-1)[:1].fill_(float("nan"))
+
+
 CASES = {
     "z0": dict(stage=0), "z1": dict(stage=1), "z2": dict(stage=2), "z3": dict(stage=3),
     "z0_bf16": dict(stage=0, bf16=True), "z2_bf16": dict(stage=2, bf16=True), "z3_bf16": dict(stage=3, bf16=True),
@@ -94,7 +116,28 @@ CASES = {
     "z3_gas_clip": dict(stage=3, gas=2, clip=0.05), "z3_part": dict(stage=3, gas=2, partitioned=True), "z0_clip": dict(stage=0, clip=0.05),
     "z2_pair": dict(stage=2, form="pair"), "z3_pair": dict(stage=3, form="pair"), "z0_pair": dict(stage=0, form="pair"),
     "z2_nan": dict(stage=2, nan_at=1), "z0_nan": dict(stage=0, nan_at=1), "z3_nan": dict(stage=3, nan_at=1),
+    "z1_nan": dict(stage=1, nan_at=1),
+    "z1_nan0": dict(stage=1, nan_at=1, nan_rank=0), "z2_nan0": dict(stage=2, nan_at=1, nan_rank=0),
+    "z3_nan0": dict(stage=3, nan_at=1, nan_rank=0),
+    "z1_fp16": dict(stage=1, fp16=True), "z2_fp16": dict(stage=2, fp16=True, gas=2, clip=0.05),
+    "z2_fp16_overflow": dict(stage=2, fp16=True, scale_power=32),
+    "z2_nan_bw": dict(stage=2, nan_at=1, nan_how="backward"), "z2_nan_planted": dict(stage=2, nan_at=1, nan_how="planted"),
 }
+
+
+@contextlib.contextmanager
+def _cpu_fp16():
+    """DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels: told that it
+    has, so that its real fp16 optimizer and dynamic loss scaler run (torch computes fp16 on
+    the CPU, slowly). Put back after."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    acc.is_fp16_supported = lambda: True
+    try:
+        yield
+    finally:
+        del acc.is_fp16_supported
 
 
 def main(rank: int, world: int, port: int, out: str, cases: list) -> None:
@@ -112,8 +155,28 @@ def main(rank: int, world: int, port: int, out: str, cases: list) -> None:
                 record[case] = run_accelerate()
             elif case.startswith("verify"):
                 record[case] = run_verify(int(case[6]), case.endswith("p"))
+            elif CASES[case].get("fp16"):
+                with _cpu_fp16():
+                    record[case] = run_case(**CASES[case])
             else:
                 record[case] = run_case(**CASES[case])
+    except BaseException:
+        record = {"error": traceback.format_exc()}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    torch.distributed.destroy_process_group()
+
+
+def main_cuda(rank: int, world: int, port: int, out: str) -> None:
+    """One rank on one GPU (nccl): fp16 ZeRO-2 with DeepSpeed's CUDA accelerator, healthy
+    (accumulation 2, clipping) and overflowing (a loss scale of 2**32)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), DS_ACCELERATOR="cuda")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl", timeout=timedelta(seconds=60))
+    try:
+        record = {case: run_case(**CASES[case]) for case in ("z2_fp16", "z2_fp16_overflow")}
     except BaseException:
         record = {"error": traceback.format_exc()}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -13,6 +13,7 @@ import math
 import pytest
 
 import _deepspeed_worker as worker
+from conftest import requires_cuda
 from _dist import spawn
 
 # (deepspeed is imported only in the spawned ranks: importing it here would change the
@@ -82,14 +83,90 @@ def test_watch_model_and_optimizer_given_to_initialize(world, case):
     assert world[0][case]["found_by_search"]  # the fallback without the engine's hooks finds it too
 
 
-@pytest.mark.parametrize("case", ["z0_nan", "z2_nan", "z3_nan"])
-def test_nan_on_one_rank_raises_on_every_rank_at_the_same_step(world, case):
+@pytest.mark.parametrize("case, origin", [
+    ("z0_nan", 1), ("z1_nan", 1), ("z2_nan", 1), ("z3_nan", 1), ("z1_nan0", 0), ("z2_nan0", 0), ("z3_nan0", 0)])
+def test_nan_on_one_rank_raises_on_every_rank_at_the_same_step_naming_that_rank(world, case, origin):
+    """A NaN input on one rank: after DeepSpeed's reduction every rank's partition holds the
+    NaN; the rank it came from is named from each rank's own loss (kept before the reduction)."""
     for r in (0, 1):
         raised = world[r][case]["raised"]
         assert raised is not None, f"rank {r} did not raise"
         assert raised["step"] == 1
-        assert f"on rank {r}" in raised["text"] and "rank(s) 0, 1" in raised["text"]
+        assert f"on rank {r}" in raised["text"] and "shards were on rank(s) 0, 1" in raised["text"]
+        assert f"first seen on rank(s) {origin} (its loss was non-finite" in raised["text"], raised["text"]
         assert sorted(world[r][case]["norms"]) == ["0", "1"]  # the good step was recorded
+
+
+def test_nan_made_in_the_backward_pass_on_one_rank_is_named_from_its_output_gradient(world):
+    """A finite loss whose gradient is NaN on rank 1 (d sqrt(0)): named from the gradient of
+    rank 1's model output, which the watch reduces to one number on the device."""
+    for r in (0, 1):
+        raised = world[r]["z2_nan_bw"]["raised"]
+        assert raised is not None and raised["step"] == 1
+        assert "first seen on rank(s) 1 (the gradient of its model's output was non-finite" in raised["text"]
+
+
+def test_nan_planted_in_a_reduced_partition_says_the_rank_is_unknown(world):
+    """A NaN written by hand into rank 1's reduced partition: no rank's evidence shows it, so
+    the origin is unknown (said, not guessed); the partition's rank is still named."""
+    for r in (0, 1):
+        raised = world[r]["z2_nan_planted"]["raised"]
+        assert raised is not None and raised["step"] == 1
+        assert "shards were on rank(s) 1." in raised["text"] and "first seen" not in raised["text"]
+        assert "The rank where it started is unknown" in raised["text"]
+
+
+@pytest.mark.parametrize("case", ["z1", "z2", "z3"])
+def test_healthy_twins_of_the_nan_cases_find_nothing(world, case):
+    for r in (0, 1):
+        assert world[r][case]["raised"] is None and world[r][case]["anomalies"] == []
+
+
+@pytest.mark.parametrize("case", ["z1_fp16", "z2_fp16"])
+def test_fp16_norms_are_unscaled_and_equal_safe_get_full_grad_over_the_loss_scale(world, case):
+    """fp16 with DeepSpeed's dynamic loss scaler (its CPU accelerator told that fp16 is
+    supported): safe_get_full_grad gives the reduced fp16 gradients still scaled (x256 here);
+    graddbg records them unscaled, and its global norm is DeepSpeed's own (unscaled) one."""
+    for rec in (world[0][case], world[1][case]):
+        assert rec["scale"] == [256.0] * worker.STEPS and not any(rec["overflow"]) and rec["ds_skipped"] == 0
+        assert rec["anomalies"] == [] and rec["raised"] is None
+        for step, ref in rec["ref"].items():
+            scale = rec["ds_scale"][step]
+            assert scale == 256.0
+            for name, want in ref.items():
+                assert rec["norms"][step][name] == pytest.approx(want / scale, rel=1e-4), (case, step, name)
+            assert rec["global"][int(step)] == pytest.approx(rec["ds_norm"][step], rel=1e-4)
+    assert world[0][case]["norms"] == world[1][case]["norms"]
+
+
+def test_fp16_overflow_is_a_skipped_step_not_an_anomaly(world):
+    """A loss scale of 2**32 overflows fp16 at every step: DeepSpeed skips each step (and
+    lowers the scale); graddbg records each as an overflow step, with no anomaly and no
+    exception although every gradient is non-finite."""
+    for rec in (world[0]["z2_fp16_overflow"], world[1]["z2_fp16_overflow"]):
+        assert rec["ds_skipped"] == worker.STEPS
+        assert rec["overflow"] == [True] * worker.STEPS
+        assert rec["scale"][0] == 2.0 ** 32 and rec["scale"][-1] < 2.0 ** 32  # lowered as DeepSpeed did
+        assert rec["scale"] == [rec["ds_scale"][str(s)] for s in range(worker.STEPS)]
+        assert rec["raised"] is None and rec["anomalies"] == [] and rec["norms"] == {}
+
+
+@requires_cuda
+def test_fp16_zero2_on_one_gpu(tmp_path):
+    """fp16 ZeRO-2 on one GPU (one rank, nccl, DeepSpeed's CUDA accelerator, no patch):
+    unscaled norms equal to safe_get_full_grad's over the loss scale; an overflow is a
+    skipped step, not an anomaly."""
+    rec = spawn(worker.main_cuda, 1, lambda r, port: (r, 1, port, str(tmp_path)), lambda r: tmp_path / f"rank{r}.json",
+                timeout=240)[0]
+    ok = rec["z2_fp16"]
+    assert ok["meta"] == "ZeRO stage 2" and ok["anomalies"] == [] and not any(ok["overflow"])
+    assert sorted(ok["norms"]) == [str(s) for s in range(worker.STEPS)]
+    for step, ref in ok["ref"].items():
+        for name, want in ref.items():
+            assert ok["norms"][step][name] == pytest.approx(want / ok["ds_scale"][step], rel=1e-3), (step, name)
+    over = rec["z2_fp16_overflow"]
+    assert over["overflow"] == [True] * worker.STEPS and over["ds_skipped"] == worker.STEPS
+    assert over["raised"] is None and over["anomalies"] == []
 
 
 @pytest.mark.parametrize("case", ["verify0", "verify1", "verify2", "verify3"])
@@ -146,7 +223,7 @@ def test_the_table_combines_partitions_in_quadrature_and_names_non_finite_ranks(
     got[0, 0], got[1, 0] = (3.0, 2.0, 1), (4.0, 5.0, 1)  # split over both ranks: norm 5, absmax 5
     got[0, 1] = (0.0, 0.0, 0); got[1, 1] = (2.0, 1.0, 1)  # held by rank 1 only
     got[0, 2] = (np.nan, np.nan, 1); got[1, 2] = (1.0, 1.0, 1)  # NaN in rank 0's piece
-    st = gather_stats(got, [10, 4, 6], absmax=True, div=2.0, ranks=[4, 5])
+    st = gather_stats(got, absmax=True, div=2.0, ranks=[4, 5])
     assert st.norm[:2] == pytest.approx([2.5, 1.0]) and np.isnan(st.norm[2])
     assert st.absmax[:2] == pytest.approx([2.5, 0.5]) and np.isnan(st.absmax[2])
     assert st.has_grad.tolist() == [True, True, True]

@@ -21,7 +21,7 @@ and never reaches into another check or into the watch. The events:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -99,6 +99,9 @@ class Step:
     first_bad: int = -1  #: the first step with a non-finite gradient among those read
     clipped_norm: float = float("nan")  #: the global norm after a clip between backward and step
     closure: bool = False  #: inside ``optimizer.step(closure)``
+    #: under DeepSpeed ZeRO, where a non-finite gradient started: (global ranks, the evidence);
+    #: no ranks when the evidence names none
+    origin: Optional[Tuple[Tuple[int, ...], str]] = None
 
     @property
     def any_bad(self) -> bool:

@@ -42,6 +42,7 @@ class NonFiniteCheck(Check):
         total = int(st.nonfinite[idx].sum()) or None
         if st.shard_ranks:
             where.ranks = sorted({r for i in idx for r in st.shard_ranks.get(int(i), ())})
+        where.origin = step.origin
         return nonfinite_anomaly(step.first_bad, names, [tuple(ctx.params[i].shape) for i in idx], total,
                                  where, ctx.rank)
 

@@ -14,7 +14,7 @@ import math
 from typing import Any, List
 
 
-from graddbg.checks.base import BackwardEnd, Finding, Step
+from graddbg.checks.base import Check, Finding, Step
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.stats import StepRecord
 
@@ -29,8 +29,9 @@ class ZeroRecorder(StatsRecorder):
         self.source = source
         self._state: Any = None
 
-    def on_backward_end(self, bw: BackwardEnd) -> None:
-        pass  # (a micro-batch's local, unreduced gradients: nothing to read)
+    # (a micro-batch's local, unreduced gradients: nothing to read at the end of a backward
+    # pass; the base class's no-op, so that the watch does not call it)
+    on_backward_end = Check.on_backward_end
 
     def queue(self, step: Step) -> None:
         if not step.read:
@@ -38,20 +39,34 @@ class ZeroRecorder(StatsRecorder):
             return
         absmax = self._absmax_due(step.index, [])
         pieces, table = self.source.read(self.ctx.params, absmax)
-        step.readback.add("zero_table", table)
-        self._state = (pieces, absmax, table.shape, self.source.loss_scale())
+        if table.device.type == "cpu":  # (already on the host: nothing to synchronise)
+            host = table.numpy()
+        else:
+            host = None
+            step.readback.add("zero_table", table)
+        self._state = (pieces, absmax, table.shape, self.source.loss_scale(), host)
 
     def read(self, step: Step) -> List[Finding]:
+        try:
+            return self._read(step)
+        finally:
+            self.source.origin.clear()  # (the evidence of this step's micro-batches)
+
+    def _read(self, step: Step) -> List[Finding]:
         state, self._state = self._state, None
         if state is None:
             self.history.append(StepRecord(step.index, None, math.nan, math.nan, False, math.nan, self._lr()))
             return []
-        pieces, absmax, shape, scale = state
-        st = self.source.combine(step.got["zero_table"].reshape(tuple(shape)), self.ctx.numel, absmax, scale)
-        if self.source.rescue(st, pieces, scale):
-            self.ctx.host_syncs += 1
+        pieces, absmax, shape, scale, host = state
+        got = host if host is not None else step.got["zero_table"].reshape(tuple(shape))
+        st = self.source.combine(got, absmax, scale)
+        any_bad = False
+        if st.shard_ranks:  # (a rank's piece was non-finite: exact counts, float64 norms)
+            if self.source.rescue(st, pieces, scale):
+                self.ctx.host_syncs += 1
+            any_bad = bool(st.bad.any())
         self.ever_grad |= st.has_grad
-        if st.bad.any() and self.source.skips_overflow():
+        if any_bad and self.source.skips_overflow():
             # fp16's dynamic loss scale overflowed: DeepSpeed skips this step and lowers the
             # scale by design; an overflow step, as with GradScaler, not an anomaly
             self.history.append(StepRecord(step.index, None, math.nan, math.nan, True, scale, self._lr()))
@@ -60,6 +75,9 @@ class ZeroRecorder(StatsRecorder):
         self.history.append(StepRecord(step.index, st if step.due_stats else None, st.global_norm, math.nan,
                                        False, scale_rec, self._lr()))
         step.stats, step.bad, step.first_bad = st, st.bad, step.index
+        if any_bad:  # (every rank holds the same table: every rank gathers the evidence)
+            step.origin = self.source.find_origin()
+            self.ctx.host_syncs += 1
         return []
 
     def close(self) -> None:
