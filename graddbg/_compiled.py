@@ -11,6 +11,7 @@ This module imports nothing of graddbg.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -68,15 +69,18 @@ class Twin:
         return state if callable(state) else None
 
     def _compile(self, device: torch.device) -> Any:
-        compiled = torch.compile(self.fn, dynamic=True)
+        compiled: Any = None
 
         def run(*args: Any) -> torch.Tensor:
             with torch.no_grad():       # one grad mode, whatever the caller's: no recompiles
                 return compiled(*args)
         try:
-            for args in self.samples(device):
-                if not torch.equal(run(*args), self.fn(*args)):
-                    return "the compiled kernel's result differed from the eager one's on the self-test"
+            with warnings.catch_warnings():     # torch's own deprecations, met while compiling
+                warnings.simplefilter("ignore", DeprecationWarning)
+                compiled = torch.compile(self.fn, dynamic=True)
+                for args in self.samples(device):
+                    if not torch.equal(run(*args), self.fn(*args)):
+                        return "the compiled kernel's result differed from the eager one's on the self-test"
         except Exception as exc:            # no C++ compiler, no triton, an unsupported platform
             return _reason(exc)
         return run
