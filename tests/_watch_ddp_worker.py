@@ -87,6 +87,31 @@ def _default_watch(build, x: torch.Tensor, y: torch.Tensor, rank: int, steps: in
     return [(a.kind, a.step, a.name, a.message) for a in w.anomalies]
 
 
+def _through_the_compiled_kernel(x: torch.Tensor, y: torch.Tensor, rank: int) -> dict:
+    import graddbg
+    from graddbg import ddp_verify
+
+    got = {"kernel": ddp_verify.set_fingerprint_kernel("compiled")}
+    try:
+        for case in ("healthy", "transposed"):
+            torch.manual_seed(0)
+            model = DDP(nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                                      nn.Linear(64, 2)))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with graddbg.watch(model, opt, ddp_check_every=1, nonfinite="record") as w:
+                for step in range(3):
+                    opt.zero_grad()
+                    nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+                    if case == "transposed" and rank == 1 and step == 1:
+                        with torch.no_grad():
+                            model.module[2].weight.copy_(model.module[2].weight.t().clone())
+            got[case] = [(a.kind, a.step, a.name) for a in w.anomalies]
+    finally:
+        ddp_verify.set_fingerprint_kernel("auto")
+    return got
+
+
 def main(rank: int, world: int, port: int, out: str) -> None:
     import graddbg
 
@@ -148,6 +173,11 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         # 5. the replica check is on by default: the desync bugs users reported, each found
         #    with watch()'s defaults, and a healthy twin that reports nothing
         record["defaults"] = {name: _default_watch(build, x, y, rank) for name, build in _DESYNC.items()}
+
+        # 6. the same check through the compiled fingerprint kernel (a model of 4-block
+        #    weights): a square weight transposed on rank 1 after step 1 is found at step 2;
+        #    its healthy twin is silent
+        record["compiled"] = _through_the_compiled_kernel(x, y, rank)
     except Exception:
         record["error"] = traceback.format_exc()
     finally:

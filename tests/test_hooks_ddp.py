@@ -71,3 +71,14 @@ def test_the_replica_check_is_on_by_default_and_names_what_happened(ddp_results)
         for bug in ("unwrapped", "lost_allreduce"):  # what probably happened, in the message
             assert "a model not wrapped in DDP on every rank" in found[bug][0][3]
             assert "communication that lost or corrupted data" in found[bug][0][3]
+
+
+@pytest.mark.timeout(240)
+def test_the_replica_check_through_the_compiled_fingerprint_kernel(ddp_results):
+    """Issue 24: with the fused (compiled) fingerprint kernel, a square weight transposed on
+    one rank is found at the next step on every rank; the healthy twin is silent."""
+    for r in (0, 1):
+        got = ddp_results[r]["compiled"]
+        assert got["kernel"] == "compiled", got["kernel"]
+        assert got["healthy"] == [], got["healthy"]
+        assert [tuple(a) for a in got["transposed"]] == [("ddp_mismatch", 2, "2.weight")], got["transposed"]
