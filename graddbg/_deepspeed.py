@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from graddbg._collective import run_collective
 from graddbg.stats import StepStats, absmax_of
 
 __all__ = ["is_engine", "find", "Zero", "Origin", "gather_stats", "local_table", "exact_table"]
@@ -387,7 +388,7 @@ def gather(table: Tensor, group: Any, world: Optional[int] = None, nccl: Optiona
 def _all_gather_single(out: Tensor, t: Tensor, group: Any) -> None:
     dist = torch.distributed
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the newer name first)
-    fn(out, t, group=group)
+    run_collective(fn, out, t, group=group)
 
 
 def gather_stats(got: np.ndarray, absmax: bool, div: float, ranks: Sequence[int]) -> StepStats:

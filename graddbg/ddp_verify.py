@@ -123,6 +123,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graddbg._collective import keep_work, run_collective
 from graddbg._compiled import KINDS, Twin
 from graddbg._errors import (DDPInconsistencyError, DDPTimeoutError, GraddbgError,
                              GraddbgTypeError, GraddbgValueError)
@@ -1134,6 +1135,7 @@ def _rendezvous(options: _Options, header: List[int]) -> List[List[int]]:
     wire = torch.tensor(header + [int(time.time() * 1e6)], dtype=torch.int64)
     out = [torch.empty_like(wire) for _ in range(dist.get_world_size(options.group))]
     work = dist.all_gather(out, wire, group=exchange, async_op=True)
+    keep_work(work, out)
     try:
         _settle(work, store, key, arrived, options.timeout)
     except RuntimeError as err:
@@ -1166,7 +1168,7 @@ def _late_ranks_error(fn: str, starts: Sequence[int], timeout: timedelta, rank: 
 
 def _all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, tensor.contiguous(), group=group)
+    run_collective(dist.all_gather, out, tensor.contiguous(), group=group)
     return torch.stack(out)
 
 

@@ -26,6 +26,7 @@ import numpy as np  # (torch imports numpy itself)
 import torch
 from torch import Tensor
 
+from graddbg._collective import run_collective
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
 from graddbg._model import clean_name, is_dtensor, local_tensor, module_of, named_trainable_parameters
 
@@ -446,7 +447,7 @@ class _Shards:
         if not (dist.is_available() and dist.is_initialized()):
             return table.reshape(1, *table.shape)
         out = [torch.empty_like(table) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, table.contiguous())
+        run_collective(dist.all_gather, out, table.contiguous())
         self.bytes_sent += table.numel() * table.element_size()
         return torch.stack(out)
 
@@ -505,7 +506,7 @@ def update_ratios(before: List[Tensor], params: Sequence[Tensor]) -> Tensor:
         import torch.distributed as dist
 
         sq = torch.stack([wn[shard], dn[shard]]) ** 2
-        dist.all_reduce(sq)
+        run_collective(dist.all_reduce, sq)
         copies = torch.tensor([_replicas(params[i]) for i in shard], dtype=torch.float64, device=sq.device)
         wn[shard], dn[shard] = (sq / copies).sqrt()
     return torch.where(wn > 0, dn / wn, torch.full_like(wn, math.nan))

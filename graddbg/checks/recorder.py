@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from graddbg._collective import run_collective
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
 from graddbg.stats import HIST_EDGES, Readback, StepReader, StepRecord, StepStats, histogram_counts, local_values
 
@@ -84,7 +85,7 @@ def _agree(bad: Tensor, first: Tensor) -> None:
 
     never = torch.iinfo(torch.int64).max
     packed = torch.stack([bad.long(), -torch.where(first < 0, never, first).clamp(max=never - 1)])
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    run_collective(dist.all_reduce, packed, op=dist.ReduceOp.MAX)
     bad.copy_(packed[0] > 0)
     first.copy_(torch.where(packed[0] > 0, -packed[1], -1))
 
@@ -124,7 +125,7 @@ class _RankFlags:
                 now = torch.stack(torch._foreach_norm([local_values(grads[i]).to(dev) for i in live]))
                 local.index_fill_(0, self._ix(live, dev)[~torch.isfinite(now)], 1)
             local.mul_(self.bit)
-            dist.all_reduce(local, op=dist.ReduceOp.SUM)
+            run_collective(dist.all_reduce, local, op=dist.ReduceOp.SUM)
         rb.add("rank_bad", local)
 
     def read(self, got: Dict[str, np.ndarray]) -> Tuple[np.ndarray, Dict[int, List[int]]]:
