@@ -279,6 +279,9 @@ def _use_kernel(kernel: str) -> str:
     return ddp_verify.set_fingerprint_kernel(kernel)
 
 
+_KEPT: list = []     # the last collectives' works (see the end of _worker)
+
+
 def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads: int,
             queue, kernel: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -300,8 +303,11 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
     with _ByteCounter() as c:
         b.between("bitwise")
     with _ByteCounter() as a:
-        for g in b.grads():
-            dist.all_reduce(g.clone())
+        # kept past the process's end, as graddbg/_collective.py explains: a gloo worker
+        # thread left to free these tensors at interpreter shutdown aborts the process
+        _KEPT.extend(dist.all_reduce(g.clone(), async_op=True) for g in b.grads())
+        for work in _KEPT:
+            work.wait()
     if rank == 0:
         queue.put({"rank": "summary", "blocks": blocks, "alone": alone, "kernel": in_use,
                    "check_bytes": c.bytes, "check_calls": c.calls, "grad_bytes": a.bytes,
