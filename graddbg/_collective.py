@@ -27,8 +27,8 @@ _HELD: List[Any] = [None]     # the last CPU work: released by the next collecti
 
 def keep_work(work: Any, tensor: Any) -> None:
     """Keep ``work`` (a collective's handle, None allowed) alive until the next collective
-    when ``tensor`` (a tensor, or a list of them: what it wrote) is in CPU memory. A CUDA
-    work is not kept (it is not freed on gloo's worker threads)."""
+    when ``tensor`` (a tensor, or a list of them: what it wrote) is in CPU memory. CUDA
+    works (NCCL's) are left as torch manages them; only CPU works are kept."""
     first = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
     if isinstance(first, torch.Tensor) and first.device.type == "cpu":
         _HELD[0] = work
