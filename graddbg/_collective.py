@@ -7,8 +7,11 @@ If the main thread reaches interpreter shutdown first (a script that ends right 
 watched step or a replica check), CPython ends the worker thread while it waits for the
 GIL, inside a C++ destructor, and the process aborts ("terminate called without an active
 exception", SIGABRT: torchrun counts the rank as failed). To avoid this, `run_collective`
-keeps the last CPU work alive until graddbg's next collective, so the worker thread never
-holds the last reference; the main thread frees it, holding the GIL.
+keeps each CPU work alive for at least `KEEP_SECONDS` after it was issued (up to `KEEP_MOST`
+of them), so the worker thread, which lets go of a work microseconds after finishing it,
+never holds the last reference; the main thread frees it, holding the GIL. (Keeping only
+the last work is not enough: the previous one, freed by the next collective, may still be
+held by a worker thread when the process ends right after; a test saw that once.)
 tests/test_collective.py ends processes right after graddbg's collectives; without this
 (graddbg 9e4295f) a watched run ended that way aborted in 3 of 8 runs.
 
@@ -16,22 +19,30 @@ This module imports nothing of graddbg.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List
+import collections
+import time
+from typing import Any, Callable, Deque, Tuple
 
 import torch
 
 __all__ = ["run_collective", "keep_work"]
 
-_HELD: List[Any] = [None]     # the last CPU work: released by the next collective's
+KEEP_SECONDS = 1.0     # a work is freed by the main thread no sooner than this after it was issued
+KEEP_MOST = 1024       # ... unless more works than this were issued since (bounds the memory)
+_HELD: Deque[Tuple[float, Any]] = collections.deque()     # (when issued, work), oldest first
 
 
 def keep_work(work: Any, tensor: Any) -> None:
-    """Keep ``work`` (a collective's handle, None allowed) alive until the next collective
-    when ``tensor`` (a tensor, or a list of them: what it wrote) is in CPU memory. CUDA
-    works (NCCL's) are left as torch manages them; only CPU works are kept."""
+    """Keep ``work`` (a collective's handle; None: nothing ran) alive for `KEEP_SECONDS`
+    when ``tensor`` (a tensor, or a list of them: what it wrote) is in CPU memory, and let
+    go of the works kept longer than that. CUDA works (NCCL's) are left as torch manages
+    them; only CPU works are kept."""
+    now = time.monotonic()
+    while _HELD and (now - _HELD[0][0] > KEEP_SECONDS or len(_HELD) >= KEEP_MOST):
+        _HELD.popleft()
     first = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
-    if isinstance(first, torch.Tensor) and first.device.type == "cpu":
-        _HELD[0] = work
+    if work is not None and isinstance(first, torch.Tensor) and first.device.type == "cpu":
+        _HELD.append((now, work))
 
 
 def run_collective(collective: Callable[..., Any], out: Any, *args: Any, **kwargs: Any) -> None:

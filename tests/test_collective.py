@@ -4,7 +4,7 @@ A gloo collective's tensors are freed on the process group's worker thread, whic
 GIL for it; if the interpreter is already shutting down, the process aborts (SIGABRT). Ended
 this way right after the last collective (tests/_exit_worker.py), a pair of ranks aborted in
 2 of 8 rounds with torch's own ``dist.all_reduce`` (the worker's "torch" mode) and in 3 of 8
-with watched steps before graddbg kept its last CPU work for the main thread to free; the
+with watched steps before graddbg kept its CPU works for the main thread to free; the
 processes must now always exit with 0. Each mode runs several rounds, since this is a race
 (the torch control is not run here: how often it aborts depends on the machine)."""
 from __future__ import annotations
@@ -41,15 +41,27 @@ def test_a_process_may_end_right_after_graddbgs_collectives(mode):
     assert all(c == [0, 0] for c in codes), f"exit codes per round (-6: SIGABRT): {codes}"
 
 
-def test_keep_work_keeps_cpu_work_only():
+def test_keep_work_keeps_cpu_works_for_a_while_and_a_bounded_number(monkeypatch):
     import torch
 
     from graddbg import _collective
 
-    cpu, meta = object(), object()
-    _collective.keep_work(cpu, [torch.zeros(2)])
-    assert _collective._HELD[0] is cpu
+    monkeypatch.setattr(_collective, "_HELD", __import__("collections").deque())
+    clock = [100.0]
+    monkeypatch.setattr(_collective.time, "monotonic", lambda: clock[0])
+    kept = lambda: [w for _, w in _collective._HELD]  # noqa: E731
+    a, b, meta = object(), object(), object()
+    _collective.keep_work(a, [torch.zeros(2)])
     _collective.keep_work(meta, torch.zeros(2, device="meta"))   # not CPU memory: not kept
-    assert _collective._HELD[0] is cpu
     _collective.keep_work(None, torch.zeros(1))                   # a rank outside the group
-    assert _collective._HELD[0] is None
+    clock[0] += _collective.KEEP_SECONDS / 2
+    _collective.keep_work(b, torch.zeros(1))
+    assert kept() == [a, b]                  # a is younger than KEEP_SECONDS: still kept
+    clock[0] += _collective.KEEP_SECONDS * 0.75
+    _collective.keep_work(None, torch.zeros(1))
+    assert kept() == [b]                     # a is older now: let go; b is not
+    monkeypatch.setattr(_collective, "KEEP_MOST", 3)
+    works = [object() for _ in range(5)]
+    for w in works:
+        _collective.keep_work(w, torch.zeros(1))
+    assert kept() == works[-3:]              # at most KEEP_MOST, the newest
