@@ -29,8 +29,8 @@ from graddbg._model import check_model, in_backward, module_of, named_trainable_
 from graddbg.anomaly import apply_policy
 from graddbg.blame import Capture
 from graddbg.checks.hygiene import unused_anomaly
-from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, StatsRecorder, Step, Watched,
-                            ZeroRecorder, default_checks)
+from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, Ledger, LedgerKeeper, StatsRecorder,
+                            Step, Watched, ZeroRecorder, default_checks)
 from graddbg.options import UPDATE_EVERY, WatchOptions, options_in_signature
 from graddbg.stats import DEFAULT_STATS, History
 
@@ -140,7 +140,7 @@ def _frozen_parameters(model: nn.Module, watched: List[Tensor]) -> List[Tuple[st
     return out
 
 
-_EVENTS = ("due", "on_forward", "on_backward_end", "queue", "read", "before_step", "after_step",
+_EVENTS = ("due", "on_forward", "on_output_grad", "on_backward_end", "queue", "read", "before_step", "after_step",
            "params_added")
 
 
@@ -267,6 +267,23 @@ class _Results:
         return self._ctx.history.steps_frame()
 
     @property
+    def ledger(self):
+        """DataFrame: one row per step, what happened in it (`graddbg.checks.ledger`): the
+        path of the step, the forward passes that fed it (mode, grad mode, autocast), the
+        backward passes and what each found in the gradients (``held_before``: none, kept,
+        cleared, replaced), what changed the gradients before the step (``between``), each
+        param group's lr, how many parameters the step changed (``moved``) and which with a
+        gradient it left unchanged, the loss scale and norms of recorded steps, and the
+        kinds of the findings made at that step."""
+        return self._ctx.ledger.frame(self._ctx.names)
+
+    def what_happened(self, step: int) -> str:
+        """What the ledger holds of step ``step``, in words (also in the report)."""
+        from graddbg.checks.ledger import describe
+
+        return describe(self._ctx.ledger.find(step), self._ctx.names, step)
+
+    @property
     def histograms(self):
         """Histogram counts of |grad| per (step, parameter, bin), or None when not asked for."""
         return self._ctx.history.hist_frame() if self.options.histograms is not None else None
@@ -356,6 +373,7 @@ class Watch(_Results):
                                   rank if world > 1 else None, world)
         ctx.history = History(ctx.names, ctx.numel, [q for q in opts.quantities if q in ("mean", "std", "zero_frac")],
                               opts.history, MAX_ROWS)
+        ctx.ledger = Ledger(opts.history)
         ctx.alive, ctx.read_scale = self._alive, self._scale
         self._frozen = _frozen_parameters(model, ctx.params)
         if not ctx.params:
@@ -367,9 +385,8 @@ class Watch(_Results):
         self.meta = _meta(opts, ctx)
         if zero is not None:
             self.meta["deepspeed"] = zero.describe()
-        self._bw: Tuple[int, Optional[float]] = (-1, None)  # (step, loss scale) of the last backward
-        self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive,
-                               zero.origin.output_grad if zero is not None else None)
+        self._bw: Tuple[int, Any] = (-1, None)  # (step, the scaler's per-step state) of the last backward
+        self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive, self._on_output_grad)
         self._cb_queued = False
         self._closure = self._closure_seen = self._scaler_looked = False
         self._errors_warned: set = set()
@@ -378,6 +395,7 @@ class Watch(_Results):
             if zero is not None:  # ZeRO's reduced partitions, not .grad
                 self._checks[self._checks.index(self._part(StatsRecorder))] = ZeroRecorder(zero)
             ctx.guard = self._part(CopyGuard)
+            self._keeper = self._part(LedgerKeeper)
             for c in self._checks:
                 c.attach(ctx)
             self._on = _handlers(self._checks)
@@ -463,8 +481,9 @@ class Watch(_Results):
         if _is_compiling() or not self._alive() or not torch.is_grad_enabled() or in_backward():
             return None
         self._tap.before()
+        fwd = self._keeper.forward_facts(module)
         for handle in self._on["on_forward"]:
-            handle()
+            handle(fwd)
         return None
 
     @_guarded
@@ -472,6 +491,14 @@ class Watch(_Results):
         if not (_is_compiling() or not self._alive() or not torch.is_grad_enabled() or in_backward()):
             self._tap.after(args, kwargs, output)
         return None
+
+    def _on_output_grad(self, grad: Tensor) -> None:
+        """Inside a backward pass, at the model's output: the checks that read the loss's
+        graph, and (DeepSpeed) each rank's evidence of where a NaN started."""
+        if self._zero is not None:
+            self._zero.origin.output_grad(grad)
+        for handle in self._on["on_output_grad"]:
+            handle()
 
     def _on_param_grad(self, p: Tensor) -> None:
         if self._alive():
@@ -495,12 +522,12 @@ class Watch(_Results):
             if self._closure_seen:
                 return  # step(closure) evaluated again (LBFGS): the first evaluation's gradients count
             self._closure_seen = True
-        scale = self._scale()
-        last_step, last_scale = self._bw
-        if last_step == self._step and scale is not None and last_scale is not None and scale < last_scale:
-            self._skipped()  # the GradScaler skipped the step of the previous backward pass
+        scale, state = self._scale(), self._scaler_state()
+        last_step, last_state = self._bw
+        if last_step == self._step and state is not None and last_state is not None and state is not last_state:
+            self._skipped()  # the GradScaler updated without stepping the optimizer: it skipped that step
         self._adopt_unfrozen()
-        self._bw = (self._step, scale)
+        self._bw = (self._step, self._scaler_state())
         bw = BackwardEnd(self._step, self._ctx.grads(), scale)
         for handle in self._on["on_backward_end"]:
             handle(bw)
@@ -547,25 +574,39 @@ class Watch(_Results):
             handle(self._step - 1)
 
     # ------------------------------------------------------------------ the step boundary
-    def _boundary(self, closure: bool = False) -> None:
-        """One step boundary: the checks queue their reads, one read-back, each check reads
-        its part and returns findings, the step ends, the policies are applied."""
+    def _boundary(self, closure: bool = False, manual: bool = False) -> None:
+        """One step boundary: the ledger's entry begins, the checks queue their reads, one
+        read-back, each check reads its part and returns findings, the step ends, the
+        policies are applied."""
         index, opts = self._step, self.options
         self._adopt_unfrozen()
         due_nf = opts.nonfinite is not None and index % opts.nonfinite.every == 0
         due_stats = index % opts.every == 0
         step = Step(index, self._ctx.grads(), due_stats, read=due_stats or due_nf or
                     any(due(index) for due in self._on["due"]), capture=self._tap.capture, closure=closure)
-        for handle in self._on["queue"]:
-            handle(step)
+        step.entry = self._keeper.begin(index, self._path(closure, manual), step.grads)
+        for check in self._checks:
+            if check.queue in self._on["queue"]:
+                step.tokens[id(check)] = check.queue(step)
         if step.read:
-            step.got = step.readback.fetch()
+            step.readback.fetch()
             self._ctx.host_syncs += 1  # (counted on the CPU too: the same code path as on a GPU)
         found: List[Finding] = []
         for handle in self._on["read"]:
             found += handle(step)
+        step.entry.kinds = [f.anomaly.kind for f in found]
         self._finish_step()
         self._apply(found)
+
+    def _path(self, closure: bool, manual: bool) -> str:
+        """How the step was taken (the ledger's ``path``)."""
+        if manual:
+            return "manual"
+        if self._zero is not None:
+            return "engine"
+        if self._ctx.optimizer is None:
+            return "backward"
+        return "closure" if closure else "scaler" if self.options.scaler is not None else "optimizer"
 
     def _apply(self, found: List[Finding]) -> None:
         """Each finding into ``anomalies`` (and its step kept in the history), then its
@@ -582,20 +623,30 @@ class Watch(_Results):
             raise to_raise
 
     def _finish_step(self) -> None:
+        self._keeper.end()
         self._step += 1
         self._tap.clear()
 
     def _skipped(self) -> None:
         """The GradScaler skipped a step (an overflow): recorded as such, never an anomaly."""
         self._part(StatsRecorder).skipped(self._step)
+        self._keeper.skipped(self._step)
         self._step += 1
 
-    def _scale(self) -> Optional[float]:
+    def _scale(self) -> Optional[Tensor]:
+        """The GradScaler's scale now, as a tensor on its device (a copy: the scaler updates
+        its own in place); no host read: it rides the step's read-back."""
         scaler = self.options.scaler
         if scaler is None:
             return None
-        self._ctx.host_syncs += 1
-        return float(scaler.get_scale())
+        scale = scaler._scale  # (None until the scaler has scaled a loss)
+        return None if scale is None else scale.detach().clone()
+
+    def _scaler_state(self) -> Any:
+        """The GradScaler's per-step state object, a new one after each ``update()``
+        (host: compared by identity to tell a step it skipped)."""
+        scaler = self.options.scaler
+        return None if scaler is None else getattr(scaler, "_per_optimizer_states", None)
 
     def _adopt_scaler(self, scaler: Any) -> None:
         """A GradScaler that steps the optimizer but was not passed as ``scaler=``: used from
@@ -605,7 +656,10 @@ class Watch(_Results):
             return
         self.options = self._ctx.options = self.options.replace(scaler=scaler)
         self.meta["scaler"] = "found"
-        self._part(StatsRecorder).adopt_scale(float(scaler.get_scale()))
+        scale = self._scale()
+        if scale is not None:
+            self._part(StatsRecorder).adopt_scale(scale)
+        self._bw = (self._bw[0], self._scaler_state())
 
     # ------------------------------------------------------------------ public API
     def adopt_forward(self, args: Any, kwargs: Any, output: Any, rng_state: Optional[Tensor] = None) -> None:
@@ -629,7 +683,7 @@ class Watch(_Results):
         if self._closed:
             raise RuntimeError("Watch.step() called after the watch was closed")
         self._cb_queued = False
-        self._boundary()
+        self._boundary(manual=True)
 
     @property
     def current_step(self) -> int:
@@ -648,9 +702,10 @@ class Watch(_Results):
             return
         self._closed = True
         try:
-            scale, pending = self._scale(), self._part(StatsRecorder).pending_scale()
-            if scale is not None and pending is not None and scale < pending and self._bw[0] == self._step:
-                self._skipped()
+            state = self._scaler_state()
+            if state is not None and self._bw[1] is not None and state is not self._bw[1] and \
+                    self._bw[0] == self._step and self._part(StatsRecorder).waiting():
+                self._skipped()  # (the last step: the scaler updated without stepping the optimizer)
             for c in self._checks:
                 c.flush()
             self._unused()
@@ -691,8 +746,9 @@ class Watch(_Results):
 
 def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, every: int = 1,
           stats: Sequence[str] = DEFAULT_STATS, nonfinite: Any = "raise", explode: Any = "warn",
-          vanish: Any = None, stale_grad: Any = "warn", empty_step: Any = "warn", orphan_param: Any = "warn",
-          no_update: Any = "warn", dead_grad: Any = "warn", unused_param: Any = "warn", activations: bool = False,
+          vanish: Any = None, stale_grad: Any = "warn", empty_step: Any = "warn", double_step: Any = "warn",
+          orphan_param: Any = "warn", no_update: Any = "warn", hidden_param: Any = "warn", eval_mode: Any = "warn",
+          loss_pattern: Any = "warn", dead_grad: Any = "warn", unused_param: Any = "warn", activations: bool = False,
           histograms: Union[None, bool, int] = None, scaler: Any = None, history: int = 10_000,
           ddp_check_every: Union[None, str, int] = "auto", update_every: Optional[int] = UPDATE_EVERY,
           localise: bool = True, ddp_timeout: Any = None, **old_spellings: Any) -> Watch:
@@ -733,15 +789,27 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             tiny; None (the default) leaves it off.
         stale_grad: the policy (default "warn") for gradients that survive an optimizer
             step into the next backward pass (``zero_grad()`` missing); None: off.
-        empty_step: the policy for an optimizer step without the gradients its backward
-            pass computed (``zero_grad()`` between backward and step, or step before
-            backward); None: off.
+        empty_step: the policy for optimizer steps without the gradients their backward passes
+            computed, 3 in a row (``zero_grad()`` between backward and step, or step before
+            backward); one empty step (a skipped batch) is not a finding; None: off.
+        double_step: the policy for one set of gradients applied by two optimizer steps
+            (no backward pass between them, the same gradient tensors), twice; None: off.
         orphan_param: the policy for trainable parameters that receive gradients but
             belong to no param group of the optimizer; None: off.
         no_update: the policy for parameters with a non-zero gradient that the step leaves
-            unchanged for several steps (an ``lr`` of 0, a step that skips them); None: off.
-        dead_grad: the policy for gradients that were non-zero and are now exactly zero
-            for several steps (dead ReLUs); None: off.
+            unchanged 3 steps in a row (an ``lr`` of 0, a step that skips them); None: off.
+        hidden_param: the policy for tensors that the model holds and that receive gradients
+            from the loss but are not registered parameters (a tensor attribute instead of an
+            ``nn.Parameter``, layers in a plain list instead of ``nn.ModuleList``); None: off.
+        eval_mode: the policy for training steps run in eval mode (dropout / batch norm off)
+            after earlier steps trained in training mode (``model.eval()`` not undone); None: off.
+        loss_pattern: the policy for a harmful pattern on the path to the loss, read from its
+            autograd graph (softmax before cross-entropy, ``nll_loss`` on probabilities or raw
+            scores, a sigmoid before ``BCEWithLogitsLoss``, ``log(softmax)``, ``log_softmax``
+            over the wrong dim, a target that broadcasts against the input); None: off.
+        dead_grad: the policy for gradients exactly zero for several recorded steps, after
+            having been non-zero (dead ReLUs) or since the first step (dead from
+            initialisation); None: off.
         unused_param: the policy for trainable parameters that never received a gradient
             while watched (unused in forward, a ``.detach()``), found when the watch closes
             after at least one step; "warn" gives a `graddbg.CoverageWarning`; None: off.

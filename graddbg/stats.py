@@ -36,6 +36,7 @@ __all__ = [
     "StepReader",
     "StepStats",
     "Readback",
+    "Slot",
     "validate_stats",
     "absmax_of",
     "grad_stats",
@@ -107,37 +108,56 @@ def validate_stats(stats: Union[str, Iterable[str]]) -> Tuple[str, ...]:
 
 
 # --------------------------------------------------------------------------- reading back
-class Readback:
-    """Device tensors gathered under names and copied to the host at once (one
-    synchronisation per device).
+class Slot:
+    """A handle to one tensor of a `Readback`: ``value`` is its host copy (a float64 numpy
+    array, flattened) once the read-back was fetched, None before."""
 
-    >>> rb = Readback(); rb.add("a", torch.ones(2)); rb.add("b", torch.tensor(3.0))
-    >>> {k: v.tolist() for k, v in rb.fetch().items()}
-    {'a': [1.0, 1.0], 'b': [3.0]}
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str) -> None:
+        self.name, self.value = name, None
+
+    def __repr__(self) -> str:
+        return f"Slot({self.name!r}, {'pending' if self.value is None else self.value.tolist()})"
+
+
+class Readback:
+    """Device tensors gathered for one read-back, copied to the host at once (one
+    synchronisation per device). `add` returns a `Slot`, a typed handle that holds
+    the tensor's host copy after `fetch`.
+
+    Examples:
+        >>> rb = Readback(); a = rb.add("a", torch.ones(2)); b = rb.add("b", torch.tensor(3.0))
+        >>> _ = rb.fetch(); a.value.tolist(), b.value.tolist()
+        ([1.0, 1.0], [3.0])
     """
 
     def __init__(self) -> None:
-        self._parts: List[Tuple[str, Tensor]] = []
+        self._parts: List[Tuple[Slot, Tensor]] = []
 
-    def add(self, name: str, t: Optional[Tensor]) -> None:
+    def add(self, name: str, t: Optional[Tensor]) -> Slot:
+        """Queue ``t`` (None: nothing; the slot stays empty) under ``name`` (for messages)."""
+        slot = Slot(name)
         if t is not None:
-            self._parts.append((name, t.reshape(-1)))
+            self._parts.append((slot, t.reshape(-1)))
+        return slot
 
     def __len__(self) -> int:
         return len(self._parts)
 
     def fetch(self) -> Dict[str, np.ndarray]:
-        """``{name: float64 numpy array}``."""
-        by_device: Dict[torch.device, List[Tuple[str, Tensor]]] = {}
-        for name, t in self._parts:
-            by_device.setdefault(t.device, []).append((name, t))
+        """Copy everything queued to the host: fills each slot; returns ``{name: array}``
+        too (for a reader whose names are its own)."""
+        by_device: Dict[torch.device, List[Tuple[Slot, Tensor]]] = {}
+        for slot, t in self._parts:
+            by_device.setdefault(t.device, []).append((slot, t))
         out: Dict[str, np.ndarray] = {}
         for parts in by_device.values():
             ts = [t if t.dtype == torch.float64 else t.double() for _, t in parts]
             flat = (ts[0] if len(ts) == 1 else torch.cat(ts)).cpu().numpy()
             offset = 0
-            for (name, _), t in zip(parts, ts):
-                out[name] = flat[offset: offset + t.numel()]
+            for (slot, _), t in zip(parts, ts):
+                slot.value = out[slot.name] = flat[offset: offset + t.numel()]
                 offset += t.numel()
         self._parts = []
         return out
@@ -304,16 +324,19 @@ class StepReader:
                 cols.append((g64 == 0).sum().double() / n)
         return torch.stack(cols)
 
-    def add_to(self, rb: Readback, launch: _Launch) -> None:
-        """Put the launched results into a read-back; for DTensor gradients, first
-        all-gather every rank's shard statistics (one small collective)."""
+    def add_to(self, rb: Readback, launch: _Launch) -> Dict[str, Slot]:
+        """Put the launched results into a read-back (their slots, for `finish`); for
+        DTensor gradients, first all-gather every rank's shard statistics (one small
+        collective)."""
+        slots: Dict[str, Slot] = {}
         if launch.sharded is not None:
             k = launch.sharded[0]
             local = [launch.norms[k]] + ([launch.maxes[k]] if launch.absmax else [])
-            rb.add("shards", self._shards.gather(torch.stack([t.float() for t in local], 1)))
+            slots["shards"] = rb.add("shards", self._shards.gather(torch.stack([t.float() for t in local], 1)))
         for key, parts in (("norm", launch.norms), ("absmax", launch.maxes), ("extras", launch.more)):
             if parts:
-                rb.add(key, parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]))
+                slots[key] = rb.add(key, parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]))
+        return slots
 
     def _layout(self, launch: _Launch) -> Tuple[np.ndarray, np.ndarray]:
         """(order as an index array, has-gradient mask), made once per set of gradients."""
@@ -327,8 +350,9 @@ class StepReader:
             got = self._layouts[key] = (np.asarray(launch.order, dtype=np.int64), has)
         return got[0], got[1].copy()
 
-    def finish(self, launch: _Launch, got: Dict[str, np.ndarray]) -> StepStats:
-        """The host `StepStats` of a launch whose results ``got`` were fetched."""
+    def finish(self, launch: _Launch, slots: Dict[str, Slot]) -> StepStats:
+        """The host `StepStats` of a launch whose slots (`add_to`) were fetched."""
+        got = {k: s.value for k, s in slots.items()}
         P = len(self.numel)
         order, has = self._layout(launch)
         norm = np.full(P, np.nan)
@@ -552,8 +576,9 @@ def read_now(reader: StepReader, grads: Sequence[Optional[Tensor]], *, absmax: b
     """Launch, read back and rescue at once (one-shot statistics, no hooks)."""
     launch = reader.launch(grads, absmax=absmax, extras=extras)
     rb = Readback()
-    reader.add_to(rb, launch)
-    st = reader.finish(launch, rb.fetch() if len(rb) else {"norm": np.zeros(0)})
+    slots = reader.add_to(rb, launch)
+    rb.fetch()
+    st = reader.finish(launch, slots)
     reader.rescue(st, grads)
     return st
 
@@ -663,6 +688,10 @@ class History:
             if len(self._hist) > self.cap:
                 del self._hist[1: len(self._hist) - self.cap + 1]
         self.dropped = self._steps.dropped
+
+    def set_scale(self, step: int, scale: float) -> None:
+        """The loss scale of a step the GradScaler skipped, read back with a later step."""
+        self._steps.set_last("scale", step, scale, depth=256)
 
     def set_update(self, step: int, ratios: np.ndarray) -> None:
         """The update ratios measured after ``step``'s optimizer step."""
@@ -785,10 +814,10 @@ class _Columns:
                 pad = np.full((col.shape[0], k) + col.shape[2:], _fill(col.dtype), dtype=col.dtype)
                 self.cols[key] = np.concatenate([col, pad], axis=1)
 
-    def set_last(self, key: str, step: int, value: Any) -> None:
-        """Set ``key`` in the row of ``step`` among the last two rows (a value measured
-        after its step, read back with the next)."""
-        for i in range(self.n - 1, max(self.n - 3, -1), -1):
+    def set_last(self, key: str, step: int, value: Any, depth: int = 2) -> None:
+        """Set ``key`` in the row of ``step`` among the last ``depth`` rows (a value measured
+        after its step, read back with a later one)."""
+        for i in range(self.n - 1, max(self.n - 1 - depth, -1), -1):
             if self.cols["step"][i] == step:
                 self.cols[key][i] = value
                 return

@@ -203,7 +203,7 @@ def make_empty_step_zero_grad_between(seed: int = 0) -> Case:
     """zero_grad() between backward() and step(): every step has no gradient although
     backward computed them; reported at step 0, naming every parameter."""
     return Case("empty_step_zero_grad_between", "empty_step", 5, lambda s: _sgd(_mlp(s)),
-                _zero_grad_before_step, seed, params=MLP_PARAMS, first_step=0, last_step=0,
+                _zero_grad_before_step, seed, params=MLP_PARAMS, first_step=0, last_step=2,
                 mimics="zero_grad() misplaced: Stack Overflow 60335387, forum threads, TrainCheck")
 
 
@@ -212,7 +212,7 @@ def make_empty_step_before_backward(seed: int = 0) -> Case:
     (every gradient None; the gradients of that backward are then zeroed by the next
     zero_grad before any step uses them); reported at step 0, naming every parameter."""
     return Case("empty_step_before_backward", "empty_step", 5, lambda s: _sgd(_mlp(s)),
-                _step_before_backward, seed, params=MLP_PARAMS, first_step=0, last_step=0,
+                _step_before_backward, seed, params=MLP_PARAMS, first_step=0, last_step=2,
                 mimics="step() before backward(): Stack Overflow 60335387, forum threads, TrainCheck")
 
 

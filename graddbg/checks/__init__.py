@@ -17,7 +17,9 @@ from graddbg.checks.activations import Activations
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
 from graddbg.checks.copies import CopyGuard
 from graddbg.checks.detectors import ExplodeCheck, NonFiniteCheck, VanishCheck
-from graddbg.checks.hygiene import DeadGrad, EmptyStep, StaleGrad, Unchanged
+from graddbg.checks.graph import LossGraph
+from graddbg.checks.hygiene import DeadGrad, DoubleStep, EmptyStep, EvalMode, StaleGrad, Unchanged
+from graddbg.checks.ledger import Ledger, LedgerKeeper, StepEntry
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.checks.replicas import ReplicaCheck
 from graddbg.checks.update import UpdateRatio
@@ -25,7 +27,8 @@ from graddbg.checks.zero import ZeroRecorder
 
 __all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "default_checks",
            "CopyGuard", "StatsRecorder", "Activations", "NonFiniteCheck", "ExplodeCheck", "VanishCheck",
-           "UpdateRatio", "ReplicaCheck", "StaleGrad", "EmptyStep", "Unchanged", "DeadGrad", "ZeroRecorder"]
+           "UpdateRatio", "ReplicaCheck", "StaleGrad", "EmptyStep", "DoubleStep", "EvalMode", "Unchanged", "DeadGrad",
+           "LossGraph", "Ledger", "LedgerKeeper", "StepEntry", "ZeroRecorder", "ordered"]
 
 
 def _hookable(model: Any) -> bool:
@@ -41,13 +44,32 @@ def _hookable(model: Any) -> bool:
     return True
 
 
+def ordered(checks: List[Check]) -> List[Check]:
+    """``checks`` in the order their ``after`` declarations give (each after the classes
+    it names; otherwise as listed)."""
+    out: List[Check] = []
+    todo = list(checks)
+    while todo:
+        for c in todo:
+            waits = [d for d in todo if d is not c and any(isinstance(d, t) for t in c.after)]
+            if not waits:
+                out.append(c)
+                todo.remove(c)
+                break
+        else:  # (a cycle: keep the listed order)
+            out += todo
+            break
+    return out
+
+
 def default_checks(model: Any, options: Any) -> List[Check]:
-    """The watch's checks in the order they see each event: the copy guard, the statistics
-    recorder (it fills the step that the others read), activations (a hint for blame),
-    the detectors, the update ratio, the replica check, the hygiene checks."""
-    checks: List[Check] = [CopyGuard(), StatsRecorder()]
+    """The watch's checks, ordered by what each declares it reads after (`ordered`): the
+    ledger keeper and the copy guard, the statistics recorder (it fills the step that the
+    others read), activations (a hint for blame), the detectors, the update ratio, the
+    replica check, the hygiene checks and the loss graph."""
+    checks: List[Check] = [LedgerKeeper(), CopyGuard(), StatsRecorder()]
     if options.activations and _hookable(model):
         checks.append(Activations(model))
     checks += [NonFiniteCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(), ReplicaCheck(),
-               StaleGrad(), EmptyStep(), Unchanged(), DeadGrad()]
-    return checks
+               StaleGrad(), EmptyStep(), DoubleStep(), EvalMode(), Unchanged(), DeadGrad(), LossGraph()]
+    return ordered(checks)

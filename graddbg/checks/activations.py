@@ -42,7 +42,6 @@ class Activations(Check):
         self.seen: set = set()
         self.handles: List[Any] = []
         self.warned = False
-        self._taken: Tuple[list, list] = ([], [])
         self._backward_since = True
 
     def attach(self, ctx: Watched) -> None:
@@ -79,7 +78,7 @@ class Activations(Check):
 
         return hook
 
-    def on_forward(self) -> None:
+    def on_forward(self, fwd: Any = None) -> None:
         """A new forward pass: what the previous one registered is dropped when its
         backward never came (an evaluation loop with grad enabled)."""
         if not self._backward_since:
@@ -95,26 +94,28 @@ class Activations(Check):
             h.remove()
         self.fwd, self.bwd = [], []
 
-    def queue(self, step: Step) -> None:
+    def queue(self, step: Step) -> Any:
         if not step.read:
-            return
+            return None
         fwd, bwd, self.fwd, self.bwd = self.fwd, self.bwd, [], []
+        got = {}
         if fwd:
-            step.readback.add("act_fwd", torch.stack([torch.stack([i, o]) for _, i, o in fwd]).double())
+            got["act_fwd"] = step.readback.add("act_fwd", torch.stack([torch.stack([i, o]) for _, i, o in fwd]).double())
         if bwd:
-            step.readback.add("act_bwd", torch.stack([v for _, v in bwd]))
-        self._taken = (fwd, bwd)
+            got["act_bwd"] = step.readback.add("act_bwd", torch.stack([v for _, v in bwd]))
+        return fwd, bwd, got
 
     def read(self, step: Step) -> List[Finding]:
-        if not step.read:
+        taken = step.token(self)
+        if taken is None:
             return []
-        fwd, bwd = self._taken
-        self._taken = ([], [])
-        self._record(step.index, fwd, bwd, step.got)
+        fwd, bwd, slots = taken
+        got = {k: s.value for k, s in slots.items()}
+        self._record(step.index, fwd, bwd, got)
         if step.stats is not None:
             self._warn_if_blind(bool(step.stats.has_grad.any()))
         if step.any_bad:
-            step.hint = self._producer(fwd, bwd, step.got, [self.ctx.names[i] for i in np.nonzero(step.bad)[0]])
+            step.hint = self._producer(fwd, bwd, got, [self.ctx.names[i] for i in np.nonzero(step.bad)[0]])
         return []
 
     def _record(self, index: int, fwd: list, bwd: list, got: Dict[str, np.ndarray]) -> None:

@@ -5,12 +5,17 @@ methods in order at each step event; a check returns its findings (``Anomaly`` r
 and never reaches into another check or into the watch. The events:
 
 - ``attach(ctx)``: once, when the watch starts (register extra hooks through ``ctx.hooks``);
-- ``on_forward()``: the root module's forward ran with grad enabled;
+- ``on_forward(fwd)``: the root module's forward began with grad enabled (``fwd``: its host
+  facts, a `graddbg.checks.ledger.Forward`);
+- ``on_output_grad()``: inside a backward pass, at the model's output (the loss's graph
+  can be read then);
 - ``on_backward_end(bw)``: a backward pass through the model ended (after DDP's reducer);
 - ``queue(step)`` then ``read(step)``: the step boundary (the optimizer's step, or the end of
   a backward pass without an optimizer, or ``w.step()``): each check queues what it needs
-  read from the device into ``step.readback``, the watch reads everything back at once,
-  then each check reads its part and returns findings;
+  read from the device into ``step.readback`` (``Readback.add`` returns a `Slot`) and
+  returns what it wants handed back (a token: its slots, the facts it took); the watch reads
+  everything back at once, then each check reads its part (``step.token(self)``: what its
+  ``queue`` returned) and the step's ledger entry (``step.entry``) and returns findings;
 - ``before_step(index, closure)``: the optimizer's step begins (``closure``: it was given
   one, so the boundary comes after it);
 - ``after_step(index)``: the optimizer's step ran;
@@ -23,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
+import numpy as np  # noqa: F401  (the masks of a Step are numpy arrays)
 import torch
 from torch import Tensor, nn
 
@@ -49,9 +54,11 @@ class Watched:
         self.host_syncs = 0  #: host synchronisations made by the watch (read-backs)
         self.replaying = False  #: a check is replaying the step: the watch's hooks ignore it
         self.history: Any = None  #: the record (`graddbg.stats.History`), written by the checks
+        self.ledger: Any = None  #: the step ledger (`graddbg.checks.ledger.Ledger`), written by its keeper
         self.guard: Any = None  #: the `graddbg.checks.copies.CopyGuard` of every hooked module
         self.alive: Callable[[], bool] = lambda: True  #: whether the watch's hooks should act now
-        self.read_scale: Callable[[], Optional[float]] = lambda: None  #: the GradScaler's scale now
+        #: the GradScaler's scale now, as a device tensor (None without one): no host read
+        self.read_scale: Callable[[], Optional[Tensor]] = lambda: None
         self.add(named)
 
     def add(self, named: Sequence[tuple]) -> None:
@@ -77,7 +84,7 @@ class BackwardEnd:
 
     step: int
     grads: List[Optional[Tensor]]
-    scale: Optional[float] = None  #: the GradScaler's scale when this backward ran
+    scale: Optional[Tensor] = None  #: the GradScaler's scale when this backward ran (a device tensor)
 
 
 @dataclasses.dataclass
@@ -93,7 +100,9 @@ class Step:
     capture: Any = None  #: the last forward's inputs, for a replay (``graddbg.blame.Capture``)
     hint: Optional[tuple] = None  #: (module, how it was found) of a non-finite producer
     readback: Readback = dataclasses.field(default_factory=Readback)
-    got: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    #: this step's ledger entry (`graddbg.checks.ledger.StepEntry`): its host facts
+    entry: Any = None
+    tokens: Dict[int, Any] = dataclasses.field(default_factory=dict)  #: what each check's queue() returned
     stats: Optional[StepStats] = None  #: this step's statistics (unscaled)
     bad: Optional[np.ndarray] = None  #: [P] non-finite gradients (also from skipped steps)
     first_bad: int = -1  #: the first step with a non-finite gradient among those read
@@ -102,6 +111,10 @@ class Step:
     #: under DeepSpeed ZeRO, where a non-finite gradient started: (global ranks, the evidence);
     #: no ranks when the evidence names none
     origin: Optional[Tuple[Tuple[int, ...], str]] = None
+
+    def token(self, check: "Check") -> Any:
+        """What ``check.queue(step)`` returned for this step (None when it queued nothing)."""
+        return self.tokens.get(id(check))
 
     @property
     def any_bad(self) -> bool:
@@ -119,7 +132,12 @@ class Finding:
 
 
 class Check:
-    """The base class: every event a no-op. Subclasses handle the events they need."""
+    """The base class: every event a no-op. Subclasses handle the events they need.
+
+    ``after``: the check classes whose ``read`` must run before this one's (the order of
+    `graddbg.checks.default_checks` is derived from it, not from list position)."""
+
+    after: Tuple[type, ...] = ()
 
     def attach(self, ctx: Watched) -> None:
         self.ctx = ctx
@@ -128,14 +146,19 @@ class Check:
         """Whether this check needs the statistics of step ``index`` read back."""
         return False
 
-    def on_forward(self) -> None:
+    def on_forward(self, fwd: Any) -> None:
         pass
+
+    def on_output_grad(self) -> None:
+        """Inside a backward pass: it reached the model's output."""
 
     def on_backward_end(self, bw: BackwardEnd) -> None:
         pass
 
-    def queue(self, step: Step) -> None:
-        pass
+    def queue(self, step: Step) -> Any:
+        """Queue device reads into ``step.readback``; what is returned is handed back as
+        ``step.token(self)`` in `read`."""
+        return None
 
     def read(self, step: Step) -> List[Finding]:
         return []

@@ -1,19 +1,26 @@
-"""Optimizer hygiene: the training mistakes that do not crash.
+"""Optimizer hygiene: the training mistakes that do not crash, as broken invariants of a
+healthy step read from the step ledger (`graddbg.checks.ledger`).
 
-Each check looks at cheap facts (which gradients exist, one small parameter's gradient
-before it accumulates, the weights' norms on a few probe steps) and reports a finding
-once, with the step, the parameters and the likely fix:
+Each check reads the host facts of every step (which gradients exist, what the backward
+passes found in them, their identities and version counters, the param groups' learning
+rates, which parameters the step changed) and the statistics of recorded steps, and reports
+a finding once, with the step, the parameters, the evidence and the likely fix:
 
 - ``stale_grad``: gradients survive an optimizer step into the next one (``zero_grad()``
   missing: each step applies the sum of all previous gradients);
-- ``empty_step``: a step without the gradients backward computed (``zero_grad()`` between
-  ``backward()`` and ``step()``), or a step before any backward;
+- ``empty_step``: steps without the gradients backward computed, ``PATIENCE`` in a row
+  (``zero_grad()`` between ``backward()`` and ``step()``, or ``step()`` before backward);
+  one empty step (a skipped batch) is not a finding;
+- ``double_step``: one set of gradients applied by two optimizer steps (no backward pass
+  between them and the very same gradient tensors, untouched), twice;
 - ``orphan_param``: parameters that receive gradients, belong to no param group of the
-  optimizer, and stay unchanged (a head replaced after the optimizer was built);
+  optimizer, and that nothing changes (a head replaced after the optimizer was built);
 - ``no_update``: parameters in a param group whose non-zero gradient the step leaves
-  unchanged, step after step (an ``lr`` of 0, a step that skips them);
-- ``dead_grad``: a gradient that was non-zero and is now exactly zero, step after step
-  (a layer whose ReLUs died), distinct from small ("vanishing") gradients;
+  unchanged (their version counters do not move) or whose group's ``lr`` is 0, ``PATIENCE``
+  steps in a row;
+- ``dead_grad``: a gradient exactly zero step after step, after having been non-zero (a
+  layer whose ReLUs died) or since its first step (dead from initialisation), distinct
+  from small ("vanishing") gradients;
 - ``unused_param``: trainable parameters that never received a gradient while watched
   (found when the watch closes: `unused_anomaly`).
 """
@@ -27,13 +34,13 @@ from torch import Tensor
 
 from graddbg.anomaly import Anomaly
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
+from graddbg.checks.ledger import LedgerKeeper, StepEntry
+from graddbg.checks.recorder import StatsRecorder
 from graddbg.stats import local_values
 
-__all__ = ["StaleGrad", "EmptyStep", "Unchanged", "DeadGrad", "unused_anomaly", "PROBE_EVERY", "PATIENCE"]
+__all__ = ["StaleGrad", "EmptyStep", "DoubleStep", "EvalMode", "Unchanged", "DeadGrad", "unused_anomaly", "PATIENCE"]
 
-#: recorded steps between probes of the weights (besides the first three recorded steps)
-PROBE_EVERY = 20
-#: probes (Unchanged) or recorded steps (DeadGrad) in a row before a finding
+#: steps in a row (EmptyStep, Unchanged) or recorded steps (DeadGrad) before a finding
 PATIENCE = 3
 DEAD_PATIENCE = 5
 #: a gradient norm below this fraction of the step's global norm counts as zero (Unchanged)
@@ -52,226 +59,318 @@ def _finding(kind: str, step: int, names: List[str], modules: List[str], message
     return Finding(a, policy, skip=[])
 
 
+def _steps(first: int, last: int) -> str:
+    return f"step {last}" if first == last else f"steps {first}-{last}"
+
+
 class StaleGrad(Check):
-    """``zero_grad()`` missing. One small parameter's gradient is looked at, on the device,
-    each time a gradient is about to accumulate into it: if no backward pass between two
-    optimizer steps found it cleared (None or all zero), the gradients of the earlier step
-    were carried into the later one. Gradient accumulation clears before its first
-    micro-batch, so it is not this."""
+    """``zero_grad()`` missing: no backward pass between two optimizer steps found the
+    gradients cleared. The ledger's probe tells, per backward pass, whether the gradient it
+    accumulated into was None, replaced, changed in place (``zero_()``) or kept; a kept one
+    is looked at on the device (``.data.zero_()`` moves no version counter), read with the
+    step's read-back. Gradient accumulation clears before its first micro-batch, so it is
+    not this."""
+
+    after = (LedgerKeeper,)
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
         self._policy = ctx.options.stale_grad
-        self._steps = 0  # optimizer steps taken
-        self._backwards = 0  # backward passes into the probe since the last step
-        self._cleared: Any = False  # True, or a device bool: seen cleared since the last step
-        self._reported = self._check = False
+        self._on = self._policy is not None and ctx.optimizer is not None
+        self._reported = False
+        self._zero: Any = None  # a device bool: the kept gradient was all zero at some backward pass
         self._probe: Optional[int] = None
-        self._after: tuple = (0, -1)
-        if self._policy is None or ctx.optimizer is None or not ctx.params:
-            return
-        held = {id(p) for g in ctx.optimizer.param_groups for p in g["params"]}
-        mine = [k for k, p in enumerate(ctx.params) if id(p) in held]
-        if not mine:
-            return
-        i = min(mine, key=lambda k: ctx.params[k].numel())  # (one the optimizer's zero_grad clears)
-        self._probe = i
-        ctx.hooks.add(ctx.params[i].register_hook(self._before_accumulate))
 
-    def _before_accumulate(self, incoming: Tensor) -> None:
-        if self._steps == 0 or self._cleared is True or not self.ctx.alive():
-            return None
-        self._backwards += 1
-        g = self.ctx.params[self._probe].grad
-        if g is None or id(g) != self._after[0] or g._version != self._after[1]:
-            # set to None, replaced, or changed in place (zero_()) since the step: cleared,
-            # known on the host for free
-            self._cleared = True
-            return None
-        with torch.no_grad():  # (the same tensor, untouched by version: ``.data.zero_()`` or stale)
-            zero = (local_values(g) == 0).all()
-        self._cleared = zero if self._cleared is False else self._cleared | zero
-        return None
+    def on_backward_end(self, bw: BackwardEnd) -> None:
+        if not self._on or self._reported:
+            return
+        ledger = self.ctx.ledger
+        if ledger.current.backwards and ledger.current.backwards[-1].held == "kept" and ledger.probe is not None:
+            g = self.ctx.params[ledger.probe].grad
+            if g is not None:
+                with torch.no_grad():
+                    zero = (local_values(g) == 0).all()  # (as it is now: after this pass accumulated)
+                self._zero = zero if self._zero is None else self._zero | zero
 
-    def queue(self, step: Step) -> None:
-        self._check = self._probe is not None and not self._reported and self._steps > 0 \
-            and self._backwards > 0 and self._cleared is not True and step.read
-        if self._check:
-            step.readback.add("stale_cleared", self._cleared.reshape(1))
+    def queue(self, step: Step) -> Any:
+        zero, self._zero = self._zero, None
+        e: StepEntry = step.entry
+        if not self._on or self._reported or not step.read or e is None or not e.backwards:
+            return None
+        if len(self.ctx.ledger) == 0 or any(b.held in ("none", "cleared", "replaced", "first", "-")
+                                                 for b in e.backwards):
+            return None
+        return step.readback.add("stale_zero", zero.reshape(1)) if zero is not None else True
 
     def read(self, step: Step) -> List[Finding]:
-        if not getattr(self, "_check", False) or step.got["stale_cleared"][0] > 0:
+        token = step.token(self)
+        if token is None or (token is not True and token.value[0] > 0):
             return []
         self._reported = True
         ctx = self.ctx
-        name = ctx.names[self._probe]
+        name = ctx.names[ctx.ledger.probe]
+        n = len(step.entry.backwards)
         msg = (f"graddbg: stale gradients at step {step.index} in {_shown(ctx.names)}: the gradients of the "
-               f"previous optimizer step were still there when the next backward pass added to them (checked "
-               f"on {name}, never found cleared between the two steps), so this step applies the sum of all "
-               f"earlier gradients. "
-               f"Likely cause: optimizer.zero_grad() is missing. Fix: call optimizer.zero_grad() (or "
-               f"model.zero_grad()) once per step, before backward() - or after step().")
+               f"previous optimizer step were still there when the next backward pass added to them (the "
+               f"ledger: {n} backward pass(es) since step {step.index - 1}, each found {name}'s gradient as that "
+               f"step left it - not set to None, not zeroed, not replaced), so this step applies the sum of all "
+               f"earlier gradients. Likely cause: optimizer.zero_grad() is missing (or called on another "
+               f"model or optimizer). Fix: call optimizer.zero_grad() once per step, before backward() - or "
+               f"after step().")
         return [_finding("stale_grad", step.index, list(ctx.names), list(ctx.modules), msg, self._policy,
                          ctx.rank)]
 
-    def after_step(self, index: int) -> None:
-        self._steps += 1
-        self._backwards, self._cleared = 0, False
-        if self._probe is not None:
-            g = self.ctx.params[self._probe].grad
-            self._after = (id(g), -1 if g is None else g._version)  # (an id only compared while g lives)
-
 
 class EmptyStep(Check):
-    """An optimizer step that finds no gradient at all (every ``.grad`` None, or every one
-    exactly zero) although backward ran since the previous step, or before any backward."""
+    """Optimizer steps that find no gradient (every ``.grad`` None, or every one exactly
+    zero), ``PATIENCE`` in a row: one such step (a skipped batch) is harmless."""
+
+    after = (LedgerKeeper, StatsRecorder)
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
         self._policy = ctx.options.empty_step
-        self._backwards = 0
+        self._on = self._policy is not None and ctx.optimizer is not None
+        self._run: List[StepEntry] = []
         self._ever = False
         self._reported = False
-        self._on = self._policy is not None and ctx.optimizer is not None
-
-    def on_backward_end(self, bw: BackwardEnd) -> None:
-        self._backwards += 1
-        self._ever = True
 
     def read(self, step: Step) -> List[Finding]:
-        backwards, self._backwards = self._backwards, 0
-        if not self._on or self._reported or step.closure:
+        e: StepEntry = step.entry
+        if not self._on or self._reported or step.closure or e is None:
             return []
-        none = all(p.grad is None for p in self.ctx.params)  # (now: step.grads may be the backward's)
+        none = e.present is not None and not e.present.any()
         zero = step.stats is not None and bool(step.stats.has_grad.any()) and step.stats.global_norm == 0.0
-        if not (none or (zero and backwards > 0)):
+        if not (none or (zero and e.backwards)):
+            self._run = []
+            self._ever = self._ever or bool(e.backwards)
+            return []
+        self._run.append(e)
+        if len(self._run) < PATIENCE:
             return []
         self._reported = True
-        if backwards == 0 and not self._ever:
-            why = ("optimizer.step() was called before any backward pass. Fix: call loss.backward() "
-                   "before optimizer.step()")
-        elif backwards == 0:
-            why = ("optimizer.step() was called with no backward pass since the previous step, and the "
-                   "gradients were cleared. Fix: call loss.backward() before optimizer.step() in every step")
+        run, first = self._run, self._run[0].index
+        backwards = [len(x.backwards) for x in run]
+        if not any(backwards) and not self._ever and first == 0:
+            why = ("optimizer.step() was called before any backward pass, step after step. Likely cause: step() "
+                   "comes before backward() in the loop. Fix: call loss.backward() before optimizer.step()")
+        elif not any(backwards):
+            why = ("no backward pass ran between these steps, and the gradients had been cleared. Likely cause: "
+                   "step() before backward() (or backward() skipped). Fix: call loss.backward() before "
+                   "optimizer.step() in every step")
         else:
-            why = (f"{backwards} backward pass(es) computed gradients since the previous step, but they were "
-                   f"{'set to None' if none else 'zeroed'} before the step. Likely cause: optimizer.zero_grad() "
-                   f"between backward() and step(). Fix: call zero_grad() before backward() or after step()")
-        msg = (f"graddbg: an optimizer step without gradients at step {step.index} "
-               f"({_shown(self.ctx.names)}): {why}.")
+            why = (f"backward passes computed gradients before each of them ({', '.join(map(str, backwards))}), "
+                   f"but they were {'set to None' if none else 'zeroed'} before the step. Likely cause: "
+                   f"optimizer.zero_grad() between backward() and step(). Fix: call zero_grad() before backward() "
+                   f"or after step()")
+        msg = (f"graddbg: optimizer steps without gradients at {_steps(first, step.index)} "
+               f"({_shown(self.ctx.names)}, {len(run)} in a row): {why}.")
         return [_finding("empty_step", step.index, list(self.ctx.names), list(self.ctx.modules), msg,
                          self._policy, self.ctx.rank)]
 
 
+class DoubleStep(Check):
+    """One set of gradients applied twice: a step with no backward pass since the previous
+    one finds the very gradient tensors that step applied, untouched (same identities and
+    version counters). Reported on its second occurrence."""
+
+    after = (LedgerKeeper,)
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        self._policy = ctx.options.double_step
+        self._on = self._policy is not None and ctx.optimizer is not None
+        self._seen: List[int] = []
+        self._reported = False
+
+    def read(self, step: Step) -> List[Finding]:
+        e: StepEntry = step.entry
+        if not self._on or self._reported or step.closure or e is None or e.backwards:
+            return []
+        if e.same_as_last_step is None or not e.same_as_last_step.any():
+            return []
+        self._seen.append(step.index)
+        if len(self._seen) < 2:
+            return []
+        self._reported = True
+        idx = np.nonzero(e.same_as_last_step)[0]
+        names = [self.ctx.names[i] for i in idx]
+        msg = (f"graddbg: the same gradients applied twice at steps {', '.join(map(str, self._seen))}: each of these "
+               f"optimizer steps came with no backward pass since the step before it and found the very gradient "
+               f"tensors that step had applied, untouched ({_shown(names)}), so they moved the weights a second "
+               f"time. Likely cause: optimizer.step() called twice per iteration (e.g. once in the loop and once "
+               f"in a helper or callback). Fix: one optimizer.step() per backward pass (or per accumulation cycle).")
+        return [_finding("double_step", step.index, names, [self.ctx.modules[i] for i in idx], msg, self._policy,
+                         self.ctx.rank)]
+
+
+class EvalMode(Check):
+    """Training steps whose forward passes ran in eval mode (``model.training`` False, its
+    dropout and batch-norm layers in eval mode) after earlier steps trained in training mode,
+    two steps in a row: ``model.eval()`` (for a validation pass) not undone. A model without
+    such layers behaves the same in both modes: not a finding. A run that is in eval mode
+    from its first step (a deliberate choice: frozen batch statistics) is not either."""
+
+    after = (LedgerKeeper,)
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        self._policy = ctx.options.eval_mode
+        self._trained: Optional[int] = None  # the last step whose forward passes ran in training mode
+        self._run: List[int] = []
+        self._reported = False
+
+    def read(self, step: Step) -> List[Finding]:
+        e: StepEntry = step.entry
+        if self._policy is None or self._reported or e is None or not e.forwards:
+            return []
+        if all(f.training for f in e.forwards):
+            self._trained, self._run = step.index, []
+            return []
+        evals = [f for f in e.forwards if not f.training and f.eval_layers]
+        if self._trained is None or not evals:
+            return []
+        self._run.append(step.index)
+        if len(self._run) < 2:
+            return []
+        self._reported = True
+        layers = max(f.eval_layers for f in evals)
+        msg = (f"graddbg: training steps in eval mode at {_steps(self._run[0], step.index)}: the forward passes "
+               f"that fed these steps ran with model.training False ({layers} dropout / batch-norm layer(s) in eval "
+               f"mode: no dropout, batch norm using its running statistics), while step {self._trained} and "
+               f"those before it trained in training mode. Likely cause: model.eval() for a validation pass, not "
+               f"undone. Fix: call model.train() before the training steps resume.")
+        return [_finding("eval_mode", step.index, [], [], msg, self._policy, self.ctx.rank)]
+
+
 class Unchanged(Check):
     """Parameters with a non-zero gradient (above ``RELATIVE_NOISE`` of the step's global
-    norm) that the optimizer's step leaves bitwise unchanged, on ``PATIENCE`` probe steps
-    in a row. A probe compares the weights' norms
-    before and after the step on the device (read with the next read-back), on the first
-    three recorded steps and every ``PROBE_EVERY``-th. Parameters in no param group are
-    ``orphan_param``; the others ``no_update``."""
+    norm) that the optimizer's step leaves unchanged, ``PATIENCE`` steps in a row, read on
+    every step from the ledger: a version counter that did not move during the step means
+    the weight is bitwise unchanged, and a param group's lr of 0 means the step cannot move
+    it. Parameters in no param group (and changed by nothing else) are ``orphan_param``; the
+    others ``no_update``. A step's entry is complete after the step, so it is judged at the
+    next boundary."""
+
+    after = (LedgerKeeper, StatsRecorder)
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
         opts = ctx.options
         self._policies = {"orphan_param": opts.orphan_param, "no_update": opts.no_update}
         self._on = ctx.optimizer is not None and any(p is not None for p in self._policies.values())
-        self._before: Optional[List[Tensor]] = None
-        self._pending: Optional[tuple] = None  # (step, [P] unchanged flags on the device, grad mask)
-        self._queued: Optional[tuple] = None
         self._count = np.zeros(len(ctx), dtype=np.int64)
+        self._first = np.zeros(len(ctx), dtype=np.int64)
         self._reported = np.zeros(len(ctx), dtype=bool)
-        self._probes = 0
+        self._moving: Optional[Tuple[int, np.ndarray]] = None
+        self._groups: Tuple[Any, np.ndarray] = (None, np.zeros(0, dtype=np.int64))
 
     def params_added(self, k: int) -> None:
-        self._count = np.concatenate([self._count, np.zeros(k, dtype=np.int64)])
-        self._reported = np.concatenate([self._reported, np.zeros(k, dtype=bool)])
-        self._before = self._pending = None
-
-    def _norms(self) -> Tensor:
-        with torch.no_grad():
-            return torch.stack(torch._foreach_norm([local_values(p) for p in self.ctx.params])).double()
-
-    def queue(self, step: Step) -> None:
-        self._queued, pending = None, self._pending
-        if pending is not None and step.read:
-            step.readback.add("unchanged", pending[1])
-            self._queued, self._pending = pending, None
+        for a in ("_count", "_first", "_reported"):
+            old = getattr(self, a)
+            setattr(self, a, np.concatenate([old, np.zeros(k, dtype=old.dtype)]))
+        self._moving, self._groups = None, (None, np.zeros(0, dtype=np.int64))
 
     def read(self, step: Step) -> List[Finding]:
-        found = self._conclude(step) if self._queued is not None else []
-        recorded = step.index // self.ctx.options.every
-        if self._on and not step.closure and step.stats is not None and step.due_stats and \
-                (recorded < 3 or recorded % PROBE_EVERY == 0) and len(self.ctx):
+        if not self._on or not len(self.ctx):
+            return []
+        found = self._judge(self._moving)
+        self._moving = None
+        st = step.stats
+        if st is not None and step.due_stats and not step.closure:
             present = np.array([g is not None for g in self.ctx.grads()], dtype=bool)
-            st = step.stats  # (a gradient below 1e-6 of the step's global norm is noise: a bias before a
+            # (a gradient below 1e-6 of the step's global norm is noise: a bias before a
             # shift-invariant op has a true gradient of 0 and a float one of 1e-9)
-            moving = present & st.has_grad & (st.norm > RELATIVE_NOISE * st.global_norm)
-            self._before = (step.index, self._norms(), moving)
+            self._moving = (step.index, present & st.has_grad & (st.norm > RELATIVE_NOISE * st.global_norm))
         return found
 
-    def after_step(self, index: int) -> None:
-        before, self._before = self._before, None
-        if before is not None and before[0] == index:
-            self._pending = (index, (self._norms() == before[1]).double(), before[2])
+    def close(self) -> None:
+        self._moving = None
 
-    def _conclude(self, step: Step) -> List[Finding]:
-        index, _, moving = self._queued
-        self._queued = None
-        same = step.got["unchanged"] > 0
-        hit = same & moving
-        self._count = np.where(hit, self._count + 1, np.where(moving, 0, self._count))
+    def _group_of(self) -> np.ndarray:
+        """Per parameter: the index of the param group holding it, -1 for none (cached
+        while the param groups keep their shape)."""
+        groups = self.ctx.optimizer.param_groups
+        key = (len(groups), tuple(len(g["params"]) for g in groups), id(groups[-1]["params"]) if groups else 0)
+        if self._groups[0] != key or len(self._groups[1]) != len(self.ctx):
+            where = {id(p): k for k, g in enumerate(groups) for p in g["params"]}
+            self._groups = (key, np.array([where.get(id(p), -1) for p in self.ctx.params], dtype=np.int64))
+        return self._groups[1]
+
+    def _judge(self, moving: Optional[Tuple[int, np.ndarray]]) -> List[Finding]:
+        if moving is None:
+            return []
+        e = self.ctx.ledger.find(moving[0])
+        if e is None or e.moved is None or len(e.moved) != len(self.ctx) or e.skipped:
+            return []
+        group = self._group_of()
+        lr0 = np.array([e.lrs[k] == 0.0 if 0 <= k < len(e.lrs) else False for k in group], dtype=bool)
+        stuck = moving[1] & (~e.moved | lr0)
+        self._first = np.where(stuck & (self._count == 0), e.index, self._first)
+        self._count = np.where(stuck, self._count + 1, np.where(moving[1], 0, self._count))
         new = (self._count >= PATIENCE) & ~self._reported
         if not new.any():
             return []
         self._reported |= new
-        held = {id(p) for g in self.ctx.optimizer.param_groups for p in g["params"]}
         idx = np.nonzero(new)[0]
-        orphans = [int(i) for i in idx if id(self.ctx.params[i]) not in held]
-        stuck = [int(i) for i in idx if id(self.ctx.params[i]) in held]
-        return [f for f in (self._orphans(index, orphans), self._stuck(index, stuck)) if f is not None]
+        orphans = [int(i) for i in idx if group[i] < 0]
+        stuck_ix = [int(i) for i in idx if group[i] >= 0]
+        return [f for f in (self._orphans(e.index, orphans), self._stuck(e, stuck_ix, group, lr0))
+                if f is not None]
 
     def _orphans(self, index: int, idx: List[int]) -> Optional[Finding]:
         policy = self._policies["orphan_param"]
         if not idx or policy is None:
             return None
         names = [self.ctx.names[i] for i in idx]
-        msg = (f"graddbg: parameters outside the optimizer at step {index}: {_shown(names)} receive non-zero "
-               f"gradients but belong to no param group of {type(self.ctx.optimizer).__name__}, so they never "
-               f"change ({PATIENCE} checked steps in a row). Likely cause: a layer replaced or added after the "
-               f"optimizer was built, or a parameter list that left them out (e.g. BatchNorm layers). Fix: build "
-               f"the optimizer after the model is final, from model.parameters() (or add_param_group).")
+        first = int(self._first[idx].min())
+        msg = (f"graddbg: parameters outside the optimizer at {_steps(first, index)}: {_shown(names)} received "
+               f"non-zero gradients at each of these steps, belong to no param group of "
+               f"{type(self.ctx.optimizer).__name__}, and nothing changed them (their version counters did not "
+               f"move). Likely cause: a layer replaced or added after the optimizer was built, or a parameter "
+               f"list that left them out (e.g. BatchNorm layers). Fix: build the optimizer after the model is "
+               f"final, from model.parameters() (or add_param_group).")
         return _finding("orphan_param", index, names, [self.ctx.modules[i] for i in idx], msg, policy,
                         self.ctx.rank)
 
-    def _stuck(self, index: int, idx: List[int]) -> Optional[Finding]:
+    def _stuck(self, e: StepEntry, idx: List[int], group: np.ndarray, lr0: np.ndarray) -> Optional[Finding]:
         policy = self._policies["no_update"]
         if not idx or policy is None:
             return None
         names = [self.ctx.names[i] for i in idx]
-        lrs = sorted({float(g.get("lr", float("nan"))) for g in self.ctx.optimizer.param_groups
-                      if any(p is self.ctx.params[i] for p in g["params"] for i in idx)})
-        msg = (f"graddbg: parameters not updated at step {index}: {_shown(names)} have non-zero gradients, but "
-               f"the optimizer's step left them bitwise unchanged ({PATIENCE} checked steps in a row; their "
-               f"param group's lr: {', '.join(f'{x:g}' for x in lrs)}). Likely cause: a learning rate of 0 (a "
-               f"scheduler, a wrong param-group key), or a step that skips them (a wrapper, a compiled step). "
-               f"Fix: check the optimizer's param_groups and the scheduler.")
-        return _finding("no_update", index, names, [self.ctx.modules[i] for i in idx], msg, policy, self.ctx.rank)
+        first = int(self._first[idx].min())
+        groups = sorted({int(group[i]) for i in idx})
+        lrs = ", ".join(f"group {k}: {e.lrs[k]:g}" for k in groups if k < len(e.lrs))
+        if lr0[idx].all():
+            why = (f"their param group's learning rate is 0 ({lrs}). Likely cause: a scheduler that reached 0, "
+                   f"or a per-group lr (a name-keyed dict) that missed them. Fix: check the optimizer's "
+                   f"param_groups and the scheduler")
+        else:
+            why = (f"the optimizer's step did not touch them (their version counters did not move; {lrs}). "
+                   f"Likely cause: an optimizer (a wrapper, a compiled or custom step) that skips them. Fix: check "
+                   f"which parameters the step updates")
+        msg = (f"graddbg: parameters not updated at {_steps(first, e.index)}: {_shown(names)} had non-zero "
+               f"gradients at each of these steps, and {why}.")
+        return _finding("no_update", e.index, names, [self.ctx.modules[i] for i in idx], msg, policy, self.ctx.rank)
 
 
 class DeadGrad(Check):
-    """A parameter whose gradient was non-zero and has been exactly zero for
-    ``DEAD_PATIENCE`` recorded steps in a row (dead ReLUs, a saturated gate)."""
+    """A parameter whose gradient has been exactly zero for ``DEAD_PATIENCE`` recorded steps
+    in a row: after having been non-zero (dead ReLUs, a saturated gate), or since its
+    first gradient (dead from initialisation)."""
+
+    after = (StatsRecorder,)
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
         self._policy = ctx.options.dead_grad
         self._alive = np.zeros(len(ctx), dtype=bool)  # had a non-zero gradient once
         self._run = np.zeros(len(ctx), dtype=np.int64)
+        self._since = np.zeros(len(ctx), dtype=np.int64)
         self._reported = np.zeros(len(ctx), dtype=bool)
 
     def params_added(self, k: int) -> None:
-        for a in ("_alive", "_run", "_reported"):
+        for a in ("_alive", "_run", "_since", "_reported"):
             old = getattr(self, a)
             setattr(self, a, np.concatenate([old, np.zeros(k, dtype=old.dtype)]))
 
@@ -280,22 +379,35 @@ class DeadGrad(Check):
         if self._policy is None or st is None or not step.due_stats:
             return []
         zero = st.has_grad & (st.norm == 0)
-        self._alive |= st.has_grad & (st.norm > 0)
         if not zero.any() and not self._run.any():
+            self._alive |= st.has_grad
             return []  # (the common step)
-        self._run = np.where(zero & self._alive, self._run + 1, 0)
+        self._since = np.where(zero & (self._run == 0), step.index, self._since)
+        self._run = np.where(zero, self._run + 1, np.where(st.has_grad, 0, self._run))
         new = (self._run >= DEAD_PATIENCE) & ~self._reported
+        was_alive = self._alive.copy()
+        self._alive |= st.has_grad & (st.norm > 0)
         if not new.any():
             return []
         self._reported |= new
         idx = np.nonzero(new)[0]
         names = [self.ctx.names[i] for i in idx]
         modules = list(dict.fromkeys(self.ctx.modules[i] for i in idx))
-        msg = (f"graddbg: dead gradients at step {step.index}: {_shown(names)} had non-zero gradients before "
-               f"and have had exactly zero gradients for {DEAD_PATIENCE} recorded steps (layer "
-               f"{', '.join(m or '<root>' for m in modules[:3])}). Likely cause: every unit after it is dead "
-               f"(ReLUs that only see negative inputs after a large step) or saturated. Fix: a lower learning "
-               f"rate, LeakyReLU/GELU, or a better initialisation; distinct from small (vanishing) gradients.")
+        layers = ", ".join(m or "<root>" for m in modules[:3])
+        since = int(self._since[idx].min())
+        if was_alive[idx].any():
+            msg = (f"graddbg: dead gradients at step {step.index}: {_shown(names)} had non-zero gradients before "
+                   f"and have had exactly zero gradients since step {since} ({DEAD_PATIENCE} recorded steps in a "
+                   f"row; layer {layers}). Likely cause: every unit after it is dead (ReLUs that only see negative "
+                   f"inputs after a large step) or saturated. Fix: a lower learning rate, LeakyReLU/GELU, or a "
+                   f"better initialisation; distinct from small (vanishing) gradients.")
+        else:
+            msg = (f"graddbg: gradients exactly zero since the first step: {_shown(names)} (layer {layers}) have "
+                   f"received exactly zero gradients at every recorded step from step {since} on ({DEAD_PATIENCE} "
+                   f"in a row), so they have never trained. Likely cause: dead from initialisation (weights "
+                   f"initialised to zero or a constant, so that the units after them are dead or identical), or a "
+                   f"loss term multiplied by 0. Fix: a standard initialisation (nn.init.kaiming_uniform_ / the "
+                   f"layer's default), and check the loss weights.")
         return [_finding("dead_grad", step.index, names, [self.ctx.modules[i] for i in idx], msg, self._policy,
                          self.ctx.rank, value=0.0)]
 

@@ -20,7 +20,9 @@ from torch import Tensor
 
 from graddbg._collective import run_collective
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
-from graddbg.stats import HIST_EDGES, Readback, StepReader, StepRecord, StepStats, histogram_counts, local_values
+from graddbg.checks.ledger import LedgerKeeper
+from graddbg.stats import HIST_EDGES, Readback, Slot, StepReader, StepRecord, StepStats, histogram_counts, \
+    local_values
 
 __all__ = ["StatsRecorder"]
 
@@ -33,7 +35,23 @@ class _Pending:
     launch: Any
     grads: List[Optional[Tensor]]
     versions: List[int]
-    scale: Optional[float]
+    scale: Optional[Tensor]  #: the loss scale in force (a device tensor: read with the read-back)
+
+
+@dataclasses.dataclass
+class _Queued:
+    """What the recorder queued at a step boundary, handed back to its ``read``."""
+
+    launch: Any
+    scale: Optional[Slot]  #: the loss scale, read back with the statistics
+    unscale: bool  #: divide the statistics by the scale (launched on scaled gradients)
+    stats: Dict[str, Slot]
+    live: Optional[List[int]] = None  #: gradients changed since the backward pass ...
+    clip: Optional[Slot] = None  #: ... and their norms now
+    hist: Optional[Slot] = None
+    flags: Optional[List[Tuple[Slot, Slot]]] = None
+    rank_bad: Optional[Slot] = None
+    skipped: List[Tuple[int, Slot]] = dataclasses.field(default_factory=list)  #: scales of skipped steps
 
 
 class _Flags:
@@ -55,22 +73,23 @@ class _Flags:
                 bad, first = old
                 self.groups[key] = (bad | new, torch.where(new & ~bad, step, first))
 
-    def add_to(self, rb: Readback, agree: bool = False) -> None:
-        """Into a read-back; ``agree``: first make the flags the same on every rank (a
-        sharded model: each rank flagged its own shards)."""
-        for k, (bad, first) in enumerate(self.groups.values()):
+    def add_to(self, rb: Readback, agree: bool = False) -> List[Tuple[Slot, Slot]]:
+        """Into a read-back (their slots, for `take`); ``agree``: first make the flags the
+        same on every rank (a sharded model: each rank flagged its own shards)."""
+        slots = []
+        for bad, first in self.groups.values():
             if agree:
                 _agree(bad, first)
-            rb.add(f"acc_bad{k}", bad)
-            rb.add(f"acc_first{k}", first)
+            slots.append((rb.add("acc_bad", bad), rb.add("acc_first", first)))
+        return slots
 
-    def take(self, got: Dict[str, np.ndarray], P: int) -> Tuple[Optional[np.ndarray], int]:
+    def take(self, slots: List[Tuple[Slot, Slot]], P: int) -> Tuple[Optional[np.ndarray], int]:
         """``(bad mask over the P parameters, first bad step)`` from a read-back; resets."""
         bad, first = None, -1
-        for k, ix in enumerate(self.groups):
-            b = got[f"acc_bad{k}"] > 0
+        for (bad_slot, first_slot), ix in zip(slots, self.groups):
+            b = bad_slot.value > 0
             if b.any():
-                f = int(got[f"acc_first{k}"][b].min())
+                f = int(first_slot.value[b].min())
                 if bad is None:
                     bad = np.zeros(P, dtype=bool)
                 bad[np.asarray(ix)[b]] = True
@@ -107,7 +126,7 @@ class _RankFlags:
             t = self._index[key] = torch.tensor(key, dtype=torch.int64, device=device)
         return t
 
-    def queue(self, rb: Readback, launch: Any, grads: List[Optional[Tensor]], changed: bool, P: int) -> None:
+    def queue(self, rb: Readback, launch: Any, grads: List[Optional[Tensor]], changed: bool, P: int) -> Slot:
         import torch.distributed as dist
 
         if not launch.norms:
@@ -126,10 +145,11 @@ class _RankFlags:
                 local.index_fill_(0, self._ix(live, dev)[~torch.isfinite(now)], 1)
             local.mul_(self.bit)
             run_collective(dist.all_reduce, local, op=dist.ReduceOp.SUM)
-        rb.add("rank_bad", local)
+        return rb.add("rank_bad", local)
 
-    def read(self, got: Dict[str, np.ndarray]) -> Tuple[np.ndarray, Dict[int, List[int]]]:
-        bits = got["rank_bad"].astype(np.int64)
+    @staticmethod
+    def read(slot: Slot) -> Tuple[np.ndarray, Dict[int, List[int]]]:
+        bits = slot.value.astype(np.int64)
         ranks = {int(i): [r for r in range(63) if bits[i] >> r & 1] for i in np.nonzero(bits)[0]}
         return bits > 0, ranks
 
@@ -137,11 +157,14 @@ class _RankFlags:
 class StatsRecorder(Check):
     """Per-parameter statistics into the history, and the non-finite mask of each step."""
 
+    after = (LedgerKeeper,)
+
     def __init__(self) -> None:
         self._pending: Optional[_Pending] = None
         self._flags = _Flags()
         self._hist_edges: Optional[Tensor] = None
         self.ever_grad = np.zeros(0, dtype=bool)  #: parameters that ever had a gradient
+        self._skipped_scales: List[Tuple[int, Tensor]] = []  # (step, scale) of skipped steps, read later
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
@@ -168,53 +191,58 @@ class StatsRecorder(Check):
         self._pending = self._launch(bw.step, bw.grads, bw.scale)
 
     def skipped(self, index: int) -> None:
-        """The GradScaler skipped this step (its scale went down): an overflow step, whose
-        scaled, non-finite gradients were thrown away by design."""
+        """The GradScaler skipped this step (it did not call the optimizer): an overflow
+        step, whose scaled, non-finite gradients were thrown away by design. Its scale is
+        not read (no host read of the scale on a step that is not recorded)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             self.ever_grad |= np.array([g is not None for g in pending.grads], dtype=bool)
-        scale = pending.scale if pending is not None and pending.scale is not None else math.nan
-        self.history.append(StepRecord(index, overflow=True, scale=float(scale), lr=self._lr()))
+            if pending.scale is not None:
+                self._skipped_scales.append((index, pending.scale))
+        self.history.append(StepRecord(index, overflow=True, scale=math.nan, lr=self._lr()))
 
-    def queue(self, step: Step) -> None:
-        launch, scale, div, changed = self._take(step)
+    def queue(self, step: Step) -> Optional[_Queued]:
+        launch, scale, unscale, changed = self._take(step)
         if not step.read:
             # no read this step: flags stay on the device (of the gradients as the optimizer
             # will use them, when they changed since the backward pass)
             self._flags.add(self._reader.launch(step.grads) if changed else launch, step.index)
-            self._step_state = (None, scale, 1.0, None, None)
-            return
+            return None
         rb = step.readback
-        self._reader.add_to(rb, launch)
-        live = None
+        q = _Queued(launch, rb.add("scale", scale.reshape(1)) if scale is not None else None, unscale,
+                    self._reader.add_to(rb, launch))
+        q.skipped = [(i, rb.add("skipped_scale", t.reshape(1))) for i, t in self._skipped_scales]
+        self._skipped_scales = []
         if changed:  # changed in place since the backward pass (a clip, unscale_, a hand edit)
-            live = [i for i, g in enumerate(step.grads)
-                    if g is not None and type(g) is Tensor and g.layout == torch.strided]
-            if live:
-                rb.add("clip_norms", torch.stack(torch._foreach_norm([step.grads[i] for i in live])))
+            q.live = [i for i, g in enumerate(step.grads)
+                      if g is not None and type(g) is Tensor and g.layout == torch.strided] or None
+            if q.live:
+                q.clip = rb.add("clip_norms", torch.stack(torch._foreach_norm([step.grads[i] for i in q.live])))
         hist_every = self.ctx.options.histograms
-        hist = step.due_stats and hist_every is not None and step.index % hist_every == 0
-        if hist:
-            rb.add("hist", self._histograms(step.grads))
-        self._flags.add_to(rb, agree=launch.sharded is not None and torch.distributed.is_initialized())
+        if step.due_stats and hist_every is not None and step.index % hist_every == 0:
+            q.hist = rb.add("hist", self._histograms(step.grads))
+        q.flags = self._flags.add_to(rb, agree=launch.sharded is not None and torch.distributed.is_initialized())
         if self._ranks is not None and torch.distributed.is_initialized():
-            self._ranks.queue(rb, launch, step.grads, changed, len(self.ctx))
-        self._step_state = (launch, scale, div, live or None, hist)
+            q.rank_bad = self._ranks.queue(rb, launch, step.grads, changed, len(self.ctx))
+        return q
 
     def read(self, step: Step) -> List[Finding]:
-        launch, scale, div, live, hist = self._step_state
-        self._step_state = None
-        if launch is None:
-            self.history.append(StepRecord(step.index, scale=scale, lr=self._lr()))
+        q: Optional[_Queued] = step.token(self)
+        if q is None:
+            self.history.append(StepRecord(step.index, scale=math.nan, lr=self._lr()))
             return []
-        st = self._stats(launch, step.got, step.grads, div, changed=live is not None)
+        for i, slot in q.skipped:
+            self.history.set_scale(i, float(slot.value[0]))
+        scale = float(q.scale.value[0]) if q.scale is not None else math.nan
+        div = scale if q.unscale and scale == scale and scale > 0 else 1.0
+        st = self._stats(q.launch, q.stats, step.grads, div, changed=q.live is not None)
         bad, first = st.bad, step.index
-        prior, first_prior = self._flags.take(step.got, len(self.ctx))
+        prior, first_prior = self._flags.take(q.flags, len(self.ctx))
         if prior is not None:
             bad, first = bad | prior, first_prior
-        clip_norm, bad = self._after_change(step.got, live, bad)
-        if "rank_bad" in step.got:  # what any rank found, every rank knows
-            anywhere, ranks = self._ranks.read(step.got)
+        clip_norm, bad = self._after_change(q, bad)
+        if q.rank_bad is not None:  # what any rank found, every rank knows
+            anywhere, ranks = self._ranks.read(q.rank_bad)
             bad = bad | anywhere
             if anywhere.any():
                 st.shard_ranks = {**ranks, **(st.shard_ranks or {})}
@@ -224,35 +252,36 @@ class StatsRecorder(Check):
             self.history.append(StepRecord(step.index, overflow=True, scale=scale, lr=self._lr()))
             return []
         P = len(self.ctx)
-        counts = step.got["hist"].reshape(P, -1).astype(np.int64) if hist else None
+        counts = q.hist.value.reshape(P, -1).astype(np.int64) if q.hist is not None else None
         self.history.append(StepRecord(step.index, per_param=st if step.due_stats else None, global_norm=st.global_norm,
                                        clipped_norm=clip_norm, scale=scale, lr=self._lr(), hist=counts))
-        step.stats, step.bad, step.first_bad, step.clipped_norm = st, bad, first, clip_norm
+        step.stats, step.bad, step.first_bad, step.clipped_norm, step.scale = st, bad, first, clip_norm, scale
+        if step.entry is not None:
+            step.entry.global_norm, step.entry.clipped_norm, step.entry.scale = st.global_norm, clip_norm, scale
         return []
 
     # ------------------------------------------------------------------ helpers
-    def _launch(self, index: int, grads: List[Optional[Tensor]], scale: Optional[float]) -> _Pending:
+    def _launch(self, index: int, grads: List[Optional[Tensor]], scale: Optional[Tensor]) -> _Pending:
         launch = self._reader.launch(grads, absmax=self._absmax_due(index, grads), extras=True)
         return _Pending(index, launch, grads, self._versions(grads), scale)
 
-    def _take(self, step: Step) -> Tuple[Any, float, float, bool]:
-        """The launched statistics of this step's gradients, the loss scale in force, what
-        to divide them by to unscale them, and whether the gradients changed since: those
-        launched at the end of the backward pass when there was one, else launched now."""
+    def _take(self, step: Step) -> Tuple[Any, Optional[Tensor], bool, bool]:
+        """The launched statistics of this step's gradients, the loss scale in force (a
+        device tensor, or None), whether to divide the statistics by it to unscale them,
+        and whether the gradients changed since: those launched at the end of the backward
+        pass when there was one, else launched now."""
         pending, self._pending = self._pending, None
         if pending is not None and pending.step == step.index:
             step.grads = pending.grads
-            scale = pending.scale if pending.scale is not None else math.nan
-            div = scale if self.ctx.options.scaler is not None and scale == scale and scale > 0 else 1.0
-            return pending.launch, scale, div, self._versions(pending.grads) != pending.versions
+            unscale = self.ctx.options.scaler is not None and pending.scale is not None
+            return pending.launch, pending.scale, unscale, self._versions(pending.grads) != pending.versions
         if pending is not None:
             self._flags.add(pending.launch, step.index)
         # launched now, at the step: inside GradScaler.step the gradients are unscaled
         # already (it unscales before it calls the optimizer), so the scale is recorded and
         # not divided by (see _stats)
-        scale = self.ctx.read_scale()
         now = self._launch(step.index, step.grads, None)
-        return now.launch, math.nan if scale is None else scale, 1.0, False
+        return now.launch, self.ctx.read_scale() if step.read else None, False, False
 
     def _versions(self, grads: Sequence[Optional[Tensor]]) -> List[int]:
         """In-place version counters of a few gradients spread over the model (the first,
@@ -268,10 +297,10 @@ class StatsRecorder(Check):
         on_cpu = g is None or g.device.type == "cpu"
         return index % (opts.every * (opts.absmax_cpu_every if on_cpu else 1)) == 0
 
-    def _stats(self, launch: Any, got: Dict[str, np.ndarray], grads: List[Optional[Tensor]],
+    def _stats(self, launch: Any, slots: Dict[str, Slot], grads: List[Optional[Tensor]],
                div: float, changed: bool = False) -> StepStats:
         """The host statistics, unscaled (divided by ``div``)."""
-        st = self._reader.finish(launch, got)
+        st = self._reader.finish(launch, slots)
         if div != 1.0:
             st.norm /= div
             st.absmax /= div
@@ -285,15 +314,14 @@ class StatsRecorder(Check):
         return st
 
     @staticmethod
-    def _after_change(got: Dict[str, np.ndarray], live: Optional[List[int]],
-                      bad: np.ndarray) -> Tuple[float, np.ndarray]:
+    def _after_change(q: _Queued, bad: np.ndarray) -> Tuple[float, np.ndarray]:
         """The post-clip global norm, and the non-finite mask widened by gradients that went
         non-finite after the backward pass (a clip of an Inf makes NaN; so does a hand edit)."""
-        if live is None:
+        if q.clip is None:
             return math.nan, bad
-        norms = got["clip_norms"]
+        norms = q.clip.value
         post = np.zeros(len(bad), dtype=bool)
-        post[np.asarray(live)[~np.isfinite(norms)]] = True
+        post[np.asarray(q.live)[~np.isfinite(norms)]] = True
         return math.sqrt(float(np.dot(norms, norms))), bad | post
 
     def _histograms(self, grads: Sequence[Optional[Tensor]]) -> Tensor:
@@ -316,7 +344,7 @@ class StatsRecorder(Check):
         except (TypeError, ValueError):
             return math.nan
 
-    def adopt_scale(self, scale: float) -> None:
+    def adopt_scale(self, scale: Tensor) -> None:
         """A GradScaler found at the first optimizer step: the gradients waiting for this
         step are scaled by ``scale``; the non-finite flags kept from before are of steps it
         skipped (it never calls the optimizer on those), not of the run."""
@@ -324,13 +352,21 @@ class StatsRecorder(Check):
             self._pending.scale = scale
         self._flags.groups.clear()
 
-    def pending_scale(self) -> Optional[float]:
-        """The loss scale of the backward pass waiting for its step, if any."""
-        return None if self._pending is None else self._pending.scale
+    def waiting(self) -> bool:
+        """Whether a backward pass's statistics wait for their step."""
+        return self._pending is not None
 
     def uncovered(self) -> List[str]:
         """Parameters that never had a gradient while watched."""
         return [n for n, c in zip(self.ctx.names, self.ever_grad) if not c]
 
+    def flush(self) -> None:
+        """The scales of skipped steps not read back yet (one host read, when the record is
+        read)."""
+        skipped, self._skipped_scales = self._skipped_scales, []
+        for i, t in skipped:
+            self.history.set_scale(i, float(t))
+
     def close(self) -> None:
+        self.flush()
         self._pending = None

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from graddbg._errors import GraddbgWarning
 from graddbg.checks.base import Check, Finding, Step, Watched
-from graddbg.stats import local_values, update_ratios
+from graddbg.stats import Slot, local_values, update_ratios
 
 __all__ = ["UpdateRatio"]
 
@@ -23,7 +23,6 @@ class UpdateRatio(Check):
         self._copy: Optional[List[Tensor]] = None
         self._copy_step = -1
         self._ratios: Optional[Tuple[int, Tensor]] = None  # (step, [P] ratios on the device)
-        self._queued: Optional[int] = None
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
@@ -33,16 +32,17 @@ class UpdateRatio(Check):
         return bool(self.every) and index % self.ctx.options.every == 0 and index % self.every == 0
 
     # ------------------------------------------------------------------ events
-    def queue(self, step: Step) -> None:
-        self._queued = None
+    def queue(self, step: Step) -> Optional[Tuple[int, Slot]]:
         if step.read and self._ratios is not None:
-            step.readback.add("update", self._ratios[1])
-            self._queued, self._ratios = self._ratios[0], None
+            index, ratios = self._ratios
+            self._ratios = None
+            return index, step.readback.add("update", ratios)
+        return None
 
     def read(self, step: Step) -> List[Finding]:
-        if self._queued is not None:
-            self.ctx.history.set_update(self._queued, step.got["update"])
-            self._queued = None
+        queued = step.token(self)
+        if queued is not None:
+            self.ctx.history.set_update(queued[0], queued[1].value)
         if not step.closure and self.due(step.index):
             self._take_copy(step.index)
         return []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, List
 
+import numpy as np
 
 from graddbg.checks.base import Check, Finding, Step
 from graddbg.checks.recorder import StatsRecorder
@@ -27,24 +28,21 @@ class ZeroRecorder(StatsRecorder):
     def __init__(self, source: Any) -> None:
         super().__init__()
         self.source = source
-        self._state: Any = None
 
     # (a micro-batch's local, unreduced gradients: nothing to read at the end of a backward
     # pass; the base class's no-op, so that the watch does not call it)
     on_backward_end = Check.on_backward_end
 
-    def queue(self, step: Step) -> None:
+    def queue(self, step: Step) -> Any:
         if not step.read:
-            self._state = None
-            return
+            return None
         absmax = self._absmax_due(step.index, [])
         pieces, table = self.source.read(self.ctx.params, absmax)
         if table.device.type == "cpu":  # (already on the host: nothing to synchronise)
             host = table.numpy()
         else:
-            host = None
-            step.readback.add("zero_table", table)
-        self._state = (pieces, absmax, table.shape, self.source.loss_scale(), host)
+            host = step.readback.add("zero_table", table)
+        return (pieces, absmax, table.shape, self.source.loss_scale(), host)
 
     def read(self, step: Step) -> List[Finding]:
         try:
@@ -53,12 +51,12 @@ class ZeroRecorder(StatsRecorder):
             self.source.origin.clear()  # (the evidence of this step's micro-batches)
 
     def _read(self, step: Step) -> List[Finding]:
-        state, self._state = self._state, None
+        state = step.token(self)
         if state is None:
             self.history.append(StepRecord(step.index, None, math.nan, math.nan, False, math.nan, self._lr()))
             return []
         pieces, absmax, shape, scale, host = state
-        got = host if host is not None else step.got["zero_table"].reshape(tuple(shape))
+        got = host if isinstance(host, np.ndarray) else host.value.reshape(tuple(shape))
         st = self.source.combine(got, absmax, scale)
         any_bad = False
         if st.shard_ranks:  # (a rank's piece was non-finite: exact counts, float64 norms)
@@ -81,5 +79,4 @@ class ZeroRecorder(StatsRecorder):
         return []
 
     def close(self) -> None:
-        self._state = None
         super().close()

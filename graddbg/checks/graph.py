@@ -1,0 +1,293 @@
+"""What the autograd graph of the loss shows: harmful patterns on the path from the
+parameters to the loss (``loss_pattern``), tensors trained through the loss that are not
+parameters of the model (``hidden_param``), and, for a trainable parameter cut off from the
+loss, what cut it (``unused_param``).
+
+The graph is read while a backward pass runs through the model's output (the loss itself
+is found as the tensor handed to ``backward()``, in the frames of the thread that called it),
+on the first backward passes and then on a thinning schedule (passes 10, 100, 1000, ...):
+a walk of the graph's nodes, no device work.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from graddbg._model import unwrap
+from graddbg.anomaly import Anomaly
+from graddbg.checks.base import Check, Finding, Step, Watched
+from graddbg.checks.ledger import LedgerKeeper
+
+__all__ = ["LossGraph", "loss_patterns", "graph_roots", "walk"]
+
+#: nodes that only move values around: looked through when asking what fed a loss
+_PASS = {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "PermuteBackward0", "TransposeBackward0",
+         "TBackward0", "CloneBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
+         "SqueezeBackward3", "SqueezeBackward4", "UnsqueezeBackward0", "SliceBackward0", "SelectBackward0",
+         "ToCopyBackward0", "ContiguousBackward0", "AliasBackward0", "IndexBackward0", "FlattenBackward0",
+         "UnflattenBackward0"}
+#: element-wise losses that compare an input with a target of the same shape
+_ELEMENTWISE = {"MseLossBackward0": "mse_loss", "L1LossBackward0": "l1_loss", "SmoothL1LossBackward0": "smooth_l1_loss",
+                "HuberLossBackward0": "huber_loss", "BinaryCrossEntropyBackward0": "binary_cross_entropy",
+                "BinaryCrossEntropyWithLogitsBackward0": "binary_cross_entropy_with_logits"}
+_LINEAR = {"AddmmBackward0", "MmBackward0", "BmmBackward0", "LinearBackward0", "ConvolutionBackward0"}
+MAX_NODES = 50_000
+
+
+def _name(node: Any) -> str:
+    return type(node).__name__
+
+
+def _inputs(node: Any) -> Iterator[Any]:
+    for nxt, _ in getattr(node, "next_functions", ()):
+        if nxt is not None:
+            yield nxt
+
+
+def _fed_by(node: Any) -> Optional[Any]:
+    """The node whose output is ``node``'s first differentiable input, looking through
+    nodes that only move values (views, copies, dtype casts)."""
+    cur = next(_inputs(node), None)
+    for _ in range(16):
+        if cur is None or _name(cur) not in _PASS:
+            return cur
+        cur = next(_inputs(cur), None)
+    return cur
+
+
+def _shape(node: Any) -> Optional[Tuple[int, ...]]:
+    """The shape of ``node``'s forward output (from its input metadata), when known."""
+    try:
+        meta = node._input_metadata
+        return tuple(int(d) for d in meta[0].shape) if meta else None
+    except (AttributeError, RuntimeError, TypeError, IndexError):
+        return None
+
+
+def walk(roots: Sequence[Any], limit: int = MAX_NODES) -> List[Any]:
+    """The nodes reachable from ``roots`` (autograd nodes), each once, iteratively."""
+    seen: Set[int] = set()
+    order: List[Any] = []
+    stack = [r for r in roots if r is not None]
+    while stack and len(order) < limit:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        order.append(node)
+        stack.extend(_inputs(node))
+    return order
+
+
+def graph_roots(thread: int) -> List[Any]:
+    """The autograd nodes of the tensors a running ``backward()`` / ``autograd.grad`` was
+    called on, from the frames of ``thread`` (the caller of the backward pass)."""
+    frame = sys._current_frames().get(thread)
+    for _ in range(64):
+        if frame is None:
+            return []
+        if frame.f_code.co_name == "_engine_run_backward":
+            outs = frame.f_locals.get("t_outputs", ())
+            return [t.grad_fn for t in outs if isinstance(t, Tensor) and t.grad_fn is not None]
+        frame = frame.f_back
+    return []
+
+
+def loss_patterns(nodes: Sequence[Any]) -> List[Tuple[str, str, str]]:
+    """``[(pattern, evidence, fix)]`` for the harmful patterns among ``nodes``."""
+    found = []
+    for node in nodes:
+        name = _name(node)
+        if name in ("NllLossBackward0", "NllLoss2DBackward0"):
+            found += _nll(node)
+        elif name == "KlDivBackward0":
+            src = _fed_by(node)
+            if src is not None and _name(src) == "SoftmaxBackward0":
+                found.append(("kl_div on probabilities", "kl_div's input comes straight from softmax (probabilities), "
+                              "but kl_div expects log-probabilities as its input",
+                              "pass F.log_softmax(x, dim) as kl_div's input"))
+        if name in _ELEMENTWISE:
+            found += _elementwise(node, _ELEMENTWISE[name])
+    return list(dict.fromkeys(found))
+
+
+def _nll(node: Any) -> List[Tuple[str, str, str]]:
+    src = _fed_by(node)
+    if src is None:
+        return []
+    kind = _name(src)
+    if kind == "SoftmaxBackward0":
+        return [("nll_loss on probabilities", "nll_loss's input comes straight from softmax: probabilities, "
+                 "not the log-probabilities nll_loss expects", "use F.log_softmax instead of softmax (or "
+                 "cross_entropy on the logits)")]
+    if kind == "LogBackward0" and (_fed_by(src) is not None and _name(_fed_by(src)) == "SoftmaxBackward0"):
+        return [("log(softmax(x))", "the loss takes log(softmax(x)): a probability that underflows to 0 gives "
+                 "-inf and a NaN gradient", "use F.log_softmax(x, dim) (or cross_entropy on the logits)")]
+    if kind in _LINEAR:
+        return [("nll_loss on raw scores", f"nll_loss's input is a layer's raw output ({kind}), with no "
+                 f"log_softmax: the loss is unbounded below and drives those scores to infinity",
+                 "use F.cross_entropy on the logits, or F.log_softmax before nll_loss")]
+    if kind != "LogSoftmaxBackward0":
+        return []
+    out = []
+    dim, shape = getattr(src, "_saved_dim", None), _shape(src)
+    if dim is not None and shape is not None and len(shape) >= 2 and dim % len(shape) != 1:
+        out.append(("log_softmax over the wrong dim", f"log_softmax normalises over dim {dim} of a tensor of shape "
+                    f"{shape}, but nll_loss / cross_entropy read the classes along dim 1",
+                    "normalise over the class dimension (dim=1), or pass the logits to cross_entropy"))
+    inner = _fed_by(src)
+    if inner is not None and _name(inner) == "SoftmaxBackward0":
+        out.append(("softmax before cross_entropy", "cross_entropy (log_softmax + nll_loss) is applied to the "
+                    "output of a softmax: a double softmax, whose gradients are squashed and whose loss cannot go "
+                    "below a floor", "pass the logits (remove the softmax; apply it only for predictions)"))
+    return out
+
+
+def _elementwise(node: Any, loss: str) -> List[Tuple[str, str, str]]:
+    out = []
+    src = next(_inputs(node), None)
+    if src is not None and _name(src) == "ExpandBackward0":
+        before = tuple(int(d) for d in getattr(src, "_saved_self_sym_sizes", ()) or ())
+        after = _shape(src)
+        if before and after and before != after:
+            out.append(("a target that broadcasts", f"{loss}'s input of shape {before} was broadcast to {after} "
+                        f"against the target: every output is compared with every target", "make the input and "
+                        "the target the same shape (e.g. output.squeeze(-1), or target.unsqueeze(-1))"))
+    fed = _fed_by(node)
+    if loss == "binary_cross_entropy_with_logits" and fed is not None and _name(fed) == "SigmoidBackward0":
+        out.append(("sigmoid before BCEWithLogitsLoss", "binary_cross_entropy_with_logits is applied to the output "
+                    "of a sigmoid: a double sigmoid (it applies its own), so the loss cannot reach 0 and its "
+                    "gradients shrink", "pass the logits (remove the sigmoid), or use binary_cross_entropy"))
+    return out
+
+
+def _due(n: int) -> bool:
+    """Backward passes whose graph is read: 0, 1, 2, then 10, 100, 1000, ..."""
+    if n < 3:
+        return True
+    while n % 10 == 0:
+        n //= 10
+    return n == 1
+
+
+class LossGraph(Check):
+    """Reads the loss's autograd graph on scheduled backward passes; its findings are made
+    at the next step boundary."""
+
+    after = (LedgerKeeper,)
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        opts = ctx.options
+        self._policies = {"loss_pattern": opts.loss_pattern, "hidden_param": opts.hidden_param}
+        self._on = any(p is not None for p in self._policies.values())
+        self._passes = 0
+        self._thread = threading.get_ident()
+        self._found: List[Tuple[str, Any]] = []
+        self._reported: Set[str] = set()
+
+    def on_forward(self, fwd: Any) -> None:
+        self._thread = threading.get_ident()  # (the thread that runs the loop calls backward)
+
+    def on_output_grad(self) -> None:
+        """A backward pass reached the model's output (inside the backward pass)."""
+        n, self._passes = self._passes, self._passes + 1
+        if not self._on or not _due(n) or self.ctx.replaying:
+            return
+        roots = graph_roots(self._thread)
+        if not roots:
+            return
+        nodes = walk(roots)
+        if self._policies["loss_pattern"] is not None:
+            self._found += [("loss_pattern", p) for p in loss_patterns(nodes) if p[0] not in self._reported]
+        if self._policies["hidden_param"] is not None:
+            self._found += [("hidden_param", h) for h in self._hidden(nodes)]
+
+    def _hidden(self, nodes: Sequence[Any]) -> List[Tuple[str, Tuple[int, ...]]]:
+        """Leaves of the graph that are not the model's parameters but that the model
+        holds: a tensor attribute with requires_grad, a module kept in a plain list."""
+        mine = {id(p) for p in self.ctx.params} | {id(p) for p in unwrap(self.ctx.model).parameters()}
+        leaves = [n.variable for n in nodes if _name(n) == "AccumulateGrad"]
+        strays = {id(v): v for v in leaves if id(v) not in mine}
+        if not strays:
+            return []
+        held = _held_tensors(unwrap(self.ctx.model))
+        return [(where, tuple(strays[i].shape)) for i, where in held.items()
+                if i in strays and where not in self._reported]
+
+    def read(self, step: Step) -> List[Finding]:
+        found, self._found = self._found, []
+        out: List[Finding] = []
+        patterns = [p for kind, p in found if kind == "loss_pattern" and p[0] not in self._reported]
+        if patterns:
+            self._reported.update(p[0] for p in patterns)
+            out.append(self._pattern_finding(step.index, list(dict.fromkeys(patterns))))
+        hidden = list(dict.fromkeys(h for kind, h in found if kind == "hidden_param" and h[0] not in self._reported))
+        if hidden:
+            self._reported.update(h[0] for h in hidden)
+            out.append(self._hidden_finding(step.index, hidden))
+        return out
+
+    def _pattern_finding(self, index: int, patterns: List[Tuple[str, str, str]]) -> Finding:
+        parts = "; ".join(f"{what}: {evidence}. Fix: {fix}" for what, evidence, fix in patterns)
+        msg = (f"graddbg: a harmful pattern on the path to the loss at step {index} (read from the loss's autograd "
+               f"graph): {parts}.")
+        a = Anomaly(step=index, kind="loss_pattern", name=None, module=None, op=None, value=float(len(patterns)),
+                    threshold=None, source=None, message=msg, rank=self.ctx.rank, params=())
+        return Finding(a, self._policies["loss_pattern"], skip=[])
+
+    def _hidden_finding(self, index: int, hidden: List[Tuple[str, Tuple[int, ...]]]) -> Finding:
+        names = [h[0] for h in hidden]
+        shown = ", ".join(f"{n} (shape {tuple(s)})" for n, s in hidden[:6])
+        msg = (f"graddbg: tensors trained through the loss that are not parameters, at step {index}: {shown} "
+               f"require grad and receive gradients from the loss, and the model holds them, but they are not "
+               f"registered parameters: model.parameters() does not list them, so the optimizer never updates "
+               f"them (nor does .to(), state_dict() or DDP see them). Likely cause: a tensor attribute made with "
+               f"requires_grad=True instead of nn.Parameter, or layers kept in a plain Python list or dict instead "
+               f"of nn.ModuleList / nn.ModuleDict. Fix: wrap it in nn.Parameter(...), or use nn.ModuleList.")
+        a = Anomaly(step=index, kind="hidden_param", name=names[0], module=names[0].rpartition(".")[0] or None,
+                    op=None, value=float(len(names)), threshold=None, source=None, message=msg, rank=self.ctx.rank,
+                    params=tuple(names))
+        return Finding(a, self._policies["hidden_param"], skip=[])
+
+    def close(self) -> None:
+        self._found = []
+
+
+def _held_tensors(root: nn.Module) -> Dict[int, str]:
+    """``{id(tensor): where}`` for the tensors a model holds outside its registered
+    parameters: tensor attributes of its modules, and the parameters and tensors of modules
+    or tensors kept in plain lists, tuples and dicts."""
+    out: Dict[int, str] = {}
+    for mname, m in root.named_modules():
+        prefix = f"{mname}." if mname else ""
+        for attr, v in vars(m).items():
+            if attr.startswith("_"):
+                continue
+            for where, t in _tensors_in(v, prefix + attr):
+                out.setdefault(id(t), where)
+    return out
+
+
+def _tensors_in(v: Any, where: str) -> Iterator[Tuple[str, Tensor]]:
+    if isinstance(v, Tensor) and not isinstance(v, nn.Parameter):
+        yield where, v
+    elif isinstance(v, (list, tuple)):
+        for k, x in enumerate(v[:256]):
+            yield from _container_item(x, f"{where}[{k}]")
+    elif isinstance(v, dict):
+        for k, x in list(v.items())[:256]:
+            yield from _container_item(x, f"{where}[{k!r}]")
+
+
+def _container_item(x: Any, where: str) -> Iterator[Tuple[str, Tensor]]:
+    if isinstance(x, nn.Module):
+        for n, p in x.named_parameters():
+            yield f"{where}.{n}", p
+    elif isinstance(x, Tensor):
+        yield where, x

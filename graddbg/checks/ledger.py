@@ -1,0 +1,359 @@
+"""The step ledger: what happened in each step, in order, as typed facts.
+
+For every step boundary the `LedgerKeeper` (the first check) writes one `StepEntry`: the
+forward passes that fed the step (training mode, grad mode, autocast), the backward passes
+and what each found in the gradients it accumulated into (kept, cleared, replaced), what
+touched the gradients between the last backward pass and the step (cleared, changed in
+place, replaced: from identities and version counters), the step's path and each param
+group's learning rate, and which parameters the step changed (their version counters).
+These are host facts, read on every step at no device cost; the device facts of a recorded
+step (norms, the loss scale) are added from the one read-back by the statistics recorder.
+
+The other checks read the entry of the step (``step.entry``) and the entries before it
+(`Ledger`); a finding is an invariant of a healthy step that the entries show broken.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from graddbg._model import unwrap
+from graddbg.checks.base import BackwardEnd, Check, Step, Watched
+
+__all__ = ["Forward", "Backward", "StepEntry", "Ledger", "LedgerKeeper", "MODE_DEPENDENT", "versions", "param_versions",
+           "describe"]
+
+#: module types whose forward depends on ``training`` (dropout, batch statistics)
+MODE_DEPENDENT: Tuple[type, ...] = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm,
+                                    nn.modules.instancenorm._InstanceNorm)
+
+#: how the gradients a backward pass accumulated into were found (the probe parameter's
+#: gradient, compared with what the previous step left)
+HELD = ("none", "kept", "cleared", "replaced", "first")
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """A forward pass of the watched model that fed the step (a backward pass followed it)."""
+
+    training: bool  #: the model's ``training`` flag
+    eval_layers: int  #: mode-dependent layers (dropout, batch norm) in eval mode
+    grad: bool  #: grad mode was enabled
+    autocast: Optional[str]  #: the autocast dtype in force, or None
+
+
+@dataclasses.dataclass
+class Backward:
+    """A backward pass into the model's parameters."""
+
+    held: str  #: the gradient it accumulated into: one of `HELD`
+    grads: int  #: parameters with a gradient at its end
+
+
+@dataclasses.dataclass
+class StepEntry:
+    """One step, as the ledger keeps it. Host facts are set on every step; the device facts
+    (``global_norm``, ``clipped_norm``, ``scale``) only on recorded steps (NaN otherwise)."""
+
+    index: int
+    path: str = "optimizer"  #: "optimizer", "closure", "scaler", "engine", "manual", "backward"
+    forwards: List[Forward] = dataclasses.field(default_factory=list)
+    backwards: List[Backward] = dataclasses.field(default_factory=list)
+    #: per parameter: its gradient was replaced or changed in place after the last backward pass
+    changed: Optional[np.ndarray] = None
+    present: Optional[np.ndarray] = None  #: per parameter: a gradient at the step
+    same_as_last_step: Optional[np.ndarray] = None  #: per parameter: the very gradient the previous step had
+    lrs: Tuple[float, ...] = ()  #: each param group's learning rate at the step
+    moved: Optional[np.ndarray] = None  #: per parameter: its version counter moved during the step
+    skipped: bool = False  #: the GradScaler skipped the step (an overflow)
+    global_norm: float = math.nan
+    clipped_norm: float = math.nan
+    scale: float = math.nan
+    kinds: List[str] = dataclasses.field(default_factory=list)  #: the findings made at this step
+
+    @property
+    def between(self) -> str:
+        """What touched the gradients after the last backward pass and before the step."""
+        if self.present is not None and not self.present.any():
+            return "cleared" if self.backwards else "none"
+        if self.changed is not None and self.changed.any():
+            return "changed"
+        return "-"
+
+
+class Ledger:
+    """The last ``size`` entries, oldest first, and the entry being written (``current``).
+    Written by the `LedgerKeeper` only; read by every check (``ctx.ledger``)."""
+
+    def __init__(self, size: int = 10_000) -> None:
+        self.entries: Deque[StepEntry] = collections.deque(maxlen=size)
+        self.current = StepEntry(index=-1)
+        #: the parameter whose gradient is looked at before each backward pass accumulates
+        self.probe: Optional[int] = None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def last(self, k: int) -> List[StepEntry]:
+        return list(self.entries)[-k:] if k else []
+
+    def find(self, index: int) -> Optional[StepEntry]:
+        for e in reversed(self.entries):
+            if e.index == index:
+                return e
+        return None
+
+    def frame(self, names: Sequence[str]):
+        """One row per step (the columns of `graddbg.Watch.ledger`)."""
+        import pandas as pd
+
+        rows = [_row(e, names) for e in self.entries]
+        return pd.DataFrame(rows, columns=list(_COLUMNS))
+
+
+_COLUMNS = ("step", "path", "forwards", "mode", "grad_mode", "autocast", "backwards", "held_before",
+            "between", "grads", "lr", "moved", "unmoved_with_grad", "skipped", "global_norm", "clipped_norm",
+            "scale", "findings")
+
+
+def _row(e: StepEntry, names: Sequence[str]) -> Dict[str, Any]:
+    modes = {"train" if f.training and not f.eval_layers else "eval" if not f.training else "mixed"
+             for f in e.forwards}
+    unmoved = ""
+    if e.moved is not None and e.present is not None:
+        idx = np.nonzero(e.present & ~e.moved)[0]
+        unmoved = ", ".join(names[i] for i in idx[:5]) + (f" (+{len(idx) - 5})" if len(idx) > 5 else "")
+    return {"step": e.index, "path": e.path, "forwards": len(e.forwards),
+            "mode": "/".join(sorted(modes)) or "-",
+            "grad_mode": "/".join(sorted({"on" if f.grad else "off" for f in e.forwards})) or "-",
+            "autocast": "/".join(sorted({f.autocast for f in e.forwards if f.autocast})) or "-",
+            "backwards": len(e.backwards), "held_before": ",".join(b.held for b in e.backwards) or "-",
+            "between": e.between, "grads": int(e.present.sum()) if e.present is not None else 0,
+            "lr": ",".join(f"{x:g}" for x in e.lrs) or "-",
+            "moved": int(e.moved.sum()) if e.moved is not None else 0, "unmoved_with_grad": unmoved,
+            "skipped": e.skipped, "global_norm": e.global_norm, "clipped_norm": e.clipped_norm,
+            "scale": e.scale, "findings": ",".join(e.kinds)}
+
+
+def versions(tensors: Sequence[Optional[Tensor]]) -> np.ndarray:
+    """In-place version counters (-1 for None): a host read, no device work."""
+    return np.fromiter((-1 if t is None else t._version for t in tensors), dtype=np.int64, count=len(tensors))
+
+
+def param_versions(params: Sequence[Tensor]) -> np.ndarray:
+    """The parameters' version counters (a DTensor's: its local shard's), a host read."""
+    return np.fromiter((getattr(p, "_local_tensor", p)._version for p in params), dtype=np.int64,
+                       count=len(params))
+
+
+def _lr(group: Dict[str, Any]) -> float:
+    lr = group.get("lr", math.nan)
+    if isinstance(lr, Tensor):
+        return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else math.nan
+    try:
+        return float(lr)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _autocast() -> Optional[str]:
+    for dev in ("cuda", "cpu"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                return str(torch.get_autocast_dtype(dev)).replace("torch.", "")
+        except (RuntimeError, TypeError):  # (a device type this build does not know)
+            continue
+    return None
+
+
+class LedgerKeeper(Check):
+    """Writes the ledger: one `StepEntry` per step boundary, from host facts only.
+
+    The probe: one small parameter held by the optimizer, whose gradient is looked at just
+    before each backward pass accumulates into it (a tensor hook on the parameter): None,
+    the same tensor as the previous step left (kept), changed in place since (cleared by
+    ``zero_grad(set_to_none=False)``) or another tensor (replaced)."""
+
+    def __init__(self) -> None:
+        self._forward: Optional[Forward] = None
+        self._held = "first"
+        self._after: Tuple[int, int] = (0, -1)  # (id, version) of the probe's gradient after the last step
+        self._bw_ids: List[int] = []
+        self._bw_versions: Optional[np.ndarray] = None
+        self._step_ids: Optional[List[int]] = None
+        self._step_versions: Optional[np.ndarray] = None
+        self._before: Optional[np.ndarray] = None
+        self._layers: List[nn.Module] = []
+        self.thread = threading.get_ident()
+
+    # ------------------------------------------------------------------ attaching
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        self.ledger: Ledger = ctx.ledger
+        root = unwrap(ctx.model)
+        self._layers = [m for m in root.modules() if isinstance(m, MODE_DEPENDENT)]
+        self._held_ids = self._held_by_optimizer()
+        self._pick_probe()
+
+    def _held_by_optimizer(self) -> set:
+        opt = self.ctx.optimizer
+        return set() if opt is None else {id(p) for g in opt.param_groups for p in g["params"]}
+
+    def _pick_probe(self) -> None:
+        ctx = self.ctx
+        mine = [k for k, p in enumerate(ctx.params) if id(p) in self._held_ids] if ctx.optimizer else []
+        if not mine:
+            return
+        i = min(mine, key=lambda k: ctx.params[k].numel())  # (one the optimizer's zero_grad clears)
+        self.ledger.probe = i
+        ctx.hooks.add(ctx.params[i].register_hook(self._before_accumulate))
+
+    def held(self) -> np.ndarray:
+        """Per watched parameter: held by a param group of the optimizer now."""
+        self._held_ids = self._held_by_optimizer()
+        return np.fromiter((id(p) in self._held_ids for p in self.ctx.params), dtype=bool, count=len(self.ctx))
+
+    def params_added(self, k: int) -> None:
+        self._bw_versions = self._step_versions = self._before = None
+        self._bw_ids, self._step_ids = [], None
+
+    # ------------------------------------------------------------------ events
+    @property
+    def entry(self) -> StepEntry:
+        """The entry being written (the step under way)."""
+        return self.ledger.current
+
+    def on_forward(self, fwd: Forward) -> None:
+        self._forward = fwd
+
+    def _before_accumulate(self, incoming: Tensor) -> None:
+        if not self.ctx.alive():
+            return None
+        g = self.ctx.params[self.ledger.probe].grad
+        if self._held == "first":
+            self._held = "none" if g is None else "kept"  # (before the first step: whatever was there)
+        elif g is None:
+            self._held = "none"
+        elif id(g) != self._after[0]:
+            self._held = "replaced"
+        elif g._version != self._after[1]:
+            self._held = "cleared"
+        else:
+            self._held = "kept"
+        return None
+
+    def on_backward_end(self, bw: BackwardEnd) -> None:
+        e = self.entry
+        if self._forward is not None:
+            e.forwards.append(self._forward)
+            self._forward = None
+        grads = bw.grads
+        e.backwards.append(Backward(self._held if self.ledger.probe is not None else "-",
+                                    sum(g is not None for g in grads)))
+        # (accumulation: the next backward pass of this step finds the gradient kept)
+        self._after = self._probe_state()
+        self._bw_ids = [id(g) for g in grads]
+        self._bw_versions = versions(grads)
+
+    def _probe_state(self) -> Tuple[int, int]:
+        if self.ledger.probe is None:
+            return (0, -1)
+        g = self.ctx.params[self.ledger.probe].grad
+        return (id(g), -1 if g is None else g._version)
+
+    def begin(self, index: int, path: str, grads: List[Optional[Tensor]]) -> StepEntry:
+        """The step boundary: the entry's host facts of the gradients and param groups."""
+        e = self.entry
+        e.index, e.path = index, path
+        e.present = np.fromiter((g is not None for g in grads), dtype=bool, count=len(grads))
+        ids = [id(g) for g in grads]
+        now = versions(grads)
+        if self._bw_versions is not None and len(self._bw_versions) == len(grads) and e.backwards:
+            e.changed = e.present & ((now != self._bw_versions) | np.array([a != b for a, b in zip(ids, self._bw_ids)]))
+        if self._step_versions is not None and len(self._step_versions) == len(grads):
+            e.same_as_last_step = e.present & (now == self._step_versions) & \
+                np.array([a == b for a, b in zip(ids, self._step_ids)])
+        self._step_ids, self._step_versions = ids, now
+        opt = self.ctx.optimizer
+        if opt is not None:
+            e.lrs = tuple(_lr(g) for g in opt.param_groups)
+            self._before = param_versions(self.ctx.params)
+        return e
+
+    def after_step(self, index: int) -> None:
+        e = self.entry if self.entry.index == index else self.ledger.find(index)
+        if e is None or self._before is None or len(self._before) != len(self.ctx):
+            return
+        e.moved = param_versions(self.ctx.params) != self._before
+        self._before = None
+        self._after = self._probe_state()
+        self._held = "-" if self.ledger.probe is None else self._held
+        # the gradients the step left, as the next step would find them again unchanged
+        grads = self.ctx.grads()
+        self._step_ids, self._step_versions = [id(g) for g in grads], versions(grads)
+
+    def end(self) -> StepEntry:
+        """The step's entry is complete: into the ledger; the next step's entry starts."""
+        e = self.entry
+        self.ledger.current = StepEntry(index=-1)
+        self.ledger.entries.append(e)
+        return e
+
+    def skipped(self, index: int) -> None:
+        """The GradScaler skipped the step of the backward passes so far."""
+        e = self.entry
+        e.index, e.path, e.skipped = index, "scaler", True
+        self.end()
+
+    def forward_facts(self, model: nn.Module) -> Forward:
+        """The host facts of a forward pass starting now."""
+        eval_layers = sum(not m.training for m in self._layers)
+        return Forward(bool(model.training), eval_layers, torch.is_grad_enabled(), _autocast())
+
+    def mode_layers(self) -> int:
+        return len(self._layers)
+
+
+def describe(e: Optional[StepEntry], names: Sequence[str], index: int) -> str:
+    """Step ``index``'s entry in words: what happened in that step, in order."""
+    if e is None:
+        return f"step {index}: not in the ledger (not reached yet, or older than the ledger keeps)"
+    lines = [f"step {e.index} ({e.path}" + (", skipped by the GradScaler: an overflow)" if e.skipped else ")")]
+    for k, f in enumerate(e.forwards):
+        mode = "training mode" if f.training else "eval mode"
+        extra = f", {f.eval_layers} dropout/batch-norm layer(s) in eval mode" if f.eval_layers else ""
+        lines.append(f"  forward {k}: {mode}{extra}, grad {'enabled' if f.grad else 'disabled'}"
+                     + (f", autocast {f.autocast}" if f.autocast else ""))
+    for k, b in enumerate(e.backwards):
+        held = {"none": "no gradient held before it (cleared to None)", "kept": "the gradient held before it kept "
+                "(accumulated into)", "cleared": "the gradient held before it zeroed in place",
+                "replaced": "the gradient held before it replaced by another tensor", "first": "the first pass",
+                "-": "not probed"}.get(b.held, b.held)
+        lines.append(f"  backward {k}: {held}; {b.grads} parameter(s) with a gradient after it")
+    if not e.backwards:
+        lines.append("  no backward pass since the previous step")
+    if e.present is not None:
+        lines.append(f"  at the step: {int(e.present.sum())} of {len(e.present)} parameter(s) with a gradient"
+                     + {"cleared": " (all cleared after the backward pass)",
+                        "changed": f" ({int(e.changed.sum())} changed in place or replaced after the backward pass:"
+                                   f" a clip, an unscale, a hand edit)" if e.changed is not None else ""}.get(e.between, ""))
+    if e.lrs:
+        lines.append("  learning rates: " + ", ".join(f"group {k}: {x:g}" for k, x in enumerate(e.lrs)))
+    if e.moved is not None and e.present is not None:
+        still = [names[i] for i in np.nonzero(e.present & ~e.moved)[0]]
+        lines.append(f"  the step changed {int(e.moved.sum())} parameter(s)"
+                     + (f"; left unchanged with a gradient: {', '.join(still[:6])}" if still else ""))
+    if not math.isnan(e.global_norm):
+        lines.append(f"  gradient norm {e.global_norm:.4g}" + (f", after a clip {e.clipped_norm:.4g}"
+                                                               if not math.isnan(e.clipped_norm) else "")
+                     + (f", loss scale {e.scale:g}" if not math.isnan(e.scale) else ""))
+    if e.kinds:
+        lines.append("  findings: " + ", ".join(e.kinds))
+    return "\n".join(lines)
