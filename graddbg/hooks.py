@@ -29,8 +29,8 @@ from graddbg._model import check_model, in_backward, module_of, named_trainable_
 from graddbg.anomaly import apply_policy
 from graddbg.blame import Capture
 from graddbg.checks.hygiene import unused_anomaly
-from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, Ledger, LedgerKeeper, StatsRecorder,
-                            Step, Watched, ZeroRecorder, default_checks)
+from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, Ledger, LedgerKeeper, LossGraph,
+                            StatsRecorder, Step, Watched, ZeroRecorder, default_checks)
 from graddbg.options import UPDATE_EVERY, WatchOptions, options_in_signature
 from graddbg.stats import DEFAULT_STATS, History
 
@@ -86,13 +86,13 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(self: "Watch", *args: Any, **kwargs: Any) -> Any:
-        step = self._step
+        step = self._clock.index
         try:
             return fn(self, *args, **kwargs)
         except Exception as err:
             if isinstance(err, GradientAnomalyError) or self._in_policy:
                 raise
-            self._internal_error(fn.__name__, step, err)
+            _internal_error(self, fn.__name__, step, err)
             return None
         finally:
             self._in_policy = False
@@ -250,6 +250,118 @@ def _drop_grads(params: List[Tensor], which: Optional[List[int]]) -> None:
         params[i].grad = None
 
 
+# --------------------------------------------------------------------------- when a step ends
+class StepClock:
+    """Where the step boundaries fall, from the order of the events alone (no tensors, no
+    autograd): the optimizer's step is the boundary, except ``step(closure)`` (the backward
+    pass runs inside it: the boundary comes after the step, and of several evaluations of
+    the closure, as LBFGS makes, the first counts); a GradScaler that updated since the
+    last backward pass of a step that never came skipped that step.
+
+    >>> c = StepClock(); c.backward_ended(None), c.step_began(closure=False)
+    ((True, False), True)
+    >>> c.advance(); c.step_began(closure=True), c.backward_ended(None), c.backward_ended(None)
+    (False, (True, False), (False, False))
+    >>> c.step_ended(), c.index
+    (True, 1)
+    """
+
+    def __init__(self) -> None:
+        self.index = 0  #: the number of the next step boundary
+        self._closure = self._closure_seen = False
+        self._bw: Tuple[int, Any] = (-1, None)  # (step, the scaler's per-step state) of the last backward
+
+    def backward_ended(self, scaler_state: Any) -> Tuple[bool, bool]:
+        """A backward pass ended: (whether it counts, whether the scaler skipped the step of
+        the backward pass before it)."""
+        if self._closure:
+            if self._closure_seen:
+                return False, False  # step(closure) evaluated again (LBFGS): the first evaluation counts
+            self._closure_seen = True
+        last_step, last_state = self._bw
+        skipped = last_step == self.index and scaler_state is not None and last_state is not None \
+            and scaler_state is not last_state
+        return True, skipped
+
+    def noted(self, scaler_state: Any) -> None:
+        """The backward pass that counted is recorded (after a skipped step, if any)."""
+        self._bw = (self.index, scaler_state)
+
+    def adopt(self, scaler_state: Any) -> None:
+        """A scaler found during the step of the last backward pass: its state from now."""
+        if self._bw[0] == self.index:
+            self._bw = (self.index, scaler_state)
+
+    def waiting(self, scaler_state: Any) -> bool:
+        """At close: the last backward pass's step never came and the scaler updated since."""
+        return scaler_state is not None and self._bw[1] is not None and scaler_state is not self._bw[1] \
+            and self._bw[0] == self.index
+
+    def step_began(self, closure: bool) -> bool:
+        """The optimizer's step begins: whether this is the boundary (not with a closure)."""
+        if closure:
+            self._closure, self._closure_seen = True, False
+            return False
+        return True
+
+    def step_ended(self) -> bool:
+        """The optimizer's step ended: whether the boundary falls now (after a closure)."""
+        closure, self._closure = self._closure, False
+        return closure
+
+    def advance(self) -> None:
+        self.index += 1
+
+
+def scale_of(scaler: Any) -> Optional[Tensor]:
+    """A GradScaler's scale now, as a tensor on its device (a copy: the scaler updates its
+    own in place), or None; no host read: it rides a step's read-back."""
+    scale = None if scaler is None else scaler._scale  # (None until the scaler has scaled a loss)
+    return None if scale is None else scale.detach().clone()
+
+
+def scaler_state(scaler: Any) -> Any:
+    """A GradScaler's per-step state object, a new one after each ``update()`` (compared by
+    identity, on the host, to tell a step it skipped)."""
+    return None if scaler is None else getattr(scaler, "_per_optimizer_states", None)
+
+
+def _path(zero: Any, optimizer: Any, scaler: Any, closure: bool, manual: bool) -> str:
+    """How the step was taken (the ledger's ``path``)."""
+    if manual:
+        return "manual"
+    if zero is not None:
+        return "engine"
+    if optimizer is None:
+        return "backward"
+    return "closure" if closure else "scaler" if scaler is not None else "optimizer"
+
+
+def _internal_error(w: "Watch", where: str, step: int, err: Exception) -> None:
+    """A failure inside graddbg's own hook: warn once per place, keep the step count right,
+    and go on recording."""
+    if w._clock.index == step and where in ("_boundary", "_on_opt_pre", "_on_opt_post"):
+        w._finish_step()
+    if where in w._errors_warned:
+        return
+    w._errors_warned.add(where)
+    names = ", ".join(w._ctx.names[:3]) + (" ..." if len(w._ctx.names) > 3 else "")
+    warn_at_user(f"graddbg.watch: an internal error in {where} at step {step} (parameters {names}): "
+                 f"{type(err).__name__}: {err}. Training goes on; this part of the record is "
+                 f"missing for that step. Please report it.", GraddbgWarning)
+
+
+def _unused_at_close(w: "Watch") -> None:
+    """At close: the parameters that never had a gradient (and were not named as cut off
+    already), one ``unused_param`` finding (its policy is applied by ``__exit__`` when the
+    body ended normally)."""
+    graph = w._part(LossGraph)
+    named = graph.reported_unused() if graph is not None else set()
+    names = [n for n in w._part(StatsRecorder).uncovered() if n not in named]
+    if w._clock.index > 0 and names and w.options.unused_param is not None:
+        w.anomalies.append(unused_anomaly(names, w._ctx, w._clock.index - 1))
+
+
 # --------------------------------------------------------------------------- the record
 class _Results:
     """What a watch recorded, as tables, figures and files (the read side of `Watch`)."""
@@ -337,6 +449,27 @@ class _Results:
         """Write the recorded scalars and histograms to a tensorboard SummaryWriter."""
         self.to_run().to_tensorboard(writer)
 
+    @property
+    def every(self) -> int:
+        return self.options.every
+
+    @property
+    def host_syncs(self) -> int:
+        """Host synchronisations made by the watch (read-backs)."""
+        return self._ctx.host_syncs
+
+    # ------------------------------------------------------------------ attaching
+    @property
+    def current_step(self) -> int:
+        """The number of the next step boundary (0-based)."""
+        return self._clock.index
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True when the GradScaler skipped the last step (an overflow)."""
+        last = self._ctx.history.last
+        return bool(last is not None and last["overflow"])
+
     def _part(self, cls: type) -> Any:
         return next((c for c in self._checks if isinstance(c, cls)), None)
 
@@ -351,7 +484,7 @@ class Watch(_Results):
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  **options: Any) -> None:
         self._closed = True  # until attached: repr() and __del__ work on a half-built watch
-        self._step = 0
+        self._clock = StepClock()
         self._checks: List[Check] = []
         self._on: Dict[str, List[Callable[..., Any]]] = _handlers([])
         self.anomalies: list = []
@@ -374,7 +507,7 @@ class Watch(_Results):
         ctx.history = History(ctx.names, ctx.numel, [q for q in opts.quantities if q in ("mean", "std", "zero_frac")],
                               opts.history, MAX_ROWS)
         ctx.ledger = Ledger(opts.history)
-        ctx.alive, ctx.read_scale = self._alive, self._scale
+        ctx.alive, ctx.read_scale = self._alive, lambda: scale_of(self.options.scaler)
         self._frozen = _frozen_parameters(model, ctx.params)
         if not ctx.params:
             warnings.warn(f"graddbg.watch: {type(model).__name__} has no trainable parameter (none requires "
@@ -385,10 +518,9 @@ class Watch(_Results):
         self.meta = _meta(opts, ctx)
         if zero is not None:
             self.meta["deepspeed"] = zero.describe()
-        self._bw: Tuple[int, Any] = (-1, None)  # (step, the scaler's per-step state) of the last backward
         self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive, self._on_output_grad)
         self._cb_queued = False
-        self._closure = self._closure_seen = self._scaler_looked = False
+        self._scaler_looked = False
         self._errors_warned: set = set()
         try:
             self._checks = default_checks(model, opts)
@@ -405,29 +537,6 @@ class Watch(_Results):
             raise
         self._closed = False
 
-    @property
-    def every(self) -> int:
-        return self.options.every
-
-    @property
-    def host_syncs(self) -> int:
-        """Host synchronisations made by the watch (read-backs)."""
-        return self._ctx.host_syncs
-
-    def _internal_error(self, where: str, step: int, err: Exception) -> None:
-        """A failure inside graddbg's own hook: warn once per place, keep the step count
-        right, and go on recording."""
-        if self._step == step and where in ("_boundary", "_on_opt_pre", "_on_opt_post"):
-            self._finish_step()
-        if where in self._errors_warned:
-            return
-        self._errors_warned.add(where)
-        names = ", ".join(self._ctx.names[:3]) + (" ..." if len(self._ctx.names) > 3 else "")
-        warn_at_user(f"graddbg.watch: an internal error in {where} at step {step} (parameters {names}): "
-                     f"{type(err).__name__}: {err}. Training goes on; this part of the record is "
-                     f"missing for that step. Please report it.", GraddbgWarning)
-
-    # ------------------------------------------------------------------ attaching
     def _attach(self) -> None:
         ctx = self._ctx
         model, opt, hooks = ctx.model, ctx.optimizer, ctx.hooks
@@ -471,7 +580,7 @@ class Watch(_Results):
         new = [(n, p) for n, p in self._frozen if p.requires_grad]
         self._frozen = [(n, p) for n, p in self._frozen if not p.requires_grad]
         self._ctx.add(new)
-        self._ctx.history.add_params([n for n, _ in new], [p.numel() for _, p in new], self._step)
+        self._ctx.history.add_params([n for n, _ in new], [p.numel() for _, p in new], self._clock.index)
         for handle in self._on["params_added"]:
             handle(len(new))
 
@@ -518,17 +627,16 @@ class Watch(_Results):
         self._cb_queued = False
         if self._closed:
             return
-        if self._closure:
-            if self._closure_seen:
-                return  # step(closure) evaluated again (LBFGS): the first evaluation's gradients count
-            self._closure_seen = True
-        scale, state = self._scale(), self._scaler_state()
-        last_step, last_state = self._bw
-        if last_step == self._step and state is not None and last_state is not None and state is not last_state:
+        state = scaler_state(self.options.scaler)
+        counts, skipped = self._clock.backward_ended(state)
+        if not counts:
+            return
+        if skipped:
             self._skipped()  # the GradScaler updated without stepping the optimizer: it skipped that step
         self._adopt_unfrozen()
-        self._bw = (self._step, self._scaler_state())
-        bw = BackwardEnd(self._step, self._ctx.grads(), scale)
+        self._clock.noted(state)
+        scale = scale_of(self.options.scaler)
+        bw = BackwardEnd(self._clock.index, self._ctx.grads(), scale)
         for handle in self._on["on_backward_end"]:
             handle(bw)
         if self._ctx.optimizer is None:
@@ -550,41 +658,34 @@ class Watch(_Results):
             self._scaler_looked = True
             self._adopt_scaler(find_scaler())
         for handle in self._on["before_step"]:
-            handle(self._step, closure is not None)
-        if closure is not None:
-            self._closure, self._closure_seen = True, False
-            return
-        self._boundary()
+            handle(self._clock.index, closure is not None)
+        if self._clock.step_began(closure is not None):
+            self._boundary()
 
     @_guarded
     def _on_opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self._closed:
             return
-        if self._closure:
-            self._closure = False
-            try:
+        try:
+            if self._clock.step_ended():
                 self._boundary(closure=True)
-            finally:
-                self._after_step()
-            return
-        self._after_step()
-
-    def _after_step(self) -> None:
-        for handle in self._on["after_step"]:
-            handle(self._step - 1)
+        finally:
+            for handle in self._on["after_step"]:
+                handle(self._clock.index - 1)
 
     # ------------------------------------------------------------------ the step boundary
     def _boundary(self, closure: bool = False, manual: bool = False) -> None:
         """One step boundary: the ledger's entry begins, the checks queue their reads, one
         read-back, each check reads its part and returns findings, the step ends, the
         policies are applied."""
-        index, opts = self._step, self.options
+        index, opts = self._clock.index, self.options
         self._adopt_unfrozen()
         due_nf = opts.nonfinite is not None and index % opts.nonfinite.every == 0
         due_stats = index % opts.every == 0
         step = Step(index, self._ctx.grads(), due_stats, read=due_stats or due_nf or
                     any(due(index) for due in self._on["due"]), capture=self._tap.capture, closure=closure)
-        step.entry = self._keeper.begin(index, self._path(closure, manual), step.grads)
+        step.entry = self._keeper.begin(index, _path(self._zero, self._ctx.optimizer, opts.scaler, closure, manual),
+                                        step.grads)
         for check in self._checks:
             if check.queue in self._on["queue"]:
                 step.tokens[id(check)] = check.queue(step)
@@ -597,16 +698,6 @@ class Watch(_Results):
         step.entry.kinds = [f.anomaly.kind for f in found]
         self._finish_step()
         self._apply(found)
-
-    def _path(self, closure: bool, manual: bool) -> str:
-        """How the step was taken (the ledger's ``path``)."""
-        if manual:
-            return "manual"
-        if self._zero is not None:
-            return "engine"
-        if self._ctx.optimizer is None:
-            return "backward"
-        return "closure" if closure else "scaler" if self.options.scaler is not None else "optimizer"
 
     def _apply(self, found: List[Finding]) -> None:
         """Each finding into ``anomalies`` (and its step kept in the history), then its
@@ -624,29 +715,14 @@ class Watch(_Results):
 
     def _finish_step(self) -> None:
         self._keeper.end()
-        self._step += 1
+        self._clock.advance()
         self._tap.clear()
 
     def _skipped(self) -> None:
         """The GradScaler skipped a step (an overflow): recorded as such, never an anomaly."""
-        self._part(StatsRecorder).skipped(self._step)
-        self._keeper.skipped(self._step)
-        self._step += 1
-
-    def _scale(self) -> Optional[Tensor]:
-        """The GradScaler's scale now, as a tensor on its device (a copy: the scaler updates
-        its own in place); no host read: it rides the step's read-back."""
-        scaler = self.options.scaler
-        if scaler is None:
-            return None
-        scale = scaler._scale  # (None until the scaler has scaled a loss)
-        return None if scale is None else scale.detach().clone()
-
-    def _scaler_state(self) -> Any:
-        """The GradScaler's per-step state object, a new one after each ``update()``
-        (host: compared by identity to tell a step it skipped)."""
-        scaler = self.options.scaler
-        return None if scaler is None else getattr(scaler, "_per_optimizer_states", None)
+        self._part(StatsRecorder).skipped(self._clock.index)
+        self._keeper.skipped(self._clock.index)
+        self._clock.advance()
 
     def _adopt_scaler(self, scaler: Any) -> None:
         """A GradScaler that steps the optimizer but was not passed as ``scaler=``: used from
@@ -656,10 +732,10 @@ class Watch(_Results):
             return
         self.options = self._ctx.options = self.options.replace(scaler=scaler)
         self.meta["scaler"] = "found"
-        scale = self._scale()
+        scale = scale_of(scaler)
         if scale is not None:
             self._part(StatsRecorder).adopt_scale(scale)
-        self._bw = (self._bw[0], self._scaler_state())
+        self._clock.adopt(scaler_state(scaler))
 
     # ------------------------------------------------------------------ public API
     def adopt_forward(self, args: Any, kwargs: Any, output: Any, rng_state: Optional[Tensor] = None) -> None:
@@ -685,30 +761,17 @@ class Watch(_Results):
         self._cb_queued = False
         self._boundary(manual=True)
 
-    @property
-    def current_step(self) -> int:
-        """The number of the next step boundary (0-based)."""
-        return self._step
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """True when the GradScaler skipped the last step (an overflow)."""
-        last = self._ctx.history.last
-        return bool(last is not None and last["overflow"])
-
     def close(self) -> None:
         """Remove every hook. Idempotent; the recorded data stays available."""
         if self._closed:
             return
         self._closed = True
         try:
-            state = self._scaler_state()
-            if state is not None and self._bw[1] is not None and state is not self._bw[1] and \
-                    self._bw[0] == self._step and self._part(StatsRecorder).waiting():
+            if self._clock.waiting(scaler_state(self.options.scaler)) and self._part(StatsRecorder).waiting():
                 self._skipped()  # (the last step: the scaler updated without stepping the optimizer)
             for c in self._checks:
                 c.flush()
-            self._unused()
+            _unused_at_close(self)
         finally:
             self._detach()
             # keep only what the tables need; no tensors of the user's past the watch
@@ -724,17 +787,10 @@ class Watch(_Results):
         if exc_type is None and unused:
             apply_policy(unused[0], self.options.unused_param, lambda: None)
 
-    def _unused(self) -> None:
-        """At close: the parameters that never had a gradient, one ``unused_param`` finding
-        (its policy is applied by ``__exit__`` when the body ended normally)."""
-        names = self._part(StatsRecorder).uncovered()
-        if self._step > 0 and names and self.options.unused_param is not None:
-            self.anomalies.append(unused_anomaly(names, self._ctx, self._step - 1))
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         n = len(self._ctx.names) if hasattr(self, "_ctx") else 0
-        return f"<graddbg.Watch {state}: {n} parameters, {self._step} steps, {len(self.anomalies)} anomalies>"
+        return f"<graddbg.Watch {state}: {n} parameters, {self._clock.index} steps, {len(self.anomalies)} anomalies>"
 
     def __del__(self) -> None:
         try:

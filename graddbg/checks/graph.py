@@ -18,12 +18,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from graddbg._model import unwrap
+from graddbg._model import in_backward, tensors_in, unwrap
 from graddbg.anomaly import Anomaly
 from graddbg.checks.base import Check, Finding, Step, Watched
 from graddbg.checks.ledger import LedgerKeeper
 
-__all__ = ["LossGraph", "loss_patterns", "graph_roots", "walk"]
+__all__ = ["LossGraph", "loss_patterns", "graph_roots", "walk", "CutOff"]
 
 #: nodes that only move values around: looked through when asking what fed a loss
 _PASS = {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "PermuteBackward0", "TransposeBackward0",
@@ -190,19 +190,27 @@ class LossGraph(Check):
         self._thread = threading.get_ident()
         self._found: List[Tuple[str, Any]] = []
         self._reported: Set[str] = set()
+        self._cut = CutOff(ctx) if opts.unused_param is not None and ctx.optimizer is not None else None
 
     def on_forward(self, fwd: Any) -> None:
         self._thread = threading.get_ident()  # (the thread that runs the loop calls backward)
+        if self._cut is not None:
+            self._cut.forward_began()
 
     def on_output_grad(self) -> None:
         """A backward pass reached the model's output (inside the backward pass)."""
         n, self._passes = self._passes, self._passes + 1
-        if not self._on or not _due(n) or self.ctx.replaying:
+        waiting = self._cut is not None and self._cut.waiting()
+        if not (self._on or waiting) or not (_due(n) or waiting) or self.ctx.replaying:
             return
         roots = graph_roots(self._thread)
         if not roots:
             return
         nodes = walk(roots)
+        if waiting:
+            self._cut.conclude(nodes)
+        if not self._on:
+            return
         if self._policies["loss_pattern"] is not None:
             self._found += [("loss_pattern", p) for p in loss_patterns(nodes) if p[0] not in self._reported]
         if self._policies["hidden_param"] is not None:
@@ -223,6 +231,8 @@ class LossGraph(Check):
     def read(self, step: Step) -> List[Finding]:
         found, self._found = self._found, []
         out: List[Finding] = []
+        if self._cut is not None:
+            out += self._cut.read(step)
         patterns = [p for kind, p in found if kind == "loss_pattern" and p[0] not in self._reported]
         if patterns:
             self._reported.update(p[0] for p in patterns)
@@ -255,8 +265,18 @@ class LossGraph(Check):
                     params=tuple(names))
         return Finding(a, self._policies["hidden_param"], skip=[])
 
+    def params_added(self, k: int) -> None:
+        if self._cut is not None:
+            self._cut.widen(k)
+
+    def reported_unused(self) -> Set[str]:
+        """The parameters already named as cut off from the loss (``unused_param``)."""
+        return set() if self._cut is None else set(self._cut.reported)
+
     def close(self) -> None:
         self._found = []
+        if self._cut is not None:
+            self._cut.close()
 
 
 def _held_tensors(root: nn.Module) -> Dict[int, str]:
@@ -291,3 +311,143 @@ def _container_item(x: Any, where: str) -> Iterator[Tuple[str, Tensor]]:
             yield f"{where}.{n}", p
     elif isinstance(x, Tensor):
         yield where, x
+
+
+class CutOff:
+    """Trainable parameters that have had no gradient in the first ``AFTER`` steps: what
+    cut them off from the loss, found on the next forward and backward pass. A one-shot
+    forward hook on each of their modules notes whether it ran, under which grad mode,
+    inside a checkpoint or not, and the autograd node of its output; the next walk of the
+    loss's graph tells whether that node reaches the loss."""
+
+    AFTER = 3
+
+    def __init__(self, ctx: Watched) -> None:
+        self.ctx = ctx
+        self._ever = np.zeros(len(ctx), dtype=bool)
+        self._handles: List[Any] = []
+        self._seen: Dict[str, Dict[str, Any]] = {}
+        self._state = "idle"  # idle -> armed (hooks on) -> waiting (forward seen) -> done(-ish) -> idle
+        self._missing: List[int] = []
+        self._verdicts: Optional[Dict[str, str]] = None
+        self.reported: List[str] = []
+
+    def widen(self, k: int) -> None:
+        self._ever = np.concatenate([self._ever, np.zeros(k, dtype=bool)])
+
+    def waiting(self) -> bool:
+        return self._state == "waiting"
+
+    def forward_began(self) -> None:
+        """The model's forward pass begins: the armed hooks note it; its backward pass
+        concludes."""
+        if self._state == "armed":
+            self._state = "waiting"
+
+    def read(self, step: Step) -> List[Finding]:
+        e = step.entry
+        if e is not None and e.present is not None and len(e.present) == len(self._ever):
+            self._ever |= e.present
+        if self._verdicts is not None:
+            return self._finding(step.index)
+        if self._state == "idle" and step.index >= self.AFTER - 1 and not step.closure:
+            self._missing = [i for i in np.nonzero(~self._ever)[0] if self.ctx.names[i] not in self.reported]
+            if self._missing:
+                self._arm()
+        return []
+
+    def _arm(self) -> None:
+        root = unwrap(self.ctx.model)
+        modules = dict.fromkeys(self.ctx.modules[i] for i in self._missing)
+        for name in modules:
+            try:
+                m = root.get_submodule(name) if name else root
+            except AttributeError:
+                continue
+            self._handles.append(m.register_forward_hook(self._noter(name)))
+        self._seen = {}
+        self._state = "armed"
+
+    def _noter(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if in_backward() or name in self._seen or not self.ctx.alive():
+                return None
+            outs = [t for t in tensors_in(output) if t.is_floating_point() or t.is_complex()]
+            self._seen[name] = {"grad": torch.is_grad_enabled(), "checkpoint": _in_checkpoint(),
+                                "float": bool(outs) or not tensors_in(output),
+                                "requires_grad": any(t.requires_grad for t in outs),
+                                "nodes": [t.grad_fn for t in outs if t.grad_fn is not None]}
+            return None
+        return hook
+
+    def conclude(self, nodes: Sequence[Any]) -> None:
+        """The walk of the loss's graph after the noted forward pass: each module's verdict."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        reached = {id(n) for n in nodes}
+        leaves = {id(n.variable) for n in nodes if _name(n) == "AccumulateGrad"}
+        verdicts: Dict[str, str] = {}
+        for i in self._missing:
+            if id(self.ctx.params[i]) in leaves:
+                continue  # (it reaches the loss now)
+            verdicts[self.ctx.names[i]] = self._why(self.ctx.modules[i], reached)
+        self._verdicts, self._state = verdicts, "idle"
+
+    def _why(self, module: str, reached: Set[int]) -> str:
+        seen = self._seen.get(module)
+        where = f"module {module!r}" if module else "the model itself"
+        if seen is None:
+            return f"{where} never ran in the forward pass: the layer is not used (defined but not called)"
+        if not seen["grad"] and seen["checkpoint"]:
+            return (f"{where} ran inside a reentrant activation checkpoint (torch.utils.checkpoint with "
+                    f"use_reentrant=True) whose inputs do not require grad, so it ran without autograd; fix: "
+                    f"use_reentrant=False, or make the checkpoint's input require grad")
+        if not seen["grad"]:
+            return f"{where} ran with grad disabled (inside torch.no_grad() or inference_mode); fix: move it out"
+        if not seen["float"]:
+            return f"{where} returns integer values (argmax, round, a comparison): not differentiable"
+        if not seen["requires_grad"]:
+            return (f"{where} ran with grad enabled, but its output does not depend on its parameters through "
+                    f"autograd: they are used through .detach() or .data inside its forward")
+        if not any(id(n) in reached for n in seen["nodes"]):
+            return (f"{where} ran and its output required grad, but that output does not reach the loss: a "
+                    f".detach(), .data, .item() / numpy round trip or an integer op (argmax, round, a comparison) "
+                    f"after it cuts the graph, or the output is not used in the loss")
+        return f"{where} ran and feeds the loss, but these parameters of it were not used in its forward"
+
+    def _finding(self, index: int) -> List[Finding]:
+        verdicts, self._verdicts = self._verdicts, None
+        if not verdicts:
+            return []
+        names = list(verdicts)
+        self.reported += names
+        by_cause: Dict[str, List[str]] = {}
+        for n, why in verdicts.items():
+            by_cause.setdefault(why, []).append(n)
+        parts = "; ".join(f"{', '.join(ns[:6])}{' ...' if len(ns) > 6 else ''}: {why}" for why, ns in by_cause.items())
+        msg = (f"graddbg: trainable parameters cut off from the loss at step {index}: {len(names)} parameter(s) have "
+               f"had no gradient in any step so far (steps 0-{index}), read from the forward pass and the loss's "
+               f"autograd graph: {parts}. Fix as said, or freeze them (requires_grad_(False)).")
+        modules = [self.ctx.modules[self.ctx.names.index(n)] for n in names]
+        a = Anomaly(step=index, kind="unused_param", name=names[0], module=modules[0], op=None,
+                    value=float(len(names)), threshold=None, source=None, message=msg, rank=self.ctx.rank,
+                    params=tuple(names))
+        return [Finding(a, self.ctx.options.unused_param, skip=[])]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _in_checkpoint() -> bool:
+    """Whether the calling frames include torch's activation checkpointing."""
+    f = sys._getframe(2)
+    for _ in range(40):
+        if f is None:
+            return False
+        if "torch/utils/checkpoint" in f.f_code.co_filename.replace("\\", "/"):
+            return True
+        f = f.f_back
+    return False

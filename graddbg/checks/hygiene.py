@@ -151,9 +151,11 @@ class EmptyStep(Check):
         self._reported = True
         run, first = self._run, self._run[0].index
         backwards = [len(x.backwards) for x in run]
-        if not any(backwards) and not self._ever and first == 0:
-            why = ("optimizer.step() was called before any backward pass, step after step. Likely cause: step() "
-                   "comes before backward() in the loop. Fix: call loss.backward() before optimizer.step()")
+        if first == 0 and not backwards[0] and not self._ever:
+            why = ("the first step came before any backward pass, and each step since found the gradients of "
+                   "the backward pass before it cleared. Likely cause: optimizer.step() is called before "
+                   "loss.backward() in the loop (the zero_grad() at its top then clears them). Fix: call "
+                   "loss.backward() before optimizer.step()")
         elif not any(backwards):
             why = ("no backward pass ran between these steps, and the gradients had been cleared. Likely cause: "
                    "step() before backward() (or backward() skipped). Fix: call loss.backward() before "
@@ -305,7 +307,9 @@ class Unchanged(Check):
             return []
         group = self._group_of()
         lr0 = np.array([e.lrs[k] == 0.0 if 0 <= k < len(e.lrs) else False for k in group], dtype=bool)
-        stuck = moving[1] & (~e.moved | lr0)
+        outside = e.outside if e.outside is not None and len(e.outside) == len(e.moved) else np.zeros_like(e.moved)
+        # (held: not moved by the step, or an lr of 0; held by none: changed by nothing at all)
+        stuck = moving[1] & np.where(group >= 0, ~e.moved | lr0, ~e.moved & ~outside)
         self._first = np.where(stuck & (self._count == 0), e.index, self._first)
         self._count = np.where(stuck, self._count + 1, np.where(moving[1], 0, self._count))
         new = (self._count >= PATIENCE) & ~self._reported

@@ -72,6 +72,9 @@ class StepEntry:
     same_as_last_step: Optional[np.ndarray] = None  #: per parameter: the very gradient the previous step had
     lrs: Tuple[float, ...] = ()  #: each param group's learning rate at the step
     moved: Optional[np.ndarray] = None  #: per parameter: its version counter moved during the step
+    #: per parameter: its version counter moved between the previous step and this one (not
+    #: by the watched optimizer: another optimizer, a hand edit, a weight copy)
+    outside: Optional[np.ndarray] = None
     skipped: bool = False  #: the GradScaler skipped the step (an overflow)
     global_norm: float = math.nan
     clipped_norm: float = math.nan
@@ -137,7 +140,7 @@ def _row(e: StepEntry, names: Sequence[str]) -> Dict[str, Any]:
             "backwards": len(e.backwards), "held_before": ",".join(b.held for b in e.backwards) or "-",
             "between": e.between, "grads": int(e.present.sum()) if e.present is not None else 0,
             "lr": ",".join(f"{x:g}" for x in e.lrs) or "-",
-            "moved": int(e.moved.sum()) if e.moved is not None else 0, "unmoved_with_grad": unmoved,
+            "moved": int(e.moved.sum()) if e.moved is not None else None, "unmoved_with_grad": unmoved,
             "skipped": e.skipped, "global_norm": e.global_norm, "clipped_norm": e.clipped_norm,
             "scale": e.scale, "findings": ",".join(e.kinds)}
 
@@ -190,6 +193,11 @@ class LedgerKeeper(Check):
         self._step_ids: Optional[List[int]] = None
         self._step_versions: Optional[np.ndarray] = None
         self._before: Optional[np.ndarray] = None
+        self._last: Optional[np.ndarray] = None  # the parameters' versions after the last step
+        #: the optimizer moves no version counter (fused kernels): weights compared on the device
+        self._blind = False
+        self._norms_before: Optional[Tuple[int, Tensor]] = None
+        self._moved_dev: Optional[Tuple[int, Tensor]] = None  # (step, [P] moved flags on the device)
         self._layers: List[nn.Module] = []
         self.thread = threading.get_ident()
 
@@ -197,10 +205,30 @@ class LedgerKeeper(Check):
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
         self.ledger: Ledger = ctx.ledger
+        opt = ctx.optimizer
+        self._blind = opt is not None and any(g.get("fused") for g in opt.param_groups)
         root = unwrap(ctx.model)
         self._layers = [m for m in root.modules() if isinstance(m, MODE_DEPENDENT)]
         self._held_ids = self._held_by_optimizer()
         self._pick_probe()
+
+    def _blind_check(self, e: StepEntry) -> None:
+        """After a step: an optimizer whose step moved no version counter although it had
+        gradients and a learning rate (fused kernels do not count their writes) makes the
+        counters blind for this run; then the weights' norms tell (on `_weighed` steps), and
+        steps not weighed have ``moved`` unknown (None)."""
+        if not self._blind and not e.moved.any() and e.present is not None and e.present.any() and \
+                any(lr != 0 for lr in e.lrs):
+            self._blind = True
+        if not self._blind:
+            return
+        e.moved, e.outside = None, None
+        before, self._norms_before = self._norms_before, None
+        if before is not None and before[0] == e.index:
+            with torch.no_grad():
+                after = torch.stack(torch._foreach_norm(
+                    [getattr(p, "_local_tensor", p).detach() for p in self.ctx.params])).double()
+                self._moved_dev = (e.index, (after != before[1]).double())
 
     def _held_by_optimizer(self) -> set:
         opt = self.ctx.optimizer
@@ -221,7 +249,7 @@ class LedgerKeeper(Check):
         return np.fromiter((id(p) in self._held_ids for p in self.ctx.params), dtype=bool, count=len(self.ctx))
 
     def params_added(self, k: int) -> None:
-        self._bw_versions = self._step_versions = self._before = None
+        self._bw_versions = self._step_versions = self._before = self._last = None
         self._bw_ids, self._step_ids = [], None
 
     # ------------------------------------------------------------------ events
@@ -284,14 +312,46 @@ class LedgerKeeper(Check):
         opt = self.ctx.optimizer
         if opt is not None:
             e.lrs = tuple(_lr(g) for g in opt.param_groups)
-            self._before = param_versions(self.ctx.params)
+            if self._before is not None and self._last is not None and len(self._last) == len(self._before):
+                e.outside = self._before != self._last
         return e
+
+    def before_step(self, index: int, closure: bool) -> None:
+        """The optimizer's step begins: the parameters' version counters (and, for an
+        optimizer that moves none, their norms on the device on `_weighed` steps)."""
+        self._before = param_versions(self.ctx.params)
+        self._norms_before = None
+        if self._blind and self._weighed(index):
+            with torch.no_grad():
+                self._norms_before = (index, torch.stack(torch._foreach_norm(
+                    [getattr(p, "_local_tensor", p).detach() for p in self.ctx.params])).double())
+
+    def _weighed(self, index: int) -> bool:
+        """Steps whose weights are compared on the device (a fused optimizer, whose kernels
+        move no version counter): the first 5, then every 10th."""
+        return index < 5 or index % 10 == 0
+
+    def queue(self, step: Step) -> Any:
+        moved, self._moved_dev = self._moved_dev, None
+        if moved is None or not step.read:
+            return None
+        return moved[0], step.readback.add("moved", moved[1])
+
+    def read(self, step: Step) -> list:
+        token = step.token(self)
+        if token is not None:
+            e = self.ledger.find(token[0])
+            if e is not None and len(token[1].value) == len(self.ctx):
+                e.moved = token[1].value > 0
+        return []
 
     def after_step(self, index: int) -> None:
         e = self.entry if self.entry.index == index else self.ledger.find(index)
         if e is None or self._before is None or len(self._before) != len(self.ctx):
             return
-        e.moved = param_versions(self.ctx.params) != self._before
+        self._last = param_versions(self.ctx.params)
+        e.moved = self._last != self._before
+        self._blind_check(e)
         self._before = None
         self._after = self._probe_state()
         self._held = "-" if self.ledger.probe is None else self._held
