@@ -11,8 +11,10 @@ shuffled order each repeat, each with its own copy of the model (same initial we
              (absmax needs a second reduction pass over the gradients)
 - watch:noloc: the defaults with localise=False (no per-forward capture of the inputs,
              RNG state and output gradient for replaying a non-finite step)
-- watch:nohyg: the defaults with the optimizer-hygiene checks off (stale_grad, empty_step,
-             orphan_param, no_update, dead_grad = None): watch over watch:nohyg is their cost
+- watch:nohyg: the defaults with the invariant checks read from the ledger off (stale_grad,
+             empty_step, double_step, orphan_param, no_update, hidden_param, eval_mode,
+             loss_pattern, dead_grad = None; the ledger itself is kept): watch over
+             watch:nohyg is their cost
 - watch:noupd: the defaults with update_every=None (no update/weight ratio every 200 steps)
 - watch/10:  graddbg.watch(every=10, nonfinite=NonFinite(every=10)): 9 steps in 10 make no
              host synchronisation
@@ -56,7 +58,9 @@ import _models  # noqa: E402
 import graddbg  # noqa: E402
 
 STEPS = {"mlp8m": 8, "transformer4": 3, "resnet18ish": 2, "launchbound": 40}
-HYGIENE = ("stale_grad", "empty_step", "orphan_param", "no_update", "dead_grad")
+from graddbg.anomaly import HYGIENE_KINDS  # noqa: E402
+
+HYGIENE = tuple(k for k in HYGIENE_KINDS if k != "unused_param")  # the ledger's invariants
 
 
 class Variant:

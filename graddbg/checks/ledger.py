@@ -71,11 +71,14 @@ class StepEntry:
     present: Optional[np.ndarray] = None  #: per parameter: a gradient at the step
     same_as_last_step: Optional[np.ndarray] = None  #: per parameter: the very gradient the previous step had
     lrs: Tuple[float, ...] = ()  #: each param group's learning rate at the step
+    #: the other hyper-parameters of each param group (momentum, betas, weight decay, ...)
+    hparams: Tuple[str, ...] = ()
     moved: Optional[np.ndarray] = None  #: per parameter: its version counter moved during the step
     #: per parameter: its version counter moved between the previous step and this one (not
     #: by the watched optimizer: another optimizer, a hand edit, a weight copy)
     outside: Optional[np.ndarray] = None
     skipped: bool = False  #: the GradScaler skipped the step (an overflow)
+    update: float = math.nan  #: the largest update/weight ratio ||dw|| / ||w|| of the step, when measured
     global_norm: float = math.nan
     clipped_norm: float = math.nan
     scale: float = math.nan
@@ -122,8 +125,8 @@ class Ledger:
 
 
 _COLUMNS = ("step", "path", "forwards", "mode", "grad_mode", "autocast", "backwards", "held_before",
-            "between", "grads", "lr", "moved", "unmoved_with_grad", "skipped", "global_norm", "clipped_norm",
-            "scale", "findings")
+            "between", "grads", "lr", "hparams", "moved", "unmoved_with_grad", "update", "skipped", "global_norm",
+            "clipped_norm", "scale", "findings")
 
 
 def _row(e: StepEntry, names: Sequence[str]) -> Dict[str, Any]:
@@ -139,7 +142,8 @@ def _row(e: StepEntry, names: Sequence[str]) -> Dict[str, Any]:
             "autocast": "/".join(sorted({f.autocast for f in e.forwards if f.autocast})) or "-",
             "backwards": len(e.backwards), "held_before": ",".join(b.held for b in e.backwards) or "-",
             "between": e.between, "grads": int(e.present.sum()) if e.present is not None else 0,
-            "lr": ",".join(f"{x:g}" for x in e.lrs) or "-",
+            "lr": ",".join(f"{x:g}" for x in e.lrs) or "-", "hparams": "; ".join(e.hparams) or "-",
+            "update": e.update,
             "moved": int(e.moved.sum()) if e.moved is not None else None, "unmoved_with_grad": unmoved,
             "skipped": e.skipped, "global_norm": e.global_norm, "clipped_norm": e.clipped_norm,
             "scale": e.scale, "findings": ",".join(e.kinds)}
@@ -164,6 +168,24 @@ def _lr(group: Dict[str, Any]) -> float:
         return float(lr)
     except (TypeError, ValueError):
         return math.nan
+
+
+_HPARAMS = ("momentum", "betas", "weight_decay", "eps", "dampening", "nesterov", "alpha", "maximize")
+
+
+def _hparams(group: Dict[str, Any]) -> str:
+    """A param group's hyper-parameters besides its lr, as short text."""
+    out = []
+    for k in _HPARAMS:
+        v = group.get(k)
+        if v is None or v is False:
+            continue
+        if isinstance(v, tuple):
+            v = "(" + ",".join(f"{x:g}" if isinstance(x, (int, float)) else str(x) for x in v) + ")"
+        elif isinstance(v, float):
+            v = f"{v:g}"
+        out.append(f"{k}={v}")
+    return " ".join(out)
 
 
 def _autocast() -> Optional[str]:
@@ -312,6 +334,7 @@ class LedgerKeeper(Check):
         opt = self.ctx.optimizer
         if opt is not None:
             e.lrs = tuple(_lr(g) for g in opt.param_groups)
+            e.hparams = tuple(_hparams(g) for g in opt.param_groups)
             if self._before is not None and self._last is not None and len(self._last) == len(self._before):
                 e.outside = self._before != self._last
         return e
@@ -405,7 +428,8 @@ def describe(e: Optional[StepEntry], names: Sequence[str], index: int) -> str:
                         "changed": f" ({int(e.changed.sum())} changed in place or replaced after the backward pass:"
                                    f" a clip, an unscale, a hand edit)" if e.changed is not None else ""}.get(e.between, ""))
     if e.lrs:
-        lines.append("  learning rates: " + ", ".join(f"group {k}: {x:g}" for k, x in enumerate(e.lrs)))
+        lines.append("  learning rates: " + ", ".join(f"group {k}: {x:g}" for k, x in enumerate(e.lrs))
+                     + (f" ({'; '.join(h for h in e.hparams if h)})" if any(e.hparams) else ""))
     if e.moved is not None and e.present is not None:
         still = [names[i] for i in np.nonzero(e.present & ~e.moved)[0]]
         lines.append(f"  the step changed {int(e.moved.sum())} parameter(s)"
@@ -413,6 +437,7 @@ def describe(e: Optional[StepEntry], names: Sequence[str], index: int) -> str:
     if not math.isnan(e.global_norm):
         lines.append(f"  gradient norm {e.global_norm:.4g}" + (f", after a clip {e.clipped_norm:.4g}"
                                                                if not math.isnan(e.clipped_norm) else "")
+                     + (f", largest update/weight ratio {e.update:.3g}" if not math.isnan(e.update) else "")
                      + (f", loss scale {e.scale:g}" if not math.isnan(e.scale) else ""))
     if e.kinds:
         lines.append("  findings: " + ", ".join(e.kinds))

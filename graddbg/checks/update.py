@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -43,6 +44,7 @@ class UpdateRatio(Check):
         queued = step.token(self)
         if queued is not None:
             self.ctx.history.set_update(queued[0], queued[1].value)
+            self._to_ledger(queued[0], queued[1].value)
         if not step.closure and self.due(step.index):
             self._take_copy(step.index)
         return []
@@ -50,6 +52,12 @@ class UpdateRatio(Check):
     def before_step(self, index: int, closure: bool) -> None:
         if closure and self.due(index):  # (step(closure): the boundary comes after the step)
             self._take_copy(index)
+
+    def _to_ledger(self, index: int, ratios: np.ndarray) -> None:
+        entry = self.ctx.ledger.find(index) if self.ctx.ledger is not None else None
+        finite = ratios[np.isfinite(ratios)]
+        if entry is not None and len(finite):
+            entry.update = float(finite.max())
 
     def _take_copy(self, index: int) -> None:
         """Copy the weights. Where there is no memory for the copy (a model that fills its
@@ -86,7 +94,9 @@ class UpdateRatio(Check):
         if self._ratios is not None:
             step, ratios = self._ratios
             self._ratios = None
-            self.ctx.history.set_update(step, ratios.cpu().numpy())
+            host = ratios.cpu().numpy()
+            self.ctx.history.set_update(step, host)
+            self._to_ledger(step, host)
 
     def close(self) -> None:
         self.flush()
