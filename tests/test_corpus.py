@@ -47,6 +47,16 @@ def test_split_halves_mix_every_family():
     assert abs(counts[0] - counts[1]) <= 1
 
 
+def test_each_half_lives_in_its_own_file():
+    from corpus import dev, heldout
+
+    assert {c.name for c in dev.CASES} == {n for n, s in corpus.SPLIT.items() if s == "dev"}
+    assert {c.name for c in heldout.CASES} == {n for n, s in corpus.SPLIT.items() if s == "heldout"}
+    dev_text = (BENCH / "corpus" / "dev.py").read_text()
+    for case in heldout.CASES:
+        assert case.name not in dev_text
+
+
 @pytest.mark.parametrize("name", list(corpus.CASES))
 def test_case_metadata(name):
     case = corpus.CASES[name]

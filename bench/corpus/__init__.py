@@ -2,19 +2,21 @@
 without an error, each reproduced as a small CPU loop with a fixed twin.
 
 ``CASES`` maps a case's name to its ``Case``; ``SPLIT`` (split.py, fixed before detection
-code was written) says which half, ``dev`` or ``heldout``, it belongs to. Nothing in this
-package imports graddbg: ``bench/corpus_run.py`` runs the cases under ``graddbg.watch``.
+code was written) says which half, ``dev`` or ``heldout``, it belongs to. The halves live in
+separate files: dev.py holds the dev cases and the code only they use, heldout.py the
+held-out ones (do not read it while writing detection code); _common.py and _shared.py hold
+data, models and loops with no bug in them. Nothing in this package imports graddbg:
+``bench/corpus_run.py`` runs the cases under ``graddbg.watch``.
 """
 from __future__ import annotations
 
 from typing import Dict, List
 
-from . import cases_data, cases_graph, cases_loss, cases_step
+from . import dev, heldout
 from ._common import Case
 from .split import SEED, SPLIT
 
-_ALL: List[Case] = [*cases_step.CASES, *cases_graph.CASES, *cases_loss.CASES,
-                    *cases_data.CASES]
+_ALL: List[Case] = [*dev.CASES, *heldout.CASES]
 
 CASES: Dict[str, Case] = {c.name: c for c in _ALL}
 
