@@ -1,0 +1,36 @@
+"""The silent-bug corpus of issue 31 (point 5): public reports of training that goes wrong
+without an error, each reproduced as a small CPU loop with a fixed twin.
+
+``CASES`` maps a case's name to its ``Case``; ``SPLIT`` (split.py, fixed before detection
+code was written) says which half, ``dev`` or ``heldout``, it belongs to. The halves live in
+separate files: dev.py holds the dev cases and the code only they use, heldout.py the
+held-out ones (do not read it while writing detection code); _common.py and _shared.py hold
+data, models and loops with no bug in them. Nothing in this package imports graddbg:
+``bench/corpus_run.py`` runs the cases under ``graddbg.watch``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from . import dev, heldout
+from ._common import Case
+from .split import SEED, SPLIT
+
+_ALL: List[Case] = [*dev.CASES, *heldout.CASES]
+
+CASES: Dict[str, Case] = {c.name: c for c in _ALL}
+
+
+def split_of(name: str) -> str:
+    """``"dev"`` or ``"heldout"``."""
+    return SPLIT[name]
+
+
+def names(split: str = "all") -> List[str]:
+    """Case names of one split (``dev``, ``heldout`` or ``all``), in registry order."""
+    if split not in ("dev", "heldout", "all"):
+        raise ValueError(f"split: expected 'dev', 'heldout' or 'all', got {split!r}")
+    return [n for n in CASES if split == "all" or SPLIT[n] == split]
+
+
+__all__ = ["CASES", "SEED", "SPLIT", "Case", "names", "split_of"]
