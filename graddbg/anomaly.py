@@ -35,8 +35,9 @@ __all__ = [
 ]
 
 #: the silent training mistakes (optimizer hygiene): each a kind of finding and an option of watch()
-HYGIENE_KINDS = ("stale_grad", "empty_step", "double_step", "orphan_param", "no_update", "hidden_param",
-                 "eval_mode", "loss_pattern", "dead_grad", "unused_param")
+HYGIENE_KINDS = ("stale_grad", "empty_step", "double_step", "scaled_grad", "orphan_param", "no_update",
+                 "foreign_update", "lr_schedule", "hidden_param", "eval_mode", "loss_pattern", "dead_grad",
+                 "unused_param")
 KINDS = ("nonfinite", "explode", "vanish", "ddp_mismatch") + HYGIENE_KINDS
 POLICIES = ("raise", "warn", "skip", "record")
 

@@ -508,6 +508,7 @@ class Watch(_Results):
                               opts.history, MAX_ROWS)
         ctx.ledger = Ledger(opts.history)
         ctx.alive, ctx.read_scale = self._alive, lambda: scale_of(self.options.scaler)
+        ctx.adopt_scaler = self._adopt_scaler
         self._frozen = _frozen_parameters(model, ctx.params)
         if not ctx.params:
             warnings.warn(f"graddbg.watch: {type(model).__name__} has no trainable parameter (none requires "
@@ -637,8 +638,11 @@ class Watch(_Results):
         self._clock.noted(state)
         scale = scale_of(self.options.scaler)
         bw = BackwardEnd(self._clock.index, self._ctx.grads(), scale)
+        found: List[Finding] = []
         for handle in self._on["on_backward_end"]:
-            handle(bw)
+            found += handle(bw) or ()
+        if found:
+            self._apply(found)
         if self._ctx.optimizer is None:
             self._boundary()
 
@@ -803,7 +807,8 @@ class Watch(_Results):
 def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, every: int = 1,
           stats: Sequence[str] = DEFAULT_STATS, nonfinite: Any = "raise", explode: Any = "warn",
           vanish: Any = None, stale_grad: Any = "warn", empty_step: Any = "warn", double_step: Any = "warn",
-          orphan_param: Any = "warn", no_update: Any = "warn", hidden_param: Any = "warn", eval_mode: Any = "warn",
+          scaled_grad: Any = "warn", orphan_param: Any = "warn", no_update: Any = "warn",
+          foreign_update: Any = "warn", lr_schedule: Any = "warn", hidden_param: Any = "warn", eval_mode: Any = "warn",
           loss_pattern: Any = "warn", dead_grad: Any = "warn", unused_param: Any = "warn", activations: bool = False,
           histograms: Union[None, bool, int] = None, scaler: Any = None, history: int = 10_000,
           ddp_check_every: Union[None, str, int] = "auto", update_every: Optional[int] = UPDATE_EVERY,
@@ -850,10 +855,19 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             backward); one empty step (a skipped batch) is not a finding; None: off.
         double_step: the policy for one set of gradients applied by two optimizer steps
             (no backward pass between them, the same gradient tensors), twice; None: off.
+        scaled_grad: the policy for an optimizer step applied to gradients that a GradScaler
+            scaled and did not unscale (``optimizer.step()`` called directly instead of
+            ``scaler.step(optimizer)``); None: off.
         orphan_param: the policy for trainable parameters that receive gradients but
             belong to no param group of the optimizer; None: off.
         no_update: the policy for parameters with a non-zero gradient that the step leaves
             unchanged 3 steps in a row (an ``lr`` of 0, a step that skips them); None: off.
+        foreign_update: the policy for parameters changed between backward passes while the
+            watched optimizer does not step (another optimizer, e.g. one re-created every
+            epoch, or code writing the weights); None: off.
+        lr_schedule: the policy for a learning rate that changes between the micro-batches of
+            one step (a scheduler stepped per micro-batch) or collapses to under 1e-3 of its
+            peak and stays there (a scheduler stepped per batch instead of per epoch); None: off.
         hidden_param: the policy for tensors that the model holds and that receive gradients
             from the loss but are not registered parameters (a tensor attribute instead of an
             ``nn.Parameter``, layers in a plain list instead of ``nn.ModuleList``); None: off.

@@ -215,9 +215,9 @@ def test_the_warning_points_at_the_users_line():
 # ----------------------------------------------------------------------------- AMP
 def test_gradscaler_skipped_steps_are_overflow_never_anomalies():
     """A GradScaler not passed to the watch, whose steps overflow now and then (an
-    overflowing batch, as every long AMP run has): found at the first step it takes,
-    statistics unscaled on every step, the skipped steps recorded as overflow, no anomaly,
-    no warning."""
+    overflowing batch, as every long AMP run has): found at the first backward pass (it
+    scaled the loss handed to backward()), so even the first step's overflow is recorded as
+    one; statistics unscaled on every step, no anomaly, no warning."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -237,6 +237,6 @@ def test_gradscaler_skipped_steps_are_overflow_never_anomalies():
                 scaler.step(opt)
                 scaler.update()
     steps = w.steps
-    assert w.anomalies == [] and steps["overflow"].tolist() == [False] * 4 + [True, True] + [False] * 5
+    assert w.anomalies == [] and steps["overflow"].tolist() == [True] + [False] * 4 + [True, True] + [False] * 5
     assert steps.loc[~steps["overflow"], "global_norm"].tolist() == pytest.approx(norms, rel=1e-5)
-    assert steps["scale"].tolist()[:4] == [2.0 ** 15] * 3 + [2.0 ** 16]  # halved by the skip, grown after 3
+    assert steps["scale"].tolist()[:5] == [2.0 ** 16] + [2.0 ** 15] * 3 + [2.0 ** 16]  # skipped, halved, grown after 3

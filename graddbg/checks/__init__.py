@@ -17,6 +17,7 @@ from graddbg.checks.activations import Activations
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
 from graddbg.checks.copies import CopyGuard
 from graddbg.checks.detectors import ExplodeCheck, NonFiniteCheck, VanishCheck
+from graddbg.checks.applied import ForeignUpdate, LrSchedule, ScaledStep
 from graddbg.checks.graph import LossGraph
 from graddbg.checks.hygiene import DeadGrad, DoubleStep, EmptyStep, EvalMode, StaleGrad, Unchanged
 from graddbg.checks.ledger import Ledger, LedgerKeeper, StepEntry
@@ -28,7 +29,7 @@ from graddbg.checks.zero import ZeroRecorder
 __all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "default_checks",
            "CopyGuard", "StatsRecorder", "Activations", "NonFiniteCheck", "ExplodeCheck", "VanishCheck",
            "UpdateRatio", "ReplicaCheck", "StaleGrad", "EmptyStep", "DoubleStep", "EvalMode", "Unchanged", "DeadGrad",
-           "LossGraph", "Ledger", "LedgerKeeper", "StepEntry", "ZeroRecorder", "ordered"]
+           "LossGraph", "ScaledStep", "ForeignUpdate", "LrSchedule", "Ledger", "LedgerKeeper", "StepEntry", "ZeroRecorder", "ordered"]
 
 
 def _hookable(model: Any) -> bool:
@@ -71,5 +72,6 @@ def default_checks(model: Any, options: Any) -> List[Check]:
     if options.activations and _hookable(model):
         checks.append(Activations(model))
     checks += [NonFiniteCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(), ReplicaCheck(),
-               StaleGrad(), EmptyStep(), DoubleStep(), EvalMode(), Unchanged(), DeadGrad(), LossGraph()]
+               StaleGrad(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(),
+               LrSchedule(), DeadGrad(), LossGraph()]
     return ordered(checks)

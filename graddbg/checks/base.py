@@ -59,6 +59,8 @@ class Watched:
         self.alive: Callable[[], bool] = lambda: True  #: whether the watch's hooks should act now
         #: the GradScaler's scale now, as a device tensor (None without one): no host read
         self.read_scale: Callable[[], Optional[Tensor]] = lambda: None
+        #: a GradScaler found scaling the loss (in the frames of a backward pass's caller): used from now on
+        self.adopt_scaler: Callable[[Any], None] = lambda scaler: None
         self.add(named)
 
     def add(self, named: Sequence[tuple]) -> None:
@@ -152,8 +154,10 @@ class Check:
     def on_output_grad(self) -> None:
         """Inside a backward pass: it reached the model's output."""
 
-    def on_backward_end(self, bw: BackwardEnd) -> None:
-        pass
+    def on_backward_end(self, bw: BackwardEnd) -> Optional[List["Finding"]]:
+        """A backward pass ended; findings may be returned (a check that cannot wait for a
+        step boundary that may never come)."""
+        return None
 
     def queue(self, step: Step) -> Any:
         """Queue device reads into ``step.readback``; what is returned is handed back as

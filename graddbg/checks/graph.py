@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -84,18 +85,39 @@ def walk(roots: Sequence[Any], limit: int = MAX_NODES) -> List[Any]:
     return order
 
 
+def _backward_frame(thread: int) -> Any:
+    """The frame of torch's ``_engine_run_backward`` in ``thread`` (the caller of the
+    backward pass), or None."""
+    frame = sys._current_frames().get(thread)
+    for _ in range(64):
+        if frame is None or frame.f_code.co_name == "_engine_run_backward":
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def graph_roots(thread: int) -> List[Any]:
     """The autograd nodes of the tensors a running ``backward()`` / ``autograd.grad`` was
     called on, from the frames of ``thread`` (the caller of the backward pass)."""
-    frame = sys._current_frames().get(thread)
-    for _ in range(64):
+    frame = _backward_frame(thread)
+    if frame is None:
+        return []
+    outs = frame.f_locals.get("t_outputs", ())
+    return [t.grad_fn for t in outs if isinstance(t, Tensor) and t.grad_fn is not None]
+
+
+def scaler_of_backward(thread: int) -> Any:
+    """An enabled ``torch.amp.GradScaler`` held by a caller of the running backward pass (the
+    user's loop, whose ``scaler.scale(loss).backward()`` this is), or None."""
+    frame = _backward_frame(thread)
+    for _ in range(6):
         if frame is None:
-            return []
-        if frame.f_code.co_name == "_engine_run_backward":
-            outs = frame.f_locals.get("t_outputs", ())
-            return [t.grad_fn for t in outs if isinstance(t, Tensor) and t.grad_fn is not None]
+            return None
+        for v in list(frame.f_locals.values()):
+            if isinstance(v, torch.amp.GradScaler) and v.is_enabled() and getattr(v, "_scale", None) is not None:
+                return v
         frame = frame.f_back
-    return []
+    return None
 
 
 def loss_patterns(nodes: Sequence[Any]) -> List[Tuple[str, str, str]]:
@@ -136,10 +158,16 @@ def _nll(node: Any) -> List[Tuple[str, str, str]]:
         return []
     out = []
     dim, shape = getattr(src, "_saved_dim", None), _shape(src)
-    if dim is not None and shape is not None and len(shape) >= 2 and dim % len(shape) != 1:
-        out.append(("log_softmax over the wrong dim", f"log_softmax normalises over dim {dim} of a tensor of shape "
-                    f"{shape}, but nll_loss / cross_entropy read the classes along dim 1",
-                    "normalise over the class dimension (dim=1), or pass the logits to cross_entropy"))
+    fed = next(_inputs(node), None)  # (what nll_loss reads: the classes along dim 1, or dim 0 unbatched)
+    classes = _shape(fed) if fed is not None else None
+    if dim is not None and shape and classes:
+        dim = dim - 2 ** 64 if dim >= 2 ** 63 else dim  # (an unsigned read of a negative dim)
+        n_classes = classes[1] if len(classes) >= 2 else classes[0]
+        if -len(shape) <= dim < len(shape) and shape[dim] != n_classes:
+            out.append(("log_softmax over the wrong dim", f"log_softmax normalises over dim {dim} (of size "
+                        f"{shape[dim]}) of a tensor of shape {shape}, but nll_loss reads {n_classes} classes along "
+                        f"dim {1 if len(classes) >= 2 else 0} of its input {classes}",
+                        "normalise over the class dimension, or pass the logits to cross_entropy"))
     inner = _fed_by(src)
     if inner is not None and _name(inner) == "SoftmaxBackward0":
         out.append(("softmax before cross_entropy", "cross_entropy (log_softmax + nll_loss) is applied to the "
@@ -191,6 +219,8 @@ class LossGraph(Check):
         self._found: List[Tuple[str, Any]] = []
         self._reported: Set[str] = set()
         self._cut = CutOff(ctx) if opts.unused_param is not None and ctx.optimizer is not None else None
+        #: the loose parameter leaves (neither the model's nor held by it) of the last walk that had any
+        self._strays: Optional[Dict[int, Any]] = None
 
     def on_forward(self, fwd: Any) -> None:
         self._thread = threading.get_ident()  # (the thread that runs the loop calls backward)
@@ -206,6 +236,10 @@ class LossGraph(Check):
         roots = graph_roots(self._thread)
         if not roots:
             return
+        if self.ctx.options.scaler is None and n < 3:
+            scaler = scaler_of_backward(self._thread)
+            if scaler is not None:
+                self.ctx.adopt_scaler(scaler)
         nodes = walk(roots)
         if waiting:
             self._cut.conclude(nodes)
@@ -213,20 +247,44 @@ class LossGraph(Check):
             return
         if self._policies["loss_pattern"] is not None:
             self._found += [("loss_pattern", p) for p in loss_patterns(nodes) if p[0] not in self._reported]
-        if self._policies["hidden_param"] is not None:
+        if self._policies["hidden_param"] is not None or self.ctx.options.orphan_param is not None:
             self._found += [("hidden_param", h) for h in self._hidden(nodes)]
 
     def _hidden(self, nodes: Sequence[Any]) -> List[Tuple[str, Tuple[int, ...]]]:
-        """Leaves of the graph that are not the model's parameters but that the model
-        holds: a tensor attribute with requires_grad, a module kept in a plain list."""
-        mine = {id(p) for p in self.ctx.params} | {id(p) for p in unwrap(self.ctx.model).parameters()}
+        """Leaves of the graph that are not the watched parameters: a tensor attribute with
+        requires_grad or a module kept in a plain list (held by the model, not registered),
+        parameters made anew in each forward pass, and parameters of the model that replaced
+        watched ones (``orphan_param`` when no param group holds them)."""
+        watched = {id(p) for p in self.ctx.params}
         leaves = [n.variable for n in nodes if _name(n) == "AccumulateGrad"]
-        strays = {id(v): v for v in leaves if id(v) not in mine}
+        strays = {id(v): v for v in leaves if id(v) not in watched}
         if not strays:
             return []
-        held = _held_tensors(unwrap(self.ctx.model))
-        return [(where, tuple(strays[i].shape)) for i, where in held.items()
-                if i in strays and where not in self._reported]
+        root = unwrap(self.ctx.model)
+        now = {id(p): n for n, p in root.named_parameters()}
+        self._replaced(strays, now)
+        held = _held_tensors(root)
+        out = [(where, tuple(strays[i].shape)) for i, where in held.items()
+               if i in strays and where not in self._reported]
+        loose = [v for i, v in strays.items() if isinstance(v, nn.Parameter) and i not in now and i not in held]
+        # parameters that are neither the model's nor held by it: another model's (a GAN's other
+        # network: the same tensors at every pass that has them), or made anew in each forward pass
+        if loose:
+            before, self._strays = self._strays, {id(v): weakref.ref(v) for v in loose}
+            if before and not any(id(v) in before and before[id(v)]() is v for v in loose):
+                self._found.append(("made_in_forward", tuple(tuple(v.shape) for v in loose)))
+        return out
+
+    def _replaced(self, strays: Dict[int, Tensor], now: Dict[int, str]) -> None:
+        """Parameters of the model now that the watch did not start with and that no param
+        group holds: a layer replaced after the optimizer (and the watch) began."""
+        opt = self.ctx.optimizer
+        if opt is None or self.ctx.options.orphan_param is None:
+            return
+        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        names = [now[i] for i in strays if i in now and i not in held and now[i] not in self._reported]
+        if names:
+            self._found.append(("orphan_param", tuple(names)))
 
     def read(self, step: Step) -> List[Finding]:
         found, self._found = self._found, []
@@ -238,10 +296,43 @@ class LossGraph(Check):
             self._reported.update(p[0] for p in patterns)
             out.append(self._pattern_finding(step.index, list(dict.fromkeys(patterns))))
         hidden = list(dict.fromkeys(h for kind, h in found if kind == "hidden_param" and h[0] not in self._reported))
-        if hidden:
+        made = [shapes for kind, shapes in found if kind == "made_in_forward"]
+        if made and "<made in forward>" not in self._reported and self._policies["hidden_param"] is not None:
+            self._reported.add("<made in forward>")
+            out.append(self._made_finding(step.index, made[0]))
+        if hidden and self._policies["hidden_param"] is not None:
             self._reported.update(h[0] for h in hidden)
             out.append(self._hidden_finding(step.index, hidden))
+        replaced = list(dict.fromkeys(n for kind, ns in found if kind == "orphan_param" for n in ns
+                                      if n not in self._reported))
+        if replaced:
+            self._reported.update(replaced)
+            out.append(self._replaced_finding(step.index, replaced))
         return out
+
+    def _made_finding(self, index: int, shapes: Tuple[Tuple[int, ...], ...]) -> Finding:
+        shown = ", ".join(str(x) for x in shapes[:6])
+        msg = (f"graddbg: parameters made anew in every forward pass, at step {index}: {len(shapes)} nn.Parameter(s) "
+               f"(shapes {shown}) reach the loss and receive gradients, but they belong to no module of the model "
+               f"and are new tensors at each backward pass (not the ones of the pass before): a layer built inside "
+               f"forward() is initialised again at every step, is not in model.parameters(), and is never trained. "
+               f"Fix: build the layer in __init__ (self.layer = nn.Linear(...)) and call it in forward().")
+        a = Anomaly(step=index, kind="hidden_param", name=None, module=None, op=None, value=float(len(shapes)),
+                    threshold=None, source=None, message=msg, rank=self.ctx.rank, params=())
+        return Finding(a, self._policies["hidden_param"], skip=[])
+
+    def _replaced_finding(self, index: int, names: List[str]) -> Finding:
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        msg = (f"graddbg: parameters outside the optimizer at step {index}: {shown} reach the loss and receive "
+               f"gradients, but they are not the tensors the watch and the optimizer started with: the model's "
+               f"attribute now holds a new parameter (a layer or an embedding assigned after the optimizer was "
+               f"built), and no param group of {type(self.ctx.optimizer).__name__} holds it, so it never trains "
+               f"(and a weight tied to the old one is tied no more). Fix: replace or load layers before building "
+               f"the optimizer (or copy the new values in place: with torch.no_grad(): layer.weight.copy_(...)).")
+        a = Anomaly(step=index, kind="orphan_param", name=names[0], module=names[0].rpartition(".")[0] or None,
+                    op=None, value=float(len(names)), threshold=None, source=None, message=msg, rank=self.ctx.rank,
+                    params=tuple(names))
+        return Finding(a, self.ctx.options.orphan_param, skip=[])
 
     def _pattern_finding(self, index: int, patterns: List[Tuple[str, str, str]]) -> Finding:
         parts = "; ".join(f"{what}: {evidence}. Fix: {fix}" for what, evidence, fix in patterns)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import sys
 import threading
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -55,6 +56,7 @@ class Backward:
 
     held: str  #: the gradient it accumulated into: one of `HELD`
     grads: int  #: parameters with a gradient at its end
+    lrs: Tuple[float, ...] = ()  #: each param group's learning rate at its end
 
 
 @dataclasses.dataclass
@@ -78,6 +80,9 @@ class StepEntry:
     #: by the watched optimizer: another optimizer, a hand edit, a weight copy)
     outside: Optional[np.ndarray] = None
     skipped: bool = False  #: the GradScaler skipped the step (an overflow)
+    #: the optimizer stepped on gradients a GradScaler scaled and did not unscale (not
+    #: through ``scaler.step``)
+    scaled: bool = False
     update: float = math.nan  #: the largest update/weight ratio ||dw|| / ||w|| of the step, when measured
     global_norm: float = math.nan
     clipped_norm: float = math.nan
@@ -103,6 +108,8 @@ class Ledger:
         self.current = StepEntry(index=-1)
         #: the parameter whose gradient is looked at before each backward pass accumulates
         self.probe: Optional[int] = None
+        #: the parameters' version counters after the watched optimizer's last step
+        self.after_step_versions: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -252,6 +259,27 @@ class LedgerKeeper(Check):
                     [getattr(p, "_local_tensor", p).detach() for p in self.ctx.params])).double()
                 self._moved_dev = (e.index, (after != before[1]).double())
 
+    def _scaled_step(self) -> bool:
+        """Whether the optimizer's step, beginning now, is not called by the GradScaler in
+        use although the scaler scaled its gradients and has not unscaled them (host facts:
+        the calling frames, the scaler's state for this optimizer)."""
+        scaler, opt = self.ctx.options.scaler, self.ctx.optimizer
+        states = getattr(scaler, "_per_optimizer_states", None)
+        if scaler is None or opt is None or not isinstance(states, dict):
+            return False
+        state = states.get(id(opt))  # (no entry: the scaler never unscaled nor stepped this optimizer)
+        stage = "READY" if state is None else getattr(state.get("stage"), "name", "")
+        if stage != "READY" or not self.entry.backwards:
+            return False
+        frame = sys._getframe(1)
+        for _ in range(12):
+            if frame is None:
+                return True
+            if frame.f_locals.get("self") is scaler:
+                return False  # (GradScaler.step: it unscales first)
+            frame = frame.f_back
+        return True
+
     def _held_by_optimizer(self) -> set:
         opt = self.ctx.optimizer
         return set() if opt is None else {id(p) for g in opt.param_groups for p in g["params"]}
@@ -305,8 +333,10 @@ class LedgerKeeper(Check):
             e.forwards.append(self._forward)
             self._forward = None
         grads = bw.grads
+        opt = self.ctx.optimizer
         e.backwards.append(Backward(self._held if self.ledger.probe is not None else "-",
-                                    sum(g is not None for g in grads)))
+                                    sum(g is not None for g in grads),
+                                    tuple(_lr(g) for g in opt.param_groups) if opt is not None else ()))
         # (accumulation: the next backward pass of this step finds the gradient kept)
         self._after = self._probe_state()
         self._bw_ids = [id(g) for g in grads]
@@ -344,6 +374,7 @@ class LedgerKeeper(Check):
         optimizer that moves none, their norms on the device on `_weighed` steps)."""
         self._before = param_versions(self.ctx.params)
         self._norms_before = None
+        self.entry.scaled = self._scaled_step()
         if self._blind and self._weighed(index):
             with torch.no_grad():
                 self._norms_before = (index, torch.stack(torch._foreach_norm(
@@ -372,7 +403,7 @@ class LedgerKeeper(Check):
         e = self.entry if self.entry.index == index else self.ledger.find(index)
         if e is None or self._before is None or len(self._before) != len(self.ctx):
             return
-        self._last = param_versions(self.ctx.params)
+        self._last = self.ledger.after_step_versions = param_versions(self.ctx.params)
         e.moved = self._last != self._before
         self._blind_check(e)
         self._before = None
