@@ -135,3 +135,17 @@ def test_runner_rejects_unknown_case():
 def test_variant_rejects_bad_name():
     with pytest.raises(ValueError, match="'buggy' or 'fixed'"):
         corpus.CASES["zero_init_weights"].variant("both")
+
+
+# --------------------------------------------------------------------------- graddbg on the dev half
+# (the held-out half is measured once, by bench/corpus_run.py --split heldout, never asserted here)
+DEV = [n for n, s in corpus.SPLIT.items() if s == "dev"]
+
+
+@pytest.mark.parametrize("name", DEV)
+def test_dev_case_is_named_and_its_twin_is_silent(name, one_thread):
+    case = corpus.CASES[name]
+    row = corpus_run.evaluate(case, watched=True)
+    expected = "named" if case.expected_kinds else "missed"  # (no kind can name it: silence)
+    assert row["outcome"] == expected, row
+    assert not row["false_alarm"], row["fixed_findings"]

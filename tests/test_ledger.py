@@ -396,3 +396,103 @@ def test_every_parameter_reaching_the_loss_is_not_cut_off():
     model = _Cut("healthy")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     assert _kinds(_run(model, opt, _standard(model, opt), steps=6)) == []
+
+
+# --------------------------------------------------------------------------- healthy twins of the dev-half invariants
+def test_clip_after_unscale_and_scaler_step_is_not_scaled_grad():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+    def body(i):
+        x, y = _data(i)
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+    w = _run(model, opt, body, steps=5)
+    assert _kinds(w) == [] and set(w.ledger["path"]) == {"scaler"}
+
+
+def test_optimizer_step_on_scaled_gradients_is_scaled_grad():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+    def body(i):
+        x, y = _data(i)
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        opt.step()  # bug: not scaler.step(opt)
+
+    w = _run(model, opt, body, steps=3, explode=None)
+    assert _kinds(w) == ["scaled_grad"] and w.anomalies[0].step == 0
+    assert "scale 1024" in w.anomalies[0].message
+
+
+def test_weight_clipping_after_each_step_is_not_a_foreign_update():
+    model = _mlp()
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    body = _standard(model, opt)
+
+    def wgan(i):  # a WGAN critic: weights clamped after every step
+        body(i)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.05, 0.05)
+
+    assert _kinds(_run(model, opt, wgan, steps=6)) == []
+
+
+def test_an_optimizer_recreated_each_epoch_is_a_foreign_update():
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    state = {"opt": opt}
+
+    def body(i):
+        if i and i % 3 == 0:
+            state["opt"] = torch.optim.Adam(model.parameters(), lr=1e-2)  # bug
+        x, y = _data(i)
+        state["opt"].zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        state["opt"].step()
+
+    w = _run(model, opt, body, steps=8)
+    assert _kinds(w) == ["foreign_update"] and "re-created" in w.anomalies[0].message
+
+
+@pytest.mark.parametrize("per_micro", [True, False], ids=["per-micro-batch", "per-step"])
+def test_a_scheduler_stepped_per_micro_batch_is_lr_schedule(per_micro):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.99)
+
+    def body(i):
+        opt.zero_grad()
+        for k in range(3):
+            x, y = _data(3 * i + k)
+            F.cross_entropy(model(x), y).backward()
+            if per_micro:
+                sched.step()
+        opt.step()
+        if not per_micro:
+            sched.step()
+
+    w = _run(model, opt, body, steps=4)
+    assert _kinds(w) == (["lr_schedule"] if per_micro else [])
+
+
+def test_a_long_cosine_schedule_to_zero_is_not_a_collapse():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=200, eta_min=0.0)
+    body = _standard(model, opt)
+
+    def healthy(i):
+        body(i)
+        sched.step()
+
+    assert _kinds(_run(model, opt, healthy, steps=200)) == []
