@@ -20,12 +20,13 @@ from graddbg.checks.detectors import ExplodeCheck, NonFiniteCheck, VanishCheck
 from graddbg.checks.hygiene import DeadGrad, EmptyStep, StaleGrad, Unchanged
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.checks.replicas import ReplicaCheck
+from graddbg.checks.stages import StageCheck
 from graddbg.checks.update import UpdateRatio
 from graddbg.checks.zero import ZeroRecorder
 
 __all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "default_checks",
            "CopyGuard", "StatsRecorder", "Activations", "NonFiniteCheck", "ExplodeCheck", "VanishCheck",
-           "UpdateRatio", "ReplicaCheck", "StaleGrad", "EmptyStep", "Unchanged", "DeadGrad", "ZeroRecorder"]
+           "UpdateRatio", "ReplicaCheck", "StageCheck", "StaleGrad", "EmptyStep", "Unchanged", "DeadGrad", "ZeroRecorder"]
 
 
 def _hookable(model: Any) -> bool:
@@ -48,6 +49,6 @@ def default_checks(model: Any, options: Any) -> List[Check]:
     checks: List[Check] = [CopyGuard(), StatsRecorder()]
     if options.activations and _hookable(model):
         checks.append(Activations(model))
-    checks += [NonFiniteCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(), ReplicaCheck(),
+    checks += [NonFiniteCheck(), StageCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(), ReplicaCheck(),
                StaleGrad(), EmptyStep(), Unchanged(), DeadGrad()]
     return checks

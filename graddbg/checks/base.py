@@ -52,6 +52,7 @@ class Watched:
         self.guard: Any = None  #: the `graddbg.checks.copies.CopyGuard` of every hooked module
         self.alive: Callable[[], bool] = lambda: True  #: whether the watch's hooks should act now
         self.read_scale: Callable[[], Optional[float]] = lambda: None  #: the GradScaler's scale now
+        self.layout: Any = None  #: which ranks graddbg exchanges what with (`graddbg._groups.Layout`)
         self.add(named)
 
     def add(self, named: Sequence[tuple]) -> None:
@@ -102,6 +103,9 @@ class Step:
     #: under DeepSpeed ZeRO, where a non-finite gradient started: (global ranks, the evidence);
     #: no ranks when the evidence names none
     origin: Optional[Tuple[Tuple[int, ...], str]] = None
+    #: under pipeline parallelism (or ranks holding different parameters): every stage's
+    #: squared norm and non-finite flag this step (`graddbg._groups.StageReport`)
+    stages: Any = None
 
     @property
     def any_bad(self) -> bool:

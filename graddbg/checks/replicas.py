@@ -53,6 +53,14 @@ class ReplicaCheck(Check):
 
         timeout = self.ctx.options.ddp_timeout
         kw = {} if timeout is None else {"timeout": timeout}
+        layout = self.ctx.layout
+        if layout is not None and layout.world > 1:
+            if not layout.resolved:
+                return None  # (no collective at this boundary: inside a pipeline stage's backward pass)
+            if layout.local or layout.replica_group is None:
+                self.every = None  # peers not all watched, or no replicas (pipeline stages without dp)
+                return None
+            kw["group"] = layout.group(layout.replica_group)
         first = index == 0
         try:
             report = ddp_verify.check_replicas(self.ctx.model, initial=first, **kw)
