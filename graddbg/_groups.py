@@ -208,7 +208,9 @@ class Layout:
         self.replica_group: Any = None        #: per-parameter data: ranks holding the same parameters
         self.shard_group: Any = _WORLD        #: DTensor shard statistics
         self.summary_group: Any = None        #: the per-step summary (a pipeline group, or the world)
-        self.stages: List[Any] = find_stages(model) if self.world > 1 else []
+        self.stages: List[Any] = find_stages(model)
+        if self.stages and self.world == 1:  # (one stage, one process: read as a stage, nothing to exchange)
+            meta.update(layout="pipeline", stage=self.stages[0].stage_index, num_stages=self.stages[0].num_stages)
         self.slots: List[int] = []            #: this rank's slots in the summary
         self.param_slot: Optional[Tensor] = None
         self._arrived: Optional[Tensor] = None
