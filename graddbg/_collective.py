@@ -25,7 +25,7 @@ from typing import Any, Callable, Deque, Tuple
 
 import torch
 
-__all__ = ["run_collective", "keep_work"]
+__all__ = ["run_collective", "keep_work", "wait_interruptibly"]
 
 KEEP_SECONDS = 1.0     # a work is freed by the main thread no sooner than this after it was issued
 KEEP_MOST = 1024       # ... unless more works than this were issued since (bounds the memory)
@@ -47,8 +47,26 @@ def keep_work(work: Any, tensor: Any) -> None:
 
 def run_collective(collective: Callable[..., Any], out: Any, *args: Any, **kwargs: Any) -> None:
     """``collective(out, *args, **kwargs)`` (a ``torch.distributed`` function that takes
-    ``async_op``), waited for as a synchronous call is, its work kept by `keep_work`."""
+    ``async_op``), waited for as a synchronous call is, its work kept by `keep_work`.
+
+    A CPU work (gloo) is waited for by polling it with short sleeps, never inside one
+    blocking C++ call: Python's signal handlers run while graddbg waits on a peer, so
+    SIGINT and SIGTERM (``graddbg run`` turns it into an exception) end the process and
+    the record is written even when a peer never comes."""
     work = collective(out, *args, async_op=True, **kwargs)
     keep_work(work, out)
-    if work is not None:        # (None: this rank is not in the group)
-        work.wait()
+    if work is None:        # (None: this rank is not in the group)
+        return
+    first = out[0] if isinstance(out, (list, tuple)) else out
+    if isinstance(first, torch.Tensor) and first.device.type == "cpu":
+        wait_interruptibly(work)
+    work.wait()             # (returns at once when done; raises what the work raised)
+
+
+def wait_interruptibly(work: Any, first_sleep: float = 2e-5, longest_sleep: float = 0.01) -> None:
+    """Wait until ``work.is_completed()``, sleeping between polls (from ``first_sleep``
+    seconds, doubling up to ``longest_sleep``): signal handlers run between the polls."""
+    delay = first_sleep
+    while not work.is_completed():
+        time.sleep(delay)
+        delay = min(delay * 2, longest_sleep)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 from torch import nn
 
+from graddbg._launch import child_records, follow_children, rank_folder, record_folder
 from graddbg._errors import GraddbgError, GraddbgValueError, GradientAnomalyError
 from graddbg._io import write_atomic
 from graddbg.anomaly import HYGIENE_KINDS
@@ -745,12 +746,14 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fa
     path = _check_run_args(script, fail_on, save_every)
     kwargs = _watch_options(watch_options)
     outdir, created = _out_folder(out)
+    outdir = rank_folder(outdir)  # (under torchrun: each rank's own folder)
     watcher = ScriptWatcher(kwargs)
     watcher.outdir = outdir.resolve()
     started = time.time() - 1.0
     watcher.after_step = Snapshots(outdir, float(save_every), watcher.watches)
     with Signals() as signals:
-        status, failure = _execute(path, args, watcher, signals)
+        with follow_children(outdir, kwargs):  # (processes the script starts are watched too)
+            status, failure = _execute(path, args, watcher, signals)
         if failure:
             print(f"graddbg run: {failure}", file=sys.stderr)
         status = _finish(watcher.watches, outdir, created, status, fail_on, stream, since=started)
@@ -812,7 +815,7 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
             fail_on: str, stream: Any, since: float = 0.0) -> int:
     """Write each watch's statistics and report (under distribution, rank 0 writes: the
     table is the same on every rank); the exit status."""
-    workers = _worker_records(outdir, since)
+    workers = child_records(outdir, since)
     if not watches and not workers:
         print("graddbg run: the script stepped no optimizer and ran no backward pass through a module "
               "in this process; nothing was watched (a script that trains in spawned worker processes "
@@ -844,9 +847,7 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
 
 def _write(w: Any, outdir: pathlib.Path, i: int, stream: Any) -> bool:
     """One watch's record and its line on the console; False when it could not be written."""
-    if w.meta.get("world_size", 1) > 1 and w.meta.get("rank", 0) != 0:
-        return True  # (rank 0 writes the record, the same on every rank)
-    stats_path, report_path = _outputs(outdir, i)
+    stats_path, report_path = _outputs(record_folder(outdir, w.meta), i)  # (each rank its own)
     try:
         w.save(stats_path)  # the data first: it is what a report can be made from again
         rep = w.report(report_path)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from graddbg._errors import CoverageWarning, GradientAnomalyError, GraddbgTypeError, GraddbgValueError, \
     GraddbgWarning, warn_at_user
 from graddbg._deepspeed import find as find_deepspeed
+from graddbg._groups import Layout
 from graddbg._model import check_model, in_backward, module_of, named_trainable_parameters, tensors_in, unwrap
 from graddbg.anomaly import apply_policy
 from graddbg.blame import Capture
@@ -169,6 +170,7 @@ class _OutputTap:
         self.localise, self._on_gradient, self._alive = localise, on_gradient, alive
         self._on_output_grad = on_output_grad  # (DeepSpeed: each rank's evidence, see _deepspeed.Origin)
         self.handles: List[Any] = []
+        self._warned = False
         self.capture: Optional[Capture] = None
         self._rng: Optional[Tensor] = None
         self._backward_since = True
@@ -199,17 +201,31 @@ class _OutputTap:
             tap = wself()
             if tap is None or not tap._alive():
                 return
-            tap._backward_since = True
-            if output_nr is not None:
-                grad = grad[output_nr]
-            if cap is not None and grad is not None:
-                cap.grad = grad
-                tap.capture = cap
-            if tap._on_output_grad is not None and isinstance(grad, Tensor):
-                tap._on_output_grad(grad)
-            tap._on_gradient()
+            try:
+                tap._hooked(grad, cap, output_nr)
+            except Exception as err:  # (inside the user's backward pass: never raise there)
+                tap.failed(err)
 
         return hook
+
+    def _hooked(self, grad: Any, cap: Optional[Capture], output_nr: Optional[int]) -> None:
+        self._backward_since = True
+        if output_nr is not None:
+            grad = grad[output_nr]
+        if cap is not None and grad is not None:
+            cap.grad = grad
+            self.capture = cap
+        if self._on_output_grad is not None and isinstance(grad, Tensor):
+            self._on_output_grad(grad)
+        self._on_gradient()
+
+    def failed(self, err: Exception) -> None:
+        """A failure in the hook on the output's gradient: one warning, training goes on."""
+        if not self._warned:
+            self._warned = True
+            warn_at_user(f"graddbg.watch: an internal error in the hook on the model output's gradient: "
+                         f"{type(err).__name__}: {err}. Training goes on; the end of that backward pass may be "
+                         f"missed. Please report it.", GraddbgWarning)
 
     def clear(self) -> None:
         """The step ended (or the watch closed): its hooks and capture go."""
@@ -519,6 +535,7 @@ class Watch(_Results):
         self.meta = _meta(opts, ctx)
         if zero is not None:
             self.meta["deepspeed"] = zero.describe()
+        ctx.layout = Layout(model, ctx.names, ctx.params, self.meta)  # (pipeline stages, groups, the check-in)
         self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive, self._on_output_grad)
         self._cb_queued = False
         self._scaler_looked = False
@@ -607,6 +624,8 @@ class Watch(_Results):
         graph, and (DeepSpeed) each rank's evidence of where a NaN started."""
         if self._zero is not None:
             self._zero.origin.output_grad(grad)
+        else:
+            self._ctx.layout.output_grad(grad)
         for handle in self._on["on_output_grad"]:
             handle()
 
@@ -617,11 +636,16 @@ class Watch(_Results):
     def _queue_end_of_backward(self) -> None:
         if self._cb_queued or self._closed:
             return
+        if not in_backward():  # (a gradient assigned outside the engine, as FSDP2 does in its own
+            return             # callback: no callback can be queued there; the step reads them)
         self._cb_queued = True
         # queued twice so that it runs after the callbacks queued during the backward pass
         # (DDP's reducer finalises its all-reduce in one): the statistics are then of the
         # reduced gradients
-        _queue_callback(lambda: _queue_callback(self._end_of_backward))
+        try:
+            _queue_callback(lambda: _queue_callback(self._end_of_backward))
+        except RuntimeError:  # (never raise in the user's backward pass)
+            self._cb_queued = False
 
     @_guarded
     def _end_of_backward(self) -> None:

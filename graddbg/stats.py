@@ -253,6 +253,11 @@ class StepReader:
         #: read-backs made by `rescue`
         self.extra_reads = 0
 
+    def shard_group(self, group: Any) -> None:
+        """The process group DTensor shard statistics are gathered over (None: the default
+        group; False: none, this rank's shards only)."""
+        self._shards.group = group
+
     def _grouping(self, present: List[int], grads: Sequence[Optional[Tensor]]) -> List[Tuple[List[int], str]]:
         """``[(indices, kind)]``: one ``"batched"`` group per device and dtype, one
         ``"sharded"`` group of DTensor gradients, then the other special gradients one by
@@ -293,7 +298,9 @@ class StepReader:
             for ix, kind in self._grouping(present, grads):
                 if kind == "sharded":
                     out.sharded = (len(out.groups), ix, [grads[i] for i in ix])
-                    ts = [_local_shard(grads[i]) for i in ix]
+                    # (a pending sum is reduced only where graddbg may issue collectives)
+                    ts = [_local_shard(grads[i]) if self._shards.group is not False else grads[i].to_local()
+                          for i in ix]
                 else:
                     ts = [_dense(grads[ix[0]])] if kind == "single" else [grads[i] for i in ix]
                 self._reduce(ts, out)
@@ -464,28 +471,48 @@ class _Shards:
     def __init__(self) -> None:
         self._ranks: Dict[Any, np.ndarray] = {}
         self.bytes_sent = 0  #: bytes this rank sent in gathers (for benchmarks)
+        #: the group the tables are gathered over: None, the default group; False, none (this
+        #: rank's shards only: graddbg issues no collective); else a process group holding
+        #: every rank of the DTensors' meshes (the data-parallel group of a pipeline stage)
+        self.group: Any = None
 
     def gather(self, table: Tensor) -> Tensor:
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
+        if self.group is False or not (dist.is_available() and dist.is_initialized()):
             return table.reshape(1, *table.shape)
-        out = [torch.empty_like(table) for _ in range(dist.get_world_size())]
-        run_collective(dist.all_gather, out, table.contiguous())
+        out = [torch.empty_like(table) for _ in range(dist.get_world_size(self.group))]
+        run_collective(dist.all_gather, out, table.contiguous(), group=self.group)
         self.bytes_sent += table.numel() * table.element_size()
         return torch.stack(out)
 
     def owners(self, g: Tensor) -> np.ndarray:
-        """Global ranks whose shards, together, make the whole of ``g`` once: those at
-        coordinate 0 along every mesh dimension it is replicated over."""
+        """Rows of the gathered table whose shards, together, make the whole of ``g`` once:
+        the ranks at coordinate 0 along every mesh dimension it is replicated over (their
+        ranks in `group`; row 0 alone when nothing was gathered)."""
+        if self.group is False:
+            return np.zeros(1, dtype=np.int64)
         mesh, placements = g.device_mesh, tuple(g.placements)
-        key = (id(mesh), placements)
+        key = (id(mesh), placements, id(self.group))
         ranks = self._ranks.get(key)
         if ranks is None:
             grid = mesh.mesh.cpu().numpy()
             sel = tuple(0 if p.is_replicate() else slice(None) for p in placements)
-            ranks = self._ranks[key] = np.asarray(grid[sel]).reshape(-1)
+            ranks = np.asarray(grid[sel]).reshape(-1)
+            if self.group is not None:
+                import torch.distributed as dist
+
+                ranks = np.asarray([dist.get_group_rank(self.group, int(r)) for r in ranks])
+            self._ranks[key] = ranks
         return ranks
+
+    def global_rank(self, row: int) -> int:
+        """The global rank of a row of the gathered table."""
+        if self.group is None or self.group is False:
+            return row
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self.group, row)
 
     def combine(self, st: StepStats, ix: List[int], dgrads: List[Tensor], table: np.ndarray, absmax: bool) -> None:
         """Put the full gradients' norms (and largest magnitudes) of ``ix`` into ``st``."""
@@ -499,7 +526,7 @@ class _Shards:
                 st.absmax[i] = np.nan if np.isnan(col).any() else col.max()
             bad = np.nonzero(~np.isfinite(t[:, k, 0]))[0]
             if len(bad):
-                st.shard_ranks[i] = [int(r) for r in bad]
+                st.shard_ranks[i] = [self.global_rank(int(r)) for r in bad]
 
     def exact(self, table: Tensor, dgrads: List[Tensor], rows: List[int]) -> np.ndarray:
         """Exact ``[count, norm, absmax]`` rows: those of DTensor gradients (``rows``)
@@ -517,32 +544,33 @@ def local_values(t: Tensor) -> Tensor:
     return t.detach().to_local() if _sharded(t) else t.detach()
 
 
-def update_ratios(before: List[Tensor], params: Sequence[Tensor]) -> Tensor:
+def update_ratios(before: List[Tensor], params: Sequence[Tensor], group: Any = None) -> Tensor:
     """``[P]`` float64 ``||w_old - w_new|| / ||w_old||`` (NaN where ``||w_old||`` is 0)
     from a copy of the (local) weights taken before an optimizer step; ``before`` is used
     up. For DTensor parameters the squared norms of the shards are all-reduced (one small
-    collective) and each replica counted once."""
+    collective over ``group``: None, the default group; False, none: this rank's shards only)
+    and each replica counted once."""
     wn = torch.stack(torch._foreach_norm(before)).double()
     torch._foreach_sub_(before, [local_values(p) for p in params])
     dn = torch.stack(torch._foreach_norm(before)).double()
     shard = [i for i, p in enumerate(params) if _sharded(p)]
-    if shard:
+    if shard and group is not False:
         import torch.distributed as dist
 
         sq = torch.stack([wn[shard], dn[shard]]) ** 2
-        run_collective(dist.all_reduce, sq)
-        copies = torch.tensor([_replicas(params[i]) for i in shard], dtype=torch.float64, device=sq.device)
+        run_collective(dist.all_reduce, sq, group=group)
+        copies = torch.tensor([_replicas(params[i], group) for i in shard], dtype=torch.float64, device=sq.device)
         wn[shard], dn[shard] = (sq / copies).sqrt()
     return torch.where(wn > 0, dn / wn, torch.full_like(wn, math.nan))
 
 
-def _replicas(p: Tensor) -> int:
+def _replicas(p: Tensor, group: Any = None) -> int:
     """How many ranks of the world hold the same shard of a DTensor: its Replicate mesh
     dimensions, and the copies of its mesh when the mesh spans only part of the world (a
     tensor-parallel mesh inside data parallelism, whose replicas are assumed in step)."""
     import torch.distributed as dist
 
-    n = dist.get_world_size() // max(p.device_mesh.size(), 1)
+    n = dist.get_world_size(group) // max(p.device_mesh.size(), 1)
     for dim, pl in enumerate(p.placements):
         if pl.is_replicate():
             n *= p.device_mesh.size(dim)

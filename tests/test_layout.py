@@ -25,13 +25,14 @@ ALLOWED = {
     "__init__": {"_errors", "gradcheck"},
     "__main__": {"cli"},
     "_model": {"_errors"},
+    "_groups": {"_errors", "_model", "_collective"},
     "_deepspeed": {"_errors", "_model", "_collective", "stats"},
     "stats": {"_errors", "_model", "_collective"},
     "anomaly": {"_errors", "_source"},
     "blame": {"_errors", "_source", "_model", "anomaly"},
     "options": {"_errors", "stats", "anomaly"},
-    "checks": {"_errors", "_source", "_model", "_collective", "stats", "anomaly", "blame", "checks"},
-    "hooks": {"_errors", "_source", "_model", "_deepspeed", "stats", "anomaly", "blame", "options", "checks"},
+    "checks": {"_errors", "_source", "_model", "_collective", "_groups", "stats", "anomaly", "blame", "checks"},
+    "hooks": {"_errors", "_source", "_model", "_deepspeed", "_groups", "stats", "anomaly", "blame", "options", "checks"},
     "callbacks": {"_errors", "_model", "hooks", "options"},
     "gradcheck": {"_errors", "_source", "_model"},
     "pytest_plugin": {"_errors", "gradcheck"},
@@ -41,6 +42,7 @@ ALLOWED = {
     "run": {"_errors", "_model", "stats", "anomaly", "_io"},
     "report": {"_errors", "_source", "_model", "_io", "stats", "anomaly", "plots", "graphviz"},
     "cli": None,  # on top of everything
+    "_launch": set(),
 }
 # imports inside functions may also reach these (lazily, to keep imports light)
 LAZY = {

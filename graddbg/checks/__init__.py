@@ -23,13 +23,15 @@ from graddbg.checks.hygiene import DeadGrad, DoubleStep, EmptyStep, EvalMode, St
 from graddbg.checks.ledger import Ledger, LedgerKeeper, StepEntry
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.checks.replicas import ReplicaCheck
+from graddbg.checks.stages import StageCheck
 from graddbg.checks.update import UpdateRatio
 from graddbg.checks.zero import ZeroRecorder
 
 __all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "default_checks",
            "CopyGuard", "StatsRecorder", "Activations", "NonFiniteCheck", "ExplodeCheck", "VanishCheck",
-           "UpdateRatio", "ReplicaCheck", "StaleGrad", "EmptyStep", "DoubleStep", "EvalMode", "Unchanged", "DeadGrad",
-           "LossGraph", "ScaledStep", "ForeignUpdate", "LrSchedule", "Ledger", "LedgerKeeper", "StepEntry", "ZeroRecorder", "ordered"]
+           "UpdateRatio", "ReplicaCheck", "StageCheck", "StaleGrad", "EmptyStep", "DoubleStep", "EvalMode",
+           "Unchanged", "DeadGrad", "LossGraph", "ScaledStep", "ForeignUpdate", "LrSchedule", "Ledger", "LedgerKeeper",
+           "StepEntry", "ZeroRecorder", "ordered"]
 
 
 def _hookable(model: Any) -> bool:
@@ -71,7 +73,7 @@ def default_checks(model: Any, options: Any) -> List[Check]:
     checks: List[Check] = [LedgerKeeper(), CopyGuard(), StatsRecorder()]
     if options.activations and _hookable(model):
         checks.append(Activations(model))
-    checks += [NonFiniteCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(), ReplicaCheck(),
+    checks += [NonFiniteCheck(), StageCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(), ReplicaCheck(),
                StaleGrad(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(),
                LrSchedule(), DeadGrad(), LossGraph()]
     return ordered(checks)

@@ -8,8 +8,8 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
-from graddbg.checks.hygiene import _finding, _shown, _steps
+from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched, finding as _finding, shown as _shown, \
+    step_range as _steps
 from graddbg.checks.ledger import LedgerKeeper, StepEntry, param_versions
 from graddbg.checks.recorder import StatsRecorder
 

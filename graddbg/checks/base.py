@@ -36,7 +36,7 @@ from graddbg._model import module_of
 from graddbg.anomaly import Anomaly
 from graddbg.stats import Readback, StepStats
 
-__all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding"]
+__all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "finding", "shown", "step_range"]
 
 
 class Watched:
@@ -61,6 +61,7 @@ class Watched:
         self.read_scale: Callable[[], Optional[Tensor]] = lambda: None
         #: a GradScaler found scaling the loss (in the frames of a backward pass's caller): used from now on
         self.adopt_scaler: Callable[[Any], None] = lambda scaler: None
+        self.layout: Any = None  #: which ranks graddbg exchanges what with (`graddbg._groups.Layout`)
         self.add(named)
 
     def add(self, named: Sequence[tuple]) -> None:
@@ -113,6 +114,9 @@ class Step:
     #: under DeepSpeed ZeRO, where a non-finite gradient started: (global ranks, the evidence);
     #: no ranks when the evidence names none
     origin: Optional[Tuple[Tuple[int, ...], str]] = None
+    #: under pipeline parallelism (or ranks holding different parameters): every stage's
+    #: squared norm and non-finite flag this step (`graddbg._groups.StageReport`)
+    stages: Any = None
 
     def token(self, check: "Check") -> Any:
         """What ``check.queue(step)`` returned for this step (None when it queued nothing)."""
@@ -181,3 +185,22 @@ class Check:
 
     def close(self) -> None:
         pass
+
+
+def shown(names: Sequence[str], limit: int = 6) -> str:
+    """A few names, and how many more."""
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def finding(kind: str, step: int, names: List[str], modules: List[str], message: str, policy: Any,
+            rank: Optional[int], value: float = float("nan")) -> Finding:
+    """A finding of ``kind`` about ``names`` (none: the step), handled by ``policy``."""
+    a = Anomaly(step=step, kind=kind, name=names[0] if names else None, module=modules[0] if modules else None,
+                op=None, value=value, threshold=None, source=None, message=message, rank=rank,
+                params=tuple(names))
+    return Finding(a, policy, skip=[])
+
+
+def step_range(first: int, last: int) -> str:
+    """The text "step N" or "steps A-B"."""
+    return f"step {last}" if first == last else f"steps {first}-{last}"

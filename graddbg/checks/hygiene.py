@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from graddbg.anomaly import Anomaly
-from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
+from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched, finding as _finding, shown as _shown, \
+    step_range as _steps
 from graddbg.checks.ledger import LedgerKeeper, StepEntry
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.stats import local_values
@@ -45,22 +46,6 @@ PATIENCE = 3
 DEAD_PATIENCE = 5
 #: a gradient norm below this fraction of the step's global norm counts as zero (Unchanged)
 RELATIVE_NOISE = 1e-6
-
-
-def _shown(names: Sequence[str], limit: int = 6) -> str:
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _finding(kind: str, step: int, names: List[str], modules: List[str], message: str, policy: Any,
-             rank: Optional[int], value: float = float("nan")) -> Finding:
-    a = Anomaly(step=step, kind=kind, name=names[0] if names else None, module=modules[0] if modules else None,
-                op=None, value=value, threshold=None, source=None, message=message, rank=rank,
-                params=tuple(names))
-    return Finding(a, policy, skip=[])
-
-
-def _steps(first: int, last: int) -> str:
-    return f"step {last}" if first == last else f"steps {first}-{last}"
 
 
 class StaleGrad(Check):

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from graddbg._collective import run_collective
+from graddbg._model import in_backward
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
 from graddbg.checks.ledger import LedgerKeeper
 from graddbg.stats import HIST_EDGES, Readback, Slot, StepReader, StepRecord, StepStats, histogram_counts, \
@@ -52,6 +53,7 @@ class _Queued:
     flags: Optional[List[Tuple[Slot, Slot]]] = None
     rank_bad: Optional[Slot] = None
     skipped: List[Tuple[int, Slot]] = dataclasses.field(default_factory=list)  #: scales of skipped steps
+    collect: bool = False  #: this step's read exchanges statistics with other ranks
 
 
 class _Flags:
@@ -73,13 +75,13 @@ class _Flags:
                 bad, first = old
                 self.groups[key] = (bad | new, torch.where(new & ~bad, step, first))
 
-    def add_to(self, rb: Readback, agree: bool = False) -> List[Tuple[Slot, Slot]]:
+    def add_to(self, rb: Readback, agree: bool = False, group: Any = None) -> List[Tuple[Slot, Slot]]:
         """Into a read-back (their slots, for `take`); ``agree``: first make the flags the
-        same on every rank (a sharded model: each rank flagged its own shards)."""
+        same on every rank of ``group`` (a sharded model: each rank flagged its own shards)."""
         slots = []
         for bad, first in self.groups.values():
             if agree:
-                _agree(bad, first)
+                _agree(bad, first, group)
             slots.append((rb.add("acc_bad", bad), rb.add("acc_first", first)))
         return slots
 
@@ -98,25 +100,33 @@ class _Flags:
         return bad, first
 
 
-def _agree(bad: Tensor, first: Tensor) -> None:
-    """All-reduce non-finite flags (any rank) and their first steps (the earliest), in place."""
+def _agree(bad: Tensor, first: Tensor, group: Any = None) -> None:
+    """All-reduce non-finite flags (any rank of ``group``) and their first steps (the
+    earliest), in place."""
     import torch.distributed as dist
 
     never = torch.iinfo(torch.int64).max
     packed = torch.stack([bad.long(), -torch.where(first < 0, never, first).clamp(max=never - 1)])
-    run_collective(dist.all_reduce, packed, op=dist.ReduceOp.MAX)
+    run_collective(dist.all_reduce, packed, op=dist.ReduceOp.MAX, group=group)
     bad.copy_(packed[0] > 0)
     first.copy_(torch.where(packed[0] > 0, -packed[1], -1))
 
 
 class _RankFlags:
-    """Under distribution: which ranks hold a non-finite gradient of each parameter (after
-    the backward pass, or changed since: a hand edit, a faulty clip on one rank), agreed by
-    one small all-reduce per read step, so that every rank knows at the same step, whichever
-    rank holds it. Each rank adds its bit (``1 << rank``; a plain flag past 62 ranks)."""
+    """Under distribution: which ranks of the replica group (the ranks that hold the same
+    parameters) hold a non-finite gradient of each parameter (after the backward pass, or
+    changed since: a hand edit, a faulty clip on one rank), agreed by one small all-reduce
+    per read step over that group only, so that every replica knows at the same step,
+    whichever holds it. Each rank adds its bit (``1 << its rank in the group``; a plain flag
+    past 62 ranks)."""
 
-    def __init__(self, rank: int, world: int) -> None:
-        self.bit = 1 << rank if world <= 62 else 1
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        self.bit = 1 << me if size <= 62 else 1
+        self.ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(min(size, 63))]
         self._index: Dict[Tuple[int, ...], Tensor] = {}
 
     def _ix(self, ix: Sequence[int], device: torch.device) -> Tensor:
@@ -144,13 +154,13 @@ class _RankFlags:
                 now = torch.stack(torch._foreach_norm([local_values(grads[i]).to(dev) for i in live]))
                 local.index_fill_(0, self._ix(live, dev)[~torch.isfinite(now)], 1)
             local.mul_(self.bit)
-            run_collective(dist.all_reduce, local, op=dist.ReduceOp.SUM)
+            run_collective(dist.all_reduce, local, op=dist.ReduceOp.SUM, group=self.group)
         return rb.add("rank_bad", local)
 
-    @staticmethod
-    def read(slot: Slot) -> Tuple[np.ndarray, Dict[int, List[int]]]:
+    def read(self, slot: Slot) -> Tuple[np.ndarray, Dict[int, List[int]]]:
         bits = slot.value.astype(np.int64)
-        ranks = {int(i): [r for r in range(63) if bits[i] >> r & 1] for i in np.nonzero(bits)[0]}
+        ranks = {int(i): [self.ranks[r] for r in range(len(self.ranks)) if bits[i] >> r & 1]
+                 for i in np.nonzero(bits)[0]}
         return bits > 0, ranks
 
 
@@ -173,7 +183,7 @@ class StatsRecorder(Check):
         self.ever_grad = np.zeros(len(ctx), dtype=bool)
         P = len(ctx)
         self._version_idx = sorted({0, P // 3, (2 * P) // 3, P - 1}) if P else []
-        self._ranks = _RankFlags(ctx.rank or 0, ctx.world_size) if ctx.world_size > 1 else None
+        self._ranks: Optional[_RankFlags] = None  # (made once the replica group is known)
 
     def params_added(self, k: int) -> None:
         self._reader = StepReader(self.ctx.params, self.ctx.options.quantities)
@@ -184,6 +194,12 @@ class StatsRecorder(Check):
 
     # ------------------------------------------------------------------ events
     def on_backward_end(self, bw: BackwardEnd) -> None:
+        layout = self.ctx.layout
+        if layout is not None and layout.pipeline and self.ctx.optimizer is not None:
+            # a pipeline stage: read at the step, after the schedule divided the gradients by
+            # the number of micro-batches (the gradient the optimizer applies); no kernels per
+            # micro-batch
+            return
         if self._pending is not None:
             # gradients of a backward pass the optimizer never stepped on (zeroed, or
             # accumulated on): their non-finite flags are kept until the next read
@@ -201,7 +217,24 @@ class StatsRecorder(Check):
                 self._skipped_scales.append((index, pending.scale))
         self.history.append(StepRecord(index, overflow=True, scale=math.nan, lr=self._lr()))
 
+    def _exchanges(self) -> bool:
+        """Whether this step exchanges statistics with other ranks: the layout is known (or
+        found now: the first such step), every peer is watched, and this boundary is not
+        inside a pipeline stage's backward pass. Sets the groups of the reader's gathers."""
+        layout, collect = self.ctx.layout, False
+        if layout is None:
+            self._reader.shard_group(None)
+            return False
+        if not layout.local and layout.safe_now(in_backward()):
+            layout.resolve()
+            collect = not layout.local
+        if collect and self._ranks is None and layout.replica_group is not None:
+            self._ranks = _RankFlags(layout.group(layout.replica_group))
+        self._reader.shard_group(layout.shards_over() if collect else False)
+        return collect
+
     def queue(self, step: Step) -> Optional[_Queued]:
+        collect = self._exchanges()
         launch, scale, unscale, changed = self._take(step)
         if not step.read:
             # no read this step: flags stay on the device (of the gradients as the optimizer
@@ -211,6 +244,7 @@ class StatsRecorder(Check):
         rb = step.readback
         q = _Queued(launch, rb.add("scale", scale.reshape(1)) if scale is not None else None, unscale,
                     self._reader.add_to(rb, launch))
+        q.collect = collect
         q.skipped = [(i, rb.add("skipped_scale", t.reshape(1))) for i, t in self._skipped_scales]
         self._skipped_scales = []
         if changed:  # changed in place since the backward pass (a clip, unscale_, a hand edit)
@@ -221,8 +255,10 @@ class StatsRecorder(Check):
         hist_every = self.ctx.options.histograms
         if step.due_stats and hist_every is not None and step.index % hist_every == 0:
             q.hist = rb.add("hist", self._histograms(step.grads))
-        q.flags = self._flags.add_to(rb, agree=launch.sharded is not None and torch.distributed.is_initialized())
-        if self._ranks is not None and torch.distributed.is_initialized():
+        layout = self.ctx.layout
+        q.flags = self._flags.add_to(rb, agree=launch.sharded is not None and collect,
+                                     group=layout.group(layout.shard_group) if collect else None)
+        if self._ranks is not None and collect:
             q.rank_bad = self._ranks.queue(rb, launch, step.grads, changed, len(self.ctx))
         return q
 
@@ -246,6 +282,8 @@ class StatsRecorder(Check):
             bad = bad | anywhere
             if anywhere.any():
                 st.shard_ranks = {**ranks, **(st.shard_ranks or {})}
+        if q.collect:  # every stage's norm and non-finite flag, over the pipeline group
+            self._stages(step, st, bad)
         if bad.any() and self.ctx.optimizer is None and self.ctx.options.scaler is not None:
             # each backward pass is a step and a GradScaler is in use: scaled gradients that
             # overflowed are the scaler's to skip, an overflow step, never an anomaly
@@ -261,6 +299,20 @@ class StatsRecorder(Check):
         return []
 
     # ------------------------------------------------------------------ helpers
+    def _stages(self, step: Step, st: StepStats, bad: np.ndarray) -> None:
+        """The per-step summary of a pipeline (or of ranks holding different parameters):
+        the whole model's global norm, and where a non-finite gradient that arrived at this
+        stage from the next one came from (no replay then: it started elsewhere)."""
+        layout = self.ctx.layout
+        report = layout.exchange(st.norm, st.has_grad, bad)
+        if report is None:
+            return
+        st.__dict__["global_norm"] = layout.global_norm(report)  # (the whole model's, on every rank)
+        step.stages = report
+        came = layout.arrival(report)
+        if came is not None and bad.any():
+            step.origin, step.capture = came, None
+
     def _launch(self, index: int, grads: List[Optional[Tensor]], scale: Optional[Tensor]) -> _Pending:
         launch = self._reader.launch(grads, absmax=self._absmax_due(index, grads), extras=True)
         return _Pending(index, launch, grads, self._versions(grads), scale)
@@ -271,7 +323,9 @@ class StatsRecorder(Check):
         and whether the gradients changed since: those launched at the end of the backward
         pass when there was one, else launched now."""
         pending, self._pending = self._pending, None
-        if pending is not None and pending.step == step.index:
+        layout = self.ctx.layout
+        at_step = layout is not None and layout.pipeline and self.ctx.optimizer is not None
+        if pending is not None and pending.step == step.index and not at_step:
             step.grads = pending.grads
             unscale = self.ctx.options.scaler is not None and pending.scale is not None
             return pending.launch, pending.scale, unscale, self._versions(pending.grads) != pending.versions

@@ -14,7 +14,7 @@ import warnings
 from typing import List, Optional
 
 from graddbg._errors import DDPInconsistencyError, GraddbgValueError, GraddbgWarning
-from graddbg._model import module_of
+from graddbg._model import in_backward, module_of
 from graddbg.anomaly import Anomaly
 from graddbg.checks.base import Check, Finding, Step, Watched
 
@@ -53,6 +53,15 @@ class ReplicaCheck(Check):
 
         timeout = self.ctx.options.ddp_timeout
         kw = {} if timeout is None else {"timeout": timeout}
+        layout = self.ctx.layout
+        if layout is not None and layout.world > 1:
+            if not layout.safe_now(in_backward()):
+                return None  # (no collective at this boundary: inside a pipeline stage's backward pass)
+            layout.resolve()  # (once; the statistics recorder usually did it at this boundary)
+            if layout.local or layout.replica_group is None:
+                self.every = None  # peers not all watched, or no replicas (pipeline stages without dp)
+                return None
+            kw["group"] = layout.group(layout.replica_group)
         first = index == 0
         try:
             report = ddp_verify.check_replicas(self.ctx.model, initial=first, **kw)

@@ -4,7 +4,7 @@ back with the next read-back (never a read of its own)."""
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -84,7 +84,12 @@ class UpdateRatio(Check):
         copy, self._copy = self._copy, None
         if copy is not None and self._copy_step == index:
             with torch.no_grad():
-                self._ratios = (self._copy_step, update_ratios(copy, self.ctx.params))
+                self._ratios = (self._copy_step, update_ratios(copy, self.ctx.params, self._group()))
+
+    def _group(self) -> Any:
+        """Where DTensor weights' norms are summed (False: nowhere, this rank's shards)."""
+        layout = self.ctx.layout
+        return None if layout is None else layout.shards_over()
 
     def params_added(self, k: int) -> None:
         self._copy, self._ratios = None, None

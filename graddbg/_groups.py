@@ -1,0 +1,393 @@
+"""Which ranks graddbg exchanges what with: the layout of a distributed run, found once,
+at the first step boundary, before graddbg's first collective.
+
+graddbg issues a collective only where every rank of that group issues the same one at the
+same point, with sizes agreed in advance. So before its first collective a watch:
+
+1. checks in through the default process group's store (`CheckIn`): every rank writes a
+   key when its watch starts and, at the first step boundary, waits a few seconds
+   (`CHECKIN_SECONDS`) for the keys of all the others; all ranks then agree through two
+   counters in the store. A peer that never checks in (a framework that starts its own,
+   unwatched, worker processes) makes every watched rank go on with local statistics,
+   saying so once;
+2. agrees on sizes: one all-gather of a fixed-size signature of each rank's parameters
+   (count, elements, a hash of names and shapes, stage);
+3. finds the groups: pipeline stages from the ``PipelineStage`` objects of
+   ``torch.distributed.pipelining`` that hold the watched module (their ``group`` is the
+   pipeline group, their ``stage_index`` the stage), the data-parallel group from DDP's
+   ``process_group`` or from FSDP2's one-dimensional mesh. Ranks whose parameters differ are
+   never asked for per-parameter data.
+
+Per step (`Layout.exchange`): per-parameter non-finite flags go over the replica group
+only (ranks that hold the same parameters); a fixed-size summary (each stage's squared norm,
+whether it had a non-finite gradient, whether one arrived from the next stage) goes over
+the pipeline group (one rank per stage, as torchtitan's clip sums the norm), or over the
+world when ranks hold different parameters without a pipeline stage. No collective inside
+a backward pass of a pipeline stage (a peer stage may be waiting for that backward's result).
+
+This module imports only `graddbg._errors`, `graddbg._model` and `graddbg._collective`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import os
+import sys
+import time
+import zlib
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from graddbg._collective import run_collective
+from graddbg._errors import GraddbgWarning, warn_at_user
+from graddbg._model import is_dtensor, unwrap
+
+__all__ = ["CHECKIN_SECONDS", "CheckIn", "Layout", "StageReport", "find_stages"]
+
+#: how long a watch waits at its first step boundary for every peer to check in (seconds);
+#: ``GRADDBG_CHECKIN_SECONDS`` in the environment changes it
+CHECKIN_SECONDS = 10.0
+
+
+def checkin_seconds() -> float:
+    """`CHECKIN_SECONDS`, or ``GRADDBG_CHECKIN_SECONDS`` from the environment when set."""
+    try:
+        return float(os.environ.get("GRADDBG_CHECKIN_SECONDS", CHECKIN_SECONDS))
+    except ValueError:
+        return CHECKIN_SECONDS
+
+_GENERATION = itertools.count()  # the n-th watch of this process: its keys in the store
+_WORLD = "world"                 # the default process group, as a group value
+
+
+def _dist() -> Any:
+    dist = torch.distributed
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _group_arg(group: Any) -> Any:
+    return None if group is _WORLD else group
+
+
+# --------------------------------------------------------------------------- the check-in
+class CheckIn:
+    """Every watched rank writes ``graddbg/<n>/in/<rank>`` in the default store when its
+    watch starts; `wait` (at the first step boundary) returns whether every rank of the
+    world is watched, the same answer on every rank in all but pathological timings.
+
+    A rank waits up to ``seconds`` for every check-in key; one that does not see them all
+    adds to the ``no`` counter and goes on alone, and so does every rank that sees ``no``
+    above zero (at once: a late rank never waits again). A rank that saw them all adds to
+    the ``ok`` counter and waits for it to reach the world's size (its peers are watched
+    and on their way to the same step, so it waits as it would for a collective, up to
+    `AGREE_SECONDS`). The store is polled with short sleeps, so signals are handled."""
+
+    AGREE_SECONDS = 600.0
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.prefix = f"graddbg/{next(_GENERATION)}/"
+        self.missing: List[int] = []
+        try:
+            self.store = torch.distributed.distributed_c10d._get_default_store()
+            self.store.set(f"{self.prefix}in/{rank}", "1")
+        except Exception:  # (no store to check in with: no way to be sure of the peers)
+            self.store = None
+
+    def _count(self, name: str) -> int:
+        return int(self.store.add(self.prefix + name, 0))
+
+    def _poll(self, done: Any, seconds: float) -> bool:
+        end, delay = time.monotonic() + seconds, 1e-3
+        while not done():
+            if time.monotonic() > end:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return True
+
+    def wait(self, seconds: Optional[float] = None) -> bool:
+        """Whether every rank's watch checked in (and every rank goes on with collectives)."""
+        if self.store is None:
+            self.missing = [-1]
+            return False
+        keys = [f"{self.prefix}in/{r}" for r in range(self.world)]
+        seconds = checkin_seconds() if seconds is None else seconds
+        self._poll(lambda: self.store.check(keys) or self._count("no") > 0, seconds)
+        if self._count("no") > 0 or not self.store.check(keys):
+            self.missing = [r for r in range(self.world) if not self.store.check([keys[r]])]
+            self.store.add(self.prefix + "no", 1)
+            return False
+        self.store.add(self.prefix + "ok", 1)
+        agreed = self._poll(lambda: self._count("ok") >= self.world or self._count("no") > 0, self.AGREE_SECONDS)
+        if not agreed:
+            self.store.add(self.prefix + "no", 1)
+        return agreed and self._count("no") == 0
+
+
+# --------------------------------------------------------------------------- discovery
+def find_stages(model: nn.Module) -> List[Any]:
+    """The ``torch.distributed.pipelining`` stages (``_PipelineStageBase``) that hold
+    ``model`` or a part of it, by stage index: those referring to it, else any in memory
+    whose module is ``model`` or one of its submodules. Empty when pipelining is not in use."""
+    if "torch.distributed.pipelining" not in sys.modules:
+        return []
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    inner = unwrap(model)
+    mine = {id(m) for m in inner.modules()} | {id(model)}
+
+    def holds(obj: Any) -> bool:
+        return isinstance(obj, _PipelineStageBase) and (id(obj.submod) in mine or id(unwrap(obj.submod)) in mine)
+
+    found = [r for m in {id(model): model, id(inner): inner}.values() for r in gc.get_referrers(m) if holds(r)]
+    if not found:
+        found = [o for o in gc.get_objects() if holds(o)]
+    return sorted({id(s): s for s in found}.values(), key=lambda s: s.stage_index)
+
+
+def _dp_group(model: nn.Module) -> Any:
+    """The data-parallel group of a wrapped stage: DDP's ``process_group``, or the 1-D mesh
+    of FSDP2's sharded parameters; None when there is none."""
+    pg = getattr(model, "process_group", None)
+    if pg is not None and type(model).__name__ == "DistributedDataParallel":
+        return pg
+    p = next((p for p in model.parameters() if is_dtensor(p)), None)
+    if p is not None and p.device_mesh.ndim == 1:
+        return p.device_mesh.get_group()
+    return None
+
+
+def _signature(names: Sequence[str], params: Sequence[Tensor], stage: int) -> List[int]:
+    """A fixed-size description of this rank's parameters: equal on two ranks when they
+    hold the same parameters (by name and full shape)."""
+    text = "|".join(f"{n}:{tuple(p.shape)}" for n, p in zip(names, params))
+    return [len(params), int(sum(p.numel() for p in params)), zlib.crc32(text.encode()), stage]
+
+
+@dataclasses.dataclass
+class StageReport:
+    """What the per-step summary exchange told every rank: per slot (a stage, or a rank
+    when ranks hold different parameters without a pipeline), the squared norm, whether
+    it had a non-finite gradient, whether one arrived at it from the next stage."""
+
+    what: str                 #: "stage" or "rank"
+    sq: np.ndarray
+    bad: np.ndarray
+    arrived: np.ndarray
+    ranks: List[int]          #: a global rank holding each slot
+    me: List[int]             #: this rank's slots
+
+    def elsewhere(self) -> List[int]:
+        """Slots other than this rank's with a non-finite gradient."""
+        return [s for s in np.nonzero(self.bad)[0].tolist() if s not in self.me]
+
+    def slot_text(self, s: int) -> str:
+        return f"stage {s}, rank {self.ranks[s]}" if self.what == "stage" else f"rank {self.ranks[s]}"
+
+
+# --------------------------------------------------------------------------- the layout
+class Layout:
+    """Which ranks a watch exchanges what with (see the module's docstring). Built when the
+    watch starts (the check-in key is written then); `resolve` runs at the first step
+    boundary where a collective is safe, before any other collective of graddbg's."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str], params: Sequence[Tensor], meta: Dict[str, Any],
+                 pp_group: Any = None, dp_group: Any = None) -> None:
+        dist = _dist()
+        self.rank = dist.get_rank() if dist is not None else 0
+        self.world = dist.get_world_size() if dist is not None else 1
+        self.model, self.names, self.params, self.meta = model, names, params, meta
+        self._given = (pp_group, dp_group)
+        self.resolved = self.world == 1
+        self.local = self.world == 1          #: no collectives at all (one rank, or peers unsure)
+        self.replica_group: Any = None        #: per-parameter data: ranks holding the same parameters
+        self.shard_group: Any = _WORLD        #: DTensor shard statistics
+        self.summary_group: Any = None        #: the per-step summary (a pipeline group, or the world)
+        self.stages: List[Any] = find_stages(model)
+        if self.stages and self.world == 1:  # (one stage, one process: read as a stage, nothing to exchange)
+            meta.update(layout="pipeline", stage=self.stages[0].stage_index, num_stages=self.stages[0].num_stages)
+        self.slots: List[int] = []            #: this rank's slots in the summary
+        self.param_slot: Optional[Tensor] = None
+        self._arrived: Optional[Tensor] = None
+        self._checkin = CheckIn(self.rank, self.world) if self.world > 1 else None
+
+    @property
+    def pipeline(self) -> bool:
+        return bool(self.stages) or self._given[0] is not None
+
+    # ------------------------------------------------------------------ resolving
+    def safe_now(self, in_backward: bool) -> bool:
+        """Whether graddbg may issue collectives at this boundary: never inside a backward
+        pass of a pipeline stage, whose peers may be waiting for its result (stages built
+        after the watch are looked for until the layout is resolved)."""
+        if not self.resolved and not self.stages:
+            self.stages = find_stages(self.model)
+        return not (in_backward and self.pipeline)
+
+    def resolve(self) -> None:
+        """Check in, agree on sizes, find the groups (once)."""
+        if self.resolved:
+            return
+        self.resolved = True
+        if not self._checkin.wait():
+            self.local = True
+            missing = self._checkin.missing
+            who = (f"rank(s) {', '.join(map(str, missing))} of {self.world} did not check in within "
+                   f"{checkin_seconds():g} s" if missing and missing != [-1] else
+                   "the process group has no store to check in with" if missing else
+                   f"a peer gave up waiting {checkin_seconds():g} s for every rank to check in")
+            self.meta["layout"] = "local: not every peer is watched"
+            warn_at_user(f"graddbg.watch on rank {self.rank}: {who}, so not every "
+                         f"process of this job is watched (a framework that starts its own worker processes, such "
+                         f"as Lightning's strategy='ddp' under `graddbg run`?). graddbg goes on with this rank's "
+                         f"local statistics and issues no collective of its own (no replica check, no exchange "
+                         f"of non-finite flags).", GraddbgWarning)
+            return
+        self._groups(self._gather_signatures())
+
+    def _gather_signatures(self) -> np.ndarray:
+        dist = _dist()
+        stage = self.stages[0].stage_index if self.stages else -1
+        mine = torch.tensor(_signature(self.names, self.params, stage), dtype=torch.int64, device=self._device())
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        run_collective(dist.all_gather, out, mine)
+        return torch.stack(out).cpu().numpy()
+
+    def _groups(self, sigs: np.ndarray) -> None:
+        dist = _dist()
+        same = [r for r in range(self.world) if (sigs[r, :3] == sigs[self.rank, :3]).all()]
+        pp_given, dp_given = self._given
+        if self.pipeline:
+            stage = self.stages[0] if self.stages else None
+            self.summary_group = pp_given if pp_given is not None else (stage.group or _WORLD)
+            dp = dp_given if dp_given is not None else _dp_group(self.model)
+            self.replica_group = self.shard_group = dp
+            n = stage.num_stages if stage is not None else dist.get_world_size(_group_arg(self.summary_group))
+            self._slots_of_stages(n)
+            self.meta.update(layout="pipeline", stage=self.slots[0] if len(self.slots) == 1 else list(self.slots),
+                             num_stages=n, pp_size=dist.get_world_size(_group_arg(self.summary_group)),
+                             dp_size=1 if dp is None else dist.get_world_size(_group_arg(dp)))
+        elif len(same) == self.world:
+            self.replica_group = dp_given if dp_given is not None else _WORLD
+            self.meta["layout"] = "replicas"
+        else:  # different parameters, no pipeline stage known: a fixed-size exchange per rank
+            self.summary_group = _WORLD
+            self.slots = [self.rank]
+            self._classes = [next(r for r in range(self.world) if (sigs[r, :3] == sigs[s, :3]).all())
+                             for s in range(self.world)]
+            self.meta["layout"] = "different parameters on each rank"
+        self._summary_ranks = self._slot_ranks()
+
+    def _slots_of_stages(self, n: int) -> None:
+        """This rank's stages, and each watched parameter's stage."""
+        if not self.stages:  # (explicit pp_group: one stage per rank of it)
+            self.slots = [torch.distributed.get_rank(_group_arg(self.summary_group))]
+            return
+        self.slots = [s.stage_index for s in self.stages]
+        owner = {}
+        for s in self.stages:
+            for p in s.submod.parameters():
+                owner[id(p)] = s.stage_index
+        self.param_slot = torch.tensor([owner.get(id(p), self.slots[0]) for p in self.params], dtype=torch.int64)
+
+    def _slot_ranks(self) -> List[int]:
+        """A global rank holding each slot of the summary (for messages)."""
+        dist = _dist()
+        if self.summary_group is None:
+            return []
+        group = _group_arg(self.summary_group)
+        size = dist.get_world_size(group)
+        if not self.pipeline:
+            return list(range(self.world))
+        stage = self.stages[0] if self.stages else None
+        n = stage.num_stages if stage is not None else size
+        to_rank = getattr(stage, "stage_index_to_group_rank", None) or {i: i % size for i in range(n)}
+        return [dist.get_global_rank(group, to_rank[i]) if group is not None else to_rank[i] for i in range(n)]
+
+    def shards_over(self) -> Any:
+        """The group DTensor statistics are combined over now, as ``torch.distributed``
+        takes it; False when graddbg issues no collective now (this rank's shards only)."""
+        if self.world == 1:
+            return None
+        if self.local or not self.resolved:
+            return False
+        return _group_arg(self.shard_group)
+
+    @staticmethod
+    def group(g: Any) -> Any:
+        """A group value as ``torch.distributed`` takes it (None: the default group)."""
+        return _group_arg(g)
+
+    def arrival(self, report: StageReport) -> Optional[tuple]:
+        """``(ranks, how)`` when a non-finite gradient arrived at this rank's (first) stage
+        from the next stage: the stage it came from and the stage where it started."""
+        if report.what != "stage" or not self.slots:
+            return None
+        s = self.slots[0]
+        n = len(report.ranks)
+        if not report.arrived[s] or s + 1 >= n:
+            return None
+        start = s + 1
+        while start + 1 < n and report.arrived[start] and report.bad[start + 1]:
+            start += 1
+        how = (f"it arrived non-finite from stage {s + 1}, rank {report.ranks[s + 1]}, in the gradient of stage "
+               f"{s}'s output")
+        if start != s + 1:
+            how += f"; it started in stage {start}, rank {report.ranks[start]}"
+        return (report.ranks[start],), how
+
+    def _device(self) -> torch.device:
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    # ------------------------------------------------------------------ per step
+    def output_grad(self, grad: Tensor) -> None:
+        """The gradient arriving at the stage's output from the next stage (a tap on the
+        output, in the backward pass): whether it was non-finite, kept on the device."""
+        if not self.pipeline or not isinstance(grad, Tensor) or self._last_stage():
+            return
+        with torch.no_grad():
+            flag = ~torch.isfinite(grad.detach()).all()
+            self._arrived = flag if self._arrived is None else self._arrived | flag
+
+    def _last_stage(self) -> bool:
+        return bool(self.stages) and self.stages[-1].stage_index == self.stages[-1].num_stages - 1
+
+    def exchange(self, norms: np.ndarray, has: np.ndarray, bad: np.ndarray) -> Optional[StageReport]:
+        """The per-step summary over the pipeline group (or the world): every rank learns
+        each slot's squared norm and non-finite flag. None when there is no summary."""
+        arrived, self._arrived = self._arrived, None
+        if self.local or self.summary_group is None:
+            return None
+        dist = _dist()
+        n = len(self._summary_ranks)
+        dev = self._device()
+        table = torch.zeros(n, 3, dtype=torch.float64, device=dev)
+        sq = np.where(has & np.isfinite(norms), norms, 0.0) ** 2
+        if self.param_slot is not None and len(self.slots) > 1:
+            slot_sq = np.bincount(self.param_slot.numpy(), weights=sq, minlength=n)
+            slot_bad = np.bincount(self.param_slot.numpy(), weights=bad.astype(float), minlength=n) > 0
+        else:
+            slot_sq = np.zeros(n)
+            slot_sq[self.slots[0]] = sq.sum()
+            slot_bad = np.zeros(n, dtype=bool)
+            slot_bad[self.slots[0]] = bool(bad.any())
+        for s in self.slots:
+            table[s, 0] = float(slot_sq[s])
+            table[s, 1] = float(slot_bad[s])
+        if arrived is not None:
+            table[self.slots[0], 2] = arrived.to(dev).double()
+        run_collective(dist.all_reduce, table, group=_group_arg(self.summary_group))
+        got = table.cpu().numpy()
+        return StageReport("stage" if self.pipeline else "rank", got[:, 0], got[:, 1] > 0, got[:, 2] > 0,
+                           self._summary_ranks, list(self.slots))
+
+    def global_norm(self, report: StageReport) -> float:
+        """The whole model's norm: every stage once (one rank of each signature class when
+        ranks hold different parameters without a pipeline)."""
+        sq = report.sq if self.pipeline else report.sq[sorted(set(self._classes))]
+        return float(np.sqrt(sq.sum()))

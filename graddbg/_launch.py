@@ -1,0 +1,117 @@
+"""``graddbg run`` across processes: every rank watched, every rank's record written.
+
+- Under torchrun (``RANK`` and ``WORLD_SIZE`` in the environment), each rank runs
+  ``graddbg run`` itself and writes under ``<out>/rank-<r>/`` (`rank_folder`).
+- Processes the script starts itself (``torch.multiprocessing.spawn``, Lightning's
+  ``strategy="ddp"``, which starts the script again with ``subprocess``, accelerate) are
+  watched too: while the script runs, `follow_children` puts ``graddbg/_boot`` first on
+  ``PYTHONPATH`` and the run's settings in ``GRADDBG_RUN_CHILD``; Python imports the
+  ``sitecustomize`` there at the start of every child process, which calls `boot`: a
+  `graddbg.cli.ScriptWatcher` for the child's lifetime, its records written at exit under
+  ``<out>/rank-<r>/`` (its rank in the process group it joined) or ``<out>/worker-<pid>/``.
+  The child's own exit code is left as it is.
+- The parent reports the children's records with its own (`child_records`).
+
+This module imports nothing of graddbg; `graddbg.cli` uses it.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import pathlib
+import sys
+from typing import Any, Dict, Iterator, List, Optional
+
+__all__ = ["ENV", "rank_folder", "record_folder", "follow_children", "boot", "child_records"]
+
+#: the environment variable that tells a child process to watch itself (JSON settings)
+ENV = "GRADDBG_RUN_CHILD"
+BOOT = pathlib.Path(__file__).resolve().parent / "_boot"
+
+
+def env_rank() -> Optional[int]:
+    """This process's rank as a launcher gave it (torchrun's ``RANK`` with a
+    ``WORLD_SIZE`` above 1), or None."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
+    except (KeyError, ValueError):
+        return None
+    return rank if world > 1 else None
+
+
+def rank_folder(outdir: pathlib.Path) -> pathlib.Path:
+    """``outdir/rank-<r>`` under a launcher that gave this process a rank; else ``outdir``."""
+    rank = env_rank()
+    if rank is None:
+        return outdir
+    folder = outdir / f"rank-{rank}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def record_folder(outdir: pathlib.Path, meta: Dict[str, Any]) -> pathlib.Path:
+    """Where a watch's record goes: under distribution, ``outdir/rank-<its rank>`` (unless
+    ``outdir`` is that rank's folder already); else ``outdir``."""
+    if meta.get("world_size", 1) <= 1 or outdir.name.startswith("rank-"):
+        return outdir
+    folder = outdir / f"rank-{meta.get('rank', 0)}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def follow_children(outdir: pathlib.Path, watch_kwargs: Dict[str, Any]) -> Iterator[None]:
+    """While entered, every Python process started from this one watches itself (see the
+    module's docstring); the environment is put back on exit."""
+    try:
+        settings = json.dumps({"out": str(outdir.resolve()), "watch": watch_kwargs})
+    except (TypeError, ValueError):  # (an option that is not plain data: the children use the defaults)
+        settings = json.dumps({"out": str(outdir.resolve()), "watch": {}})
+    package_root = str(BOOT.parent.parent)
+    saved = {k: os.environ.get(k) for k in (ENV, "PYTHONPATH")}
+    parts = [str(BOOT), package_root] + [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p]
+    os.environ[ENV] = settings
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def boot(script_watcher: Any) -> None:
+    """In a child process started while ``graddbg run`` ran a script: watch what it
+    trains with ``script_watcher`` (`graddbg.cli.ScriptWatcher`), and write the records
+    at exit."""
+    settings = json.loads(os.environ[ENV])
+    watcher = script_watcher(dict(settings.get("watch", {})))
+    watcher.outdir = pathlib.Path(settings["out"])
+    watcher.__enter__()
+    atexit.register(_finish, watcher, watcher.outdir)
+
+
+def _finish(watcher: Any, outdir: pathlib.Path) -> None:
+    """At a child's exit: each watch's statistics and report under its rank's folder."""
+    try:
+        watcher.__exit__(None, None, None)
+        for i, w in enumerate(watcher.watches):
+            folder = record_folder(outdir, w.meta)
+            if folder == outdir:
+                folder = outdir / f"worker-{os.getpid()}"
+                folder.mkdir(parents=True, exist_ok=True)
+            suffix = "" if i == 0 else f"-{i + 1}"
+            w.save(folder / f"stats{suffix}.parquet")
+            w.report(folder / f"report{suffix}.html")
+    except Exception as err:  # (a child's exit must not fail because of its record)
+        print(f"graddbg run: process {os.getpid()} could not write its record: {err}", file=sys.stderr)
+
+
+def child_records(outdir: pathlib.Path, since: float) -> List[pathlib.Path]:
+    """The records written by other processes of this run (children, forked workers)."""
+    found = list(outdir.glob("worker-*/stats.parquet")) + list(outdir.glob("rank-*/stats.parquet"))
+    return sorted(p for p in found if p.stat().st_mtime >= since)

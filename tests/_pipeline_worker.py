@@ -1,0 +1,208 @@
+"""A rank of the pipeline tests (tests/test_pipeline.py): torch.distributed.pipelining
+stages watched on every rank, several layouts in one process group of 4 ranks.
+
+Scenarios, in this order on every rank: "pp4" (4 uneven stages, GPipe), "dp2pp2" (2 x 2,
+1F1B, each stage wrapped in DDP over its data-parallel group), "nan" (4 stages, 1F1B, a NaN
+made in stage 2's backward at step 1), "uneven" (each rank a module of its own size, no
+pipelining library: ranks that hold different parameters), "unwatched" (DDP, rank 3 not
+watched: the others find out at the first step and go on with local statistics). Each
+scenario's record (per rank) goes into the JSON the test reads."""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+from torch import nn
+
+MB, N_MB = 2, 4          # micro-batch size, micro-batches per step
+STEPS = 3
+
+
+class Boom(nn.Module):
+    """Identity forward; with ``on``, a NaN in the backward pass (sqrt at 0 times 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sqrt(x * 0.0) if self.on else x
+
+
+def full_model() -> nn.Sequential:
+    """The unsplit model (the same on every rank and in the test)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8),
+                         nn.Tanh(), nn.Linear(8, 8), Boom(), nn.Tanh(), nn.Linear(8, 2))
+
+
+#: the pieces of the unsplit model: 4 uneven stages (4, 2, 2, 2 parameters), or 2 (4, 6)
+CUTS = {4: [(0, 3), (3, 5), (5, 8), (8, 10)], 2: [(0, 3), (3, 10)]}
+WIDTH = {0: 4, 3: 16, 5: 8, 8: 8, 10: 2}   # features entering piece starting at index i
+
+
+def data(replica: int, step: int):
+    g = torch.Generator().manual_seed(100 * replica + step)
+    return torch.randn(MB * N_MB, 4, generator=g), torch.randn(MB * N_MB, 2, generator=g)
+
+
+def _stage(full: nn.Sequential, n: int, s: int, group, dp_group=None, fsdp_mesh=None):
+    from torch.distributed.pipelining import PipelineStage
+
+    a, b = CUTS[n][s]
+    part = full[a:b]
+    mod = nn.parallel.DistributedDataParallel(part, process_group=dp_group) if dp_group is not None else part
+    if fsdp_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        mod = fully_shard(part, mesh=fsdp_mesh)
+    x = torch.randn(MB, WIDTH[a], requires_grad=s > 0)
+    y = torch.randn(MB, WIDTH[b], requires_grad=True)
+    return PipelineStage(mod, s, n, torch.device("cpu"), input_args=(x,), output_args=y, group=group), mod, part
+
+
+def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, edit=None, **watch_kw):
+    import graddbg
+
+    loss = lambda out, tgt: nn.functional.mse_loss(out, tgt)  # noqa: E731
+    sched = schedule_cls(stage, n_microbatches=N_MB, loss_fn=loss)
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05)
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with graddbg.watch(mod, opt, nonfinite="record", **watch_kw) as w:
+            for step in range(steps):
+                if boom is not None:
+                    boom.on = step == 1
+                x, y = data(replica, step)
+                opt.zero_grad()
+                if stage.is_first:
+                    sched.step(x)
+                elif stage.is_last:
+                    sched.step(target=y, losses=[])
+                else:
+                    sched.step()
+                if edit is not None and step == 1:
+                    edit()
+                opt.step()
+    st = w.stats
+    first = st[st.step == 0]
+    return {"names": list(first["name"]), "norms": [float(v) for v in first["norm"]],
+            "global": [float(v) for v in w.steps["global_norm"]], "meta": {k: w.meta.get(k) for k in (
+                "layout", "stage", "num_stages", "pp_size", "dp_size", "rank")},
+            "anomalies": [(a.step, a.kind, a.name, a.message) for a in w.anomalies],
+            "warnings": [str(c.message) for c in caught if "graddbg" in str(c.message)],
+            "seconds": time.monotonic() - t0}
+
+
+def pp4(rank: int) -> dict:
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    stage, mod, _ = _stage(full_model(), 4, rank, None)
+    return _run(stage, ScheduleGPipe, mod, 0)
+
+
+def dp2pp2(rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp, pp = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    stage, mod, _ = _stage(full_model(), 2, pp, mesh["pp"].get_group(), mesh["dp"].get_group())
+    out = _run(stage, Schedule1F1B, mod, dp)
+    out["dp"], out["pp"] = dp, pp
+    return out
+
+
+def fsdp_pp(rank: int) -> dict:
+    """dp 2 x pp 2 with FSDP2 over the dp dimension; at step 1 a NaN is written into one
+    rank's shard of 0.weight's gradient after the schedule's backward, before the step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp, pp = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    stage, mod, part = _stage(full_model(), 2, pp, mesh["pp"].get_group(), fsdp_mesh=mesh["dp"])
+
+    def edit():
+        if dp == 1 and pp == 0:
+            dict(part.named_parameters())["0.weight"].grad.to_local().view(-1)[0] = float("nan")
+
+    out = _run(stage, Schedule1F1B, mod, dp, steps=2, edit=edit)
+    out["dp"], out["pp"] = dp, pp
+    return out
+
+
+def nan(rank: int) -> dict:
+    from torch.distributed.pipelining import Schedule1F1B
+
+    full = full_model()
+    stage, mod, _ = _stage(full, 4, rank, None)
+    return _run(stage, Schedule1F1B, mod, 0, steps=2, boom=full[7])
+
+
+def uneven(rank: int) -> dict:
+    """Ranks holding different parameters (sizes differ) with no pipeline stage: the flag
+    exchange must not mix sizes; a NaN on rank 2 is known to every rank at the same step."""
+    import graddbg
+
+    torch.manual_seed(rank)
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(rank + 1)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    t0 = time.monotonic()
+    own_sq = []
+    with graddbg.watch(model, opt, nonfinite="record") as w:
+        for step in range(STEPS):
+            opt.zero_grad()
+            model(torch.randn(2, 3)).pow(2).sum().backward()
+            if rank == 2 and step == STEPS - 1:
+                model[0].weight.grad[0, 0] = float("nan")
+            own_sq.append(sum(float(p.grad.norm()) ** 2 for p in model.parameters()))
+            opt.step()
+    return {"global": [float(v) for v in w.steps["global_norm"]], "layout": w.meta.get("layout"),
+            "anomalies": [(a.step, a.kind, a.name, a.message) for a in w.anomalies],
+            "own_sq": own_sq, "seconds": time.monotonic() - t0}
+
+
+def unwatched(rank: int) -> dict:
+    """Rank 3 trains the same DDP model without graddbg (as a worker a framework started
+    itself): the watched ranks wait at most the check-in time, warn once, go on."""
+    import graddbg
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    t0 = time.monotonic()
+
+    def train():
+        for _ in range(STEPS):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+            opt.step()
+
+    if rank == 3:
+        train()
+        return {"seconds": time.monotonic() - t0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with graddbg.watch(model, opt) as w:
+            train()
+    return {"seconds": time.monotonic() - t0, "steps": len(w.steps), "layout": w.meta.get("layout"),
+            "warnings": [str(c.message) for c in caught if "graddbg" in str(c.message)]}
+
+
+def body(rank: int) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for fn in (pp4, dp2pp2, fsdp_pp, nan, uneven, unwatched):
+        out[fn.__name__] = fn(rank)
+    return out
+
+
+def main(rank: int, world: int, port: int, outdir: str) -> None:
+    os.environ["GRADDBG_CHECKIN_SECONDS"] = "3"
+    from _dist import run_rank
+
+    run_rank(rank, world, port, os.path.join(outdir, f"rank{rank}.json"), lambda: body(rank))

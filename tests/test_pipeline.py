@@ -1,0 +1,115 @@
+"""Pipeline parallelism (torch.distributed.pipelining) watched on every rank, and layouts
+that must never hang a job: real processes, gloo, 127.0.0.1 (tests/_pipeline_worker.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import _pipeline_worker as worker
+from _dist import spawn
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline")
+    return spawn(worker.main, 4, lambda r, port: (r, 4, port, str(out)), lambda r: out / f"rank{r}.json", timeout=240)
+
+
+def _unsplit(replicas):
+    """Per-parameter gradient norms and the global norm of the unsplit model at step 0,
+    the mean loss over the micro-batches of every data-parallel replica."""
+    model = worker.full_model()
+    xs, ys = zip(*[worker.data(r, 0) for r in replicas])
+    nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+    norms = {n: p.grad.norm().item() for n, p in model.named_parameters()}
+    return norms, math.sqrt(sum(v * v for v in norms.values()))
+
+
+@pytest.mark.timeout(300)
+def test_pp4_uneven_stages_global_norm_is_the_unsplit_models(runs):
+    norms, total = _unsplit([0])
+    for r in range(4):
+        got = runs[r]["pp4"]
+        assert got["meta"]["layout"] == "pipeline" and got["meta"]["stage"] == r and got["meta"]["num_stages"] == 4
+        for name, norm in zip(got["names"], got["norms"]):  # the gradient the optimizer applies
+            assert norm == pytest.approx(norms[name], rel=1e-5), (r, name)
+        assert got["global"][0] == pytest.approx(total, rel=1e-6)
+        assert got["global"] == runs[0]["pp4"]["global"]  # identical on every rank
+        assert got["anomalies"] == [] and got["warnings"] == []
+    assert sorted(n for r in range(4) for n in runs[r]["pp4"]["names"]) == sorted(norms)  # each once
+
+
+@pytest.mark.timeout(300)
+def test_dp2_x_pp2_with_ddp(runs):
+    norms, total = _unsplit([0, 1])
+    for r in range(4):
+        got = runs[r]["dp2pp2"]
+        assert got["meta"]["stage"] == got["pp"] and got["meta"]["dp_size"] == 2 and got["meta"]["pp_size"] == 2
+        for name, norm in zip(got["names"], got["norms"]):
+            assert norm == pytest.approx(norms[name], rel=1e-5), (r, name)
+        assert got["global"][0] == pytest.approx(total, rel=1e-6)
+        assert got["global"] == runs[0]["dp2pp2"]["global"]
+        # the replica check compares the dp replicas only (same stage), never stages: silent
+        assert got["anomalies"] == [] and got["warnings"] == []
+
+
+@pytest.mark.timeout(300)
+def test_a_nan_in_stage_2_is_blamed_there_and_every_rank_stops_at_that_step(runs):
+    msgs = {r: runs[r]["nan"]["anomalies"] for r in range(4)}
+    for r in range(4):
+        assert [(s, k) for s, k, _, _ in msgs[r]] == [(1, "nonfinite")], msgs[r]
+    made = msgs[2][0][3]
+    assert "on rank 2" in made and "module '7', op SqrtBackward0" in made and "_pipeline_worker.py" in made, made  # module and op of stage 2
+    assert "arrived non-finite from stage 2, rank 2" in msgs[1][0][3], msgs[1][0][3]
+    assert "arrived non-finite from stage 1, rank 1" in msgs[0][0][3] and "started in stage 2, rank 2" in msgs[0][0][3]
+    # stage 3's own gradients stay finite: it names stage 2, never a parameter of its own
+    assert msgs[3][0][2] is None and "stage 2, rank 2" in msgs[3][0][3], msgs[3][0][3]
+    for r in (0, 1, 2):  # each names only its own parameters
+        assert msgs[r][0][2] in runs[r]["nan"]["names"], (r, msgs[r][0][2])
+
+
+@pytest.mark.timeout(300)
+def test_ranks_holding_different_parameters_never_mix_sizes(runs):
+    """No pipeline library: each rank holds a module of its own size. The flags go through a
+    fixed-size exchange (a mixed-size all-reduce would deadlock); a NaN written on rank 2
+    is known to every rank at that step; the global norm counts every rank's parameters."""
+    last = worker.STEPS - 1
+    for r in range(4):
+        got = runs[r]["uneven"]
+        assert got["layout"] == "different parameters on each rank"
+        assert [(s, k) for s, k, _, _ in got["anomalies"]] == [(last, "nonfinite")], got["anomalies"]
+        assert "rank 2" in got["anomalies"][0][3]
+        assert (got["anomalies"][0][2] is None) == (r != 2)  # no rank reports another's parameter
+        for step in range(last):
+            want = math.sqrt(sum(runs[q]["uneven"]["own_sq"][step] for q in range(4)))
+            assert got["global"][step] == pytest.approx(want, rel=1e-6)
+        assert got["seconds"] < 60
+
+
+@pytest.mark.timeout(300)
+def test_an_unwatched_peer_is_found_within_seconds_and_the_job_goes_on(runs):
+    for r in (0, 1, 2):
+        got = runs[r]["unwatched"]
+        assert got["steps"] == worker.STEPS and got["layout"] == "local: not every peer is watched"
+        assert len(got["warnings"]) == 1 and "rank(s) 3 of 4 did not check in" in got["warnings"][0]
+        assert got["seconds"] < 30, got["seconds"]
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_x_pp2_full_norms_and_a_nan_written_into_one_shard_after_backward(runs):
+    norms, total = _unsplit([0, 1])
+    for r in range(4):
+        got = runs[r]["fsdp_pp"]
+        assert got["meta"]["stage"] == got["pp"] and got["meta"]["dp_size"] == 2
+        for name, norm in zip(got["names"], got["norms"]):  # full (unsharded) gradients
+            assert norm == pytest.approx(norms[name], rel=1e-5), (r, name)
+        assert got["global"][0] == pytest.approx(total, rel=1e-6)
+        (step, kind, name, text), = got["anomalies"]
+        assert (step, kind) == (1, "nonfinite"), got["anomalies"]
+        if got["pp"] == 0:  # the stage of the edited shard: every dp rank names it and rank 2
+            assert name == "0.weight" and "rank(s) 2" in text, text
+        else:               # the other stage stops at the same step, naming stage 0
+            assert name is None and "stage 0, rank" in text, text
