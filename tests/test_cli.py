@@ -14,6 +14,7 @@ import torch
 
 import graddbg
 from graddbg import cli
+import graddbg._script as _script
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 
@@ -97,6 +98,56 @@ def test_report_renders_a_saved_run(tmp_path):
     assert res.returncode == 0, res.stderr
     page = _parse(tmp_path / "r.html")
     assert "svg" in page.tags and "weight" in " ".join(page.text)
+
+
+def test_report_writes_next_to_its_input_by_default_and_says_where(tmp_path, monkeypatch, capsys):
+    model = torch.nn.Linear(3, 1)
+    with graddbg.watch(model) as w:
+        model(torch.randn(2, 3)).sum().backward()
+    (tmp_path / "runs").mkdir()
+    path = w.save(tmp_path / "runs" / "run.parquet")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert cli.main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "runs" / "run.html").stat().st_size > 1000
+    assert out == f"graddbg report: wrote {tmp_path / 'runs' / 'run.html'}\n"
+    assert list((tmp_path / "elsewhere").iterdir()) == []  # nothing in the current folder
+
+
+def _subparsers():
+    parser = cli._parser()
+    sub = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    return parser, sub.choices
+
+
+@pytest.mark.parametrize("command", ["demo", "run", "report"])
+def test_every_command_has_a_description_and_every_option_its_help_and_default(command):
+    _, commands = _subparsers()
+    p = commands[command]
+    assert p.description and len(p.description) > 100, command
+    help_text = p.format_help()
+    text = help_text[help_text.index("\noptions:"):]  # the option entries, after the usage
+    for action in p._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{command} {action.dest}: no help"
+        if action.option_strings:  # an option: its default is said (a value, or what None means)
+            entry = text[text.index("\n  " + action.option_strings[-1]):]
+            entry = entry[:(entry + "\n  -").index("\n  -", 1)]  # up to the next option
+            assert "(default:" in " ".join(entry.split()), (command, action.dest, entry)
+    for flag, default in {"run": [("--nonfinite", "raise"), ("--explode", "warn"), ("--vanish", "none")],
+                          "demo": [("--steps", "120")], "report": []}[command]:
+        assert f"(default: {default})" in " ".join(text[text.index("\n  " + flag):].split())[:200], flag
+
+
+def test_run_usage_shows_the_scripts_arguments_as_optional(capsys):
+    _, commands = _subparsers()
+    usage = " ".join(commands["run"].format_usage().split())
+    assert usage.endswith("script [args ...]"), usage
+    assert cli.main(["run"]) == 2
+    err = capsys.readouterr().err
+    assert "the following arguments are required: script (" in err and "args" not in err, err
 
 
 @pytest.mark.parametrize("args,message", [
@@ -409,7 +460,7 @@ def test_snapshots_without_an_optimizer_are_due_between_backward_passes():
     outermost forward pass once the watch has started (not before, not for submodules)."""
     calls = []
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
-    with cli.ScriptWatcher({"explode": None}, after_step=lambda: calls.append(1)) as watcher:
+    with _script.ScriptWatcher({"explode": None}, after_step=lambda: calls.append(1)) as watcher:
         for _ in range(4):
             model(torch.randn(2, 3)).sum().backward()
             with torch.no_grad():
@@ -426,11 +477,11 @@ def test_the_model_of_an_optimizer_is_the_outermost_smallest_owner():
     outer = torch.nn.ModuleDict({"net": inner})  # a LightningModule around what it calls
     ema = torch.nn.ModuleDict({"model": outer, "ema": torch.nn.Linear(2, 2)})  # more trainable parameters
     held = {id(p) for p in inner.parameters()}
-    assert cli._choose([inner, ema, outer], held) is outer
+    assert _script.choose_model([inner, ema, outer], held) is outer
     frozen = torch.nn.ModuleDict({"backbone": torch.nn.Linear(2, 2).requires_grad_(False), "head": inner})
-    assert cli._choose([inner, frozen], held) is frozen  # frozen parameters do not count
-    assert cli._choose([inner[0]], held) is inner[0]
-    assert cli._choose([torch.nn.Linear(2, 2)], held) is None
+    assert _script.choose_model([inner, frozen], held) is frozen  # frozen parameters do not count
+    assert _script.choose_model([inner[0]], held) is inner[0]
+    assert _script.choose_model([torch.nn.Linear(2, 2)], held) is None
 
 
 def test_quickstart_example_prints_the_summary_table():
