@@ -169,10 +169,10 @@ def demo(out: str = "graddbg-out", steps: int = 120, *, nan_step: int = 30, jump
     Args:
         out: the output folder, created if needed (with its parents).
         steps: the number of training steps (an int >= 1).
-        nan_step: the step (counted from 0) whose batch holds the all-zero row; a step
-            >= ``steps`` plants no NaN.
-        jump_step: the step (counted from 0) whose learning rate is 1000 times larger; a
-            step >= ``steps`` plants no jump.
+        nan_step: the step (counted from 0) whose batch holds the all-zero row (from
+            ``steps`` on: no NaN is planted).
+        jump_step: the step (counted from 0) whose learning rate is 1000 times larger
+            (from ``steps`` on: no jump is planted).
         stream: where the summary is printed (None: ``sys.stdout``).
         seed: the seed of the model's initialisation and of the data.
 

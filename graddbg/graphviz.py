@@ -176,11 +176,12 @@ class AutogradGraph:
 class ModuleTrace:
     """Which module was running when each autograd node was created (see `trace_modules`).
 
-    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh())
-    >>> with trace_modules(model) as tr:
-    ...     y = model(torch.randn(4, 3))
-    >>> tr.module_of(y.grad_fn)
-    ('1',)
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh())
+        >>> with trace_modules(model) as tr:
+        ...     y = model(torch.randn(4, 3))
+        >>> tr.module_of(y.grad_fn)
+        ('1',)
     """
 
     def __init__(self, model: nn.Module) -> None:
