@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
@@ -21,6 +22,9 @@ import torch
 from torch import nn
 
 __all__ = ["ScriptWatcher", "Snapshots", "Signals", "Terminated", "choose_model", "outputs", "worker_records"]
+
+#: torch's warning that torch.compile(module) gives while global module hooks are registered
+_COMPILE_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
 
 class _ParamHolder(nn.Module):
@@ -129,9 +133,20 @@ class ScriptWatcher:
       trainable parameters, each backward pass a step. If an optimizer stepping the same
       parameters comes later, its watch replaces that one.
 
+    The first step is recorded as under ``watch()``: when the first outermost forward pass
+    with grad enabled runs, an optimizer that the calling frames hold (a script builds it
+    before its loop) and that steps that module's parameters is watched from then on, so
+    the step's backward pass, and a clip between backward and step, are seen (the pre-clip
+    norm of step 0). An optimizer first seen at its step is watched from there, as above.
+
     ``after_step`` (optional) is called after every optimizer step and, while only a watch
     without an optimizer runs, before each outermost forward pass (``graddbg run`` writes
-    its snapshots there)."""
+    its snapshots there).
+
+    ``namespace`` is the script's ``__main__`` module once its first forward pass ran:
+    ``graddbg run`` keeps it, so that the script's objects (a DataLoader's worker
+    processes) are freed at the interpreter's exit, as under plain python, not while the
+    report is written."""
 
     def __init__(self, watch_kwargs: Dict[str, Any],
                  after_step: Optional[Callable[[], None]] = None) -> None:
@@ -150,6 +165,9 @@ class ScriptWatcher:
         self.outdir: Optional[pathlib.Path] = None  # where forked workers write their records
         self._in_child = False
         self._rng: Optional[torch.Tensor] = None
+        self.namespace: Any = None
+        self._own_main = sys.modules.get("__main__")
+        self._filter: Any = None
 
     def __enter__(self) -> "ScriptWatcher":
         from torch.nn.modules import module as module_mod
@@ -163,11 +181,19 @@ class ScriptWatcher:
         except BaseException:
             self._remove()
             raise
+        # torch.compile(module) warns on every call while global module hooks exist, that
+        # they fire once more for the OptimizedModule: these are graddbg's, which take the
+        # OptimizedModule as the outermost module (looked through by watch()); the warning is
+        # not the script's, and is filtered while these hooks are in place
+        warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
+        self._filter = warnings.filters[0]
         return self
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         if self._depth == 0:
             self._roots.add(module)
+            if self.namespace is None and sys.modules.get("__main__") is not self._own_main:
+                self.namespace = sys.modules.get("__main__")  # (the script's, under runpy)
             if self._looking:  # (what a replay of this forward pass needs, should it be watched)
                 self._rng = torch.get_rng_state()
             if self._deferred:
@@ -178,6 +204,8 @@ class ScriptWatcher:
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self._looking:
+            self._safely(self._maybe_watch_early, module, args, output)
         if self._depth == 0 and self._looking:
             self._safely(self._maybe_watch_free, module, args, output)
 
@@ -211,6 +239,26 @@ class ScriptWatcher:
             model = choose_model([module, *self._roots, *_frame_modules()], d.held)
             w = self._start(model if model is not None else module, opt)
             w.begin_step(_closure(d.args, d.kwargs))  # the step began before this watch did
+
+    def _maybe_watch_early(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Before any watch: the first outermost training forward pass, and an optimizer in
+        the calling frames that steps this module's parameters: watched from now on, with its
+        model (this forward pass handed to the watch), so that the first step's backward pass
+        and clip are seen as under watch()."""
+        from graddbg._model import in_backward, tensors_in
+        if not torch.is_grad_enabled() or in_backward() or isinstance(module, torch.jit.ScriptModule):
+            return
+        if not any(t.requires_grad for t in tensors_in(output)):
+            return
+        own = {id(p) for p in module.parameters() if p.requires_grad}
+        for opt in _frame_modules(kind=torch.optim.Optimizer):
+            held = _held(opt)
+            if opt in self._seen or not own & held:
+                continue
+            self._seen.add(opt)
+            model = choose_model([module, *self._roots, *_frame_modules()], held)
+            w = self._start(model if model is not None else module, opt)
+            w.adopt_forward(args, {}, output, rng_state=self._rng)
 
     def _maybe_watch_free(self, module: nn.Module, args: Any, output: Any) -> None:
         """A model trained without an optimizer: the first outermost module called with
@@ -291,6 +339,10 @@ class ScriptWatcher:
 
     def __exit__(self, *exc: Any) -> None:
         self._remove()
+        if self._filter is not None and self._filter in warnings.filters:
+            warnings.filters.remove(self._filter)
+            warnings._filters_mutated()  # type: ignore[attr-defined]  (as warnings.filterwarnings does)
+        self._filter = None
         self._deferred.clear()
         for w in self.watches:
             w.close()

@@ -36,6 +36,12 @@ POLICIES = ("raise", "warn", "skip", "record", "none")
 FAIL_ON = ("any", "nonfinite", "never")
 SAVE_EVERY = 30.0  # seconds between the statistics snapshots of `graddbg run`
 
+# The last script's __main__ module, kept to the end of the process: its objects die at the
+# interpreter's exit as under plain python (a DataLoader's workers terminated at exit). Freed
+# earlier, a cycle holding a DataLoader iterator and its queues is collected while the report
+# is written: the queues' finalizers run first and each worker's join waits out 5 s.
+_SCRIPT_NAMESPACE: List[Any] = []
+
 
 class UsageError(GraddbgValueError):
     """A bad command line or bad input: exit code 2, one line on stderr."""
@@ -334,6 +340,7 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fa
         status = _finish(watcher.watches, outdir, created, status, fail_on, stream, since=started)
     if signals.received is not None and status == 0:  # a signal while the results were written
         status = 128 + signals.received
+    _SCRIPT_NAMESPACE[:] = [watcher.namespace]  # freed at exit, as plain python frees a script's objects
     return status
 
 

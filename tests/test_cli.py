@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -518,3 +519,65 @@ def test_a_nan_at_the_first_step_is_blamed_on_its_op_as_under_watch(tmp_path):
     (a,) = graddbg.load(tmp_path / "out" / "stats.parquet").anomalies
     assert (a.kind, a.step, a.module, a.op) == ("nonfinite", 0, "1", "SqrtBackward0")
     assert a.source.endswith("sqrt_train.py:8") and a.reproduced is True
+
+
+def test_run_records_the_first_steps_pre_clip_norm(tmp_path):
+    """As under watch(): step 0's global norm is the pre-clip one (torch's clip returns it),
+    its post-clip norm in clipped_norm; before, the watch began after step 0's clip."""
+    norms_file = tmp_path / "norms.txt"
+    assert cli.main(["run", "--out", str(tmp_path / "out"), str(SCRIPTS / "clip_train.py"), str(norms_file)]) == 0
+    torch_norms = [float(v) for v in norms_file.read_text().split()]
+    steps = graddbg.load(tmp_path / "out" / "stats.parquet").steps
+    assert list(steps["step"]) == [0, 1, 2]
+    assert steps["global_norm"].tolist() == pytest.approx(torch_norms, rel=1e-5)
+    assert torch_norms[0] > 2 and steps["clipped_norm"].tolist() == pytest.approx([1.0] * 3, rel=1e-5)
+
+
+def test_run_under_torch_compile_gives_no_warning_of_graddbgs_hooks(tmp_path):
+    import warnings
+
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        inner = list(warnings.filters)
+        assert cli.main(["run", "--out", str(tmp_path), str(SCRIPTS / "compiled_train.py")]) == 0
+        assert warnings.filters == inner  # graddbg's filter is gone with its hooks
+    assert [str(w.message)[:80] for w in seen if "global hooks" in str(w.message)] == []
+    assert warnings.filters == before
+    assert len(graddbg.load(tmp_path / "stats.parquet").steps) == 3
+
+
+def _timed_lines(cmd, cwd):
+    """Run ``cmd``; (time of each output line, keyed by its start; the exit time), from
+    its start."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, stdin=subprocess.DEVNULL)
+    seen = {}
+    for line in proc.stdout:
+        seen.setdefault(line.split(":")[0].strip(), time.monotonic() - t0)
+    proc.wait(timeout=300)
+    assert proc.returncode == 0, seen
+    return seen, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_run_with_dataloader_workers_exits_like_the_plain_script(tmp_path):
+    """The script's objects die at exit as under plain python: once the report is written,
+    graddbg run exits as fast as the plain script does after its last line; and writing the
+    report takes no longer with DataLoader workers than without (before: the script's
+    namespace was collected while the report was written, the workers' queues first, and
+    each worker's join waited out its 5 s timeout: 10 s more with 2 workers)."""
+    script = str(SCRIPTS / "loader_train.py")
+    plain, plain_exit = _timed_lines([sys.executable, script, "2"], tmp_path)
+    plain_tail = plain_exit - plain["script done"]
+    tails, writes = [], []
+    for workers in ("2", "0"):
+        out = tmp_path / f"out{workers}"
+        run, run_exit = _timed_lines([sys.executable, "-m", "graddbg", "run", "--out", str(out), script, workers],
+                                     tmp_path)
+        tails.append(run_exit - run["graddbg run"])  # after the report's line: the exit
+        writes.append(run["graddbg run"] - run["script done"])  # the record and the report
+    assert tails[0] < plain_tail + 3.0, (tails, plain_tail)
+    assert writes[0] < writes[1] + 4.0, writes
