@@ -29,6 +29,7 @@ from graddbg._io import write_atomic
 from graddbg._script import ScriptWatcher, Signals, Snapshots, Terminated, outputs, worker_records
 from graddbg.anomaly import HYGIENE_KINDS
 from graddbg.options import WatchOptions
+from graddbg.plots import counted
 
 __all__ = ["main", "demo", "run_script", "report"]
 
@@ -415,8 +416,8 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
 
         run = graddbg.load(path)
         anomalies += run.anomalies
-        print(f"graddbg run: a worker process ({path.parent.name}) recorded {len(run.stats['step'].unique())} "
-              f"steps; {len(run.anomalies)} anomalies; report: {path.parent / 'report.html'}", file=stream)
+        print(f"graddbg run: a worker process ({path.parent.name}) recorded "
+              f"{counted(len(run.stats['step'].unique()), 'step')}; {counted(len(run.anomalies), 'anomaly')}; report: {path.parent / 'report.html'}", file=stream)
     if anomalies:
         print(_anomaly_lines(anomalies), file=stream)
     counted = list(anomalies)  # (a GradScaler's skipped steps are never anomalies)
@@ -440,8 +441,8 @@ def _write(w: Any, outdir: pathlib.Path, i: int, stream: Any) -> bool:
         return False
     how = (f"with {w.meta['optimizer']}" if w.meta["optimizer"]
            else "without an optimizer (a step per backward pass)")
-    print(f"graddbg run: watched {w.meta['model']} {how} for {w.current_step} steps; "
-          f"{len(w.anomalies)} anomalies; report: {rep}", file=stream)
+    print(f"graddbg run: watched {w.meta['model']} {how} for {counted(w.current_step, 'step')}; "
+          f"{counted(len(w.anomalies), 'anomaly')}; report: {rep}", file=stream)
     return True
 
 

@@ -318,6 +318,18 @@ def _legend(ax: "Axes", **kw: Any) -> None:
         ax.legend(**kw)
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``counted(1, "step")`` is "1 step".
+
+    Examples:
+        >>> counted(1, "anomaly"), counted(3, "step"), counted(0, "anomaly")
+        ('1 anomaly', '3 steps', '0 anomalies')
+    """
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else f"{n} {noun}s"
+
+
 def _title_count(shown: int, total: int, what: str) -> str:
     return "" if shown == total else f" ({shown} of {total} {what})"
 
@@ -650,9 +662,9 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
         all_values.append(col.to_numpy(dtype=float))
     _set_log_limits(ax, np.concatenate(all_values) if all_values else [])
     _edge_markers(ax, sorted(bad_steps), "top", color=NONFINITE_COLOR, marker="X",
-                  label=f"non-finite ({len(bad_steps)} steps)", gid="nonfinite")
+                  label=f"non-finite ({counted(len(bad_steps), 'step')})", gid="nonfinite")
     _edge_markers(ax, sorted(zero_steps), "bottom", color=ZERO_COLOR, marker="v",
-                  label=f"zero global norm ({len(zero_steps)} steps)", gid="zero")
+                  label=f"zero global norm ({counted(len(zero_steps), 'step')})", gid="zero")
     _mark_anomalies(ax, anomalies, steps)
     ax.set_xlabel("step")
     ax.set_ylabel("gradient L2 norm")
@@ -917,9 +929,9 @@ def _ratio_marks(ax: "Axes", frame: "pandas.DataFrame", chosen: Sequence[str]) -
     still = (ratios == 0) & _has_grad(frame) & frame["name"].isin(chosen).to_numpy()
     bad_steps, still_steps = np.unique(step[bad]).tolist(), np.unique(step[still]).tolist()
     _edge_markers(ax, bad_steps, "top", color=NONFINITE_COLOR, marker="X",
-                  label=f"non-finite ({len(bad_steps)} steps)", gid="nonfinite")
+                  label=f"non-finite ({counted(len(bad_steps), 'step')})", gid="nonfinite")
     _edge_markers(ax, still_steps, "bottom", color=ZERO_COLOR, marker="v",
-                  label=f"no update ({len(still_steps)} steps)", gid="zero")
+                  label=f"no update ({counted(len(still_steps), 'step')})", gid="zero")
 
 
 # --------------------------------------------------------------------------- histograms

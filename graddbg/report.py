@@ -296,12 +296,18 @@ def _summary_html(view: "_View", steps: "pandas.DataFrame",
     else:
         nonfinite_steps = 0
     overflow = int(steps["overflow"].astype(bool).sum()) if "overflow" in steps.columns else 0
-    kpis = [("steps", n_steps), ("recorded steps", n_rec), ("parameters", len(names)),
-            ("elements", f"{numel:,}"), ("anomalies", len(anomalies)),
-            ("steps with NaN/Inf", nonfinite_steps), ("scaler overflows", overflow)]
+    from graddbg.plots import counted
+
+    def kpi(n: int, noun: str, shown: Any = None) -> Tuple[str, Any]:
+        return counted(n, noun).split(" ", 1)[1], n if shown is None else shown  # (1 step, 2 steps)
+
+    kpis = [kpi(n_steps, "step"), kpi(n_rec, "recorded step"), kpi(len(names), "parameter"),
+            kpi(numel, "element", f"{numel:,}"), kpi(len(anomalies), "anomaly"),
+            ("step with NaN/Inf" if nonfinite_steps == 1 else "steps with NaN/Inf", nonfinite_steps),
+            kpi(overflow, "scaler overflow")]
     out = ['<div class="kpis">']
     for label, value in kpis:
-        bad = label in ("anomalies", "steps with NaN/Inf") and value not in (0, "0")
+        bad = label in ("anomaly", "anomalies", "step with NaN/Inf", "steps with NaN/Inf") and value not in (0, "0")
         out.append(f'<span class="kpi{" bad" if bad else ""}"><strong>{esc(str(value))}</strong>'
                    f"{esc(label)}</span>")
     out.append("</div>")

@@ -581,3 +581,19 @@ def test_run_with_dataloader_workers_exits_like_the_plain_script(tmp_path):
         writes.append(run["graddbg run"] - run["script done"])  # the record and the report
     assert tails[0] < plain_tail + 3.0, (tails, plain_tail)
     assert writes[0] < writes[1] + 4.0, writes
+
+
+def test_run_summary_counts_in_words(tmp_path, capsys):
+    """'1 step', '1 anomaly': not '1 steps', '1 anomalies'."""
+    script = tmp_path / "one_step.py"
+    script.write_text("import torch\nm = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                      "m(torch.randn(3, 2)).sum().backward()\nopt.step()\n"
+                      "m(torch.randn(3, 2)).sum().backward()\nopt.step()\n")  # no zero_grad: 1 finding
+    assert cli.main(["run", "--out", str(tmp_path / "o"), "--stale-grad", "record", "--fail-on", "never",
+                     str(script)]) == 0
+    out = capsys.readouterr().out
+    assert "with SGD for 2 steps; 1 anomaly; report:" in out, out
+    from graddbg.plots import counted
+
+    assert [counted(n, w) for n, w in ((1, "step"), (2, "step"), (1, "anomaly"), (2, "anomaly"), (0, "key"))] \
+        == ["1 step", "2 steps", "1 anomaly", "2 anomalies", "0 keys"]
