@@ -417,13 +417,14 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
         run = graddbg.load(path)
         anomalies += run.anomalies
         print(f"graddbg run: a worker process ({path.parent.name}) recorded "
-              f"{counted(len(run.stats['step'].unique()), 'step')}; {counted(len(run.anomalies), 'anomaly')}; report: {path.parent / 'report.html'}", file=stream)
+              f"{counted(len(run.stats['step'].unique()), 'step')}; {counted(len(run.anomalies), 'anomaly')}; "
+              f"report: {path.parent / 'report.html'}", file=stream)
     if anomalies:
         print(_anomaly_lines(anomalies), file=stream)
-    counted = list(anomalies)  # (a GradScaler's skipped steps are never anomalies)
+    found = list(anomalies)  # (a GradScaler's skipped steps are never anomalies)
     if fail_on == "nonfinite":
-        counted = [a for a in counted if a.kind == "nonfinite"]
-    if status == 0 and ((fail_on != "never" and counted) or not written):
+        found = [a for a in found if a.kind == "nonfinite"]
+    if status == 0 and ((fail_on != "never" and found) or not written):
         status = 1
     return status
 
