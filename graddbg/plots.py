@@ -458,7 +458,8 @@ def _flow_bars(ax: "Axes", r: _FlowRows) -> None:
     drawable = r.has & ~r.bad
     ok_max = drawable & np.isfinite(r.absmax) & (r.absmax > 0)
     ok_rms = drawable & np.isfinite(r.rms) & (r.rms > 0)
-    ax.bar(x[ok_max], r.absmax[ok_max], width=0.8, color="#9ecae1", label="max |grad|")
+    ax.bar(x[ok_max], r.absmax[ok_max], width=0.8, color="#9ecae1",
+           label="max |grad|" if ok_max.any() else "_max |grad|")  # (no legend entry for no bar)
     ax.bar(x[ok_rms], r.rms[ok_rms], width=0.5, color="#08519c",
            label="rms |grad| (norm/√numel)")
     _set_log_limits(ax, np.concatenate([r.absmax[ok_max], r.rms[ok_rms]]))

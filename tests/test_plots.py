@@ -235,7 +235,8 @@ def test_flow_unmeasured_absmax_is_not_nonfinite():
     assert all(t.get_color() != plots.NONFINITE_COLOR for t in ax.get_xticklabels())
     # the rms bars are all there; no max bar, since nothing was measured
     bars = dict(zip([c.get_label() for c in ax.containers], ax.containers))
-    assert len(bars["max |grad|"].patches) == 0
+    assert len(bars["_max |grad|"].patches) == 0  # (and no legend entry for it)
+    assert "max |grad|" not in [t.get_text() for t in ax.get_legend().get_texts()]
     assert len(bars["rms |grad| (norm/√numel)"].patches) == len(PARAMS) - 2
     names = [p[0] for p in PARAMS]
     assert list(marks["zero"].get_xdata()) == [names.index("layers.0.bias")]
@@ -458,7 +459,7 @@ def test_update_ratio_lines_and_guide(frames):
     skipped = stats.assign(update_ratio=np.where(stats.step == 3, 0.0, stats.update_ratio))
     ax3 = plots.update_ratio(skipped).axes[0]
     assert list(lines_by_gid(ax3)["zero"].get_xdata()) == [3]
-    assert "no update (1 steps)" in labels_of(ax3)
+    assert "no update (1 step)" in labels_of(ax3)  # (one step, in words)
     render(ax3.figure)
     assert "0.001" in [t.get_text() for t in ax3.get_yticklabels()]  # plain-text log labels
     ax2 = plots.update_ratio(stats, guide=1e-2).axes[0]
