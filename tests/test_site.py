@@ -223,7 +223,7 @@ def test_reference_pages_lead_with_the_public_api(site: Path):
     ids = [i for i in _ANCHOR.findall(hooks) if i.count(".") == 2]
     assert ids[:4] == ["graddbg.hooks.watch", "graddbg.hooks.Watch", "graddbg.hooks.HookSet",
                        "graddbg.hooks.MAX_ROWS"], ids
-    for member in ("stats", "steps", "summary", "report", "plot", "save", "step", "close"):
+    for member in ("stats", "steps", "summary", "report", "plot", "save", "step", "close", "history"):
         assert f'id="graddbg.hooks.Watch.{member}"' in hooks, member
 
 
