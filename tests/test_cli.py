@@ -568,19 +568,19 @@ def test_run_with_dataloader_workers_exits_like_the_plain_script(tmp_path):
     graddbg run exits as fast as the plain script does after its last line; and writing the
     report takes no longer with DataLoader workers than without (before: the script's
     namespace was collected while the report was written, the workers' queues first, and
-    each worker's join waited out its 5 s timeout: 10 s more with 2 workers)."""
+    each worker's join waited out its 5 s timeout: 15 s more with 3 workers)."""
     script = str(SCRIPTS / "loader_train.py")
-    plain, plain_exit = _timed_lines([sys.executable, script, "2"], tmp_path)
+    plain, plain_exit = _timed_lines([sys.executable, script, "3"], tmp_path)
     plain_tail = plain_exit - plain["script done"]
     tails, writes = [], []
-    for workers in ("2", "0"):
+    for workers in ("3", "0"):  # (3 workers: 15 s of joins before, far above the bounds below)
         out = tmp_path / f"out{workers}"
         run, run_exit = _timed_lines([sys.executable, "-m", "graddbg", "run", "--out", str(out), script, workers],
                                      tmp_path)
         tails.append(run_exit - run["graddbg run"])  # after the report's line: the exit
         writes.append(run["graddbg run"] - run["script done"])  # the record and the report
-    assert tails[0] < plain_tail + 3.0, (tails, plain_tail)
-    assert writes[0] < writes[1] + 4.0, writes
+    assert tails[0] < plain_tail + 4.0, (tails, plain_tail)  # (generous: a loaded machine)
+    assert writes[0] < writes[1] + 7.0, writes
 
 
 def test_run_summary_counts_in_words(tmp_path, capsys):
