@@ -15,8 +15,8 @@ _GRADDBG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
 _SKIP = (_TORCH_DIR, _GRADDBG_DIR, "<frozen ")
 
 
-# graddbg's own files that hold user-level code (the demo's model lives in cli.py)
-_USER_FILES = (os.path.join(_GRADDBG_DIR, "cli.py"),)
+# graddbg's own files that hold user-level code (the demo's model and training loop)
+_USER_FILES = (os.path.join(_GRADDBG_DIR, "_demo_model.py"),)
 
 
 def is_internal(filename: str) -> bool:

@@ -139,10 +139,9 @@ class _Adapter:
             return {}
         self._logged_step = w.current_step
         values = {ANOMALIES_KEY: float(len(w.anomalies))}
-        steps = w.steps
-        recorded = steps["global_norm"][steps["recorded"].astype(bool)]
-        if len(recorded):
-            values[NORM_KEY] = float(recorded.iloc[-1])
+        last = w.history.last_recorded()  # (the last rows only: no frame of the whole run per batch)
+        if last is not None and "global_norm" in last:
+            values[NORM_KEY] = float(last["global_norm"])
         return values
 
     def report_path(self) -> Optional[pathlib.Path]:

@@ -16,27 +16,33 @@ import runpy
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
-import weakref
-from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from graddbg._launch import child_records, follow_children, rank_folder, record_folder
+from graddbg._demo_model import demo_loss, demo_model, train as train_demo
 from graddbg._errors import GraddbgError, GraddbgValueError, GradientAnomalyError
 from graddbg._io import write_atomic
+from graddbg._script import ScriptWatcher, Signals, Snapshots, Terminated, outputs
 from graddbg.anomaly import HYGIENE_KINDS
 from graddbg.options import WatchOptions
+from graddbg.plots import counted
 
 __all__ = ["main", "demo", "run_script", "report"]
 
 POLICIES = ("raise", "warn", "skip", "record", "none")
 FAIL_ON = ("any", "nonfinite", "never")
 SAVE_EVERY = 30.0  # seconds between the statistics snapshots of `graddbg run`
+
+# The last script's __main__ module, kept to the end of the process: its objects die at the
+# interpreter's exit as under plain python (a DataLoader's workers terminated at exit). Freed
+# earlier, a cycle holding a DataLoader iterator and its queues is collected while the report
+# is written: the queues' finalizers run first and each worker's join waits out 5 s.
+_SCRIPT_NAMESPACE: List[Any] = []
 
 
 class UsageError(GraddbgValueError):
@@ -154,19 +160,6 @@ def _anomaly_lines(anomalies: Sequence[Any]) -> str:
 
 # --------------------------------------------------------------------------- demo
 
-class RowNorm(nn.Module):
-    """Scales each row to unit length: an all-zero row is 0/0 (the planted fault)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / x.norm(dim=1, keepdim=True)
-
-
-def demo_model() -> nn.Module:
-    return nn.Sequential(OrderedDict(
-        embed=nn.Linear(16, 32, bias=False), act=nn.ReLU(), norm=RowNorm(),
-        hidden=nn.Linear(32, 32), act2=nn.Tanh(), head=nn.Linear(32, 1)))
-
-
 def demo(out: str = "graddbg-out", steps: int = 120, *, nan_step: int = 30, jump_step: int = 80,
          stream: Any = None, seed: int = 0) -> Dict[str, Any]:
     """Train a small regression model with two planted faults and watch catch both.
@@ -184,10 +177,10 @@ def demo(out: str = "graddbg-out", steps: int = 120, *, nan_step: int = 30, jump
     Args:
         out: the output folder, created if needed (with its parents).
         steps: the number of training steps (an int >= 1).
-        nan_step: the step (counted from 0) whose batch holds the all-zero row; a step
-            >= ``steps`` plants no NaN.
-        jump_step: the step (counted from 0) whose learning rate is 1000 times larger; a
-            step >= ``steps`` plants no jump.
+        nan_step: the step (counted from 0) whose batch holds the all-zero row (from
+            ``steps`` on: no NaN is planted).
+        jump_step: the step (counted from 0) whose learning rate is 1000 times larger
+            (from ``steps`` on: no jump is planted).
         stream: where the summary is printed (None: ``sys.stdout``).
         seed: the seed of the model's initialisation and of the data.
 
@@ -230,25 +223,9 @@ def demo(out: str = "graddbg-out", steps: int = 120, *, nan_step: int = 30, jump
 
 def _demo_train(model: nn.Module, true_w: torch.Tensor, gen: torch.Generator, steps: int,
                 nan_step: int, jump_step: int) -> Any:
-    import graddbg
-
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     bar = Progress(steps)
-    with graddbg.watch(model, opt, nonfinite="skip", explode=graddbg.Explode(factor=20, policy="record"),
-                       histograms=10, update_every=5) as w:
-        for i in range(steps):
-            x = torch.randn(32, 16, generator=gen)
-            if i == nan_step:
-                x[3] = 0.0  # fault 1: an all-zero row
-            if i in (jump_step, jump_step + 1):
-                for g in opt.param_groups:  # fault 2: a one-step learning-rate spike
-                    g["lr"] = g["lr"] * 1000.0 if i == jump_step else g["lr"] / 1000.0
-            loss = nn.functional.mse_loss(model(x), torch.tanh(x @ true_w)[:, None])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            bar.update(i + 1, f"loss {loss.item():.4g}  anomalies {len(w.anomalies)}")
-    return w
+    return train_demo(model, true_w, gen, steps, nan_step, jump_step, on_step=lambda i, loss, w: bar.update(
+        i + 1, f"loss {loss:.4g}  anomalies {len(w.anomalies)}"))
 
 
 def _demo_files(w: Any, model: nn.Module, true_w: torch.Tensor, gen: torch.Generator,
@@ -257,7 +234,7 @@ def _demo_files(w: Any, model: nn.Module, true_w: torch.Tensor, gen: torch.Gener
     import graddbg
 
     x = torch.randn(8, 16, generator=gen)
-    graph = graddbg.graph(lambda: nn.functional.mse_loss(model(x), torch.tanh(x @ true_w)[:, None]),
+    graph = graddbg.graph(lambda: demo_loss(model, x, true_w),
                           model=model, grads=True, watch=w)
     files = {"report": outdir / "report.html", "graph": outdir / "graph.svg", "stats": outdir / "stats.parquet"}
     try:
@@ -271,398 +248,6 @@ def _demo_files(w: Any, model: nn.Module, true_w: torch.Tensor, gen: torch.Gener
 
 
 # --------------------------------------------------------------------------- run
-
-class _ParamHolder(nn.Module):
-    """Stands for a model graddbg never saw: the optimizer's parameters, by group (when no
-    module owning them was called, as with bare tensors trained directly)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__()
-        # kept aside, not registered: an optimizer may hold plain tensors, not Parameters
-        self.held = [(f"group{gi}_param{pi}", p) for gi, group in enumerate(optimizer.param_groups)
-                     for pi, p in enumerate(group["params"])]
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
-        seen: Set[int] = set()
-        for name, p in self.held:
-            if not (remove_duplicate and id(p) in seen):
-                seen.add(id(p))
-                yield prefix + ("." if prefix else "") + name, p
-
-    def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        for _, p in self.named_parameters():
-            yield p
-
-
-def _held(optimizer: torch.optim.Optimizer) -> Set[int]:
-    return {id(p) for g in optimizer.param_groups for p in g["params"]}
-
-
-def _frame_modules(limit: int = 256, kind: type = nn.Module) -> List[Any]:
-    """The modules (or objects of ``kind``) the calling frames hold in their local
-    variables (``self`` of a LightningModule's ``optimizer_step``, a ``model`` of a training
-    function), and in the globals of the script run as ``__main__``; innermost frame first."""
-    found: List[Any] = []
-    frame: Any = sys._getframe(1)
-    try:
-        for _ in range(limit):
-            if frame is None:
-                break
-            names = frame.f_locals
-            values = list(names.values())
-            if frame.f_globals is not names and frame.f_globals.get("__name__") == "__main__":
-                values += list(frame.f_globals.values())
-            found += [v for v in values if isinstance(v, kind)]
-            frame = frame.f_back
-    finally:
-        del frame
-    return found
-
-
-def _choose(candidates: Iterable[nn.Module], held: Set[int]) -> Optional[nn.Module]:
-    """The model of an optimizer holding the parameters ``held`` (by id), among
-    ``candidates``: the modules owning most of them; of those, the ones with the fewest
-    trainable parameters (not a container that also holds an EMA copy or a second model);
-    of those, the outermost (a LightningModule rather than the submodule its
-    training_step calls, a wrapper rather than what it wraps). None when none owns any."""
-    scored, seen = [], set()
-    for m in candidates:
-        if id(m) in seen or isinstance(m, _ParamHolder):
-            continue
-        seen.add(id(m))
-        params = list(m.parameters())
-        n = sum(id(p) in held for p in params)
-        if n:
-            scored.append((m, n, sum(bool(p.requires_grad) for p in params)))
-    if not scored:
-        return None
-    most = max(n for _, n, _ in scored)
-    fewest = min(t for _, n, t in scored if n == most)
-    kept = [m for m, n, t in scored if n == most and t == fewest]
-    inner = [{id(s) for s in m.modules()} for m in kept]
-    return max(zip(kept, inner), key=lambda mi: sum(id(o) in mi[1] for o in kept))[0]
-
-
-def _closure(args: Any, kwargs: Any) -> Any:
-    """The closure an optimizer step was called with (``args[0]`` is the optimizer), or None."""
-    return args[1] if len(args) > 1 else kwargs.get("closure")
-
-
-class _Deferred:
-    """An optimizer whose first step began before any module owning its parameters was
-    called (the step's closure makes the first forward pass): the watch of a stand-in
-    (``_ParamHolder``) and the step's arguments, kept until that forward pass replaces the
-    stand-in or the step ends (the stand-in stays: no module owns the parameters)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any, watch: Any) -> None:
-        self.optimizer = weakref.ref(optimizer)
-        self.held = _held(optimizer)
-        self.args, self.kwargs, self.watch = args, kwargs, watch
-
-
-class ScriptWatcher:
-    """Watches what a script trains, through PyTorch's global optimizer and module hook
-    registries (no monkeypatching):
-
-    - every optimizer the script steps, from its first step, with its model: of the
-      outermost modules called and the modules that the calling frames hold, the one that
-      owns the optimizer's parameters (see `_choose`). When the first step begins
-      before any such module was called and has a closure (LBFGS in pytorch/examples'
-      time_sequence_prediction: the closure makes the first forward pass), the model is
-      the module owning them that the closure calls first: its watch replaces, within that
-      step, the stand-in (``_ParamHolder``) watched from the step's start, which stays only
-      when no module owns the parameters;
-    - without any optimizer (an update by hand, as in word_language_model): the first
-      outermost module called with grad enabled whose output requires grad and which has
-      trainable parameters, each backward pass a step. If an optimizer stepping the same
-      parameters comes later, its watch replaces that one.
-
-    ``after_step`` (optional) is called after every optimizer step and, while only a watch
-    without an optimizer runs, before each outermost forward pass (``graddbg run`` writes
-    its snapshots there)."""
-
-    def __init__(self, watch_kwargs: Dict[str, Any],
-                 after_step: Optional[Callable[[], None]] = None) -> None:
-        self.kwargs = watch_kwargs
-        self.after_step = after_step
-        self.watches: List[Any] = []
-        self._seen: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-        self._roots: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-        self._deferred: Dict[int, _Deferred] = {}
-        self._free: Optional[Tuple[Any, "weakref.ref[nn.Module]"]] = None  # (watch, model)
-        self._looking = True  # for a model without an optimizer (until any watch starts)
-        self._depth = 0
-        self._handles: List[Any] = []
-        self._failed = False
-        self.pid = os.getpid()
-        self.outdir: Optional[pathlib.Path] = None  # where forked workers write their records
-        self._in_child = False
-        self._rng: Optional[torch.Tensor] = None
-
-    def __enter__(self) -> "ScriptWatcher":
-        from torch.nn.modules import module as module_mod
-        from torch.optim import optimizer as optim_mod
-
-        try:
-            self._handles.append(module_mod.register_module_forward_pre_hook(self._pre))
-            self._handles.append(module_mod.register_module_forward_hook(self._post, always_call=True))
-            self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._on_step))
-            self._handles.append(optim_mod.register_optimizer_step_post_hook(self._after))
-        except BaseException:
-            self._remove()
-            raise
-        return self
-
-    def _pre(self, module: nn.Module, args: Any) -> None:
-        if self._depth == 0:
-            self._roots.add(module)
-            if self._looking:  # (what a replay of this forward pass needs, should it be watched)
-                self._rng = torch.get_rng_state()
-            if self._deferred:
-                self._safely(self._resolve_deferred, module)
-            if self._free is not None and self.after_step is not None:
-                self.after_step()
-        self._depth += 1
-
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._depth = max(0, self._depth - 1)
-        if self._depth == 0 and self._looking:
-            self._safely(self._maybe_watch_free, module, args, output)
-
-    def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if optimizer in self._seen:
-            d = self._deferred.get(id(optimizer))
-            if d is not None:  # the first step raised before its end: this one
-                d.args, d.kwargs = args, kwargs
-            return
-        self._seen.add(optimizer)
-        self._safely(self._first_step, optimizer, args, kwargs)
-
-    def _first_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        model = _choose([*self._roots, *_frame_modules()], _held(optimizer))
-        w = self._start(model if model is not None else _ParamHolder(optimizer), optimizer)
-        # this step's boundary: the watch's own step hook joins the hooks being run now
-        if model is None and _closure(args, kwargs) is not None:  # the closure may call the model
-            self._deferred[id(optimizer)] = _Deferred(optimizer, args, kwargs, w)
-
-    def _resolve_deferred(self, module: nn.Module) -> None:
-        """The first forward pass, inside a deferred optimizer's first step, of a module
-        owning its parameters: its model's watch replaces the stand-in's (which has read
-        nothing of this step yet), in the step under way."""
-        for key, d in list(self._deferred.items()):
-            opt = d.optimizer()
-            if opt is None or not any(id(p) in d.held for p in module.parameters()):
-                continue
-            del self._deferred[key]
-            d.watch.close()
-            self.watches.remove(d.watch)
-            model = _choose([module, *self._roots, *_frame_modules()], d.held)
-            w = self._start(model if model is not None else module, opt)
-            w.begin_step(_closure(d.args, d.kwargs))  # the step began before this watch did
-
-    def _maybe_watch_free(self, module: nn.Module, args: Any, output: Any) -> None:
-        """A model trained without an optimizer: the first outermost module called with
-        grad enabled, its output requiring grad, with trainable parameters. The forward pass
-        that ran is handed to the new watch, so that a NaN at this very step is blamed (and
-        replayed) as under watch()."""
-        from graddbg._model import in_backward, tensors_in
-        if not torch.is_grad_enabled() or in_backward() or isinstance(module, torch.jit.ScriptModule):
-            return
-        if not any(t.requires_grad for t in tensors_in(output)):
-            return
-        if not any(p.requires_grad for p in module.parameters()):
-            return  # a loss function, a frozen encoder
-        w = self._start(module, None)
-        w.adopt_forward(args, {}, output, rng_state=self._rng)
-        self._free = (w, weakref.ref(module))
-
-    def _start(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:
-        import graddbg
-
-        if optimizer is not None:
-            self._retire_free(_held(optimizer))
-        kwargs = dict(self.kwargs)
-        if kwargs.get("scaler") is None:  # the script's GradScaler, when it has one in its frames
-            scalers = [s for s in _frame_modules(kind=torch.amp.GradScaler) if s.is_enabled()]
-            kwargs["scaler"] = scalers[0] if scalers else None
-        w = graddbg.watch(model, optimizer, **kwargs)
-        self.watches.append(w)
-        self._looking = False
-        if os.getpid() != self.pid:  # a forked worker (torch.multiprocessing, Hogwild)
-            self._in_worker(w)
-        return w
-
-    def _in_worker(self, w: Any) -> None:
-        """A watch started in a forked worker process: the worker writes its own record,
-        ``worker-<pid>/`` under the output folder, when it exits (multiprocessing runs its
-        finalizers before the worker ends)."""
-        import multiprocessing.util
-
-        if not self._in_child:
-            self._in_child = True
-            self.watches = [w]  # (the parent's watches, copied by the fork, are the parent's)
-            multiprocessing.util.Finalize(self, _save_worker, args=(self, self.outdir), exitpriority=10)
-
-    def _retire_free(self, held: Set[int]) -> None:
-        """An optimizer now steps the parameters of the model watched without one: its
-        watch (from this step on) replaces that one."""
-        if self._free is None:
-            return
-        w, ref = self._free
-        model = ref()
-        if model is not None and not any(id(p) in held for p in model.parameters()):
-            return
-        self._free = None
-        w.close()
-        self.watches.remove(w)
-
-    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._deferred.pop(id(optimizer), None)  # no module owning them ran: the stand-in stays
-        if self.after_step is not None:
-            self.after_step()
-
-    def _safely(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Choosing and starting a watch never takes the script down: a failure is said
-        once on stderr, and the script goes on unwatched by it."""
-        try:
-            fn(*args)
-        except Exception as e:
-            if not self._failed:
-                print(f"graddbg run: could not start watching ({type(e).__name__}: {e}); "
-                      f"the script goes on", file=sys.stderr)
-            self._failed = True
-
-    def _remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def __exit__(self, *exc: Any) -> None:
-        self._remove()
-        self._deferred.clear()
-        for w in self.watches:
-            w.close()
-        if self._free is not None and self._free[0].current_step == 0 and not self._free[0].anomalies:
-            self.watches.remove(self._free[0])  # forward passes only, never a backward: nothing to show
-        self._free = None
-
-
-def _save_worker(watcher: "ScriptWatcher", outdir: Optional[pathlib.Path]) -> None:
-    """In a forked worker at exit: its watches' records under ``outdir/worker-<pid>``."""
-    watches = watcher.watches
-    if outdir is None:
-        return
-    folder = outdir / f"worker-{os.getpid()}"
-    try:
-        folder.mkdir(exist_ok=True)
-        for i, w in enumerate(watches):
-            w.close()
-            stats_path, report_path = _outputs(folder, i)
-            w.save(stats_path)
-            w.report(report_path)
-    except Exception as e:  # (a worker's exit must not fail because of its record)
-        print(f"graddbg run: worker {os.getpid()} could not write its record: {e}", file=sys.stderr)
-
-
-def _worker_records(outdir: pathlib.Path, since: float) -> List[pathlib.Path]:
-    """The records written by forked workers during this run."""
-    return sorted(p for p in outdir.glob("worker-*/stats.parquet") if p.stat().st_mtime >= since)
-
-
-def _outputs(outdir: pathlib.Path, i: int) -> Tuple[pathlib.Path, pathlib.Path]:
-    """(statistics, report) of the i-th watch: stats.parquet, report.html, stats-2.parquet, ..."""
-    suffix = "" if i == 0 else f"-{i + 1}"
-    return outdir / f"stats{suffix}.parquet", outdir / f"report{suffix}.html"
-
-
-class Snapshots:
-    """Saves every watch's statistics (``stats.parquet``, atomically) every ``every``
-    seconds while the script runs, so that a hard kill (``kill -9``, an out-of-memory
-    kill) loses at most the last interval. Called after each optimizer step; a snapshot
-    that takes long pushes the next one back (saving takes at most about a tenth of the
-    run). A snapshot that cannot be written is said once on stderr; training goes on."""
-
-    def __init__(self, outdir: pathlib.Path, every: float, watches: List[Any]) -> None:
-        import pandas  # noqa: F401 - imported now, not on the clock of the first snapshot
-        import pyarrow.parquet  # noqa: F401
-
-        self.outdir, self.every, self.watches = outdir, every, watches
-        self.due = time.monotonic() + every if every > 0 else math.inf
-        self.saved = 0
-        self.failed = False
-
-    def __call__(self) -> None:
-        if time.monotonic() < self.due:
-            return
-        t0 = time.monotonic()
-        try:
-            for i, w in enumerate(self.watches):
-                w.save(_outputs(self.outdir, i)[0])
-            self.saved += 1
-        except Exception as e:  # a full disk must not stop the training
-            if not self.failed:
-                print(f"graddbg run: could not write a snapshot ({e}); training goes on",
-                      file=sys.stderr)
-            self.failed = True
-        spent = time.monotonic() - t0
-        self.due = time.monotonic() + max(self.every, 10.0 * spent)
-
-
-class _Terminated(BaseException):
-    """SIGTERM / SIGHUP under ``graddbg run``: unwinds the script like KeyboardInterrupt."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class Signals:
-    """While entered (in the main thread), SIGTERM and SIGHUP raise ``_Terminated`` in the
-    script once, as Ctrl-C raises KeyboardInterrupt, so that what was recorded is written
-    before the exit; a signal after that (while the results are being written) is only
-    remembered. The previous handlers are put back on exit."""
-
-    NAMES = ("SIGTERM", "SIGHUP")
-
-    def __init__(self) -> None:
-        self.previous: Dict[int, Any] = {}
-        self.armed = False
-        self.received: Optional[int] = None
-        self.pid = os.getpid()
-
-    def __enter__(self) -> "Signals":
-        if threading.current_thread() is threading.main_thread():
-            try:
-                for name in self.NAMES:
-                    signum = getattr(signal, name, None)
-                    if signum is not None:
-                        self.previous[signum] = signal.signal(signum, self._handle)
-            except BaseException:
-                self.__exit__()
-                raise
-        self.armed = True
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self.pid:  # a forked child (a DataLoader worker): die as it would have
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        if self.received is None:
-            self.received = signum
-        if self.armed:
-            self.armed = False
-            raise _Terminated(signum)
-
-    def disarm(self) -> None:
-        self.armed = False
-
-    def __exit__(self, *exc: Any) -> None:
-        self.armed = False
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        self.previous = {}
 
 
 #: watch()'s options that take a policy, each a flag of ``graddbg run`` (``--stale-grad``)
@@ -759,6 +344,7 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fa
         status = _finish(watcher.watches, outdir, created, status, fail_on, stream, since=started)
     if signals.received is not None and status == 0:  # a signal while the results were written
         status = 128 + signals.received
+    _SCRIPT_NAMESPACE[:] = [watcher.namespace]  # freed at exit, as plain python frees a script's objects
     return status
 
 
@@ -774,7 +360,7 @@ def _execute(path: pathlib.Path, args: Sequence[str], watcher: ScriptWatcher,
                 runpy.run_path(str(path.resolve()), run_name="__main__")  # (__file__ absolute, as python gives it)
             finally:
                 signals.disarm()
-    except _Terminated as e:
+    except Terminated as e:
         return 128 + e.signum, f"terminated by {signal.Signals(e.signum).name}; saving what was recorded"
     except SystemExit as e:
         return _exit_status(e.code), None
@@ -833,21 +419,22 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
 
         run = graddbg.load(path)
         anomalies += run.anomalies
-        print(f"graddbg run: a worker process ({path.parent.name}) recorded {len(run.stats['step'].unique())} "
-              f"steps; {len(run.anomalies)} anomalies; report: {path.parent / 'report.html'}", file=stream)
+        print(f"graddbg run: a worker process ({path.parent.name}) recorded "
+              f"{counted(len(run.stats['step'].unique()), 'step')}; {counted(len(run.anomalies), 'anomaly')}; "
+              f"report: {path.parent / 'report.html'}", file=stream)
     if anomalies:
         print(_anomaly_lines(anomalies), file=stream)
-    counted = list(anomalies)  # (a GradScaler's skipped steps are never anomalies)
+    found = list(anomalies)  # (a GradScaler's skipped steps are never anomalies)
     if fail_on == "nonfinite":
-        counted = [a for a in counted if a.kind == "nonfinite"]
-    if status == 0 and ((fail_on != "never" and counted) or not written):
+        found = [a for a in found if a.kind == "nonfinite"]
+    if status == 0 and ((fail_on != "never" and found) or not written):
         status = 1
     return status
 
 
 def _write(w: Any, outdir: pathlib.Path, i: int, stream: Any) -> bool:
     """One watch's record and its line on the console; False when it could not be written."""
-    stats_path, report_path = _outputs(record_folder(outdir, w.meta), i)  # (each rank its own)
+    stats_path, report_path = outputs(record_folder(outdir, w.meta), i)  # (each rank its own)
     try:
         w.save(stats_path)  # the data first: it is what a report can be made from again
         rep = w.report(report_path)
@@ -856,22 +443,23 @@ def _write(w: Any, outdir: pathlib.Path, i: int, stream: Any) -> bool:
         return False
     how = (f"with {w.meta['optimizer']}" if w.meta["optimizer"]
            else "without an optimizer (a step per backward pass)")
-    print(f"graddbg run: watched {w.meta['model']} {how} for {w.current_step} steps; "
-          f"{len(w.anomalies)} anomalies; report: {rep}", file=stream)
+    print(f"graddbg run: watched {w.meta['model']} {how} for {counted(w.current_step, 'step')}; "
+          f"{counted(len(w.anomalies), 'anomaly')}; report: {rep}", file=stream)
     return True
 
 
 # --------------------------------------------------------------------------- report
 
-def report(run_path: str, out: str) -> pathlib.Path:
+def report(run_path: str, out: Optional[str] = None) -> pathlib.Path:
     """Render a saved run (``w.save``) as an HTML report; ``graddbg report`` calls it.
 
     Args:
         run_path: a file written by `Watch.save` or `Run.save`.
-        out: the HTML file to write (its folder must exist).
+        out: the HTML file to write (its folder must exist). None: next to the run, with
+            its name and ``.html`` (``out/stats.parquet`` -> ``out/stats.html``).
 
     Returns:
-        pathlib.Path: the report written (``out``).
+        pathlib.Path: the report written.
 
     Raises:
         UsageError: ``run_path`` is not an existing file or is not a run that `graddbg.load`
@@ -884,7 +472,7 @@ def report(run_path: str, out: str) -> pathlib.Path:
 
     if not isinstance(run_path, (str, os.PathLike)) or not pathlib.Path(run_path).is_file():
         raise UsageError(f"run: {run_path!r} does not exist (expected a file written by Watch.save)")
-    target = _out_file(out)
+    target = _out_file(pathlib.Path(run_path).with_suffix(".html") if out is None else out)
     try:
         run = graddbg.load(run_path)
     except GraddbgError as e:
@@ -894,34 +482,79 @@ def report(run_path: str, out: str) -> pathlib.Path:
 
 # --------------------------------------------------------------------------- main
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Help with every option's default, descriptions as written, and a script's arguments
+    shown as the optional tail they are (``script [args ...]``)."""
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if action.nargs == argparse.REMAINDER:
+            return "[%s ...]" % self._metavar_formatter(action, default_metavar)(1)
+        return super()._format_args(action, default_metavar)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or not action.option_strings:
+            return action.help or ""  # (the help says what no value means; positionals have none)
+        return super()._get_help_string(action)
+
+
+_DEMO = """Train a small regression model (1,601 parameters, 120 steps on the CPU, a few
+seconds) with two planted faults, and watch graddbg catch both: a 0/0 in a row
+normalisation at step 30 (a NaN, named at its source line and skipped) and a learning
+rate 1000x too large for one step at step 80 (an exploding gradient norm). Writes
+report.html, graph.svg (the annotated autograd graph) and stats.parquet to --out."""
+_RUN = """Run a training script unchanged (as `python script.py args ...` would), with what it
+trains watched: every optimizer it steps, with its model (or, without an optimizer, the
+model it runs backward through). At exit (also on a crash, Ctrl-C or SIGTERM) writes
+stats.parquet and report.html to --out, and prints the anomalies found.
+
+Exit code: 0 healthy, 1 anomalies counted by --fail-on or a script that failed, 2 a
+usage error, 128 + N when stopped by signal N; a script's own sys.exit(code) is kept.
+Everything after the script's name goes to the script.
+
+A POLICY is what to do on a finding: raise (stop the script with an error), warn,
+skip (drop the affected gradients this step), record (only in the report), none (off)."""
+_REPORT = """Render a run saved by `graddbg run`, `graddbg demo` or Watch.save (a .parquet file)
+as a self-contained HTML report. Without --out the report is written next to the run,
+with the run's name: out/stats.parquet -> out/stats.html. Prints where it wrote."""
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="graddbg", description="Find out what is wrong with your gradients.")
+    p = _Parser(prog="graddbg", description="Find out what is wrong with the gradients of a PyTorch "
+                "program, and where.", formatter_class=_Help)
     sub = p.add_subparsers(dest="command", metavar="{demo,run,report}")
-    d = sub.add_parser("demo", help="train a small model with planted faults and show watch catch them")
-    d.add_argument("--out", default="graddbg-out", help="output folder (default: graddbg-out)")
-    d.add_argument("--steps", type=int, default=120, help="training steps (default: 120)")
-    r = sub.add_parser("run", help="run a training script with what it trains watched")
-    r.add_argument("--out", default="graddbg-out", help="output folder (default: graddbg-out)")
-    r.add_argument("--every", type=int, default=1, help="record statistics every N steps")
-    r.add_argument("--nonfinite", choices=POLICIES, default="raise")
-    r.add_argument("--explode", choices=POLICIES, default="warn")
-    r.add_argument("--vanish", choices=POLICIES, default="none")
+    d = sub.add_parser("demo", help="train a small model with planted faults and show watch catch them",
+                       description=_DEMO, formatter_class=_Help)
+    d.add_argument("--out", default="graddbg-out", metavar="DIR", help="output folder, created if needed")
+    d.add_argument("--steps", type=int, default=120, help="training steps")
+    r = sub.add_parser("run", help="run a training script unchanged, with what it trains watched",
+                       description=_RUN, formatter_class=_Help)
+    r.add_argument("--out", default="graddbg-out", metavar="DIR", help="output folder, created if needed")
+    r.add_argument("--every", type=int, default=1, metavar="N",
+                   help="record the statistics every N optimizer steps (NaN/Inf are checked every step)")
+    for kind, default, what in (("nonfinite", "raise", "a NaN/Inf gradient"),
+                                ("explode", "warn", "a global gradient norm far above its running level"),
+                                ("vanish", "none", "a parameter whose gradient stays under 1e-8")):
+        r.add_argument(f"--{kind}", choices=POLICIES, default=default, metavar="POLICY",
+                       help=f"policy on {what}")
     for kind in HYGIENE_KINDS:
-        r.add_argument(f"--{kind.replace('_', '-')}", choices=POLICIES, default="warn",
-                       help=f"policy for {kind} findings (see the README's list of findings)")
+        r.add_argument(f"--{kind.replace('_', '-')}", choices=POLICIES, default="warn", metavar="POLICY",
+                       help=f"policy on {kind} findings (see the docs' Silent bugs page)")
     r.add_argument("--fail-on", choices=FAIL_ON, default="any",
-                   help="which findings make the exit code 1: any (default: any anomaly - non-finite, "
+                   help="which findings make the exit code 1: any (every anomaly - non-finite, "
                         "explosion, vanishing, replica mismatch or a training-hygiene finding; a "
                         "GradScaler's skipped steps never count), nonfinite (NaN/Inf only) or never. "
                         "A script that fails exits with its own code")
     r.add_argument("--save-every", type=float, default=SAVE_EVERY, metavar="SECONDS",
-                   help=f"write the statistics every SECONDS while the script runs, so that a "
-                        f"hard kill loses at most that much (default: {SAVE_EVERY:g}; 0: only at exit)")
-    r.add_argument("script", help="the training script")
-    r.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    rep = sub.add_parser("report", help="render a saved run (stats.parquet) as HTML")
-    rep.add_argument("run", help="a file written by Watch.save")
-    rep.add_argument("--out", default="report.html", help="the HTML file to write")
+                   help="write the statistics every SECONDS while the script runs, so that a "
+                        "hard kill loses at most that much (0: only at exit)")
+    r.add_argument("script", help="the training script (a .py file), run as __main__")
+    r.add_argument("args", nargs=argparse.REMAINDER, default=[],
+                   help="the script's own arguments (its sys.argv[1:])").required = False
+    rep = sub.add_parser("report", help="render a saved run (stats.parquet) as an HTML report",
+                         description=_REPORT, formatter_class=_Help)
+    rep.add_argument("run", help="a .parquet file written by graddbg run, graddbg demo or Watch.save")
+    rep.add_argument("--out", default=None, metavar="FILE",
+                     help="the HTML file to write (default: next to the run, with its name: out/stats.parquet -> out/stats.html)")
     return p
 
 
@@ -937,7 +570,7 @@ def _command(args: argparse.Namespace) -> int:
                           fail_on=args.fail_on, save_every=args.save_every,
                           **{k: getattr(args, k) for k in POLICY_OPTIONS})
     path = report(args.run, args.out)
-    print(f"wrote {path}")
+    print(f"graddbg report: wrote {path}")
     return 0
 
 

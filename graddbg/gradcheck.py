@@ -57,20 +57,21 @@ keyword of torch's (2.3 to 2.13) with its meaning; they raise on failure as torc
 the wrong entries instead of two Jacobians. Complex inputs and outputs (Wirtinger, as
 torch) and sparse COO/CSR inputs (``masked=``) are checked too.
 
->>> import torch
->>> class MySquare(torch.autograd.Function):
-...     @staticmethod
-...     def forward(ctx, x):
-...         ctx.save_for_backward(x)
-...         return x * x
-...     @staticmethod
-...     def backward(ctx, g):
-...         (x,) = ctx.saved_tensors
-...         return 2 * x * g
->>> x = torch.randn(5, dtype=torch.float64, requires_grad=True)
->>> # before: assert torch.autograd.gradcheck(MySquare.apply, (x,), eps=1e-6, atol=1e-4)
->>> assert gradcheck(MySquare.apply, (x,), eps=1e-6, atol=1e-4)
->>> assert gradgradcheck(MySquare.apply, (x,), fast_mode=True)
+Examples:
+    >>> import torch
+    >>> class MySquare(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         ctx.save_for_backward(x)
+    ...         return x * x
+    ...     @staticmethod
+    ...     def backward(ctx, g):
+    ...         (x,) = ctx.saved_tensors
+    ...         return 2 * x * g
+    >>> x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    >>> # before: assert torch.autograd.gradcheck(MySquare.apply, (x,), eps=1e-6, atol=1e-4)
+    >>> assert gradcheck(MySquare.apply, (x,), eps=1e-6, atol=1e-4)
+    >>> assert gradgradcheck(MySquare.apply, (x,), fast_mode=True)
 """
 from __future__ import annotations
 
@@ -145,10 +146,11 @@ class GradcheckResult:
     lists the further checks that failed (named by torch's option: ``check_undefined_grad``,
     ``check_batched_grad``, ``backward not multiplied by grad_output``, ...).
 
-    >>> import torch
-    >>> r = gradcheck(torch.sin, torch.randn(4, dtype=torch.float64, requires_grad=True))
-    >>> r.ok, len(r.table), r.max_abs_err < 1e-6
-    (True, 0, True)
+    Examples:
+        >>> import torch
+        >>> r = gradcheck(torch.sin, torch.randn(4, dtype=torch.float64, requires_grad=True))
+        >>> r.ok, len(r.table), r.max_abs_err < 1e-6
+        (True, 0, True)
     """
 
     ok: bool
@@ -2114,12 +2116,26 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> Gradcheck
     (vmap against one at a time; skipped with a note where vmap cannot run the function)
     are off by default. A failed check is named in the text by torch's option name.
 
-    Migrating from torch is a one-line change:
+    Examples:
+        Migrating from torch is a one-line change:
 
-    >>> import torch, graddbg
-    >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    >>> assert torch.autograd.gradcheck(torch.sin, (x,), fast_mode=True)
-    >>> assert graddbg.gradcheck(torch.sin, (x,), fast_mode=True)
+        >>> import torch, graddbg
+        >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        >>> assert torch.autograd.gradcheck(torch.sin, (x,), fast_mode=True)
+        >>> assert graddbg.gradcheck(torch.sin, (x,), fast_mode=True)
+
+        graddbg's own form (inputs as arguments), a complex input, and a sort whose 500
+        Jacobian columns are checked as one colour group:
+
+        >>> bool(gradcheck(lambda t: t.exp().sum(), x))
+        True
+        >>> z = torch.randn(2, dtype=torch.complex128, requires_grad=True)
+        >>> gradcheck(torch.exp, z, mode="fast").ok
+        True
+        >>> s = torch.randperm(500, dtype=torch.float64).requires_grad_()   # no near-ties
+        >>> r = gradcheck(lambda t: t.sort().values, s)      # 500 columns in 1 colour group
+        >>> r.ok, r.colours, r.n_evaluations, r.n_compared
+        (True, 1, 2, 250000)
 
     Args:
         fn: the function (or ``nn.Module``) to check.
@@ -2142,15 +2158,6 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> Gradcheck
         TypeError, ValueError: bad arguments (an unknown keyword, a bad value, no input
             that requires grad, an output that is not a tensor).
 
-    >>> bool(gradcheck(lambda t: t.exp().sum(), x))
-    True
-    >>> z = torch.randn(2, dtype=torch.complex128, requires_grad=True)
-    >>> gradcheck(torch.exp, z, mode="fast").ok
-    True
-    >>> s = torch.randperm(500, dtype=torch.float64).requires_grad_()   # no near-ties
-    >>> r = gradcheck(lambda t: t.sort().values, s)      # 500 columns in 1 colour group
-    >>> r.ok, r.colours, r.n_evaluations, r.n_compared
-    (True, 1, 2, 250000)
     """
     inputs, rest, torch_style = _calling_convention("gradcheck", inputs, options)
     raise_exception = options.pop("raise_exception", torch_style)
@@ -2179,9 +2186,10 @@ def gradgradcheck(fn: Callable[..., Any], *inputs: Any, grad_outputs: Any = None
     `gradcheck`; ``gen_non_contig_grad_outputs`` is accepted (the drawn output
     gradients are copies whatever their layout).
 
-    >>> import torch, graddbg
-    >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    >>> assert graddbg.gradgradcheck(torch.tanh, (x,), check_fwd_over_rev=True)
+    Examples:
+        >>> import torch, graddbg
+        >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        >>> assert graddbg.gradgradcheck(torch.tanh, (x,), check_fwd_over_rev=True)
 
     Args:
         fn: the function to check (an ``nn.Module`` is called as a function).

@@ -176,11 +176,12 @@ class AutogradGraph:
 class ModuleTrace:
     """Which module was running when each autograd node was created (see `trace_modules`).
 
-    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh())
-    >>> with trace_modules(model) as tr:
-    ...     y = model(torch.randn(4, 3))
-    >>> tr.module_of(y.grad_fn)
-    ('1',)
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh())
+        >>> with trace_modules(model) as tr:
+        ...     y = model(torch.randn(4, 3))
+        >>> tr.module_of(y.grad_fn)
+        ('1',)
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -841,9 +842,52 @@ def _annotate_grads(g: AutogradGraph, walk: _Walk, roots: List[torch.Tensor]) ->
 
 
 def annotate_watch(g: AutogradGraph, watch: Any) -> None:
-    """Add a Watch's latest statistics (``watch.stats``: step, name, norm, absmax,
-    nonfinite) to the parameter nodes of ``g``. Duck-typed: anything with such a
-    ``.stats`` DataFrame works."""
+    """Add a Watch's latest measurements to the parameter nodes of ``g``: the last
+    recorded step's gradient norm (and its non-finite count, in red), and the last
+    measured ``absmax`` with its step when that is an earlier step (on the CPU absmax is
+    read every 10th recorded step: an unmeasured value is never shown as one). A
+    parameter without a gradient at that step says so.
+
+    Reads ``watch.history`` (a `graddbg.stats.History`: the last step, without building a
+    frame) when there is one, else ``watch.stats`` (a DataFrame with at least step, name
+    and norm: a loaded `graddbg.Run`)."""
+    latest = _history_latest(watch) if hasattr(getattr(watch, "history", None), "last_recorded") \
+        else _frame_latest(watch)
+    if latest is None:
+        return
+    step, rows = latest
+    for node in g.nodes:
+        r = rows.get(node.name) if node.kind == "param" else None
+        if r is None:
+            continue
+        if not r["has_grad"]:
+            node.detail.append(f"step {step}: no gradient")
+            continue
+        parts = [f"step {step}: norm={_fmt_num(r['norm'])}"]
+        if r["absmax_step"] >= 0:
+            parts.append(f"absmax={_fmt_num(r['absmax'])}" + ("" if r["absmax_step"] == step
+                                                              else f" (step {r['absmax_step']})"))
+        node.detail.append(" ".join(parts))
+        if r["nonfinite"] > 0:
+            node.detail.append(f"non-finite: {r['nonfinite']}")
+            node.attrs["fillcolor"] = _RED
+            node.attrs["fontcolor"] = "white"
+
+
+def _history_latest(watch: Any) -> Optional[Tuple[int, Dict[str, Dict[str, Any]]]]:
+    """(last recorded step, name -> its measurements) from a Watch's History."""
+    h = watch.history
+    last = h.last_recorded()
+    if last is None:
+        return None
+    absmax, absmax_step = h.latest("absmax")
+    return last["step"], {name: {"norm": float(last["norm"][i]), "nonfinite": int(last["nonfinite"][i]),
+                                 "has_grad": bool(last["has_grad"][i]), "absmax": float(absmax[i]),
+                                 "absmax_step": int(absmax_step[i])} for i, name in enumerate(h.names)}
+
+
+def _frame_latest(watch: Any) -> Optional[Tuple[int, Dict[str, Dict[str, Any]]]]:
+    """The same from a ``.stats`` DataFrame (a loaded run)."""
     stats = getattr(watch, "stats", None)
     if stats is None or not hasattr(stats, "columns"):
         raise GraddbgTypeError(f"graph(watch=...): got {type(watch).__name__}, expected an object "
@@ -853,21 +897,20 @@ def annotate_watch(g: AutogradGraph, watch: Any) -> None:
         raise GraddbgValueError(f"graph(watch=...): watch.stats lacks columns {sorted(missing)}; "
                                 f"expected at least step, name and norm")
     if len(stats) == 0:
-        return
-    last = stats[stats["step"] == stats["step"].max()]
-    rows = {str(r["name"]): r for _, r in last.iterrows()}
-    for node in g.nodes:
-        r = rows.get(node.name) if node.kind == "param" else None
-        if r is None:
-            continue
-        parts = [f"step {int(r['step'])}: norm={_fmt_num(float(r['norm']))}"]
-        if "absmax" in r:
-            parts.append(f"absmax={_fmt_num(float(r['absmax']))}")
-        node.detail.append(" ".join(parts))
-        if "nonfinite" in r and float(r["nonfinite"]) > 0:
-            node.detail.append(f"non-finite: {int(r['nonfinite'])}")
-            node.attrs["fillcolor"] = _RED
-            node.attrs["fontcolor"] = "white"
+        return None
+    step = int(stats["step"].max())
+    measured = {}
+    if "absmax" in stats.columns:
+        known = stats[stats["absmax"].notna()]
+        for name, a, s in zip(known["name"].astype(str), known["absmax"], known["step"]):
+            measured[name] = (float(a), int(s))  # (rows are in step order: the last one stays)
+    rows = {}
+    for _, r in stats[stats["step"] == step].iterrows():
+        name = str(r["name"])
+        a, s = measured.get(name, (math.nan, -1))
+        rows[name] = {"norm": float(r["norm"]), "nonfinite": int(r.get("nonfinite", 0) or 0),
+                      "has_grad": bool(r.get("has_grad", True)), "absmax": a, "absmax_step": s}
+    return step, rows
 
 
 # --------------------------------------------------------------------------- collapse

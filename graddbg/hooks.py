@@ -389,6 +389,9 @@ class _Results:
             c.flush()
         return self._ctx.history.stats_frame()
 
+    history = property(lambda self: self._ctx.history, doc="The bounded `graddbg.stats.History` behind "
+                       "``stats`` and ``steps``: the latest step without building a frame (``last_recorded()``).")
+
     @property
     def steps(self):
         """DataFrame: one row per step boundary (global norm, post-clip norm, overflow, ...)."""

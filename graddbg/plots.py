@@ -318,6 +318,18 @@ def _legend(ax: "Axes", **kw: Any) -> None:
         ax.legend(**kw)
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``counted(1, "step")`` is "1 step".
+
+    Examples:
+        >>> counted(1, "anomaly"), counted(3, "step"), counted(0, "anomaly")
+        ('1 anomaly', '3 steps', '0 anomalies')
+    """
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else f"{n} {noun}s"
+
+
 def _title_count(shown: int, total: int, what: str) -> str:
     return "" if shown == total else f" ({shown} of {total} {what})"
 
@@ -330,8 +342,8 @@ class _FlowRows(NamedTuple):
     labels: List[str]
     has: "numpy.ndarray"       # the parameter had a gradient
     rms: "numpy.ndarray"       # norm / sqrt(numel)
-    absmax: "numpy.ndarray"    # max |grad|, the latest measured at or before the step
-    absmax_label: str          # the legend entry, naming an earlier step where one is used
+    absmax: "numpy.ndarray"    # max |grad| at the step (NaN where it was not measured)
+    note: str                  # what the plot does not show ("max |grad| not measured at step 8 ...")
     bad: "numpy.ndarray"       # non-finite entries
     counts: "numpy.ndarray"    # how many (0 where the frame does not say)
     zero: "numpy.ndarray"      # an all-zero gradient
@@ -345,10 +357,12 @@ def flow(stats: "pandas.DataFrame", step: Optional[int] = None, *,
     Parameters whose gradient holds NaN/Inf (``nonfinite > 0``; in frames without that
     column a non-finite norm or an infinite ``absmax``) get a red ``X`` at the top,
     all-zero gradients a black triangle at the bottom, parameters without a gradient a
-    grey circle; their tick labels take the same colour. The max ``|grad|`` is measured on
-    some steps only (``absmax`` is NaN on the others): a parameter without one at ``step``
-    shows its latest measured value at or before ``step``, and the legend names that step
-    ("max |grad| (step 10)").
+    grey circle; their tick labels take the same colour. Everything drawn is of ``step``:
+    the max ``|grad|`` is measured on some steps only (``absmax`` is NaN on the others; on
+    the CPU every 10th recorded step), and where it was not measured at ``step`` no max
+    bar is drawn and the title says so, naming the last step where it was ("max |grad|
+    not measured at step 119 (last at step 110)"). The legend sits outside the axes, so
+    it covers no marker.
 
     Args:
         stats: a statistics frame (`Watch.stats`, `Run.stats`): at least ``step``, ``name``,
@@ -380,7 +394,8 @@ def flow(stats: "pandas.DataFrame", step: Optional[int] = None, *,
     _flow_bars(ax, rows)
     _flow_marks(ax, rows)
     _flow_axes(ax, rows, f"Gradient flow at step {step}"
-               + _title_count(len(rows.labels), len(_order(stats["name"])), "parameters"))
+               + _title_count(len(rows.labels), len(_order(stats["name"])), "parameters")
+               + (f"\n{rows.note}" if rows.note else ""))
     return fig
 
 
@@ -415,34 +430,24 @@ def _flow_rows(stats: "pandas.DataFrame", step: int, chosen: Sequence[str]) -> _
     else:
         counts = np.zeros(len(at), dtype=np.int64)
         bad = has & (~np.isfinite(norm) | np.isinf(at["absmax"].to_numpy(dtype=float)))
-    absmax, label = _latest_absmax(stats, at, step, has & ~bad)
-    return _FlowRows(list(at.index), has, rms, absmax, label, bad, counts,
-                     has & ~bad & (norm == 0))
+    absmax = at["absmax"].to_numpy(dtype=float)
+    return _FlowRows(list(at.index), has, rms, absmax, _absmax_note(stats, absmax, step, has & ~bad),
+                     bad, counts, has & ~bad & (norm == 0))
 
 
-def _latest_absmax(stats: "pandas.DataFrame", at: "pandas.DataFrame", step: int,
-                   wanted: "numpy.ndarray") -> Tuple["numpy.ndarray", str]:
-    """``at``'s absmax, where it was not measured (NaN) the latest measured value at or
-    before ``step``; and the legend entry, naming the steps the values come from."""
+def _absmax_note(stats: "pandas.DataFrame", absmax: "numpy.ndarray", step: int,
+                 wanted: "numpy.ndarray") -> str:
+    """"" when ``step``'s max |grad| was measured for the parameters drawn; else what the
+    plot leaves out and where it was last measured (never a value of another step)."""
     import numpy as np
 
-    absmax = at["absmax"].to_numpy(dtype=float).copy()
-    source = np.where(np.isnan(absmax), np.nan, float(step))
     missing = wanted & np.isnan(absmax)
-    if missing.any():
-        names = at.index[missing]
-        earlier = stats[(stats["step"] <= step) & stats["absmax"].notna()
-                        & stats["name"].isin(names)]
-        latest = (earlier.sort_values("step", kind="stable")
-                  .drop_duplicates("name", keep="last").set_index("name").reindex(names))
-        absmax[missing] = latest["absmax"].to_numpy(dtype=float)
-        source[missing] = latest["step"].to_numpy(dtype=float)
-    used = np.unique(source[wanted & np.isfinite(absmax) & (absmax > 0)])
-    if len(used) == 0 or (len(used) == 1 and used[0] == step):
-        return absmax, "max |grad|"
-    if len(used) == 1:
-        return absmax, f"max |grad| (step {int(used[0])})"
-    return absmax, f"max |grad| (steps {int(used[0])}–{int(used[-1])})"
+    if not missing.any():
+        return ""
+    earlier = stats.loc[(stats["step"] < step) & stats["absmax"].notna(), "step"]
+    last = f" (last at step {int(earlier.max())})" if len(earlier) else ""
+    some = "" if missing.all() or not wanted.any() else f" for {int(missing.sum())} of {int(wanted.sum())} parameters"
+    return f"max |grad| not measured at step {step}{some}{last}"
 
 
 def _flow_bars(ax: "Axes", r: _FlowRows) -> None:
@@ -453,7 +458,8 @@ def _flow_bars(ax: "Axes", r: _FlowRows) -> None:
     drawable = r.has & ~r.bad
     ok_max = drawable & np.isfinite(r.absmax) & (r.absmax > 0)
     ok_rms = drawable & np.isfinite(r.rms) & (r.rms > 0)
-    ax.bar(x[ok_max], r.absmax[ok_max], width=0.8, color="#9ecae1", label=r.absmax_label)
+    ax.bar(x[ok_max], r.absmax[ok_max], width=0.8, color="#9ecae1",
+           label="max |grad|" if ok_max.any() else "_max |grad|")  # (no legend entry for no bar)
     ax.bar(x[ok_rms], r.rms[ok_rms], width=0.5, color="#08519c",
            label="rms |grad| (norm/√numel)")
     _set_log_limits(ax, np.concatenate([r.absmax[ok_max], r.rms[ok_rms]]))
@@ -497,7 +503,7 @@ def _flow_axes(ax: "Axes", r: _FlowRows, title: str) -> None:
     ax.set_ylabel("|grad|")
     ax.set_title(title)
     ax.grid(True, axis="y", which="major", alpha=0.3)
-    _legend(ax, loc="upper right", fontsize=7)
+    _legend(ax, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0, fontsize=7)  # outside: no marker hidden
 
 
 # --------------------------------------------------------------------------- norms
@@ -657,9 +663,9 @@ def norms(stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame"] = None,
         all_values.append(col.to_numpy(dtype=float))
     _set_log_limits(ax, np.concatenate(all_values) if all_values else [])
     _edge_markers(ax, sorted(bad_steps), "top", color=NONFINITE_COLOR, marker="X",
-                  label=f"non-finite ({len(bad_steps)} steps)", gid="nonfinite")
+                  label=f"non-finite ({counted(len(bad_steps), 'step')})", gid="nonfinite")
     _edge_markers(ax, sorted(zero_steps), "bottom", color=ZERO_COLOR, marker="v",
-                  label=f"zero global norm ({len(zero_steps)} steps)", gid="zero")
+                  label=f"zero global norm ({counted(len(zero_steps), 'step')})", gid="zero")
     _mark_anomalies(ax, anomalies, steps)
     ax.set_xlabel("step")
     ax.set_ylabel("gradient L2 norm")
@@ -924,9 +930,9 @@ def _ratio_marks(ax: "Axes", frame: "pandas.DataFrame", chosen: Sequence[str]) -
     still = (ratios == 0) & _has_grad(frame) & frame["name"].isin(chosen).to_numpy()
     bad_steps, still_steps = np.unique(step[bad]).tolist(), np.unique(step[still]).tolist()
     _edge_markers(ax, bad_steps, "top", color=NONFINITE_COLOR, marker="X",
-                  label=f"non-finite ({len(bad_steps)} steps)", gid="nonfinite")
+                  label=f"non-finite ({counted(len(bad_steps), 'step')})", gid="nonfinite")
     _edge_markers(ax, still_steps, "bottom", color=ZERO_COLOR, marker="v",
-                  label=f"no update ({len(still_steps)} steps)", gid="zero")
+                  label=f"no update ({counted(len(still_steps), 'step')})", gid="zero")
 
 
 # --------------------------------------------------------------------------- histograms

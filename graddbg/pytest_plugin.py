@@ -56,11 +56,12 @@ def _seed_option(text: str) -> int:
 class GradcheckHelpers:
     """What the ``graddbg_check`` fixture returns: the gradcheck helpers and the seed.
 
-    >>> helpers = GradcheckHelpers(seed=0)
-    >>> import torch
-    >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    >>> helpers.gradcheck(torch.sin, x).ok
-    True
+    Examples:
+        >>> helpers = GradcheckHelpers(seed=0)
+        >>> import torch
+        >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        >>> helpers.gradcheck(torch.sin, x).ok
+        True
     """
 
     def __init__(self, seed: int = 0) -> None:

@@ -195,8 +195,10 @@ def _page(title: str, sections: Sequence[Tuple[str, str, str]]) -> str:
 
 # --------------------------------------------------------------------------- formatting
 
-def _fmt(v: Any) -> Tuple[str, bool]:
-    """(text, is_bad) for a table cell: floats compactly, NaN/Inf flagged."""
+def _fmt(v: Any, blank_nan: bool = False) -> Tuple[str, bool]:
+    """(text, is_bad) for a table cell: floats compactly, NaN/Inf flagged. ``blank_nan``:
+    a NaN in this table means "not measured" (an update ratio never measured, a finding
+    without a value): nothing is shown, never a red NaN."""
     if v is None:
         return "", False
     if isinstance(v, bool):
@@ -204,7 +206,7 @@ def _fmt(v: Any) -> Tuple[str, bool]:
     if isinstance(v, float) or type(v).__name__.startswith("float"):
         f = float(v)
         if math.isnan(f):
-            return "NaN", True
+            return ("", False) if blank_nan else ("NaN", True)
         if math.isinf(f):
             return ("Inf" if f > 0 else "-Inf"), True
         if f == 0:
@@ -221,7 +223,7 @@ def _fmt(v: Any) -> Tuple[str, bool]:
 
 
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], *,
-           bad_rows: Optional[Sequence[bool]] = None, cls: str = "") -> str:
+           bad_rows: Optional[Sequence[bool]] = None, cls: str = "", blank_nan: bool = False) -> str:
     esc = html.escape
     out = [f'<div class="scroll"><table class="{esc(cls)}"><thead><tr>'
            + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr></thead><tbody>"]
@@ -229,7 +231,7 @@ def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], *,
         row_cls = ' class="bad"' if bad_rows is not None and bad_rows[i] else ""
         cells = []
         for v in row:
-            text, bad = _fmt(v)
+            text, bad = _fmt(v, blank_nan)
             num = isinstance(v, (int, float)) and not isinstance(v, bool) or \
                 type(v).__name__.startswith(("int", "float"))
             classes = " ".join(c for c in ("num" if num else "", "bad" if bad else "") if c)
@@ -241,14 +243,14 @@ def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], *,
 
 
 def _frame_table(frame: "pandas.DataFrame", *, max_rows: int, bad_col: Optional[str] = None,
-                 cls: str = "") -> str:
+                 cls: str = "", blank_nan: bool = False) -> str:
     n = len(frame)
     shown = frame.iloc[:max_rows]
     bad = None
     if bad_col is not None and bad_col in shown.columns:
         bad = [bool(v) for v in (shown[bad_col].fillna(0) > 0)]
     rows = [list(r) for r in shown.itertuples(index=False, name=None)]
-    text = _table(rows, [str(c) for c in shown.columns], bad_rows=bad, cls=cls)
+    text = _table(rows, [str(c) for c in shown.columns], bad_rows=bad, cls=cls, blank_nan=blank_nan)
     if n > max_rows:
         text += f'<p class="note">{n - max_rows} more rows not shown (of {n}).</p>'
     return text
@@ -294,20 +296,31 @@ def _summary_html(view: "_View", steps: "pandas.DataFrame",
     else:
         nonfinite_steps = 0
     overflow = int(steps["overflow"].astype(bool).sum()) if "overflow" in steps.columns else 0
-    kpis = [("steps", n_steps), ("recorded steps", n_rec), ("parameters", len(names)),
-            ("elements", f"{numel:,}"), ("anomalies", len(anomalies)),
-            ("steps with NaN/Inf", nonfinite_steps), ("scaler overflows", overflow)]
+    from graddbg.plots import counted
+
+    def kpi(n: int, noun: str, shown: Any = None) -> Tuple[str, Any]:
+        return counted(n, noun).split(" ", 1)[1], n if shown is None else shown  # (1 step, 2 steps)
+
+    kpis = [kpi(n_steps, "step"), kpi(n_rec, "recorded step"), kpi(len(names), "parameter"),
+            kpi(numel, "element", f"{numel:,}"), kpi(len(anomalies), "anomaly"),
+            ("step with NaN/Inf" if nonfinite_steps == 1 else "steps with NaN/Inf", nonfinite_steps),
+            kpi(overflow, "scaler overflow")]
     out = ['<div class="kpis">']
     for label, value in kpis:
-        bad = label in ("anomalies", "steps with NaN/Inf") and value not in (0, "0")
+        bad = label in ("anomaly", "anomalies", "step with NaN/Inf", "steps with NaN/Inf") and value not in (0, "0")
         out.append(f'<span class="kpi{" bad" if bad else ""}"><strong>{esc(str(value))}</strong>'
                    f"{esc(label)}</span>")
     out.append("</div>")
     facts: List[Tuple[str, Any]] = []
     if "global_norm" in steps.columns and len(steps):
         g = steps["global_norm"].to_numpy(dtype=float)
+        if "recorded" in steps.columns:  # (a step between recorded ones has no norm: not a NaN)
+            g = g[steps["recorded"].to_numpy(dtype=bool)]
         fin = g[np.isfinite(g)]
-        facts.append(("global norm, last step", float(g[-1])))
+        if g.size:
+            last = int(steps["step"].to_numpy()[steps["recorded"].to_numpy(dtype=bool)][-1]) \
+                if "recorded" in steps.columns else int(steps["step"].iloc[-1])
+            facts.append((f"global norm, last recorded step ({last})", float(g[-1])))
         if fin.size:
             facts += [("global norm, median", float(np.median(fin))),
                       ("global norm, max (finite)", float(fin.max()))]
@@ -358,7 +371,7 @@ def _hygiene_html(anomalies: Sequence[Any], meta: Dict[str, Any]) -> str:
         shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
         rows.append([d.get("step"), d["kind"], symptom, cause, shown, d.get("message")])
     return _table(rows, ["step", "finding", "symptom", "likely cause", "parameters", "message"],
-                  bad_rows=[True] * len(rows), cls="hygiene")
+                  bad_rows=[True] * len(rows), cls="hygiene", blank_nan=True)
 
 
 def _replay_verdict(reproduced: Any) -> str:
@@ -367,6 +380,16 @@ def _replay_verdict(reproduced: Any) -> str:
         return ""
     return ("reproduced: a deterministic bug" if reproduced else
             "NOT reproduced: suspect nondeterminism or faulty hardware")
+
+
+def _measured(d: Dict[str, Any], key: str) -> Any:
+    """An anomaly's value or threshold as a cell: a NaN is a measurement only for a
+    non-finite finding (the NaN norm that was found); elsewhere it means the finding has no
+    such number (a stale gradient, an unused parameter) and the cell stays empty."""
+    v = d.get(key)
+    if d.get("kind") != "nonfinite" and isinstance(v, float) and math.isnan(v):
+        return None
+    return v
 
 
 def _anomalies_html(anomalies: Sequence[Any]) -> str:
@@ -380,7 +403,7 @@ def _anomalies_html(anomalies: Sequence[Any]) -> str:
               "message"] + (["rank"] if with_rank else []) + (["replay"] if with_replay else [])
     for d in dicts[:MAX_ANOMALY_ROWS]:
         row = [d.get("step"), d.get("kind"), d.get("name"), d.get("module"), d.get("op"),
-               d.get("source"), d.get("value"), d.get("threshold"), d.get("message")]
+               d.get("source"), _measured(d, "value"), _measured(d, "threshold"), d.get("message")]
         row += [d.get("rank")] if with_rank else []
         row += [_replay_verdict(d.get("reproduced"))] if with_replay else []
         rows.append(row)
@@ -517,7 +540,7 @@ def _summary_table_html(view: "_View", by: str) -> str:
     if view.compact:
         note = f'<p class="note">{html.escape(view.table_note(by))}</p>'
     return note + _frame_table(frame, max_rows=MAX_SUMMARY_ROWS, bad_col="nonfinite_total",
-                               cls=f"{by}-summary")
+                               cls=f"{by}-summary", blank_nan=True)  # (NaN/Inf counted in their own columns)
 
 
 def _call_summary(run: Any, stats: "pandas.DataFrame", by: str) -> "pandas.DataFrame":

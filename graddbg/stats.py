@@ -729,6 +729,68 @@ class History:
     def last(self) -> Optional[Dict[str, Any]]:
         return self._steps.last_row()
 
+    def last_recorded(self) -> Optional[Dict[str, Any]]:
+        """The last recorded step without building a frame: its step row (``step``,
+        ``global_norm``, ``clipped_norm``, ``overflow``, ``scale``, ``lr``, ...) and its
+        per-parameter row block (``norm``, ``absmax``, ``update``, ``nonfinite``,
+        ``has_grad``: numpy arrays in ``names`` order, copies), or None before the first
+        recorded step. Reads the last per-parameter row and looks back over the step rows
+        since it (fewer than ``every``), so its cost does not grow with the run.
+
+        Examples:
+            >>> h = History(["w", "b"], [4, 2], (), max_steps=100, max_rows=1000)
+            >>> h.last_recorded() is None
+            True
+        """
+        rows = self._rows
+        if rows.n == 0:
+            return None
+        i = rows.n - 1
+        out = {k: c[i].copy() for k, c in rows.cols.items() if k not in ("_seq", "extras", "step")}
+        step = int(rows.cols["step"][i])
+        steps = self._steps
+        for j in range(steps.n - 1, -1, -1):
+            if int(steps.cols["step"][j]) == step:
+                out.update({k: c[j].item() for k, c in steps.cols.items() if k not in ("_seq", "nonfinite")})
+                break
+        out["step"] = step
+        return out
+
+    def latest(self, column: str) -> Tuple[np.ndarray, np.ndarray]:
+        """Each parameter's latest measured value of a per-parameter column and the step
+        it was measured at: ``(values, steps)``, NaN and -1 for a parameter never measured
+        among the kept rows. A statistic read on a cadence (``absmax`` on the CPU is read
+        every 10th recorded step, NaN between) gives its last reading, not the NaN of the
+        steps in between. Looks back from the last recorded step only until every
+        parameter has a value.
+
+        Args:
+            column: ``"norm"``, ``"absmax"``, ``"update"`` or one of ``extras``.
+
+        Raises:
+            GraddbgValueError: ``column`` is not a per-parameter column of this history.
+        """
+        rows = self._rows
+        if column in self.extras:
+            col, j = rows.cols["extras"], self.extras.index(column)
+            get = lambda i: col[i, :, j]  # noqa: E731
+        elif column in ("norm", "absmax", "update"):
+            get = lambda i: rows.cols[column][i]  # noqa: E731
+        else:
+            raise GraddbgValueError(f"History.latest(column=...): got {column!r}; accepted: norm, absmax, "
+                                    f"update{''.join(', ' + e for e in self.extras)}")
+        P = len(self.names)
+        values, steps = np.full(P, np.nan), np.full(P, -1, dtype=np.int64)
+        missing = np.ones(P, dtype=bool)
+        for i in range(rows.n - 1, -1, -1):
+            row = get(i)
+            found = missing & ~np.isnan(row)
+            values[found], steps[found] = row[found], rows.cols["step"][i]
+            missing &= ~found
+            if not missing.any():
+                break
+        return values, steps
+
     def stats_frame(self):
         import pandas as pd
 

@@ -5,7 +5,8 @@
 
 - ``norms.png``: gradient norms of a watched run whose learning rate jumps at step 60
   (``w.plot("norms")``);
-- ``flow.png``: the gradient flow by layer at the last step (``w.plot("flow")``);
+- ``flow.png``: the gradient flow by layer at the last step whose max |grad| was measured
+  (on the CPU every 10th recorded step: ``w.plot("flow", step=...)``);
 - ``graph.svg``: the autograd graph of a small model with gradients (``graddbg.graph``);
 - ``modules.svg``: graddbg's modules and their imports, parsed from the code;
 - ``events.svg``: the step events of a Watch and the ordered checks they go to;
@@ -154,8 +155,10 @@ def main() -> int:
 
     ASSETS.mkdir(parents=True, exist_ok=True)
     model, w = watched_run()
-    for kind in ("norms", "flow"):
-        fig = w.plot(kind)
+    stats = w.stats
+    measured = int(stats.loc[stats["absmax"].notna(), "step"].max())
+    for kind, kw in (("norms", {}), ("flow", {"step": measured})):
+        fig = w.plot(kind, **kw)
         fig.savefig(ASSETS / f"{kind}.png", dpi=80, bbox_inches="tight")
     small = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     g = graddbg.graph(lambda: small(torch.randn(2, 4)).sum(), model=small, grads=True)

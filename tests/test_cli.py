@@ -8,12 +8,14 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 import graddbg
 from graddbg import cli
+import graddbg._script as _script
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 
@@ -97,6 +99,56 @@ def test_report_renders_a_saved_run(tmp_path):
     assert res.returncode == 0, res.stderr
     page = _parse(tmp_path / "r.html")
     assert "svg" in page.tags and "weight" in " ".join(page.text)
+
+
+def test_report_writes_next_to_its_input_by_default_and_says_where(tmp_path, monkeypatch, capsys):
+    model = torch.nn.Linear(3, 1)
+    with graddbg.watch(model) as w:
+        model(torch.randn(2, 3)).sum().backward()
+    (tmp_path / "runs").mkdir()
+    path = w.save(tmp_path / "runs" / "run.parquet")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert cli.main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "runs" / "run.html").stat().st_size > 1000
+    assert out == f"graddbg report: wrote {tmp_path / 'runs' / 'run.html'}\n"
+    assert list((tmp_path / "elsewhere").iterdir()) == []  # nothing in the current folder
+
+
+def _subparsers():
+    parser = cli._parser()
+    sub = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    return parser, sub.choices
+
+
+@pytest.mark.parametrize("command", ["demo", "run", "report"])
+def test_every_command_has_a_description_and_every_option_its_help_and_default(command):
+    _, commands = _subparsers()
+    p = commands[command]
+    assert p.description and len(p.description) > 100, command
+    help_text = p.format_help()
+    text = help_text[help_text.index("\noptions:"):]  # the option entries, after the usage
+    for action in p._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{command} {action.dest}: no help"
+        if action.option_strings:  # an option: its default is said (a value, or what None means)
+            entry = text[text.index("\n  " + action.option_strings[-1]):]
+            entry = entry[:(entry + "\n  -").index("\n  -", 1)]  # up to the next option
+            assert "(default:" in " ".join(entry.split()), (command, action.dest, entry)
+    for flag, default in {"run": [("--nonfinite", "raise"), ("--explode", "warn"), ("--vanish", "none")],
+                          "demo": [("--steps", "120")], "report": []}[command]:
+        assert f"(default: {default})" in " ".join(text[text.index("\n  " + flag):].split())[:200], flag
+
+
+def test_run_usage_shows_the_scripts_arguments_as_optional(capsys):
+    _, commands = _subparsers()
+    usage = " ".join(commands["run"].format_usage().split())
+    assert usage.endswith("script [args ...]"), usage
+    assert cli.main(["run"]) == 2
+    err = capsys.readouterr().err
+    assert "the following arguments are required: script (" in err and "args" not in err, err
 
 
 @pytest.mark.parametrize("args,message", [
@@ -409,7 +461,7 @@ def test_snapshots_without_an_optimizer_are_due_between_backward_passes():
     outermost forward pass once the watch has started (not before, not for submodules)."""
     calls = []
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
-    with cli.ScriptWatcher({"explode": None}, after_step=lambda: calls.append(1)) as watcher:
+    with _script.ScriptWatcher({"explode": None}, after_step=lambda: calls.append(1)) as watcher:
         for _ in range(4):
             model(torch.randn(2, 3)).sum().backward()
             with torch.no_grad():
@@ -426,11 +478,11 @@ def test_the_model_of_an_optimizer_is_the_outermost_smallest_owner():
     outer = torch.nn.ModuleDict({"net": inner})  # a LightningModule around what it calls
     ema = torch.nn.ModuleDict({"model": outer, "ema": torch.nn.Linear(2, 2)})  # more trainable parameters
     held = {id(p) for p in inner.parameters()}
-    assert cli._choose([inner, ema, outer], held) is outer
+    assert _script.choose_model([inner, ema, outer], held) is outer
     frozen = torch.nn.ModuleDict({"backbone": torch.nn.Linear(2, 2).requires_grad_(False), "head": inner})
-    assert cli._choose([inner, frozen], held) is frozen  # frozen parameters do not count
-    assert cli._choose([inner[0]], held) is inner[0]
-    assert cli._choose([torch.nn.Linear(2, 2)], held) is None
+    assert _script.choose_model([inner, frozen], held) is frozen  # frozen parameters do not count
+    assert _script.choose_model([inner[0]], held) is inner[0]
+    assert _script.choose_model([torch.nn.Linear(2, 2)], held) is None
 
 
 def test_quickstart_example_prints_the_summary_table():
@@ -467,3 +519,81 @@ def test_a_nan_at_the_first_step_is_blamed_on_its_op_as_under_watch(tmp_path):
     (a,) = graddbg.load(tmp_path / "out" / "stats.parquet").anomalies
     assert (a.kind, a.step, a.module, a.op) == ("nonfinite", 0, "1", "SqrtBackward0")
     assert a.source.endswith("sqrt_train.py:8") and a.reproduced is True
+
+
+def test_run_records_the_first_steps_pre_clip_norm(tmp_path):
+    """As under watch(): step 0's global norm is the pre-clip one (torch's clip returns it),
+    its post-clip norm in clipped_norm; before, the watch began after step 0's clip."""
+    norms_file = tmp_path / "norms.txt"
+    assert cli.main(["run", "--out", str(tmp_path / "out"), str(SCRIPTS / "clip_train.py"), str(norms_file)]) == 0
+    torch_norms = [float(v) for v in norms_file.read_text().split()]
+    steps = graddbg.load(tmp_path / "out" / "stats.parquet").steps
+    assert list(steps["step"]) == [0, 1, 2]
+    assert steps["global_norm"].tolist() == pytest.approx(torch_norms, rel=1e-5)
+    assert torch_norms[0] > 2 and steps["clipped_norm"].tolist() == pytest.approx([1.0] * 3, rel=1e-5)
+
+
+def test_run_under_torch_compile_gives_no_warning_of_graddbgs_hooks(tmp_path):
+    import warnings
+
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        inner = list(warnings.filters)
+        assert cli.main(["run", "--out", str(tmp_path), str(SCRIPTS / "compiled_train.py")]) == 0
+        assert warnings.filters == inner  # graddbg's filter is gone with its hooks
+    assert [str(w.message)[:80] for w in seen if "global hooks" in str(w.message)] == []
+    assert warnings.filters == before
+    assert len(graddbg.load(tmp_path / "stats.parquet").steps) == 3
+
+
+def _timed_lines(cmd, cwd):
+    """Run ``cmd``; (time of each output line, keyed by its start; the exit time), from
+    its start."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, stdin=subprocess.DEVNULL)
+    seen = {}
+    for line in proc.stdout:
+        seen.setdefault(line.split(":")[0].strip(), time.monotonic() - t0)
+    proc.wait(timeout=300)
+    assert proc.returncode == 0, seen
+    return seen, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_run_with_dataloader_workers_exits_like_the_plain_script(tmp_path):
+    """The script's objects die at exit as under plain python: once the report is written,
+    graddbg run exits as fast as the plain script does after its last line; and writing the
+    report takes no longer with DataLoader workers than without (before: the script's
+    namespace was collected while the report was written, the workers' queues first, and
+    each worker's join waited out its 5 s timeout: 15 s more with 3 workers)."""
+    script = str(SCRIPTS / "loader_train.py")
+    plain, plain_exit = _timed_lines([sys.executable, script, "3"], tmp_path)
+    plain_tail = plain_exit - plain["script done"]
+    tails, writes = [], []
+    for workers in ("3", "0"):  # (3 workers: 15 s of joins before, far above the bounds below)
+        out = tmp_path / f"out{workers}"
+        run, run_exit = _timed_lines([sys.executable, "-m", "graddbg", "run", "--out", str(out), script, workers],
+                                     tmp_path)
+        tails.append(run_exit - run["graddbg run"])  # after the report's line: the exit
+        writes.append(run["graddbg run"] - run["script done"])  # the record and the report
+    assert tails[0] < plain_tail + 4.0, (tails, plain_tail)  # (generous: a loaded machine)
+    assert writes[0] < writes[1] + 7.0, writes
+
+
+def test_run_summary_counts_in_words(tmp_path, capsys):
+    """'1 step', '1 anomaly': not '1 steps', '1 anomalies'."""
+    script = tmp_path / "one_step.py"
+    script.write_text("import torch\nm = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                      "m(torch.randn(3, 2)).sum().backward()\nopt.step()\n"
+                      "m(torch.randn(3, 2)).sum().backward()\nopt.step()\n")  # no zero_grad: 1 finding
+    assert cli.main(["run", "--out", str(tmp_path / "o"), "--stale-grad", "record", "--fail-on", "never",
+                     str(script)]) == 0
+    out = capsys.readouterr().out
+    assert "with SGD for 2 steps; 1 anomaly; report:" in out, out
+    from graddbg.plots import counted
+
+    assert [counted(n, w) for n, w in ((1, "step"), (2, "step"), (1, "anomaly"), (2, "anomaly"), (0, "key"))] \
+        == ["1 step", "2 steps", "1 anomaly", "2 anomalies", "0 keys"]

@@ -832,3 +832,54 @@ def test_missing_dot_gives_install_hint_and_source_still_works(monkeypatch, tmp_
     assert isinstance(DotNotFoundError("x"), GraddbgError)
     bundle = g._repr_mimebundle_()
     assert "image/svg+xml" not in bundle and "apt-get install graphviz" in bundle["text/plain"]
+
+
+def test_watch_labels_never_show_an_unmeasured_absmax_as_nan():
+    """On the CPU absmax is read every 10th recorded step (NaN in between): the label shows
+    the last reading with its step, never 'absmax=nan'; the norm is the last step's."""
+    import graddbg
+
+    torch.manual_seed(0)
+    model = TwoModules()
+    with graddbg.watch(model) as w:
+        for _ in range(13):
+            model(torch.randn(2, 3)).sum().backward()
+    stats = w.stats
+    last = int(stats["step"].max())
+    absmax_steps = sorted(stats.loc[stats["absmax"].notna(), "step"].unique())
+    assert absmax_steps[-1] < last, "absmax was read on the last step: nothing to test"
+    g = graph(model(torch.randn(2, 3)).sum(), model=model, watch=w)
+    for node in [n for n in g.nodes if n.kind == "param"]:
+        (label,) = node.detail
+        assert "nan" not in label, label
+        row = stats[(stats["step"] == last) & (stats["name"] == node.name)].iloc[0]
+        assert label.startswith(f"step {last}: norm={float(row['norm']):.3g} absmax="), label
+        assert label.endswith(f" (step {absmax_steps[-1]})"), label
+    # the same from a loaded run (no History: its .stats frame), and a parameter never measured
+    run = w.to_run()
+    g2 = graph(model(torch.randn(2, 3)).sum(), model=model, watch=run)
+    assert [n.detail for n in g2.nodes if n.kind == "param"] == [n.detail for n in g.nodes if n.kind == "param"]
+
+
+def test_history_latest_and_last_recorded_read_the_last_rows():
+    from graddbg.stats import History
+
+    import graddbg
+
+    model = torch.nn.Linear(3, 2)
+    with graddbg.watch(model, every=2) as w:
+        for _ in range(5):
+            model(torch.randn(4, 3)).sum().backward()
+    h = w.history
+    last = h.last_recorded()
+    steps = w.steps
+    rec = steps[steps["recorded"].astype(bool)].iloc[-1]
+    assert last["step"] == int(rec["step"]) == 4 and last["global_norm"] == pytest.approx(float(rec["global_norm"]))
+    stats = w.stats
+    at = stats[stats["step"] == 4].set_index("name")
+    assert list(last["norm"]) == pytest.approx([float(at.loc[n, "norm"]) for n in h.names])
+    values, where = h.latest("absmax")
+    assert list(where) == [0, 0]  # read at the first recorded step only (every 10th on the CPU)
+    with pytest.raises(ValueError, match=r"History.latest\(column=...\): got 'nope'"):
+        h.latest("nope")
+    assert History(["a"], [1], (), 10, 100).last_recorded() is None

@@ -41,6 +41,8 @@ ALLOWED = {
     "ddp_verify": {"_errors", "_model", "_compiled", "_collective", "stats"},
     "run": {"_errors", "_model", "stats", "anomaly", "_io"},
     "report": {"_errors", "_source", "_model", "_io", "stats", "anomaly", "plots", "graphviz"},
+    "_demo_model": set(),  # the demo's model and loop: user-level code (graddbg demo)
+    "_script": set(),  # script discovery for graddbg run (cli's engine)
     "cli": None,  # on top of everything
     "_launch": set(),
 }
@@ -54,6 +56,8 @@ LAZY = {
     "report": {"plots", "graphviz", "stats", "anomaly", "__init__"},
     "pytest_plugin": {"gradcheck", "stats", "hooks", "anomaly"},
     "plots": {"stats"},  # (rollup_norms: the one roll-up rule)
+    "_demo_model": {"__init__"},  # (graddbg.watch, as a user's script calls it)
+    "_script": {"_model", "__init__"},
 }
 
 

@@ -235,7 +235,8 @@ def test_flow_unmeasured_absmax_is_not_nonfinite():
     assert all(t.get_color() != plots.NONFINITE_COLOR for t in ax.get_xticklabels())
     # the rms bars are all there; no max bar, since nothing was measured
     bars = dict(zip([c.get_label() for c in ax.containers], ax.containers))
-    assert len(bars["max |grad|"].patches) == 0
+    assert len(bars["_max |grad|"].patches) == 0  # (and no legend entry for it)
+    assert "max |grad|" not in [t.get_text() for t in ax.get_legend().get_texts()]
     assert len(bars["rms |grad| (norm/√numel)"].patches) == len(PARAMS) - 2
     names = [p[0] for p in PARAMS]
     assert list(marks["zero"].get_xdata()) == [names.index("layers.0.bias")]
@@ -257,28 +258,46 @@ def test_flow_nonfinite_count_marks_even_without_absmax():
     assert any(t.get_text() == "2 NaN/Inf" for t in ax.texts)
 
 
-def test_flow_shows_the_latest_measured_absmax():
+def test_flow_draws_one_step_only():
+    """rms and max |grad| come from the same step: where absmax was not measured at it, no
+    max bar is drawn (never one of another step) and the title says where it was last."""
     f = make_frames(8, absmax_steps=(1, 5))
     stats = f["stats"]
     names = [p[0] for p in PARAMS]
 
-    def max_bars(step):
-        cont = plots.flow(stats, step=step).axes[0].containers[0]
-        return cont.get_label(), [p.get_height() for p in cont.patches]
+    def drawn(step):
+        ax = plots.flow(stats, step=step).axes[0]
+        return ax.get_title(), [p.get_height() for p in ax.containers[0].patches]
 
     at5 = stats[stats.step == 5].set_index("name").absmax.loc[names]
-    label, heights = max_bars(8)
-    assert label == "max |grad| (step 5)"
-    np.testing.assert_allclose(heights, at5.to_numpy())
-    assert max_bars(3)[0] == "max |grad| (step 1)"
-    assert max_bars(5) == ("max |grad|", list(at5))
-    # a parameter measured later than the others: each shows its own latest value
+    title, heights = drawn(8)
+    assert heights == [] and title.endswith("\nmax |grad| not measured at step 8 (last at step 5)"), title
+    assert drawn(3)[0].endswith("max |grad| not measured at step 3 (last at step 1)")
+    title, heights = drawn(5)
+    assert title == "Gradient flow at step 5" and heights == list(at5)
+    # one parameter measured at a step the others were not: only its bar, and the note says so
     late = stats.copy()
     late.loc[(late.step == 7) & (late.name == "head.bias"), "absmax"] = 0.5
-    ax = plots.flow(late, step=8).axes[0]
-    assert ax.containers[0].get_label() == "max |grad| (steps 5–7)"
-    heights = [p.get_height() for p in ax.containers[0].patches]
-    assert heights[names.index("head.bias")] == 0.5
+    ax = plots.flow(late, step=7).axes[0]
+    assert [p.get_height() for p in ax.containers[0].patches] == [0.5]
+    assert ax.get_title().endswith(f"max |grad| not measured at step 7 for {len(names) - 1} of {len(names)} "
+                                   f"parameters (last at step 5)")
+
+
+def test_flow_legend_is_outside_the_axes():
+    """The legend covers no marker: it lies right of the axes, whose markers sit inside."""
+    f = make_frames(4, nan=[(4, "head.weight")])
+    fig = plots.flow(f["stats"], step=4)
+    ax = fig.axes[0]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    axes = ax.get_window_extent(renderer)
+    assert legend.x0 >= axes.x1 - 1, (legend, axes)
+    assert "non-finite (1)" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
 def test_flow_without_nonfinite_column_reads_norm_and_infinite_absmax():
@@ -293,8 +312,10 @@ def test_flow_without_nonfinite_column_reads_norm_and_infinite_absmax():
     assert list(lines_by_gid(ax)["nonfinite"].get_xdata()) == \
         [names.index("embed.weight"), names.index("head.weight")]
     assert sum(t.get_text() == "NaN/Inf" for t in ax.texts) == 2
-    # the unmeasured one keeps its rms bar and falls back on the step before for its max
-    assert ax.containers[0].get_label() == "max |grad| (steps 1–2)"
+    # the unmeasured one keeps its rms bar and has no max bar (none of another step)
+    assert ax.containers[0].get_label() == "max |grad|"
+    max_x = [p.get_x() + p.get_width() / 2 for p in ax.containers[0].patches]
+    assert names.index("layers.0.bias") not in max_x
     rms_x = [p.get_x() + p.get_width() / 2 for p in ax.containers[1].patches]
     assert names.index("layers.0.bias") in rms_x
 
@@ -438,7 +459,7 @@ def test_update_ratio_lines_and_guide(frames):
     skipped = stats.assign(update_ratio=np.where(stats.step == 3, 0.0, stats.update_ratio))
     ax3 = plots.update_ratio(skipped).axes[0]
     assert list(lines_by_gid(ax3)["zero"].get_xdata()) == [3]
-    assert "no update (1 steps)" in labels_of(ax3)
+    assert "no update (1 step)" in labels_of(ax3)  # (one step, in words)
     render(ax3.figure)
     assert "0.001" in [t.get_text() for t in ax3.get_yticklabels()]  # plain-text log labels
     ax2 = plots.update_ratio(stats, guide=1e-2).axes[0]
@@ -661,8 +682,9 @@ def test_frames_of_a_real_watch_plot_without_warnings():
     last = int(stats.step.max())
     measured = stats.loc[stats.absmax.notna() & (stats.step <= last), "step"]
     if len(measured) and int(measured.max()) != last:  # absmax read every few steps only
-        assert ax.containers[0].get_label() == f"max |grad| (step {int(measured.max())})"
-    assert len(ax.containers[0].patches) == (4 if len(measured) else 0)
+        assert ax.get_title().endswith(f"max |grad| not measured at step {last} (last at step "
+                                       f"{int(measured.max())})")
+    assert len(ax.containers[0].patches) == (4 if last in set(measured) else 0)
 
 
 def test_norms_groups_one_level_deeper_inside_a_single_container():

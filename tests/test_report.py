@@ -431,3 +431,37 @@ def test_report_arguments_are_checked(tmp_path):
     assert isinstance(info.value, GraddbgError)
     with pytest.raises(ValueError, match="is a directory; give a file name such as .*report.html"):
         write_report(run, tmp_path)
+
+
+def test_an_unmeasured_value_is_never_shown_as_a_measured_nan(tmp_path):
+    """A stale-gradient finding has no value (NaN in the record): its cells stay empty, not
+    a red NaN; parameters without an update ratio show nothing; with every=2 the facts give
+    the last *recorded* step's global norm (the last step has none); a non-finite finding's
+    NaN is a measurement and stays shown."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddbg.watch(model, opt, every=2, update_every=None, nonfinite="record", stale_grad="record") as w:
+        for i in range(5):
+            if i != 1:  # zero_grad forgotten once: a stale gradient at step 1
+                opt.zero_grad()
+            x = torch.randn(4, 3)
+            if i == 2:
+                x[0, 0] = float("nan")
+            model(x).sum().backward()
+            opt.step()
+    kinds = {a.kind for a in w.anomalies}
+    assert {"stale_grad", "nonfinite"} <= kinds, kinds
+    stale = next(a for a in w.anomalies if a.kind == "stale_grad")
+    assert stale.value is None or math.isnan(stale.value)  # (what the finding records)
+    page = Page(w.report(tmp_path / "r.html").read_text())
+    table = page.table("anomalies")
+    col = table["header"].index("value")
+    for row in table["rows"]:
+        if row[1] == "stale_grad":
+            assert row[col] == "" and row[table["header"].index("threshold")] == "", row
+    assert all("NaN" not in " ".join(r) for r in page.table("param-summary")["rows"]), \
+        page.table("param-summary")
+    facts = dict(page.table("facts")["rows"])
+    assert "global norm, last recorded step (4)" in facts and facts["global norm, last recorded step (4)"] != "NaN"
+    assert "global norm, last step" not in facts

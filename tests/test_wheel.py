@@ -36,7 +36,7 @@ def _run(cmd, cwd, env=None, timeout=300):
 def _build_wheel(tmp: Path) -> Path:
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(ROOT / "graddbg", src / "graddbg", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     args = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp / "dist", src]
@@ -102,14 +102,18 @@ def test_wheel_installs_a_working_graddbg(tmp_path: Path):
         "print((pathlib.Path(graddbg.__file__).parent / 'py.typed').is_file())\n"
         "print(sorted(e.value for e in md.entry_points(group='pytest11') if e.name == 'graddbg'))\n"
         "print(md.distribution('graddbg').read_text('direct_url.json') is None or 'editable' not in md.distribution('graddbg').read_text('direct_url.json'))\n"
+        "meta = md.metadata('graddbg'); print(meta['License-Expression'])\n"
+        "print(any(str(f).endswith('LICENSE') and 'BSD 3-Clause' in f.read_text() for f in md.files('graddbg')))\n"
     )], cwd=work, env=env).splitlines()
-    module_file, site, typed, plugin, not_editable = info
+    module_file, site, typed, plugin, not_editable, license_expr, license_file = info
     assert Path(module_file).resolve().is_relative_to(Path(site).resolve()), \
         f"graddbg imported from {module_file}, not from the new environment ({site})"
     assert not Path(module_file).resolve().is_relative_to(ROOT)
     assert typed == "True", "py.typed is not in the wheel"
     assert plugin == "['graddbg.pytest_plugin']", plugin
     assert not_editable == "True"
+    assert license_expr == "BSD-3-Clause", license_expr  # the metadata names the license
+    assert license_file == "True", "the wheel does not carry the LICENSE file"
 
     # the console script, from the wheel's entry point
     script = venv / "bin" / "graddbg"
