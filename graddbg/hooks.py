@@ -47,13 +47,14 @@ _is_compiling = torch.compiler.is_compiling
 class HookSet:
     """Owns hook handles: every handle added here is removed by `remove_all`.
 
-    >>> hs = HookSet()
-    >>> m = torch.nn.Linear(2, 2)
-    >>> _ = hs.add(m.register_forward_hook(lambda *a: None))
-    >>> len(m._forward_hooks), len(hs)
-    (1, 1)
-    >>> hs.remove_all(); len(m._forward_hooks)
-    0
+    Examples:
+        >>> hs = HookSet()
+        >>> m = torch.nn.Linear(2, 2)
+        >>> _ = hs.add(m.register_forward_hook(lambda *a: None))
+        >>> len(m._forward_hooks), len(hs)
+        (1, 1)
+        >>> hs.remove_all(); len(m._forward_hooks)
+        0
     """
 
     def __init__(self) -> None:
@@ -274,12 +275,13 @@ class StepClock:
     the closure, as LBFGS makes, the first counts); a GradScaler that updated since the
     last backward pass of a step that never came skipped that step.
 
-    >>> c = StepClock(); c.backward_ended(None), c.step_began(closure=False)
-    ((True, False), True)
-    >>> c.advance(); c.step_began(closure=True), c.backward_ended(None), c.backward_ended(None)
-    (False, (True, False), (False, False))
-    >>> c.step_ended(), c.index
-    (True, 1)
+    Examples:
+        >>> c = StepClock(); c.backward_ended(None), c.step_began(closure=False)
+        ((True, False), True)
+        >>> c.advance(); c.step_began(closure=True), c.backward_ended(None), c.backward_ended(None)
+        (False, (True, False), (False, False))
+        >>> c.step_ended(), c.index
+        (True, 1)
     """
 
     def __init__(self) -> None:
@@ -450,7 +452,7 @@ class _Results:
         meta = dict(self.meta, uncovered=self._part(StatsRecorder).uncovered(),
                     steps_dropped=self._ctx.history.dropped)
         return Run(self.stats, self.steps, list(self.anomalies), histograms=self.histograms,
-                   activations=self.activations, meta=meta)
+                   activations=self.activations, meta=meta, ledger=self.ledger)
 
     def save(self, path: Any) -> Any:
         """Write the run (statistics, steps, anomalies) to ``path`` (parquet + JSON, no pickle)."""
@@ -940,15 +942,16 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
         GraddbgValueError: a value out of range, or an optimizer holding none of the
             model's parameters.
 
-    >>> import torch, graddbg
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> with graddbg.watch(model, opt) as w:
-    ...     for _ in range(4):
-    ...         model(torch.randn(16, 4)).pow(2).mean().backward()
-    ...         opt.step(); opt.zero_grad()
-    >>> len(w.stats), list(w.summary()["name"])
-    (16, ['0.weight', '0.bias', '2.weight', '2.bias'])
+    Examples:
+        >>> import torch, graddbg
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with graddbg.watch(model, opt) as w:
+        ...     for _ in range(4):
+        ...         model(torch.randn(16, 4)).pow(2).mean().backward()
+        ...         opt.step(); opt.zero_grad()
+        >>> len(w.stats), list(w.summary()["name"])
+        (16, ['0.weight', '0.bias', '2.weight', '2.bias'])
     """
     options = {k: v for k, v in locals().items() if k not in ("model", "optimizer", "old_spellings")}
     if "localize" in old_spellings and localise is True:  # (the default: the old spelling decides)

@@ -5,13 +5,14 @@ that validates (and normalises) a value given for it. ``watch``, ``Watch``, the 
 callbacks and ``graddbg run`` all build their options through `WatchOptions.parse`,
 so a bad value raises the same error everywhere, at the moment it is given.
 
->>> opts = WatchOptions.parse("watch", {"every": 2, "explode": None})
->>> opts.every, opts.explode
-(2, None)
->>> WatchOptions.parse("watch", {"evry": 2})
-Traceback (most recent call last):
-...
-graddbg._errors.GraddbgTypeError: watch(): unknown keyword(s) ['evry'] (did you mean 'every'?); accepted: ...
+Examples:
+    >>> opts = WatchOptions.parse("watch", {"every": 2, "explode": None})
+    >>> opts.every, opts.explode
+    (2, None)
+    >>> WatchOptions.parse("watch", {"evry": 2})
+    Traceback (most recent call last):
+    ...
+    graddbg._errors.GraddbgTypeError: watch(): unknown keyword(s) ['evry'] (did you mean 'every'?); accepted: ...
 """
 from __future__ import annotations
 

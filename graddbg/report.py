@@ -168,6 +168,9 @@ def render_report(run: Any, *, graph: Any = None, title: Optional[str] = None) -
         ("plots", "Plots", _plots_html(view, steps, anomalies, histograms)),
         ("parameters", "Per-parameter summary", _summary_table_html(view, "param")),
         ("modules", "Per-module summary", _summary_table_html(view, "module"))]
+    ledger = getattr(run, "ledger", None)
+    if ledger is not None and len(ledger):
+        sections.insert(3, ("ledger", "What happened in the steps of the findings", _ledger_html(ledger, anomalies)))
     if activations is not None and len(activations):
         sections.append(("activations", "Activation gradients (per module)",
                          _activations_html(activations)))
@@ -339,6 +342,30 @@ def _summary_html(view: "_View", steps: "pandas.DataFrame",
     return "".join(out)
 
 
+#: the ledger's columns shown for a finding's step (and the steps just before it)
+LEDGER_COLUMNS = ("step", "path", "forwards", "mode", "backwards", "held_before", "between", "grads", "lr",
+                  "moved", "unmoved_with_grad", "skipped", "global_norm", "clipped_norm", "scale", "findings")
+
+
+def _ledger_html(ledger: Any, anomalies: Sequence[Any], most: int = 5, before: int = 2) -> str:
+    """The ledger's rows of the first ``most`` steps with a finding, each with the ``before``
+    steps before it: what fed each step and what the step did (`Watch.ledger`)."""
+    steps = sorted({int(d["step"]) for d in _anomaly_dicts(anomalies) if d.get("step") is not None})[:most]
+    if not steps:
+        return (f'<p class="note">No finding: the ledger kept {len(ledger)} step(s); '
+                f"<code>w.ledger</code> has them all.</p>")
+    cols = [c for c in LEDGER_COLUMNS if c in ledger.columns]
+    parts = []
+    for s in steps:
+        rows = ledger[(ledger["step"] >= s - before) & (ledger["step"] <= s)]
+        if not len(rows):
+            continue
+        body = [[r[c] for c in cols] for _, r in rows.iterrows()]
+        parts.append(f"<h3>Step {s}</h3>" + _table(body, cols, bad_rows=[int(r["step"]) == s for _, r in rows.iterrows()],
+                                                   cls="ledger", blank_nan=True))
+    return "".join(parts) or '<p class="note">The steps of the findings are older than the ledger keeps.</p>'
+
+
 #: what each training-hygiene finding means, in a reader's words: (symptom, cause and fix)
 HYGIENE_TEXT = {
     "stale_grad": ("gradients survive an optimizer step", "optimizer.zero_grad() is missing"),
@@ -347,8 +374,20 @@ HYGIENE_TEXT = {
     "orphan_param": ("parameters with gradients that no param group holds",
                      "a layer replaced or added after the optimizer was built"),
     "no_update": ("non-zero gradients, unchanged parameters", "a learning rate of 0, or a step that skips them"),
-    "dead_grad": ("gradients exactly zero after being non-zero", "dead ReLUs or a saturated layer"),
-    "unused_param": ("parameters that never received a gradient", "unused in forward, or a .detach()"),
+    "double_step": ("one set of gradients applied by two steps", "optimizer.step() called twice per iteration"),
+    "scaled_grad": ("a step on gradients still scaled by GradScaler", "optimizer.step() instead of scaler.step()"),
+    "foreign_update": ("parameters changed outside the watched optimizer's step",
+                       "another optimizer (one re-created in the loop), or code writing the weights"),
+    "lr_schedule": ("a learning rate that changes per micro-batch or collapses",
+                    "a scheduler stepped per micro-batch, or per batch instead of per epoch"),
+    "hidden_param": ("tensors trained through the loss that are not parameters",
+                     "a tensor instead of nn.Parameter, a list instead of nn.ModuleList, a layer built in forward"),
+    "eval_mode": ("training steps in eval mode", "model.eval() for validation, never undone"),
+    "loss_pattern": ("a harmful pattern on the path to the loss",
+                     "softmax before cross_entropy, nll_loss on probabilities, a broadcasting target, ..."),
+    "dead_grad": ("gradients exactly zero step after step", "dead ReLUs, a saturated layer, dead from initialisation"),
+    "unused_param": ("parameters cut off from the loss", "unused in forward, a .detach(), a no_grad region, "
+                     "a reentrant checkpoint"),
 }
 
 

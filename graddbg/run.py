@@ -43,13 +43,14 @@ __all__ = ["Run", "load", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 _META_KEY = b"graddbg"
-_TABLES = ("steps", "histograms", "activations")
+_TABLES = ("steps", "histograms", "activations", "ledger")
 PathLike = Union[str, "os.PathLike[str]"]
 
 # what load() insists on: the columns every table needs, and the kind of known columns
 _REQUIRED = {"stats": ("step", "name"), "steps": ("step",),
              "histograms": ("step", "name", "lo", "hi", "count"),
-             "activations": ("step", "module", "grad_norm", "out_nonfinite")}
+             "activations": ("step", "module", "grad_norm", "out_nonfinite"),
+             "ledger": ("step", "path")}
 _NUMBER = ("int", "float")
 _KINDS = {
     "stats": {"step": ("int",), "name": ("text",), "module": ("text",), "numel": ("int",),
@@ -62,6 +63,7 @@ _KINDS = {
                    "count": ("int",)},
     "activations": {"step": ("int",), "module": ("text",), "grad_norm": _NUMBER,
                     "out_nonfinite": ("int",)},
+    "ledger": {"step": ("int",), "path": ("text",)},
 }
 
 
@@ -80,6 +82,7 @@ class Run:
         anomalies: the `Anomaly` records.
         histograms: the gradient histograms, when recorded.
         activations: the activation statistics, when recorded.
+        ledger: the step ledger (`Watch.ledger`: what happened in each step), when kept.
         meta: facts about the run (model, optimizer, options, torch version, ...).
 
     Examples:
@@ -97,12 +100,12 @@ class Run:
                  anomalies: Iterable[Anomaly] = (),
                  histograms: Optional["pandas.DataFrame"] = None,
                  activations: Optional["pandas.DataFrame"] = None,
-                 meta: Optional[Dict[str, Any]] = None) -> None:
+                 meta: Optional[Dict[str, Any]] = None, ledger: Optional["pandas.DataFrame"] = None) -> None:
         import pandas as pd
 
         for arg, value, optional in (("stats", stats, False), ("steps", steps, False),
                                      ("histograms", histograms, True),
-                                     ("activations", activations, True)):
+                                     ("activations", activations, True), ("ledger", ledger, True)):
             if not isinstance(value, pd.DataFrame) and not (optional and value is None):
                 accepted = "a pandas DataFrame" + (" or None" if optional else "")
                 raise GraddbgTypeError(f"Run({arg}=...) must be {accepted}; got {type(value).__name__}")
@@ -118,6 +121,7 @@ class Run:
         self.anomalies: List[Anomaly] = anomalies
         self.histograms = histograms
         self.activations = activations
+        self.ledger = ledger
         self.meta: Dict[str, Any] = dict(meta or {})
 
     def __repr__(self) -> str:
@@ -338,7 +342,7 @@ def load(path: PathLike) -> Run:
         steps = pd.DataFrame({"step": pd.Series([], dtype="int64")})
     anomalies = _anomalies(path, doc.get("anomalies") or [])
     return Run(frames["stats"], steps, anomalies, histograms=frames["histograms"],
-               activations=frames["activations"], meta=doc.get("meta") or {})
+               activations=frames["activations"], meta=doc.get("meta") or {}, ledger=frames["ledger"])
 
 
 def _Invalid(path: pathlib.Path, what: str) -> GraddbgError:

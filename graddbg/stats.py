@@ -6,14 +6,15 @@ per group, one fallback loop for what foreach cannot take (sparse gradients, DTe
 shards), no host synchronisation. `Readback` then copies everything a step needs
 to the host at once: one synchronisation per recorded step.
 
->>> import torch
->>> model = torch.nn.Linear(4, 2)
->>> model(torch.ones(3, 4)).sum().backward()
->>> df = grad_stats(model)
->>> list(df["name"])
-['weight', 'bias']
->>> round(float(df.loc[df.name == "bias", "norm"].iloc[0]), 4)  # sqrt(3^2 + 3^2)
-4.2426
+Examples:
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> model(torch.ones(3, 4)).sum().backward()
+    >>> df = grad_stats(model)
+    >>> list(df["name"])
+    ['weight', 'bias']
+    >>> round(float(df.loc[df.name == "bias", "norm"].iloc[0]), 4)  # sqrt(3^2 + 3^2)
+    4.2426
 """
 from __future__ import annotations
 

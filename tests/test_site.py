@@ -182,16 +182,8 @@ def prose_doctests(html_text: str) -> list:
     return parser.found
 
 
-# pages whose docstrings live in files another change rewrites (their bare doctests are
-# converted to Examples: sections there); strict: the mark must go once they are
-_PENDING = {"hooks": "graddbg/hooks.py: watch() and HookSet", "options": "graddbg/options.py: the module",
-            "stats": "graddbg/stats.py: the module and Readback"}
-
-
 @pytest.mark.parametrize("page", sorted(p.stem for p in (ROOT / "docs" / "reference").glob("*.md")))
-def test_no_doctest_is_shown_as_prose(site: Path, page: str, request):
-    if page in _PENDING:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"bare doctests in {_PENDING[page]}"))
+def test_no_doctest_is_shown_as_prose(site: Path, page: str):
     html_text = (site / "reference" / ("" if page == "index" else page) / "index.html").read_text()
     assert prose_doctests(html_text) == [], page
 
