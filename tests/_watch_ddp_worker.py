@@ -6,6 +6,8 @@ import os
 import traceback
 from datetime import timedelta
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -112,6 +114,25 @@ def _through_the_compiled_kernel(x: torch.Tensor, y: torch.Tensor, rank: int) ->
     return got
 
 
+def _drift(x: torch.Tensor, y: torch.Tensor, rank: int, at: Optional[int], steps: int = 8) -> list:
+    """watch()'s defaults over 8 steps; ``at``: from that step on, rank 1 doubles its first
+    layer's reduced gradient before the step (a rank-local edit: the replicas drift apart from
+    then on, long before the scheduled check at step 100)."""
+    import graddbg
+
+    torch.manual_seed(0)
+    model = DDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddbg.watch(model, opt, nonfinite="record") as w:
+        for step in range(steps):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if at is not None and step >= at and rank == 1:
+                model.module[0].weight.grad.mul_(2.0)
+            opt.step()
+    return [(a.kind, a.step, a.name) for a in w.anomalies]
+
+
 def main(rank: int, world: int, port: int, out: str) -> None:
     import graddbg
 
@@ -178,6 +199,11 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         #    weights): a square weight transposed on rank 1 after step 1 is found at step 2;
         #    its healthy twin is silent
         record["compiled"] = _through_the_compiled_kernel(x, y, rank)
+
+        # 7. the replicas compared at every recorded step from the reduced norms (issue 31):
+        #    a drift that starts at step 5 is found at step 5, not at step 100; 8 healthy steps
+        #    are silent
+        record["drift"] = {"healthy": _drift(x, y, rank, None), "at5": _drift(x, y, rank, 5)}
     except Exception:
         record["error"] = traceback.format_exc()
     finally:

@@ -82,3 +82,14 @@ def test_the_replica_check_through_the_compiled_fingerprint_kernel(ddp_results):
         assert got["kernel"] == "compiled", got["kernel"]
         assert got["healthy"] == [], got["healthy"]
         assert [tuple(a) for a in got["transposed"]] == [("ddp_mismatch", 2, "2.weight")], got["transposed"]
+
+
+@pytest.mark.timeout(240)
+def test_replicas_are_compared_at_every_recorded_step(ddp_results):
+    """Issue 31: a hash of the reduced gradient norms, compared across the replicas at every
+    recorded step (16 bytes), finds a drift at the step it starts and the full check names
+    the parameter then; eight healthy steps stay silent."""
+    for r in (0, 1):
+        drift = ddp_results[r]["drift"]
+        assert drift["healthy"] == [], drift["healthy"]
+        assert [tuple(a) for a in drift["at5"]] == [("ddp_mismatch", 5, "0.weight")], drift["at5"]

@@ -117,6 +117,8 @@ class Step:
     #: under pipeline parallelism (or ranks holding different parameters): every stage's
     #: squared norm and non-finite flag this step (`graddbg._groups.StageReport`)
     stages: Any = None
+    #: the replicas' gradients differ this step (a hash of their norms, compared by the recorder)
+    replicas_differ: bool = False
 
     def token(self, check: "Check") -> Any:
         """What ``check.queue(step)`` returned for this step (None when it queued nothing)."""

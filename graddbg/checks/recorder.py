@@ -51,7 +51,7 @@ class _Queued:
     clip: Optional[Slot] = None  #: ... and their norms now
     hist: Optional[Slot] = None
     flags: Optional[List[Tuple[Slot, Slot]]] = None
-    rank_bad: Optional[Slot] = None
+    rank_bad: Optional[Tuple[Slot, Optional[Slot]]] = None
     skipped: List[Tuple[int, Slot]] = dataclasses.field(default_factory=list)  #: scales of skipped steps
     collect: bool = False  #: this step's read exchanges statistics with other ranks
 
@@ -120,10 +120,12 @@ class _RankFlags:
     whichever holds it. Each rank adds its bit (``1 << its rank in the group``; a plain flag
     past 62 ranks)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, replicated: bool = False) -> None:
         import torch.distributed as dist
 
         self.group = group
+        #: the ranks of the group hold equal gradients (DDP): a hash of the norms is compared too
+        self.replicated = replicated
         size, me = dist.get_world_size(group), dist.get_rank(group)
         self.bit = 1 << me if size <= 62 else 1
         self.ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(min(size, 63))]
@@ -150,18 +152,54 @@ class _RankFlags:
             # the gradients as the optimizer will use them: all when a version counter moved;
             # DTensor shards always (an edit through to_local() moves no counter that is seen)
             live = [i for i, g in enumerate(grads) if g is not None and g.numel() and (changed or type(g) is not Tensor)]
+            now = None
             if live:  # as the optimizer will use them (local values: a DTensor's shard)
                 now = torch.stack(torch._foreach_norm([local_values(grads[i]).to(dev) for i in live]))
                 local.index_fill_(0, self._ix(live, dev)[~torch.isfinite(now)], 1)
             local.mul_(self.bit)
             run_collective(dist.all_reduce, local, op=dist.ReduceOp.SUM, group=self.group)
-        return rb.add("rank_bad", local)
+            spread = self._spread(launch, dev, P, live, now)
+        return rb.add("rank_bad", local), (rb.add("replica_hash", spread) if spread is not None else None)
 
-    def read(self, slot: Slot) -> Tuple[np.ndarray, Dict[int, List[int]]]:
-        bits = slot.value.astype(np.int64)
+    def _spread(self, launch: Any, dev: torch.device, P: int, live: List[int], now: Optional[Tensor]) -> Optional[Tensor]:
+        """Replicas (DDP) hold the same reduced gradients, so the same norms, bit for bit: a
+        52-bit hash of this rank's norms (of the gradients as the optimizer will use them:
+        ``now`` for those changed since the backward pass), all-reduced with MAX as
+        ``[h, -h]`` (16 bytes), is the same maximum and minimum on every rank exactly when
+        every replica's hash is."""
+        import torch.distributed as dist
+
+        if not self.replicated:
+            return None
+        applied = torch.zeros(P, dtype=torch.float64, device=dev)
+        for k, (ix, norms) in enumerate(zip(launch.groups, launch.norms)):
+            if launch.sharded is None or k != launch.sharded[0]:
+                applied.index_copy_(0, self._ix(ix, dev), norms.double().to(dev))
+        if now is not None:
+            applied.index_copy_(0, self._ix(live, dev), now.double())
+        bits = applied.view(torch.int64)
+        weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64, device=bits.device) * 0x9E3779B97F4A7C1
+        h = (bits * weights).sum()  # (wraps modulo 2**64)
+        h = (h ^ (h >> 29)) & ((1 << 52) - 1)  # (exact in the float64 of the read-back)
+        pair = torch.stack([h, -h]).to(dev)
+        run_collective(dist.all_reduce, pair, op=dist.ReduceOp.MAX, group=self.group)
+        return pair
+
+    def read(self, slots: Tuple[Slot, Optional[Slot]]) -> Tuple[np.ndarray, Dict[int, List[int]], bool]:
+        """(non-finite somewhere, per parameter; the global ranks holding each; the replicas'
+        gradients differ)."""
+        bad_slot, hash_slot = slots
+        bits = bad_slot.value.astype(np.int64)
         ranks = {int(i): [self.ranks[r] for r in range(len(self.ranks)) if bits[i] >> r & 1]
                  for i in np.nonzero(bits)[0]}
-        return bits > 0, ranks
+        differ = hash_slot is not None and hash_slot.value[0] != -hash_slot.value[1]
+        return bits > 0, ranks, bool(differ)
+
+
+def _is_ddp(model: Any) -> bool:
+    """Whether ``model`` is wrapped in DistributedDataParallel (its ranks hold equal gradients)."""
+    return type(model).__name__ == "DistributedDataParallel" or \
+        isinstance(model, getattr(torch.nn.parallel, "DistributedDataParallel", ()))
 
 
 class StatsRecorder(Check):
@@ -229,7 +267,8 @@ class StatsRecorder(Check):
             layout.resolve()
             collect = not layout.local
         if collect and self._ranks is None and layout.replica_group is not None:
-            self._ranks = _RankFlags(layout.group(layout.replica_group))
+            self._ranks = _RankFlags(layout.group(layout.replica_group),
+                                     replicated=_is_ddp(self.ctx.model) and self.ctx.options.ddp_check_every is not None)
         self._reader.shard_group(layout.shards_over() if collect else False)
         return collect
 
@@ -278,7 +317,7 @@ class StatsRecorder(Check):
             bad, first = bad | prior, first_prior
         clip_norm, bad = self._after_change(q, bad)
         if q.rank_bad is not None:  # what any rank found, every rank knows
-            anywhere, ranks = self._ranks.read(q.rank_bad)
+            anywhere, ranks, step.replicas_differ = self._ranks.read(q.rank_bad)
             bad = bad | anywhere
             if anywhere.any():
                 st.shard_ranks = {**ranks, **(st.shard_ranks or {})}
@@ -328,7 +367,10 @@ class StatsRecorder(Check):
         if pending is not None and pending.step == step.index and not at_step:
             step.grads = pending.grads
             unscale = self.ctx.options.scaler is not None and pending.scale is not None
-            return pending.launch, pending.scale, unscale, self._versions(pending.grads) != pending.versions
+            entry = step.entry  # (the ledger's version counters of every gradient, or a few sampled)
+            changed = bool(entry.changed.any()) if entry is not None and entry.changed is not None else \
+                self._versions(pending.grads) != pending.versions
+            return pending.launch, pending.scale, unscale, changed
         if pending is not None:
             self._flags.add(pending.launch, step.index)
         # launched now, at the step: inside GradScaler.step the gradients are unscaled

@@ -17,6 +17,7 @@ from graddbg._errors import DDPInconsistencyError, GraddbgValueError, GraddbgWar
 from graddbg._model import in_backward, module_of
 from graddbg.anomaly import Anomaly
 from graddbg.checks.base import Check, Finding, Step, Watched
+from graddbg.checks.recorder import StatsRecorder
 
 __all__ = ["ReplicaCheck", "AUTO_EVERY"]
 
@@ -26,7 +27,11 @@ AUTO_EVERY = 100
 
 
 class ReplicaCheck(Check):
-    """The parameters at the first step, then gradients and parameters every N steps."""
+    """The parameters at the first step, then gradients and parameters every N steps, and at
+    once at a step whose gradients differ across the replicas by the recorder's comparison
+    (a hash of the reduced norms, one 16-byte all-reduce per recorded step)."""
+
+    after = (StatsRecorder,)
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
@@ -35,12 +40,17 @@ class ReplicaCheck(Check):
         if self.auto:
             every = AUTO_EVERY if ctx.world_size > 1 else None
         self.every: Optional[int] = every
+        self._differed = False
 
     def due(self, index: int) -> bool:
         return self.every is not None and index % self.every == 0
 
     def read(self, step: Step) -> List[Finding]:
-        if not self.due(step.index) or step.closure:
+        # on its schedule, and at once when the recorder's hash of the reduced norms differs
+        # across the replicas (the same on every rank: every rank runs the check alike)
+        urgent = step.replicas_differ and not self._differed and self.every is not None
+        self._differed = step.replicas_differ  # (a difference that persists was reported when it began)
+        if not (self.due(step.index) or urgent) or step.closure:
             return []
         a = self._check(step.index)
         if a is None:
