@@ -213,9 +213,10 @@ def test_reference_pages_lead_with_the_public_api(site: Path):
         assert bad == [], (page, bad)
     hooks = (site / "reference" / "hooks" / "index.html").read_text()
     ids = [i for i in _ANCHOR.findall(hooks) if i.count(".") == 2]
-    assert ids[:4] == ["graddbg.hooks.watch", "graddbg.hooks.Watch", "graddbg.hooks.HookSet",
-                       "graddbg.hooks.MAX_ROWS"], ids
-    for member in ("stats", "steps", "summary", "report", "plot", "save", "step", "close", "history"):
+    assert ids[:5] == ["graddbg.hooks.watch", "graddbg.hooks.Watch", "graddbg.hooks.HookSet",
+                       "graddbg.hooks.StepClock", "graddbg.hooks.MAX_ROWS"], ids
+    for member in ("stats", "steps", "ledger", "what_happened", "summary", "report", "plot", "save", "step", "close",
+                   "history"):
         assert f'id="graddbg.hooks.Watch.{member}"' in hooks, member
 
 
