@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graddbg._errors import GraddbgTypeError, GraddbgValueError, NonFiniteError
-from graddbg._model import local_tensor, module_of, tensors_in, unwrap
+from graddbg._model import local_values, module_of, tensors_in, unwrap
 from graddbg._source import is_internal, user_source_from_stack
 from graddbg.anomaly import Anomaly
 
@@ -562,13 +562,9 @@ def nonfinite_state(model: torch.nn.Module) -> List[Tuple[str, str, torch.Tensor
     with torch.no_grad():
         for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
             for name, t in items:
-                if t.is_floating_point() and t.numel() and not bool(torch.isfinite(_local(t)).all()):
+                if t.is_floating_point() and t.numel() and not bool(torch.isfinite(local_values(t)).all()):
                     found.append((kind, name, t))
     return found
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return local_tensor(t)
 
 
 def check_state(model: torch.nn.Module, step: int = 0) -> None:
@@ -583,7 +579,7 @@ def check_state(model: torch.nn.Module, step: int = 0) -> None:
 
 def state_anomaly(found: List[Tuple[str, str, torch.Tensor]], step: int, rank: Optional[int] = None) -> Anomaly:
     kind, name, t = found[0]
-    bad = int((~torch.isfinite(_local(t))).sum())
+    bad = int((~torch.isfinite(local_values(t))).sum())
     others = ", ".join(n for _, n, _ in found[1:6]) + (" and more" if len(found) > 6 else "")
     msg = (f"graddbg: non-finite {kind} {name} {tuple(t.shape)} {t.dtype} at step {step}"
            + (f" on rank {rank}" if rank is not None else "") + f": {bad} NaN/Inf entries. "

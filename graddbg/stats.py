@@ -28,7 +28,7 @@ from torch import Tensor
 
 from graddbg._collective import run_collective
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
-from graddbg._model import clean_name, is_dtensor, local_tensor, module_of, named_trainable_parameters
+from graddbg._model import clean_name, is_dtensor, local_values, module_of, named_trainable_parameters
 
 __all__ = [
     "STAT_NAMES",
@@ -172,27 +172,13 @@ def _special(g: Tensor) -> bool:
     return g.layout != torch.strided or type(g) is not Tensor
 
 
-def _sharded(g: Tensor) -> bool:
-    """A DTensor gradient (FSDP2, HSDP, tensor parallel): its statistics combine the
-    shards of every rank."""
-    return is_dtensor(g)
-
-
-def _local_shard(g: Tensor) -> Tensor:
-    """This rank's shard of a DTensor gradient; a pending sum (Partial) is reduced first."""
-    if any(p.is_partial() for p in g.placements):
-        from torch.distributed.tensor import Replicate
-
-        g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
-    return g.to_local()
-
-
-def _dense(g: Tensor) -> Tensor:
-    """The stored values of a gradient: a sparse tensor's coalesced values, a DTensor's
-    local shard; else the gradient itself."""
+def _stored_values(g: Tensor) -> Tensor:
+    """The values this rank stores of a gradient: a sparse tensor's coalesced values, a
+    DTensor's local values with its pending sums (Partial) reduced first; else the
+    gradient itself (detached)."""
     if g.layout != torch.strided:
         return g.coalesce().values() if g.layout == torch.sparse_coo else g.values()
-    return local_tensor(g)
+    return local_values(g, reduce_partial=True)
 
 
 class _Launch:
@@ -247,7 +233,7 @@ class StepReader:
         special, sharded = [], []
         for i in present:
             g = grads[i]
-            if _sharded(g):
+            if is_dtensor(g):
                 sharded.append(i)
             elif _special(g):
                 special.append(i)
@@ -273,9 +259,9 @@ class StepReader:
             for ix, kind in self._grouping(present, grads):
                 if kind == "sharded":
                     out.sharded = (len(out.groups), ix, [grads[i] for i in ix])
-                    ts = [_local_shard(grads[i]) for i in ix]
+                    ts = [local_values(grads[i], reduce_partial=True) for i in ix]
                 else:
-                    ts = [_dense(grads[ix[0]])] if kind == "single" else [grads[i] for i in ix]
+                    ts = [_stored_values(grads[ix[0]])] if kind == "single" else [grads[i] for i in ix]
                 self._reduce(ts, out)
                 out.groups.append(ix)
                 out.order.extend(ix)
@@ -354,8 +340,8 @@ class StepReader:
         for those with a non-finite or unread largest magnitude; batched for those whose
         largest magnitude is known and finite (no NaN/Inf in them: their squares overflowed),
         divided by it in one foreach norm.""" 
-        local = [_local_shard(grads[i]) if _sharded(grads[i]) else _dense(grads[i]) for i in idx]
-        known = [k for k, i in enumerate(idx) if np.isfinite(absmax[i]) and absmax[i] > 0 and not _sharded(grads[i])]
+        local = [_stored_values(grads[i]) for i in idx]
+        known = [k for k, i in enumerate(idx) if np.isfinite(absmax[i]) and absmax[i] > 0 and not is_dtensor(grads[i])]
         rows: List[Optional[Tensor]] = [None] * len(idx)
         if known:
             scales = [float(absmax[idx[k]]) for k in known]
@@ -389,7 +375,7 @@ class StepReader:
             if changed:
                 div = 1.0
             table = self._exact_rows(grads, idx, np.full(len(st.absmax), np.nan) if changed else st.absmax * div)
-            shard_ix = [k for k, i in enumerate(idx) if _sharded(grads[i])]
+            shard_ix = [k for k, i in enumerate(idx) if is_dtensor(grads[i])]
             if shard_ix:  # every rank has the same suspects: the same collective
                 got = self._shards.exact(table, [grads[idx[k]] for k in shard_ix], shard_ix)
             else:
@@ -488,11 +474,6 @@ class _Shards:
         return out
 
 
-def local_values(t: Tensor) -> Tensor:
-    """A tensor's values held by this rank: a DTensor's local shard, else the tensor."""
-    return t.detach().to_local() if _sharded(t) else t.detach()
-
-
 def update_ratios(before: List[Tensor], params: Sequence[Tensor]) -> Tensor:
     """``[P]`` float64 ``||w_old - w_new|| / ||w_old||`` (NaN where ``||w_old||`` is 0)
     from a copy of the (local) weights taken before an optimizer step; ``before`` is used
@@ -501,7 +482,7 @@ def update_ratios(before: List[Tensor], params: Sequence[Tensor]) -> Tensor:
     wn = torch.stack(torch._foreach_norm(before)).double()
     torch._foreach_sub_(before, [local_values(p) for p in params])
     dn = torch.stack(torch._foreach_norm(before)).double()
-    shard = [i for i, p in enumerate(params) if _sharded(p)]
+    shard = [i for i, p in enumerate(params) if is_dtensor(p)]
     if shard:
         import torch.distributed as dist
 
@@ -541,7 +522,7 @@ def histogram_counts(grad: Tensor, edges: Tensor) -> Tensor:
         >>> histogram_counts(torch.tensor([0.0, 1.0, -1.0, float("nan")]), torch.tensor([0.5, 2.0])).tolist()
         [1, 2, 0]
     """
-    a = (_local_shard(grad) if _sharded(grad) else _dense(grad)).detach().reshape(-1).abs()
+    a = _stored_values(grad).detach().reshape(-1).abs()
     a = a[torch.isfinite(a)]
     idx = torch.bucketize(a.to(edges.dtype), edges, right=True)
     return torch.bincount(idx, minlength=edges.numel() + 1)
