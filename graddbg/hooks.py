@@ -552,8 +552,8 @@ class Watch(_Results):
         its part and returns findings, the step ends, the policies are applied."""
         index, opts = self._step, self.options
         self._adopt_unfrozen()
-        due_nf = opts.nonfinite is not None and index % opts.nonfinite.every == 0
-        due_stats = index % opts.every == 0
+        due_nf = opts.nonfinite is not None and opts.nonfinite.schedule.includes(index)
+        due_stats = opts.record_schedule.includes(index)
         step = Step(index, self._ctx.grads(), due_stats, read=due_stats or due_nf or
                     any(due(index) for due in self._on["due"]), capture=self._tap.capture, closure=closure)
         for handle in self._on["queue"]:

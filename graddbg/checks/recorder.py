@@ -192,8 +192,7 @@ class StatsRecorder(Check):
                     if g is not None and type(g) is Tensor and g.layout == torch.strided]
             if live:
                 rb.add("clip_norms", torch.stack(torch._foreach_norm([step.grads[i] for i in live])))
-        hist_every = self.ctx.options.histograms
-        hist = step.due_stats and hist_every is not None and step.index % hist_every == 0
+        hist = step.due_stats and self.ctx.options.histogram_schedule.includes(step.index)
         if hist:
             rb.add("hist", self._histograms(step.grads))
         self._flags.add_to(rb, agree=launch.sharded is not None and torch.distributed.is_initialized())
@@ -266,7 +265,7 @@ class StatsRecorder(Check):
             return False
         g = next((g for g in grads if g is not None), None)
         on_cpu = g is None or g.device.type == "cpu"
-        return index % (opts.every * (opts.absmax_cpu_every if on_cpu else 1)) == 0
+        return (opts.absmax_cpu_schedule if on_cpu else opts.record_schedule).includes(index)
 
     def _stats(self, launch: Any, got: Dict[str, np.ndarray], grads: List[Optional[Tensor]],
                div: float, changed: bool = False) -> StepStats:

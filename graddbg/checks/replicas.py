@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import List, Optional
 
+from graddbg._args import AUTO, Schedule
 from graddbg._errors import DDPInconsistencyError, GraddbgValueError, GraddbgWarning
 from graddbg._model import module_of
 from graddbg.anomaly import Anomaly
@@ -31,13 +32,13 @@ class ReplicaCheck(Check):
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
         every = ctx.options.ddp_check_every
-        self.auto = every == "auto"
+        self.auto = every == AUTO
         if self.auto:
             every = AUTO_EVERY if ctx.world_size > 1 else None
-        self.every: Optional[int] = every
+        self.schedule = Schedule(every)
 
     def due(self, index: int) -> bool:
-        return self.every is not None and index % self.every == 0
+        return self.schedule.includes(index)
 
     def read(self, step: Step) -> List[Finding]:
         if not self.due(step.index) or step.closure:
@@ -61,7 +62,7 @@ class ReplicaCheck(Check):
             # that hold different models (pipeline stages): no replicas to compare
             if isinstance(err, DDPInconsistencyError) and not (self.auto and "hold different models" in str(err)):
                 raise
-            self.every = None
+            self.schedule = Schedule(None)
             if not self.auto:
                 warnings.warn(f"graddbg.watch: ddp_check_every is switched off: {err}", GraddbgWarning, stacklevel=2)
             return None
