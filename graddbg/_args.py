@@ -83,9 +83,12 @@ def choice(where: str, name: str, value: Any, choices: Sequence[str]) -> str:
     return value
 
 
-def tolerance(where: str, name: str, value: Any, positive: bool = False) -> float:
-    """A finite real number >= 0 (> 0 with ``positive``), as a float."""
+def tolerance(where: str, name: str, value: Any, positive: bool = False, default: str = "") -> float:
+    """A finite real number >= 0 (> 0 with ``positive``), as a float; ``default``: what
+    None means, where None is taken (said in the error)."""
     accepted = f"a finite number {'> 0' if positive else '>= 0'}"
+    if default:
+        accepted += f" (or None for the default: {default})"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise bad_type(where, name, value, accepted)
     try:
