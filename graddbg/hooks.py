@@ -168,7 +168,7 @@ class _OutputTap:
                  on_output_grad: Optional[Callable[[Tensor], None]] = None) -> None:
         self.localise, self._on_gradient, self._alive = localise, on_gradient, alive
         self._on_output_grad = on_output_grad  # (DeepSpeed: each rank's evidence, see _deepspeed.Origin)
-        self.handles: List[Any] = []
+        self.handles = HookSet()        # this forward pass's hooks on its output
         self.capture: Optional[Capture] = None
         self._rng: Optional[Tensor] = None
         self._backward_since = True
@@ -186,9 +186,9 @@ class _OutputTap:
                 cap = Capture(args, kwargs, self._rng, i) if self.localise else None
                 fn = t.grad_fn
                 if fn is not None:  # (a pre-hook on its node costs less than a tensor hook)
-                    self.handles.append(fn.register_prehook(self._hook(cap, t.output_nr)))
+                    self.handles.add(fn.register_prehook(self._hook(cap, t.output_nr)))
                 else:
-                    self.handles.append(t.register_hook(self._hook(cap, None)))
+                    self.handles.add(t.register_hook(self._hook(cap, None)))
                 return
 
     def _hook(self, cap: Optional[Capture], output_nr: Optional[int]) -> Callable[[Any], None]:
@@ -213,10 +213,9 @@ class _OutputTap:
 
     def clear(self) -> None:
         """The step ended (or the watch closed): its hooks and capture go."""
-        handles, self.handles, self.capture = self.handles, [], None
+        self.capture = None
         self._backward_since = True
-        for h in handles:
-            h.remove()
+        self.handles.remove_all()
 
 
 def _check_optimizer(ctx: Watched) -> None:

@@ -217,7 +217,6 @@ class StepReader:
         self._shards = _Shards()
         self._layouts: Dict[Any, Tuple[np.ndarray, np.ndarray]] = {}
         #: read-backs made by `rescue`
-        self.extra_reads = 0
 
     def _grouping(self, present: List[int], grads: Sequence[Optional[Tensor]]) -> List[Tuple[List[int], str]]:
         """``[(indices, kind)]``: one ``"batched"`` group per device and dtype, one
@@ -380,7 +379,6 @@ class StepReader:
                 got = self._shards.exact(table, [grads[idx[k]] for k in shard_ix], shard_ix)
             else:
                 got = table.cpu().numpy()
-        self.extra_reads += 1
         for i, (bad, norm, amax) in zip(idx, got):
             st.nonfinite[i] = int(bad)
             st.absmax[i] = amax / div
@@ -425,7 +423,6 @@ class _Shards:
 
     def __init__(self) -> None:
         self._ranks: Dict[Any, np.ndarray] = {}
-        self.bytes_sent = 0  #: bytes this rank sent in gathers (for benchmarks)
 
     def gather(self, table: Tensor) -> Tensor:
         import torch.distributed as dist
@@ -434,7 +431,6 @@ class _Shards:
             return table.reshape(1, *table.shape)
         out = [torch.empty_like(table) for _ in range(dist.get_world_size())]
         run_collective(dist.all_gather, out, table.contiguous())
-        self.bytes_sent += table.numel() * table.element_size()
         return torch.stack(out)
 
     def owners(self, g: Tensor) -> np.ndarray:
