@@ -308,7 +308,7 @@ def _tolerance_table(tensors: Sequence[Optional[torch.Tensor]], device: torch.de
 
 
 def tolerance_quick_table(tensors: Sequence[Optional[torch.Tensor]],
-                           device: torch.device) -> torch.Tensor:
+                          device: torch.device) -> torch.Tensor:
     """Round one of tolerance mode: ``[present, sum, sumsq, sumabs]`` per tensor."""
     return _tolerance_table(tensors, device, counts=False)
 

@@ -25,7 +25,7 @@ def _backend(group: Any) -> str:
 
 
 def comm_device(group: Any, tensors: Sequence[Optional[torch.Tensor]],
-                 model: nn.Module) -> torch.device:
+                model: nn.Module) -> torch.device:
     """The device the group's collectives take tensors on."""
     backend = _backend(group)
     if backend in ("gloo", "mpi"):

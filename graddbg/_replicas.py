@@ -232,7 +232,7 @@ def _zero3_partitioned(t: Any) -> bool:
 
 
 def local_shapes(meta: List[tuple], layouts: Optional[List[List[Optional[tuple]]]],
-                  world: int) -> List[List[Tuple[int, ...]]]:
+                 world: int) -> List[List[Tuple[int, ...]]]:
     """``[rank][tensor]``: the shape of what each rank holds (its shard of a DTensor, from
     every rank's layouts; else the shape in ``meta``)."""
     plain = [tuple(m[1]) for m in meta]
@@ -258,7 +258,7 @@ def replica_header(options: CheckOptions, layout: List[Optional[tuple]]) -> List
 
 
 def all_layouts(options: CheckOptions, layout: List[Optional[tuple]], world: int,
-                 wanted: Optional[Iterable[int]] = None) -> List[List[Optional[tuple]]]:
+                wanted: Optional[Iterable[int]] = None) -> List[List[Optional[tuple]]]:
     """Every rank's layout (a plain model's are all None; a sharded model's come from one
     small object gather, of the ``wanted`` tensors only when given: None for the others)."""
     if not options.sharded:
@@ -310,7 +310,7 @@ def no_replicas(options: CheckOptions, names: List[str], layout: List[Optional[t
 
 
 def replica_sets(options: CheckOptions, rows: List[List[int]], names: List[str],
-                  layout: List[Optional[tuple]]) -> Optional[List[List[int]]]:
+                 layout: List[Optional[tuple]]) -> Optional[List[List[int]]]:
     """The sets of ranks compared with each other (see `replica_header`), the same
     on every rank; None on a sharded model without ``group=``: its replicas are found
     tensor by tensor (`tensor_sets`). Raises on every rank alike when the groups
@@ -341,7 +341,7 @@ def replica_sets(options: CheckOptions, rows: List[List[int]], names: List[str],
 
 
 def gather_tables(options: CheckOptions, local: torch.Tensor, meta: List[tuple],
-                   layout: List[Optional[tuple]]) -> Tuple[torch.Tensor, List[List[int]], Any]:
+                  layout: List[Optional[tuple]]) -> Tuple[torch.Tensor, List[List[int]], Any]:
     """Every rank's table ``[W, P, k]``, ``[rank][tensor]`` how many elements it holds and,
     on a sharded model, ``[rank][tensor]`` a hash of which shard it holds (0 for a plain
     tensor): columns of the same gather (shards may differ in size); None otherwise."""

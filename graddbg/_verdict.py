@@ -16,7 +16,14 @@ from graddbg._fingerprint import TOLERANCE_K, fingerprints, flat_values
 from graddbg._rendezvous import all_gather, raise_if_late
 from graddbg._replicas import CheckOptions, gather_tables, no_replicas, tensor_sets
 
-__all__ = ["compare", "details", "disagreements", "fingerprint_text", "raise_unless_comparable"]
+__all__ = ["ABSENCE", "NO_GRADIENT", "ONLY_GRADIENT", "compare", "details", "disagreements",
+           "fingerprint_text", "raise_unless_comparable"]
+
+#: the reasons of a mismatch in presence (a gradient on one rank and not the other); the
+#: other reasons compare values ("bits differ", "NaN/Inf counts differ", ...)
+NO_GRADIENT = "no gradient on this rank"
+ONLY_GRADIENT = "has a gradient, the reference rank has none"
+ABSENCE = (NO_GRADIENT, ONLY_GRADIENT)
 
 _MAX_DETAIL_TENSORS = 16        # details=True gathers at most this many differing tensors
 _DETAIL_BYTES = 1 << 25         # ... in slices of at most this many bytes over all ranks
@@ -113,8 +120,7 @@ def _disagree(rows: torch.Tensor, mode: str, numel: int, atol: float,
     out = []
     for r in (~same[:, ref]).nonzero().flatten().tolist():
         if int(rows[r, 0]) != int(rows[ref, 0]):
-            reason = ("no gradient on this rank" if not int(rows[r, 0])
-                      else "has a gradient, the reference rank has none")
+            reason = NO_GRADIENT if not int(rows[r, 0]) else ONLY_GRADIENT
         elif mode == "bitwise":
             reason = "bits differ"
         elif not torch.equal(rows[r, 1:4], rows[ref, 1:4]):
@@ -126,9 +132,9 @@ def _disagree(rows: torch.Tensor, mode: str, numel: int, atol: float,
 
 
 def disagreements(table: torch.Tensor, names: List[str], meta: List[tuple], mode: str,
-             atol: float, rtol: float, sets: Optional[List[List[int]]] = None,
-             numels: Optional[List[List[int]]] = None,
-             per_tensor: Optional[List[List[List[int]]]] = None) -> List[Tuple[int, int, int, str]]:
+                  atol: float, rtol: float, sets: Optional[List[List[int]]] = None,
+                  numels: Optional[List[List[int]]] = None,
+                  per_tensor: Optional[List[List[List[int]]]] = None) -> List[Tuple[int, int, int, str]]:
     """(param index, rank, reference rank, reason) for every entry that disagrees, by
     parameter, then rank.
 
@@ -189,8 +195,8 @@ def _largest_differences(x: torch.Tensor, pairs: List[Tuple[int, int]], group: A
 
 
 def details(found: List[Tuple[int, int, int, str]], tensors: List[Optional[torch.Tensor]],
-             meta: List[tuple], shapes: List[List[Tuple[int, ...]]], group: Any,
-             device: torch.device) -> dict:
+            meta: List[tuple], shapes: List[List[Tuple[int, ...]]], group: Any,
+            device: torch.device) -> dict:
     """Gather the offending tensors (at most _MAX_DETAIL_TENSORS, in bounded slices) and
     measure, for each differing rank, the largest difference from its reference rank.
     ``shapes[r][p]``: what rank r holds of tensor p (a shard's index is into the shard)."""
@@ -237,11 +243,11 @@ def _tolerance_finish(first: torch.Tensor, tensors: List[Optional[torch.Tensor]]
 
 
 def raise_unless_comparable(options: CheckOptions, rows: List[List[int]], meta: List[tuple],
-                             error: Optional[BaseException]) -> None:
+                            error: Optional[BaseException]) -> None:
     """On every rank alike: a rank that came too late, a rank that could not fingerprint,
     ranks holding different models or asking different checks."""
     raise_if_late(options.fn, [row[-1] for row in rows], options.timeout,
-                      dist.get_rank(options.group))
+                  dist.get_rank(options.group))
     failed = [r for r, row in enumerate(rows) if all(v == -1 for v in row[:4])]
     if failed:
         raise DDPInconsistencyError(
@@ -253,8 +259,8 @@ def raise_unless_comparable(options: CheckOptions, rows: List[List[int]], meta: 
 
 
 def compare(options: CheckOptions, rows: List[List[int]], sets: Optional[List[List[int]]],
-             local: torch.Tensor, tensors: List[Optional[torch.Tensor]], meta: List[tuple],
-             layout: List[Optional[tuple]], device: torch.device, names: List[str]
+            local: torch.Tensor, tensors: List[Optional[torch.Tensor]], meta: List[tuple],
+            layout: List[Optional[tuple]], device: torch.device, names: List[str]
              ) -> Tuple[Optional[torch.Tensor], List[Tuple[int, int, int, str]], List[List[List[int]]]]:
     """Every rank's table ``[W, P, k]`` (None when, in bitwise mode, every digest agrees:
     nothing differs), the entries that disagree (see `_verdict`) and per tensor the
@@ -278,4 +284,4 @@ def compare(options: CheckOptions, rows: List[List[int]], sets: Optional[List[Li
     table = first if options.mode == "bitwise" else \
         _tolerance_finish(first, tensors, options.group, device)
     return table, disagreements(table, [], meta, options.mode, options.atol, options.rtol,
-                           numels=numels, per_tensor=per_tensor), per_tensor
+                                numels=numels, per_tensor=per_tensor), per_tensor

@@ -388,7 +388,7 @@ def _cause(options: CheckOptions, found: List[Tuple[int, int, int, str]], names:
     """What probably happened to one mismatch, from what else differs (see ``_CAUSES``)."""
     p, r, ref, reason = row
     kind = kinds[p]
-    if reason.startswith(("no gradient", "has a gradient")):
+    if reason in _verdict.ABSENCE:
         key = "absent"
     elif kind == "parameters":
         grads = {(names[q], rr) for q, rr, _, _ in found if kinds[q] == "gradients"}
@@ -528,9 +528,9 @@ def check_parameters(model: nn.Module, *, group: Any = None, atol: float = 0.0,
                      details: bool = False, raise_on_mismatch: bool = False) -> ConsistencyReport:
     """Check that every parameter's value is the same on every rank.
 
-    Collective, like `check_gradients`, and takes the same arguments, with the same
-    meaning, result and errors (its Args, Returns and Raises sections are written once,
-    there). Run it after ``optimizer.step()`` to catch weights that drifted apart.
+    Collective, like `check_gradients`; takes its arguments, with the same meaning, and
+    returns and raises as it does (see its Args, Returns and Raises). Run it after
+    ``optimizer.step()`` to catch weights that drifted apart.
 
     Examples:
         >>> import torch.distributed as dist
@@ -548,8 +548,8 @@ def check_buffers(model: nn.Module, *, group: Any = None, atol: float = 0.0, rto
                   raise_on_mismatch: bool = False) -> ConsistencyReport:
     """Check that every buffer (BatchNorm statistics, for instance) is the same on every rank.
 
-    Collective, like `check_gradients`, and takes the same arguments, with the same
-    meaning, result and errors (written once, there). Buffers drift apart under
+    Collective, like `check_gradients`; takes its arguments, with the same meaning, and
+    returns and raises as it does (see its Args, Returns and Raises). Buffers drift apart under
     ``DistributedDataParallel(..., broadcast_buffers=False)``. With
     ``broadcast_buffers=True`` DDP copies rank 0's buffers at the start of every forward,
     so a training forward on different data leaves them different until the next one:
@@ -593,7 +593,7 @@ def check_replicas(model: nn.Module, *, gradients: bool = True, parameters: bool
 
     Besides its own three arguments below, it takes `check_gradients`'s (``group``,
     ``atol``, ``rtol``, ``timeout``, ``details``, ``raise_on_mismatch``) with the same
-    meaning, and returns and raises as it does (written once, there); also
+    meaning, and returns and raises as it does (see its Args, Returns and Raises); also
     ``GraddbgTypeError`` when ``gradients`` or ``parameters`` is not a bool and
     ``GraddbgValueError`` when both are False.
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np  # (torch imports numpy itself)
@@ -576,11 +576,12 @@ def grad_stats(model_or_named_params: Any, stats: Sequence[str] = STAT_NAMES):
 # --------------------------------------------------------------------------- history
 @dataclass
 class StepRecord:
-    """What one step boundary recorded (host-side, numpy; small). Built by keyword; a step
-    that read nothing (or a GradScaler's skipped step) has only ``step``, ``overflow``,
-    ``scale`` and ``lr``."""
+    """What one step boundary recorded (host-side, numpy; small). Built one way: the step,
+    then every other field by keyword (they are keyword-only); a step that read nothing (or
+    a GradScaler's skipped step) has only ``step``, ``overflow``, ``scale`` and ``lr``."""
 
     step: int
+    _: KW_ONLY
     per_param: Optional[StepStats] = None  # None when per-parameter statistics were not due
     global_norm: float = math.nan
     clipped_norm: float = math.nan
