@@ -332,9 +332,9 @@ def prepare(group: Any = None, *, timeout: Timeout = timedelta(seconds=300)) -> 
     _rendezvous.side_group(group, timeout)
 
 # --------------------------------------------------------------------------- the check
-def _local(options: CheckOptions, tensors: List[Optional[torch.Tensor]], meta: List[tuple],
-           layout: List[Optional[tuple]],
-           device: torch.device) -> Tuple[Optional[torch.Tensor], List[int], Optional[BaseException]]:
+def _local_table(options: CheckOptions, tensors: List[Optional[torch.Tensor]], meta: List[tuple],
+                 layout: List[Optional[tuple]],
+                 device: torch.device) -> Tuple[Optional[torch.Tensor], List[int], Optional[BaseException]]:
     """This rank's fingerprint table (round one in tolerance mode) on ``device`` and its
     header: [metadata hash, tensor count, call hash, world size, digest a, digest b], then
     on a sharded model the replica fields (`graddbg._replicas.replica_header`). A failure is told to
@@ -441,7 +441,7 @@ def _check(fn: str, parts: Tuple[str, ...], model: Any, group: Any, atol: Any, r
     options = dataclasses.replace(_options(fn, parts, group, atol, rtol, timeout, details,
                                            raise_on_mismatch, mesh), initial=bool(initial))
     device = _rendezvous.comm_device(options.group, tensors, model)
-    local, header, error = _local(options, tensors, meta, layout, device)
+    local, header, error = _local_table(options, tensors, meta, layout, device)
     rows = _rendezvous.exchange(options.fn, options.group, options.timeout, header)
     _verdict.raise_unless_comparable(options, rows, meta, error)
     sets = _replicas.replica_sets(options, rows, names, layout)
