@@ -174,6 +174,7 @@ class NonFinite:
 
     Raises:
         GraddbgValueError: an unknown policy, or ``every`` below 1.
+        GraddbgTypeError: ``every`` not an int.
     """
 
     policy: PolicyArg = "raise"
@@ -214,8 +215,11 @@ class Explode:
         persist: recorded steps in a row above ``factor`` times the level before a finding (2).
 
     Raises:
-        GraddbgValueError: ``factor`` not above 1, both ``factor`` and ``absolute`` None, a
-            ``window``, ``warmup`` or ``persist`` below 1, or an unknown policy.
+        GraddbgValueError: ``factor`` not above 1, ``absolute`` not above 0, both
+            ``factor`` and ``absolute`` None, a ``window``, ``warmup`` or ``persist`` below
+            1, or an unknown policy.
+        GraddbgTypeError: ``factor`` or ``absolute`` not a number, or ``window``,
+            ``warmup`` or ``persist`` not an int.
     """
 
     factor: Optional[float] = 10.0
@@ -251,6 +255,7 @@ class Vanish:
 
     Raises:
         GraddbgValueError: ``below`` not above 0, ``patience`` below 1, or an unknown policy.
+        GraddbgTypeError: ``below`` not a number, or ``patience`` not an int.
     """
 
     below: float = 1e-8
