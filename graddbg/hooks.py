@@ -763,7 +763,8 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
         localise: on a non-finite gradient, replay the last forward and backward pass
             under `graddbg.find_nonfinite` to name the op and source line (True).
             The old spelling ``localize=`` is accepted.
-        ddp_timeout: the timeout of the replica checks (a ``datetime.timedelta``).
+        ddp_timeout: the timeout of the replica checks (a ``datetime.timedelta`` or a
+            number of seconds > 0; None: 60 s).
         **old_spellings: ``localize=`` for ``localise=``.
 
     Returns:
@@ -772,7 +773,9 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
     Raises:
         GraddbgTypeError: an unknown option, or a value of the wrong type.
         GraddbgValueError: a value out of range, or an optimizer holding none of the
-            model's parameters.
+            model's parameters. Every option is checked here, when ``watch`` is called,
+            and the error names it, what was given and what is accepted (``watch(every=...):
+            got 0; accepted: an int >= 1``).
 
     >>> import torch, graddbg
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
