@@ -27,7 +27,7 @@ def mlp8m() -> Problem:
     return model, (lambda: (x, y)), (lambda out, y: F.cross_entropy(out, y))
 
 
-class _Transformer(nn.Module):
+class Transformer(nn.Module):
     def __init__(self, layers: int = 4, d: int = 256, vocab: int = 1000) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
@@ -41,7 +41,7 @@ class _Transformer(nn.Module):
 
 
 def transformer(layers: int = 4) -> Problem:
-    model = _Transformer(layers)
+    model = Transformer(layers)
     x = torch.randint(0, 1000, (8, 128))
     y = torch.randint(0, 1000, (8, 128))
     return model, (lambda: (x, y)), (lambda out, y: F.cross_entropy(out.reshape(-1, 1000), y.reshape(-1)))

@@ -110,7 +110,7 @@ class _Bench:
     def __init__(self, rank: int, world: int) -> None:
         from _models import mlp8m
         from torch.nn.parallel import DistributedDataParallel as DDP
-        from graddbg import ddp_verify
+        from graddbg import _rendezvous, ddp_verify
 
         self.v, self.rank, self.world = ddp_verify, rank, world
         torch.manual_seed(0)
@@ -125,7 +125,7 @@ class _Bench:
                        for k in self.KINDS}
         self.recording = None
         ddp_verify.fingerprints = self._timed("fingerprints", ddp_verify.fingerprints)
-        ddp_verify._rendezvous = self._timed("rendezvous", ddp_verify._rendezvous)
+        _rendezvous.exchange = self._timed("rendezvous", _rendezvous.exchange)
 
     def _timed(self, name, fn):
         def wrapper(*args, **kw):

@@ -20,8 +20,9 @@ barrier, and ends with a barrier, so it is the wall time of the slower rank. Ran
 prints medians and spread (IQR) per step, the paired ratio to bare (the median over
 repeats of each repeat's time over the bare time of the same repeat), the overhead as a
 multiple of the floor's overhead (target: watch <= 1.5x), and the bytes each recorded step
-of the watch sends per rank in its all_gather (``w._reader._shards.bytes_sent`` over the
-steps; per parameter: about 8 with absmax, 4 without), not the gradients.
+of the watch sends per rank in its all_gathers (counted at ``graddbg.stats``' collectives,
+see `_Gathers`, over the steps; per parameter: about 8 with absmax, 4 without), not the
+gradients, and its exact re-reads (gathers beyond one per recorded step).
 
     .venv/bin/python bench/fsdp_watch.py                  # transformer_small and launchbound
     .venv/bin/python bench/fsdp_watch.py --models transformer4 --repeats 9 --steps 2
@@ -60,7 +61,7 @@ def transformer_small():
     import torch.nn.functional as F
     import _models
 
-    model = _models._Transformer(4, d=64, vocab=256)
+    model = _models.Transformer(4, d=64, vocab=256)
     x, y = torch.randint(0, 256, (8, 32)), torch.randint(0, 256, (8, 32))
     return model, (lambda: (x, y)), (lambda out, y: F.cross_entropy(out.reshape(-1, 256), y.reshape(-1)))
 
@@ -88,6 +89,28 @@ def _shard(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+class _Gathers:
+    """Counts the all-gathers graddbg's statistics make (calls and bytes this rank sends),
+    by wrapping the collective runner that graddbg.stats calls, while a variant steps."""
+
+    def __init__(self) -> None:
+        import graddbg.stats as stats
+
+        self.calls, self.bytes, self.on = 0, 0, False
+        inner = stats.run_collective
+
+        def counted(fn, *args, **kw):
+            if self.on and fn is dist.all_gather:
+                self.calls += 1
+                self.bytes += args[1].numel() * args[1].element_size()
+            return inner(fn, *args, **kw)
+
+        stats.run_collective = counted
+
+
+GATHERS = None
+
+
 class Variant:
     def __init__(self, name, model, batch, loss_fn):
         import graddbg
@@ -101,25 +124,36 @@ class Variant:
         elif name == "watch:norm":
             self.ctx = graddbg.watch(self.model, self.opt, stats=("norm",))
         self.times, self.steps = {clock: [] for clock in CLOCKS}, 0
+        self.calls, self.sent = 0, 0     # the watch's all_gathers and the bytes this rank sent
 
     def step(self):
-        x, y = self.batch
-        self.loss_fn(self.model(x), y).backward()
-        if self.name == "floor":
-            _floor([p.grad for p in self.params])
-        self.opt.step()
-        self.opt.zero_grad()
+        global GATHERS
+        if GATHERS is None:
+            GATHERS = _Gathers()
+        calls, sent = GATHERS.calls, GATHERS.bytes
+        GATHERS.on = self.ctx is not None   # (the floor's own all_gather is not the watch's)
+        try:
+            x, y = self.batch
+            self.loss_fn(self.model(x), y).backward()
+            if self.name == "floor":
+                _floor([p.grad for p in self.params])
+            self.opt.step()
+            self.opt.zero_grad()
+        finally:
+            GATHERS.on = False
+        self.calls += GATHERS.calls - calls
+        self.sent += GATHERS.bytes - sent
         self.steps += 1
 
     def bytes_per_step(self):
         """Bytes this rank sent in the watch's all_gathers, per recorded step."""
         if self.ctx is None:
             return None
-        return self.ctx._reader._shards.bytes_sent / self.steps
+        return self.sent / self.steps
 
     def rescues_per_step(self):
         """The watch's exact re-reads per step (tiny or non-finite norms: one more gather)."""
-        return None if self.ctx is None else self.ctx._reader.extra_reads / self.steps
+        return None if self.ctx is None else (self.calls - self.steps) / self.steps
 
     def close(self):
         if self.ctx is not None:

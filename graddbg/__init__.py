@@ -57,7 +57,6 @@ _LAZY = {
     "Explode": "graddbg.anomaly",
     "Vanish": "graddbg.anomaly",
     "find_nonfinite": "graddbg.blame",
-    "gradcheck": "graddbg.gradcheck",
     "check_module": "graddbg.gradcheck",
     "assert_gradients_close": "graddbg.gradcheck",
     "GradcheckResult": "graddbg.gradcheck",
@@ -66,10 +65,12 @@ _LAZY = {
     "Graph": "graddbg.graphviz",
     "grad_stats": "graddbg.stats",
 }
-_SUBMODULES = ("stats", "anomaly", "blame", "hooks", "gradcheck", "graphviz", "plots", "report",
+# (graddbg.gradcheck is the function, imported above; the module is graddbg.gradcheck's
+# __module__, reached by ``from graddbg.gradcheck import ...``)
+_SUBMODULES = ("stats", "anomaly", "blame", "hooks", "graphviz", "plots", "report",
                "ddp_verify", "cli", "run", "pytest_plugin")
 
-__all__ = [*_LAZY, *_SUBMODULES, *_errors_all, "__version__"]
+__all__ = ["gradcheck", *_LAZY, *_SUBMODULES, *_errors_all, "__version__"]
 
 
 def __getattr__(name: str) -> Any:

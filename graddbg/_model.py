@@ -30,7 +30,7 @@ __all__ = [
     "named_tensors",
     "in_backward",
     "is_dtensor",
-    "local_tensor",
+    "local_values",
 ]
 
 # prefixes that wrappers put in front of the user's parameter names
@@ -77,10 +77,22 @@ def is_dtensor(t: Any) -> bool:
     return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
 
 
-def local_tensor(t: Any) -> Any:
-    """What this rank holds of ``t``: a DTensor's local shard (its stored values, pending
-    sums not reduced), else ``t`` itself."""
-    return t.to_local() if is_dtensor(t) else t
+def local_values(t: Any, reduce_partial: bool = False) -> Any:
+    """This rank's values of ``t``, detached: a DTensor's local shard (its stored values;
+    pending sums of a ``Partial`` placement not reduced, unless ``reduce_partial``: then
+    reduced first, a collective over the mesh), else ``t`` itself. The one name graddbg
+    uses for "what this rank holds" (see docs/architecture.md, the glossary).
+
+    >>> local_values(torch.ones(2, requires_grad=True)).requires_grad
+    False
+    """
+    if not is_dtensor(t):
+        return t.detach()
+    if reduce_partial and any(p.is_partial() for p in t.placements):
+        from torch.distributed.tensor import Replicate
+
+        t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+    return t.detach().to_local()
 
 
 def in_backward() -> bool:

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
-import traceback
 from typing import Optional
 
 import torch
@@ -23,21 +21,6 @@ def is_internal(filename: str) -> bool:
     if filename in _USER_FILES:
         return False
     return filename.startswith(_SKIP) or filename.endswith("contextlib.py")
-
-
-def user_source(skip: int = 1) -> Optional[str]:
-    """Return ``"file:line"`` of the innermost frame that is not torch's or graddbg's.
-
-    >>> user_source() is not None
-    True
-    """
-    frame = sys._getframe(skip)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not is_internal(filename):
-            return f"{filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
 
 
 def user_source_from_stack(stack: "list[str] | str | None") -> Optional[str]:

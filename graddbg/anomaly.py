@@ -6,19 +6,19 @@ Knows nothing of hooks (nor of `graddbg.blame`, which localises producers):
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Literal, Optional, Sequence, Tuple, Union, get_args
 
-import warnings
-
+from graddbg._args import Schedule, bad_type, bad_value, count
 from graddbg._errors import (CoverageWarning, GradientAnomalyError, GraddbgTypeError, GraddbgValueError,
                              GraddbgWarning, NonFiniteError, warn_at_user)
 
 __all__ = [
     "Anomaly",
+    "AnomalyKind",
     "KINDS",
     "HYGIENE_KINDS",
     "Blame",
@@ -34,11 +34,16 @@ __all__ = [
     "AnomalyWarning",
 ]
 
+#: the kinds of finding of the detectors and of the replica check
+DetectorKind = Literal["nonfinite", "explode", "vanish", "ddp_mismatch"]
 #: the silent training mistakes (optimizer hygiene): each a kind of finding and an option of watch()
-HYGIENE_KINDS = ("stale_grad", "empty_step", "double_step", "scaled_grad", "orphan_param", "no_update",
-                 "foreign_update", "lr_schedule", "hidden_param", "eval_mode", "loss_pattern", "dead_grad",
-                 "unused_param")
-KINDS = ("nonfinite", "explode", "vanish", "ddp_mismatch") + HYGIENE_KINDS
+HygieneKind = Literal["stale_grad", "empty_step", "double_step", "scaled_grad", "orphan_param", "no_update",
+                      "foreign_update", "lr_schedule", "hidden_param", "eval_mode", "loss_pattern", "dead_grad",
+                      "unused_param"]
+#: every kind of `Anomaly` (its ``kind`` field)
+AnomalyKind = Literal[DetectorKind, HygieneKind]
+HYGIENE_KINDS: Tuple[str, ...] = get_args(HygieneKind)
+KINDS: Tuple[str, ...] = get_args(DetectorKind) + HYGIENE_KINDS
 POLICIES = ("raise", "warn", "skip", "record")
 
 
@@ -78,7 +83,7 @@ class Anomaly:
     """
 
     step: int
-    kind: str
+    kind: AnomalyKind
     name: Optional[str]
     module: Optional[str]
     op: Optional[str]
@@ -138,12 +143,23 @@ def anomalies_frame(anomalies: Sequence[Anomaly]):
 PolicyArg = Union[str, Callable[[Anomaly], Any], None]
 
 
-def check_policy(policy: Any, arg: str) -> Any:
-    """Validate a policy: one of POLICIES, a callable, or None."""
+def check_policy(policy: Any, name: str, where: str = "watch") -> Any:
+    """Validate a policy: one of POLICIES, a callable, or None (the option ``name`` of the
+    call ``where``, both named in the error)."""
     if policy is None or callable(policy) or policy in POLICIES:
         return policy
-    raise GraddbgValueError(f"{arg}= got {policy!r}; accepted: "
-                     f"{', '.join(repr(p) for p in POLICIES)}, a callable taking an Anomaly, or None")
+    raise bad_value(where, name, policy, f"{', '.join(repr(p) for p in POLICIES)}, a callable "
+                    f"taking an Anomaly, or None")
+
+
+def _number(where: str, name: str, value: Any, above: float) -> float:
+    """A real number (not a bool) above ``above``."""
+    accepted = f"a number > {above:g}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise bad_type(where, name, value, accepted)
+    if not value > above:
+        raise bad_value(where, name, value, accepted)
+    return value
 
 
 @dataclass(frozen=True)
@@ -160,14 +176,20 @@ class NonFinite:
 
     Raises:
         GraddbgValueError: an unknown policy, or ``every`` below 1.
+        GraddbgTypeError: ``every`` not an int.
     """
 
     policy: PolicyArg = "raise"
     every: int = 1
 
     def __post_init__(self) -> None:
-        check_policy(self.policy, "NonFinite(policy")
-        _check_int(self.every, "NonFinite(every", 1)
+        check_policy(self.policy, "policy", "NonFinite")
+        count("NonFinite", "every", self.every)
+
+    @property
+    def schedule(self) -> "Schedule":
+        """The steps on which the flags are read (``every``)."""
+        return Schedule(self.every)
 
 
 @dataclass(frozen=True)
@@ -195,8 +217,11 @@ class Explode:
         persist: recorded steps in a row above ``factor`` times the level before a finding (2).
 
     Raises:
-        GraddbgValueError: ``factor`` not above 1, both ``factor`` and ``absolute`` None, a
-            ``window``, ``warmup`` or ``persist`` below 1, or an unknown policy.
+        GraddbgValueError: ``factor`` not above 1, ``absolute`` not above 0, both
+            ``factor`` and ``absolute`` None, a ``window``, ``warmup`` or ``persist`` below
+            1, or an unknown policy.
+        GraddbgTypeError: ``factor`` or ``absolute`` not a number, or ``window``,
+            ``warmup`` or ``persist`` not an int.
     """
 
     factor: Optional[float] = 10.0
@@ -207,17 +232,16 @@ class Explode:
     persist: int = 2
 
     def __post_init__(self) -> None:
-        check_policy(self.policy, "Explode(policy")
-        _check_int(self.window, "Explode(window", 1)
-        _check_int(self.warmup, "Explode(warmup", 1)
-        _check_int(self.persist, "Explode(persist", 1)
-        if self.factor is not None and not (self.factor > 1):
-            raise GraddbgValueError(f"Explode(factor=) must be > 1 or None, got {self.factor!r}")
+        check_policy(self.policy, "policy", "Explode")
+        for name in ("window", "warmup", "persist"):
+            count("Explode", name, getattr(self, name))
+        if self.factor is not None:
+            _number("Explode", "factor", self.factor, 1)
+        if self.absolute is not None:
+            _number("Explode", "absolute", self.absolute, 0)
         if self.factor is None and self.absolute is None:
-            raise GraddbgValueError("Explode needs factor= or absolute= (both are None)")
-
-    def new_state(self) -> "_ExplodeState":
-        return _ExplodeState(self)
+            raise GraddbgValueError("Explode(factor=None, absolute=None): nothing to compare with; "
+                                    "accepted: factor= (a number > 1), absolute= (a number > 0) or both")
 
 
 @dataclass(frozen=True)
@@ -233,6 +257,7 @@ class Vanish:
 
     Raises:
         GraddbgValueError: ``below`` not above 0, ``patience`` below 1, or an unknown policy.
+        GraddbgTypeError: ``below`` not a number, or ``patience`` not an int.
     """
 
     below: float = 1e-8
@@ -240,21 +265,12 @@ class Vanish:
     policy: PolicyArg = "warn"
 
     def __post_init__(self) -> None:
-        check_policy(self.policy, "Vanish(policy")
-        _check_int(self.patience, "Vanish(patience", 1)
-        if not self.below > 0:
-            raise GraddbgValueError(f"Vanish(below=) must be > 0, got {self.below!r}")
-
-    def new_state(self, n_params: int) -> "_VanishState":
-        return _VanishState(self, n_params)
+        check_policy(self.policy, "policy", "Vanish")
+        count("Vanish", "patience", self.patience)
+        _number("Vanish", "below", self.below, 0)
 
 
-def _check_int(value: Any, arg: str, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise GraddbgValueError(f"{arg}=) must be an int >= {minimum}, got {value!r}")
-
-
-def as_detector(value: Any, kind: str) -> Any:
+def as_detector(value: Any, kind: str, where: str = "watch") -> Any:
     """Turn a watch() argument (string policy, callable, detector or None) into a detector."""
     cls = {"nonfinite": NonFinite, "explode": Explode, "vanish": Vanish}[kind]
     if value is None:
@@ -262,120 +278,10 @@ def as_detector(value: Any, kind: str) -> Any:
     if isinstance(value, cls):
         return value
     if isinstance(value, (NonFinite, Explode, Vanish)):
-        raise GraddbgTypeError(f"{kind}= got a {type(value).__name__} detector; expected a {cls.__name__}")
-    check_policy(value, kind)
+        raise GraddbgTypeError(f"{where}({kind}=...): got a {type(value).__name__} detector; "
+                               f"accepted: a {cls.__name__}, a policy or None")
+    check_policy(value, kind, where)
     return cls(policy=value)
-
-
-class _ExplodeState:
-    def __init__(self, det: Explode) -> None:
-        self.det = det
-        self.level: List[float] = []  # the window's global norms, oldest first
-        self._sorted: List[float] = []  # the same, sorted (finite values only)
-        self.prev_norms: Any = None
-        self.in_episode = False
-        self.above = 0  # recorded steps in a row above the relative threshold
-
-    def _threshold(self) -> Tuple[float, float]:
-        """(relative threshold, hard threshold): factor x and factor**2 x the median."""
-        det = self.det
-        if det.factor is None or not self.level:
-            return math.inf, math.inf
-        srt = self._sorted  # (kept sorted: no sort per step)
-        half = len(srt) // 2
-        med = srt[half] if len(srt) % 2 else (srt[half - 1] + srt[half]) / 2
-        if len(self.level) < det.warmup:  # too little history: only a thousandfold jump
-            return math.inf, det.factor ** 3 * med
-        return det.factor * med, det.factor ** 2 * med
-
-    def check(self, step: int, global_norm: float, norms: Any, names: Sequence[str],
-              modules: Sequence[str], clipped: bool = False) -> Optional[Anomaly]:
-        import numpy as np
-
-        det = self.det
-        prev = self.prev_norms
-        self.prev_norms = norms
-        if not math.isfinite(global_norm) or global_norm == 0:
-            return None  # the non-finite detector's business; a step without gradients
-        rel, hard = self._threshold()
-        self.above = self.above + 1 if global_norm > rel else 0
-        threshold = min(rel, det.absolute if det.absolute is not None else math.inf)
-        exploded = (det.absolute is not None and global_norm > det.absolute) or \
-            (not clipped and (global_norm > hard or self.above >= det.persist))
-        if exploded or (global_norm > rel and clipped) or self.above:
-            if not exploded or self.in_episode:  # one anomaly per episode of consecutive exploded steps
-                return None
-            self.in_episode = True
-            # which parameters jumped most, relative to their previous recorded norm
-            jumped: List[str] = []
-            if prev is not None and norms is not None:
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    ratio = np.where(prev > 0, norms / prev, np.inf)
-                ratio = np.nan_to_num(ratio, nan=-1.0)
-                order = np.argsort(-ratio)[:5]
-                jumped = [names[i] for i in order if ratio[i] > 1]
-            elif norms is not None:
-                jumped = [names[i] for i in np.argsort(-np.nan_to_num(norms, nan=-1.0))[:5]]
-            top = jumped[0] if jumped else None
-            msg = (f"graddbg: gradient explosion at step {step}: global gradient norm "
-                   f"{global_norm:.4g} > threshold {threshold:.4g}"
-                   + (f" ({det.factor:g}x the median of the last {len(self.level)} steps)"
-                      if det.factor is not None and len(self.level) >= det.warmup and threshold < (det.absolute or math.inf)
-                      and global_norm <= (det.absolute or math.inf) else
-                      " (absolute bound)")
-                   + (f"; parameters that jumped most: {', '.join(jumped)}" if jumped else "")
-                   + ". Try a lower learning rate, warm-up, or gradient clipping.")
-            return Anomaly(step=step, kind="explode", name=top,
-                           module=modules[names.index(top)] if top else None, op=None,
-                           value=float(global_norm), threshold=float(threshold), source=None,
-                           message=msg, params=tuple(jumped))
-        self.in_episode = False
-        self.above = 0
-        self.level.append(global_norm)
-        bisect.insort(self._sorted, global_norm)
-        if len(self.level) > det.window:
-            del self._sorted[bisect.bisect_left(self._sorted, self.level[0])]
-            del self.level[0]
-        return None
-
-
-class _VanishState:
-    def __init__(self, det: Vanish, n: int) -> None:
-        import numpy as np
-
-        self.det = det
-        self.run = np.zeros(n, dtype=np.int64)
-        self.flagged = np.zeros(n, dtype=bool)
-
-    def widen(self, k: int) -> None:
-        import numpy as np
-
-        self.run = np.concatenate([self.run, np.zeros(k, dtype=np.int64)])
-        self.flagged = np.concatenate([self.flagged, np.zeros(k, dtype=bool)])
-
-    def check(self, step: int, norms: Any, has_grad: Any, names: Sequence[str],
-              modules: Sequence[str]) -> Optional[Anomaly]:
-        import numpy as np
-
-        low = has_grad & np.isfinite(norms) & (norms < self.det.below)
-        self.run = np.where(low, self.run + 1, 0)
-        self.flagged &= low  # recovered parameters may be flagged again later
-        new = (self.run >= self.det.patience) & ~self.flagged
-        if not new.any():
-            return None
-        self.flagged |= new
-        idx = np.nonzero(new)[0]  # forward order: the first are the earliest layers
-        first = int(idx[0])
-        shown = ", ".join(names[i] for i in idx[:8]) + (f" and {len(idx) - 8} more" if len(idx) > 8 else "")
-        msg = (f"graddbg: vanishing gradients at step {step}: {len(idx)} parameter(s) have had a "
-               f"gradient norm below {self.det.below:g} for {self.det.patience} recorded steps: {shown}. "
-               f"The earliest is {names[first]} (module {modules[first] or '<root>'}), "
-               f"norm {float(norms[first]):.3g}. Check saturating activations, initialisation, "
-               f"normalisation or residual connections.")
-        return Anomaly(step=step, kind="vanish", name=names[first], module=modules[first], op=None,
-                       value=float(norms[first]), threshold=float(self.det.below), source=None,
-                       message=msg, params=tuple(names[i] for i in idx))
-
 
 
 def apply_policy(anomaly: Anomaly, policy: Any, skip: Callable[[], None]) -> Optional[BaseException]:

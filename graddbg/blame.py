@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graddbg._errors import GraddbgTypeError, GraddbgValueError, NonFiniteError
-from graddbg._model import local_tensor, module_of, tensors_in, unwrap
+from graddbg._model import local_values, module_of, tensors_in, unwrap
 from graddbg._source import is_internal, user_source_from_stack
 from graddbg.anomaly import Anomaly
 
@@ -266,13 +266,37 @@ class NonFiniteScan(TorchDispatchMode):
         self._passes = 0  # backward passes seen (graph tasks)
         self._task = -1
 
-    # -- module stack (fed by the hooks find_nonfinite registers) --------------------
+    # -- module stack (fed by the hooks track_modules registers) ----------------------
+    def track_modules(self, model: torch.nn.Module, hooks: contextlib.ExitStack) -> None:
+        """Follow which submodule of ``model`` runs (a forward pre-hook and a forward hook
+        on each), so that errors name it; each hook's removal goes on ``hooks``."""
+        for path, module in model.named_modules():
+            if isinstance(module, torch.jit.ScriptModule):
+                continue  # scripted code takes no Python hooks (its ops are still checked)
+            hooks.callback(module.register_forward_pre_hook(
+                lambda m, a, _p=path: self._push(_p)).remove)
+            hooks.callback(module.register_forward_hook(
+                lambda m, a, o, _p=path: self._pop(_p), always_call=True).remove)
+
     def _push(self, name: str) -> None:
         self._stack.append(name)
 
     def _pop(self, name: str) -> None:
         if self._stack and self._stack[-1] == name:
             self._stack.pop()
+
+    def finish(self) -> None:
+        """After the mode was exited: tag the autograd nodes of the last ops with what
+        their forward saw (outside the mode), then forget the module stack."""
+        try:
+            self._flush()
+        finally:
+            self.reset()
+
+    def reset(self) -> None:
+        """Drop the pending outputs and the module stack (the scan is over)."""
+        self._pending.clear()
+        self._stack.clear()
 
     # -- the check --------------------------------------------------------------------
     def _user_frame(self) -> Optional[Tuple[str, int]]:
@@ -514,17 +538,11 @@ def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bo
         check_state(inner)  # a NaN weight is the producer: nothing in the graph made it
     scan = NonFiniteScan(check_forward=check_forward, check_backward=check_backward,
                          skip_ints=skip_ints, model=inner)
-    handles: List[Any] = []
+    hooks = contextlib.ExitStack()   # every hook's removal, run in the finally below
     entered = False
     try:
         if model is not None:
-            for path, module in inner.named_modules():
-                if isinstance(module, torch.jit.ScriptModule):
-                    continue  # scripted code takes no Python hooks (its ops are still checked)
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, a, _p=path: scan._push(_p)))
-                handles.append(module.register_forward_hook(
-                    lambda m, a, o, _p=path: scan._pop(_p), always_call=True))
+            scan.track_modules(inner, hooks)
         scan.__enter__()
         entered = True
         yield scan
@@ -532,12 +550,10 @@ def find_nonfinite(model: Optional[torch.nn.Module] = None, *, check_forward: bo
         try:
             if entered:
                 scan.__exit__(None, None, None)
-                scan._flush()  # tag the nodes of the last ops (outside the mode)
+                scan.finish()
         finally:
-            for h in handles:
-                h.remove()
-            scan._pending.clear()
-            scan._stack.clear()
+            hooks.close()
+            scan.reset()
 
 
 def _validate_scan(model: Any, check_forward: Any, check_backward: Any, skip_ints: Any) -> Optional[torch.nn.Module]:
@@ -562,13 +578,9 @@ def nonfinite_state(model: torch.nn.Module) -> List[Tuple[str, str, torch.Tensor
     with torch.no_grad():
         for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
             for name, t in items:
-                if t.is_floating_point() and t.numel() and not bool(torch.isfinite(_local(t)).all()):
+                if t.is_floating_point() and t.numel() and not bool(torch.isfinite(local_values(t)).all()):
                     found.append((kind, name, t))
     return found
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return local_tensor(t)
 
 
 def check_state(model: torch.nn.Module, step: int = 0) -> None:
@@ -583,7 +595,7 @@ def check_state(model: torch.nn.Module, step: int = 0) -> None:
 
 def state_anomaly(found: List[Tuple[str, str, torch.Tensor]], step: int, rank: Optional[int] = None) -> Anomaly:
     kind, name, t = found[0]
-    bad = int((~torch.isfinite(_local(t))).sum())
+    bad = int((~torch.isfinite(local_values(t))).sum())
     others = ", ".join(n for _, n, _ in found[1:6]) + (" and more" if len(found) > 6 else "")
     msg = (f"graddbg: non-finite {kind} {name} {tuple(t.shape)} {t.dtype} at step {step}"
            + (f" on rank {rank}" if rank is not None else "") + f": {bad} NaN/Inf entries. "

@@ -90,7 +90,7 @@ def _check_watch_kwargs(owner: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     >>> _check_watch_kwargs("LightningCallback", {"every": 0})
     Traceback (most recent call last):
     ...
-    graddbg._errors.GraddbgValueError: every= must be an int >= 1, got 0
+    graddbg._errors.GraddbgValueError: LightningCallback(every=...): got 0; accepted: an int >= 1
     """
     for taken in ("model", "optimizer"):
         if taken in kwargs:

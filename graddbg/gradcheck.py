@@ -90,6 +90,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.utils import _pytree as pytree
 
+from graddbg._args import bad_type, bad_value, choice, flag, integer, tolerance
 from graddbg._errors import (GraddbgTypeError, GraddbgValueError, GradientMismatchError,
                              PrecisionWarning)
 from graddbg._model import check_model, is_dtensor, named_tensors, unwrap
@@ -256,54 +257,29 @@ def _format_rows(rows: List[dict]) -> List[str]:
 
 
 def _choice(choices: Tuple[str, ...]) -> Callable[[str, str, Any], str]:
-    def check(where: str, name: str, value: Any) -> str:
-        if not isinstance(value, str):
-            raise GraddbgTypeError(f"{where}: {name}={value!r} must be a string, one of {choices}")
-        if value not in choices:
-            raise GraddbgValueError(f"{where}: {name}={value!r} is not supported; use one of {choices}")
-        return value
-    return check
+    return lambda where, name, value: choice(where, name, value, choices)
 
 
 def _tolerance(where: str, name: str, value: Any) -> Optional[float]:
-    if value is None:
-        return None
+    """A tolerance, or None for the default (``TOLERANCES`` by dtype); ``eps`` > 0."""
     default = "the comparison tolerance" if name == "nondet_tol" else "TOLERANCES by dtype"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise GraddbgTypeError(f"{where}: {name}={value!r} must be a number (or None for the "
-                               f"default), got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (name == "eps" and value == 0):
-        raise GraddbgValueError(f"{where}: {name}={value!r} must be a finite number "
-                                f"{'> 0' if name == 'eps' else '>= 0'} (or None for the default: "
-                                f"{default})")
-    return float(value)
-
-
-def _flag(where: str, name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, int)) or value not in (0, 1):
-        raise GraddbgTypeError(f"{where}: {name}={value!r} must be True or False")
-    return bool(value)
+    return None if value is None else tolerance(where, name, value, positive=name == "eps", default=default)
 
 
 def _optional_flag(where: str, name: str, value: Any) -> Optional[bool]:
-    return None if value is None else _flag(where, name, value)
+    return None if value is None else flag(where, name, value)
 
 
 def _integer(minimum: Optional[int]) -> Callable[[str, str, Any], int]:
-    def check(where: str, name: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise GraddbgTypeError(f"{where}: {name}={value!r} must be an int, got {type(value).__name__}")
-        if minimum is not None and value < minimum:
-            raise GraddbgValueError(f"{where}: {name}={value!r} must be an int >= {minimum}")
-        return int(value)
-    return check
+    return lambda where, name, value: integer(where, name, value, minimum)
 
 
 def _dtype(where: str, name: str, value: Any) -> Optional[torch.dtype]:
-    if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
-        error = GraddbgValueError if isinstance(value, torch.dtype) else GraddbgTypeError
-        raise error(f"{where}: dtype={value!r} must be a floating-point torch.dtype (default "
-                    f"torch.float64) or None (check in the dtypes given)")
+    accepted = "a floating-point torch.dtype (default torch.float64) or None (check in the dtypes given)"
+    if value is not None and not isinstance(value, torch.dtype):
+        raise bad_type(where, name, value, accepted)
+    if value is not None and not value.is_floating_point:
+        raise bad_value(where, name, value, accepted)
     return value
 
 
@@ -322,8 +298,8 @@ class _Options:
     eps: Optional[float] = _option(None, _tolerance)
     atol: Optional[float] = _option(None, _tolerance)
     rtol: Optional[float] = _option(None, _tolerance)
-    forward_ad: bool = _option(False, _flag)
-    second_order: bool = _option(False, _flag)
+    forward_ad: bool = _option(False, flag)
+    second_order: bool = _option(False, flag)
     nondet_tol: Optional[float] = _option(None, _tolerance)
     dtype: Optional[torch.dtype] = _option(torch.float64, _dtype)
     kinks: str = _option("allow", _choice(_KINKS))
@@ -331,13 +307,13 @@ class _Options:
     probes: int = _option(2, _integer(1))
     max_entries: int = _option(2 ** 27, _integer(1))
     localise_entries: int = _option(1_000_000, _integer(0))
-    compress: bool = _option(True, _flag)
+    compress: bool = _option(True, flag)
     # torch.autograd.gradcheck's further checks, under torch's names and defaults
-    check_backward_ad: bool = _option(True, _flag)
-    check_undefined_grad: bool = _option(True, _flag)
-    check_grad_dtypes: bool = _option(False, _flag)
-    check_batched_grad: bool = _option(False, _flag)
-    check_batched_forward_grad: bool = _option(False, _flag)
+    check_backward_ad: bool = _option(True, flag)
+    check_undefined_grad: bool = _option(True, flag)
+    check_grad_dtypes: bool = _option(False, flag)
+    check_batched_grad: bool = _option(False, flag)
+    check_batched_forward_grad: bool = _option(False, flag)
     masked: Optional[bool] = _option(None, _optional_flag)
 
     @classmethod
@@ -383,7 +359,7 @@ def _translate_aliases(where: str, kw: Dict[str, Any]) -> Dict[str, Any]:
     for old, new in _ALIASES.items():
         if old not in kw:
             continue
-        value = _flag(where, old, kw.pop(old))
+        value = flag(where, old, kw.pop(old))
         if old == "fast_mode":
             value = "fast" if value else "full"
         if new in kw and kw[new] != value:
@@ -1757,7 +1733,6 @@ def _merge_second(first: GradcheckResult, second: GradcheckResult) -> GradcheckR
     first.rows = sorted([r for r in first.rows + second.rows if r["note"] != kink], key=_row_key) \
         + [r for r in first.rows + second.rows if r["note"] == kink]
     first.rows = first.rows[:_TABLE_ROWS]
-    first._table = None
     first.ok = first.ok and second.ok
     first.n_compared += second.n_compared
     first.n_mismatched += second.n_mismatched
@@ -1775,7 +1750,7 @@ def _merge_second(first: GradcheckResult, second: GradcheckResult) -> GradcheckR
     if not second.ok:
         first.notes.append(f"second-order check (gradients of gradients) FAILED: "
                            f"{second.n_mismatched} mismatches, max abs err {second.max_abs_err:.3g}")
-    return first
+    return replace(first, _table=None)   # (a new result: its table is built from the merged rows)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -2065,7 +2040,7 @@ def _as_tuple(x: Any) -> Tuple[Any, ...]:
 def _verdict(where: str, result: GradcheckResult, raise_exception: Any) -> GradcheckResult:
     """``result``, or GradientMismatchError with its text when it failed and
     ``raise_exception`` is set."""
-    if _flag(where, "raise_exception", raise_exception) and not result.ok:
+    if flag(where, "raise_exception", raise_exception) and not result.ok:
         raise GradientMismatchError(str(result), result)
     return result
 
@@ -2223,9 +2198,9 @@ def gradgradcheck(fn: Callable[..., Any], *inputs: Any, grad_outputs: Any = None
     if clash:
         raise GraddbgTypeError(f"{where}: {clash} do not apply; use check_fwd_over_rev= and "
                                f"check_rev_over_rev=")
-    _flag(where, "gen_non_contig_grad_outputs", gen_non_contig_grad_outputs)
-    opts = _Options.parse(where, {**options, "forward_ad": _flag(where, "check_fwd_over_rev", check_fwd_over_rev),
-                                  "check_backward_ad": _flag(where, "check_rev_over_rev", check_rev_over_rev)},
+    flag(where, "gen_non_contig_grad_outputs", gen_non_contig_grad_outputs)
+    opts = _Options.parse(where, {**options, "forward_ad": flag(where, "check_fwd_over_rev", check_fwd_over_rev),
+                                  "check_backward_ad": flag(where, "check_rev_over_rev", check_rev_over_rev)},
                           extra=("raise_exception", "inputs", "grad_outputs",
                                  "gen_non_contig_grad_outputs", "check_fwd_over_rev", "check_rev_over_rev"))
     t, opts = _function_target(where, fn, inputs, opts)

@@ -214,19 +214,26 @@ class ModuleTrace:
         self._bounds.append(seq)
         self._paths.append(path)
 
-    def _enter(self, module: nn.Module, path: ModulePath) -> None:
+    def on_tracing_thread(self) -> bool:
+        """Whether the caller runs on the thread being traced (forwards on other threads,
+        such as a DataLoader's or DDP's, are not recorded)."""
+        return threading.get_ident() == self._thread
+
+    def enter(self, module: nn.Module, path: ModulePath) -> None:
+        """``module`` (at ``path``) starts its forward: the nodes made from now on are its."""
         self._stack.append((id(module), path))
         self._mark()
 
-    def _note_params(self, module: nn.Module, prefix: str) -> None:
+    def note_params(self, module: nn.Module, prefix: str) -> None:
         """Remember ``module``'s own parameters as its forward saw them (plain tensors in
         place of the DTensor shards that ``named_parameters()`` gives outside the forward)."""
         for name, p in module._parameters.items():
             if p is not None and not _is_dtensor(p):
                 self.forward_params[prefix + name] = p
 
-    def _exit(self, module: nn.Module) -> None:
-        # pop up to and including this module (robust to a forward that raised inside)
+    def exit(self, module: nn.Module) -> None:
+        """``module``'s forward ended: pop up to and including it (robust to a forward that
+        raised inside)."""
         while self._stack:
             mid, _ = self._stack.pop()
             if mid == id(module):
@@ -319,16 +326,16 @@ def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
 
     def pre_hook(module: nn.Module, args: Any) -> None:
         entry = paths.get(id(module))
-        if entry is not None and threading.get_ident() == trace._thread:
-            trace._enter(module, entry[0])
+        if entry is not None and trace.on_tracing_thread():
+            trace.enter(module, entry[0])
 
     def post_hook(module: nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != trace._thread:
+        if not trace.on_tracing_thread():
             return
         if owners and id(module) in owners:
-            trace._note_params(module, owners[id(module)])
+            trace.note_params(module, owners[id(module)])
         if id(module) in paths:
-            trace._exit(module)
+            trace.exit(module)
 
     handles: List[Any] = []
     try:

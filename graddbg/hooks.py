@@ -94,7 +94,17 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as err:
             if isinstance(err, GradientAnomalyError) or self._in_policy:
                 raise
-            _internal_error(self, fn.__name__, step, err)
+            # a failure inside graddbg's own hook: warn once per place, keep the step count
+            # right, and go on recording
+            where = fn.__name__
+            if self._clock.index == step and where in ("_boundary", "_on_opt_pre", "_on_opt_post"):
+                self._finish_step()
+            if where not in self._errors_warned:
+                self._errors_warned.add(where)
+                names = ", ".join(self._ctx.names[:3]) + (" ..." if len(self._ctx.names) > 3 else "")
+                warn_at_user(f"graddbg.watch: an internal error in {where} at step {step} (parameters {names}): "
+                             f"{type(err).__name__}: {err}. Training goes on; this part of the record is "
+                             f"missing for that step. Please report it.", GraddbgWarning)
             return None
         finally:
             self._in_policy = False
@@ -170,7 +180,7 @@ class _OutputTap:
                  on_output_grad: Optional[Callable[[Tensor], None]] = None) -> None:
         self.localise, self._on_gradient, self._alive = localise, on_gradient, alive
         self._on_output_grad = on_output_grad  # (DeepSpeed: each rank's evidence, see _deepspeed.Origin)
-        self.handles: List[Any] = []
+        self.handles = HookSet()        # this forward pass's hooks on its output
         self._warned = False
         self.capture: Optional[Capture] = None
         self._rng: Optional[Tensor] = None
@@ -189,9 +199,9 @@ class _OutputTap:
                 cap = Capture(args, kwargs, self._rng, i) if self.localise else None
                 fn = t.grad_fn
                 if fn is not None:  # (a pre-hook on its node costs less than a tensor hook)
-                    self.handles.append(fn.register_prehook(self._hook(cap, t.output_nr)))
+                    self.handles.add(fn.register_prehook(self._hook(cap, t.output_nr)))
                 else:
-                    self.handles.append(t.register_hook(self._hook(cap, None)))
+                    self.handles.add(t.register_hook(self._hook(cap, None)))
                 return
 
     def _hook(self, cap: Optional[Capture], output_nr: Optional[int]) -> Callable[[Any], None]:
@@ -230,10 +240,9 @@ class _OutputTap:
 
     def clear(self) -> None:
         """The step ended (or the watch closed): its hooks and capture go."""
-        handles, self.handles, self.capture = self.handles, [], None
+        self.capture = None
         self._backward_since = True
-        for h in handles:
-            h.remove()
+        self.handles.remove_all()
 
 
 def _check_optimizer(ctx: Watched) -> None:
@@ -353,31 +362,6 @@ def _path(zero: Any, optimizer: Any, scaler: Any, closure: bool, manual: bool) -
     if optimizer is None:
         return "backward"
     return "closure" if closure else "scaler" if scaler is not None else "optimizer"
-
-
-def _internal_error(w: "Watch", where: str, step: int, err: Exception) -> None:
-    """A failure inside graddbg's own hook: warn once per place, keep the step count right,
-    and go on recording."""
-    if w._clock.index == step and where in ("_boundary", "_on_opt_pre", "_on_opt_post"):
-        w._finish_step()
-    if where in w._errors_warned:
-        return
-    w._errors_warned.add(where)
-    names = ", ".join(w._ctx.names[:3]) + (" ..." if len(w._ctx.names) > 3 else "")
-    warn_at_user(f"graddbg.watch: an internal error in {where} at step {step} (parameters {names}): "
-                 f"{type(err).__name__}: {err}. Training goes on; this part of the record is "
-                 f"missing for that step. Please report it.", GraddbgWarning)
-
-
-def _unused_at_close(w: "Watch") -> None:
-    """At close: the parameters that never had a gradient (and were not named as cut off
-    already), one ``unused_param`` finding (its policy is applied by ``__exit__`` when the
-    body ended normally)."""
-    graph = w._part(LossGraph)
-    named = graph.reported_unused() if graph is not None else set()
-    names = [n for n in w._part(StatsRecorder).uncovered() if n not in named]
-    if w._clock.index > 0 and names and w.options.unused_param is not None:
-        w.anomalies.append(unused_anomaly(names, w._ctx, w._clock.index - 1))
 
 
 # --------------------------------------------------------------------------- the record
@@ -713,8 +697,8 @@ class Watch(_Results):
         policies are applied."""
         index, opts = self._clock.index, self.options
         self._adopt_unfrozen()
-        due_nf = opts.nonfinite is not None and index % opts.nonfinite.every == 0
-        due_stats = index % opts.every == 0
+        due_nf = opts.nonfinite is not None and opts.nonfinite.schedule.includes(index)
+        due_stats = opts.record_schedule.includes(index)
         step = Step(index, self._ctx.grads(), due_stats, read=due_stats or due_nf or
                     any(due(index) for due in self._on["due"]), capture=self._tap.capture, closure=closure)
         step.entry = self._keeper.begin(index, _path(self._zero, self._ctx.optimizer, opts.scaler, closure, manual),
@@ -804,7 +788,13 @@ class Watch(_Results):
                 self._skipped()  # (the last step: the scaler updated without stepping the optimizer)
             for c in self._checks:
                 c.flush()
-            _unused_at_close(self)
+            # the parameters that never had a gradient (and were not named as cut off already):
+            # one unused_param finding (its policy is applied by __exit__ when the body ended normally)
+            graph = self._part(LossGraph)
+            named = graph.reported_unused() if graph is not None else set()
+            names = [n for n in self._part(StatsRecorder).uncovered() if n not in named]
+            if self._clock.index > 0 and names and self.options.unused_param is not None:
+                self.anomalies.append(unused_anomaly(names, self._ctx, self._clock.index - 1))
         finally:
             self._detach()
             # keep only what the tables need; no tensors of the user's past the watch
@@ -931,7 +921,8 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
         localise: on a non-finite gradient, replay the last forward and backward pass
             under `graddbg.find_nonfinite` to name the op and source line (True).
             The old spelling ``localize=`` is accepted.
-        ddp_timeout: the timeout of the replica checks (a ``datetime.timedelta``).
+        ddp_timeout: the timeout of the replica checks (a ``datetime.timedelta`` or a
+            number of seconds > 0; None: 60 s).
         **old_spellings: ``localize=`` for ``localise=``.
 
     Returns:
@@ -940,7 +931,9 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
     Raises:
         GraddbgTypeError: an unknown option, or a value of the wrong type.
         GraddbgValueError: a value out of range, or an optimizer holding none of the
-            model's parameters.
+            model's parameters. Every option is checked here, when ``watch`` is called,
+            and the error names it, what was given and what is accepted (``watch(every=...):
+            got 0; accepted: an int >= 1``).
 
     Examples:
         >>> import torch, graddbg

@@ -9,6 +9,10 @@ Examples:
     >>> opts = WatchOptions.parse("watch", {"every": 2, "explode": None})
     >>> opts.every, opts.explode
     (2, None)
+    >>> WatchOptions.parse("watch", {"every": 0})
+    Traceback (most recent call last):
+    ...
+    graddbg._errors.GraddbgValueError: watch(every=...): got 0; accepted: an int >= 1
     >>> WatchOptions.parse("watch", {"evry": 2})
     Traceback (most recent call last):
     ...
@@ -22,6 +26,7 @@ import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from graddbg._args import AUTO, Schedule, bad_type, bad_value, count, duration, flag, optional
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
 from graddbg.anomaly import HYGIENE_KINDS, Explode, NonFinite, Vanish, as_detector, check_policy
 from graddbg.stats import CPU_ABSMAX_EVERY, DEFAULT_STATS, validate_stats
@@ -31,64 +36,53 @@ __all__ = ["WatchOptions", "UPDATE_EVERY", "AUTO"]
 #: the default of ``update_every=``: the update/weight ratio needs a copy of every weight,
 #: which is slow to reach again when taken rarely
 UPDATE_EVERY = 200
-#: ``ddp_check_every="auto"``: the replica check's default cadence under distribution
-AUTO = "auto"
 
 
 # --------------------------------------------------------------------------- validators
-def _count(name: str, value: Any, optional: bool = False) -> Optional[int]:
-    if value is None and optional:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise GraddbgValueError(f"{name}= must be {'None or ' if optional else ''}an int >= 1, got {value!r}")
+# Each takes (where, name, value): the call (``watch``, ``LightningCallback``, ``graddbg
+# run``), the option and the value given; it returns the value normalised or raises the
+# error of `graddbg._args`, naming the option, what was given and what is accepted.
+def _stats(where: str, name: str, value: Any) -> Any:
+    try:
+        validate_stats(value)       # (kept as given; its canonical form is `quantities`)
+    except (GraddbgTypeError, GraddbgValueError) as err:
+        raise type(err)(f"{where}({name}=...): {str(err).removeprefix('stats= ')}") from None
     return value
 
 
-def _int(optional: bool) -> Callable[[str, Any], Optional[int]]:
-    return lambda name, value: _count(name, value, optional)
+def _detector(where: str, name: str, value: Any) -> Any:
+    return as_detector(value, name, where)
 
 
-def _detector(name: str, value: Any) -> Any:
-    return as_detector(value, name)
+def _policy(where: str, name: str, value: Any) -> Any:
+    return check_policy(value, name, where)
 
 
-def _policy(name: str, value: Any) -> Any:
-    return check_policy(value, name)
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, int)) or value not in (0, 1):
-        raise GraddbgTypeError(f"{name}= must be True or False, got {value!r}")
-    return bool(value)
-
-
-def _histograms(name: str, value: Any) -> Optional[int]:
+def _histograms(where: str, name: str, value: Any) -> Optional[int]:
     """``histograms=``: None/False (off), True (every recorded step) or every N steps."""
     if value is not None and not isinstance(value, (bool, int)):
-        raise GraddbgTypeError(f"histograms= must be None, a bool or an int (every N steps), "
-                               f"got {type(value).__name__}")
-    return None if value in (None, False) else 1 if value is True else _count(name, value)
+        raise bad_type(where, name, value, "None, a bool or an int >= 1 (every N steps)")
+    return None if value in (None, False) else 1 if value is True else count(where, name, value)
 
 
-def _scaler(name: str, value: Any) -> Any:
+def _scaler(where: str, name: str, value: Any) -> Any:
     if value is not None and not hasattr(value, "get_scale"):
-        raise GraddbgTypeError(f"scaler= must be a torch.amp.GradScaler or None, got {type(value).__name__}")
+        raise bad_type(where, name, value, "a torch.amp.GradScaler or None")
     return value
 
 
-def _replica_every(name: str, value: Any) -> Any:
+def _replica_every(where: str, name: str, value: Any) -> Any:
+    accepted = f"None, {AUTO!r} or an int >= 1"
     if value is None or value == AUTO:
         return value
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise GraddbgValueError(f"{name}= must be None, {AUTO!r} or an int >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_type(where, name, value, accepted)
+    if value < 1:
+        raise bad_value(where, name, value, accepted)
     return value
 
 
-def _any(name: str, value: Any) -> Any:
-    return value
-
-
-def _option(default: Any, check: Callable[[str, Any], Any], doc: str) -> Any:
+def _option(default: Any, check: Callable[[str, str, Any], Any], doc: str) -> Any:
     return field(default=default, metadata={"check": check, "doc": doc})
 
 
@@ -97,10 +91,11 @@ def _option(default: Any, check: Callable[[str, Any], Any], doc: str) -> Any:
 class WatchOptions:
     """The keyword options of `graddbg.watch`, validated once; see its docstring
     for what each means. ``stats`` is kept as given (its canonical form is
-    `quantities`)."""
+    `quantities`). The cadences are read as `graddbg._args.Schedule` objects
+    (`record_schedule`, `histogram_schedule`, ...), each counting the watch's steps."""
 
-    every: int = _option(1, _int(False), "record statistics on every every-th step")
-    stats: Tuple[str, ...] = _option(DEFAULT_STATS, lambda n, v: v, "the per-parameter quantities read")
+    every: int = _option(1, count, "record statistics on every every-th step")
+    stats: Tuple[str, ...] = _option(DEFAULT_STATS, _stats, "the per-parameter quantities read")
     nonfinite: Any = _option("raise", _detector, "policy or NonFinite detector")
     explode: Any = _option("warn", _detector, "policy or Explode detector")
     vanish: Any = _option(None, _detector, "policy or Vanish detector")
@@ -117,14 +112,14 @@ class WatchOptions:
     loss_pattern: Any = _option("warn", _policy, "a harmful pattern on the path to the loss")
     dead_grad: Any = _option("warn", _policy, "gradients exactly zero step after step")
     unused_param: Any = _option("warn", _policy, "trainable parameters that never received a gradient")
-    activations: bool = _option(False, _flag, "record gradients at leaf modules' outputs")
+    activations: bool = _option(False, flag, "record gradients at leaf modules' outputs")
     histograms: Optional[int] = _option(None, _histograms, "histograms of |grad| every N recorded steps")
     scaler: Any = _option(None, _scaler, "the torch.amp.GradScaler in use")
-    history: int = _option(10_000, _int(False), "steps kept in the history")
+    history: int = _option(10_000, count, "steps kept in the history")
     ddp_check_every: Any = _option(AUTO, _replica_every, "replica check cadence under distribution")
-    update_every: Optional[int] = _option(UPDATE_EVERY, _int(True), "update/weight ratio cadence")
-    localise: bool = _option(True, _flag, "replay a non-finite step to name its op and line")
-    ddp_timeout: Any = _option(None, _any, "timeout of the replica checks")
+    update_every: Optional[int] = _option(UPDATE_EVERY, optional(count), "update/weight ratio cadence")
+    localise: bool = _option(True, flag, "replay a non-finite step to name its op and line")
+    ddp_timeout: Any = _option(None, optional(duration), "timeout of the replica checks (None: 60 s)")
 
     @classmethod
     def parse(cls, where: str, kw: Dict[str, Any]) -> "WatchOptions":
@@ -142,7 +137,7 @@ class WatchOptions:
             raise GraddbgTypeError(f"{where}(): unknown keyword(s) {unknown}"
                                    + (f" (did you mean {close[0]!r}?)" if close else "")
                                    + f"; accepted: {', '.join(checks)}")
-        return cls(**{name: checks[name](name, value) for name, value in kw.items()})
+        return cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
 
     def __post_init__(self) -> None:
         for f in fields(self):  # defaults go through the same checks (detectors from strings)
@@ -154,10 +149,27 @@ class WatchOptions:
     quantities: Tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
 
     @property
-    def absmax_cpu_every(self) -> int:
-        """Recorded steps between reads of the largest magnitude on the CPU: every 10th
-        with the default ``stats=``, every one when it is asked for by name."""
-        return CPU_ABSMAX_EVERY if tuple(self.stats) == DEFAULT_STATS else 1
+    def record_schedule(self) -> Schedule:
+        """The steps whose statistics are recorded (``every=``)."""
+        return Schedule(self.every)
+
+    @property
+    def histogram_schedule(self) -> Schedule:
+        """The steps with histograms (``histograms=``; only recorded steps have them)."""
+        return Schedule(self.histograms)
+
+    @property
+    def update_schedule(self) -> Schedule:
+        """The steps whose update/weight ratio is measured (``update_every=``; only
+        recorded steps have it)."""
+        return Schedule(self.update_every)
+
+    @property
+    def absmax_cpu_schedule(self) -> Schedule:
+        """The recorded steps whose largest magnitudes are read on the CPU: every 10th
+        recorded step with the default ``stats=``, every one when it is asked for by name."""
+        return Schedule(CPU_ABSMAX_EVERY if tuple(self.stats) == DEFAULT_STATS else 1).within(
+            self.record_schedule)
 
     def policy(self, kind: str) -> Any:
         """The policy of findings of ``kind`` (None: the check is off)."""
@@ -166,10 +178,6 @@ class WatchOptions:
 
     def replace(self, **changes: Any) -> "WatchOptions":
         return dataclasses.replace(self, **changes)
-
-    def as_kwargs(self) -> Dict[str, Any]:
-        """The options as ``watch()`` keywords (what `parse` gives back unchanged)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
 
 def options_in_signature(fn: Callable[..., Any]) -> Callable[..., Any]:

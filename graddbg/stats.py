@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np  # (torch imports numpy itself)
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from graddbg._collective import run_collective
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
-from graddbg._model import clean_name, is_dtensor, local_tensor, module_of, named_trainable_parameters
+from graddbg._model import clean_name, is_dtensor, local_values, module_of, named_trainable_parameters
 
 __all__ = [
     "STAT_NAMES",
@@ -193,27 +193,13 @@ def _special(g: Tensor) -> bool:
     return g.layout != torch.strided or type(g) is not Tensor
 
 
-def _sharded(g: Tensor) -> bool:
-    """A DTensor gradient (FSDP2, HSDP, tensor parallel): its statistics combine the
-    shards of every rank."""
-    return is_dtensor(g)
-
-
-def _local_shard(g: Tensor) -> Tensor:
-    """This rank's shard of a DTensor gradient; a pending sum (Partial) is reduced first."""
-    if any(p.is_partial() for p in g.placements):
-        from torch.distributed.tensor import Replicate
-
-        g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
-    return g.to_local()
-
-
-def _dense(g: Tensor) -> Tensor:
-    """The stored values of a gradient: a sparse tensor's coalesced values, a DTensor's
-    local shard; else the gradient itself."""
+def _stored_values(g: Tensor) -> Tensor:
+    """The values this rank stores of a gradient: a sparse tensor's coalesced values, a
+    DTensor's local values with its pending sums (Partial) reduced first; else the
+    gradient itself (detached)."""
     if g.layout != torch.strided:
         return g.coalesce().values() if g.layout == torch.sparse_coo else g.values()
-    return local_tensor(g)
+    return local_values(g, reduce_partial=True)
 
 
 class _Launch:
@@ -252,7 +238,6 @@ class StepReader:
         self._shards = _Shards()
         self._layouts: Dict[Any, Tuple[np.ndarray, np.ndarray]] = {}
         #: read-backs made by `rescue`
-        self.extra_reads = 0
 
     def shard_group(self, group: Any) -> None:
         """The process group DTensor shard statistics are gathered over (None: the default
@@ -273,7 +258,7 @@ class StepReader:
         special, sharded = [], []
         for i in present:
             g = grads[i]
-            if _sharded(g):
+            if is_dtensor(g):
                 sharded.append(i)
             elif _special(g):
                 special.append(i)
@@ -300,10 +285,9 @@ class StepReader:
                 if kind == "sharded":
                     out.sharded = (len(out.groups), ix, [grads[i] for i in ix])
                     # (a pending sum is reduced only where graddbg may issue collectives)
-                    ts = [_local_shard(grads[i]) if self._shards.group is not False else grads[i].to_local()
-                          for i in ix]
+                    ts = [local_values(grads[i], reduce_partial=self._shards.group is not False) for i in ix]
                 else:
-                    ts = [_dense(grads[ix[0]])] if kind == "single" else [grads[i] for i in ix]
+                    ts = [_stored_values(grads[ix[0]])] if kind == "single" else [grads[i] for i in ix]
                 self._reduce(ts, out)
                 out.groups.append(ix)
                 out.order.extend(ix)
@@ -386,8 +370,8 @@ class StepReader:
         for those with a non-finite or unread largest magnitude; batched for those whose
         largest magnitude is known and finite (no NaN/Inf in them: their squares overflowed),
         divided by it in one foreach norm.""" 
-        local = [_local_shard(grads[i]) if _sharded(grads[i]) else _dense(grads[i]) for i in idx]
-        known = [k for k, i in enumerate(idx) if np.isfinite(absmax[i]) and absmax[i] > 0 and not _sharded(grads[i])]
+        local = [_stored_values(grads[i]) for i in idx]
+        known = [k for k, i in enumerate(idx) if np.isfinite(absmax[i]) and absmax[i] > 0 and not is_dtensor(grads[i])]
         rows: List[Optional[Tensor]] = [None] * len(idx)
         if known:
             scales = [float(absmax[idx[k]]) for k in known]
@@ -421,12 +405,11 @@ class StepReader:
             if changed:
                 div = 1.0
             table = self._exact_rows(grads, idx, np.full(len(st.absmax), np.nan) if changed else st.absmax * div)
-            shard_ix = [k for k, i in enumerate(idx) if _sharded(grads[i])]
+            shard_ix = [k for k, i in enumerate(idx) if is_dtensor(grads[i])]
             if shard_ix:  # every rank has the same suspects: the same collective
                 got = self._shards.exact(table, [grads[idx[k]] for k in shard_ix], shard_ix)
             else:
                 got = table.cpu().numpy()
-        self.extra_reads += 1
         for i, (bad, norm, amax) in zip(idx, got):
             st.nonfinite[i] = int(bad)
             st.absmax[i] = amax / div
@@ -471,7 +454,6 @@ class _Shards:
 
     def __init__(self) -> None:
         self._ranks: Dict[Any, np.ndarray] = {}
-        self.bytes_sent = 0  #: bytes this rank sent in gathers (for benchmarks)
         #: the group the tables are gathered over: None, the default group; False, none (this
         #: rank's shards only: graddbg issues no collective); else a process group holding
         #: every rank of the DTensors' meshes (the data-parallel group of a pipeline stage)
@@ -484,7 +466,6 @@ class _Shards:
             return table.reshape(1, *table.shape)
         out = [torch.empty_like(table) for _ in range(dist.get_world_size(self.group))]
         run_collective(dist.all_gather, out, table.contiguous(), group=self.group)
-        self.bytes_sent += table.numel() * table.element_size()
         return torch.stack(out)
 
     def owners(self, g: Tensor) -> np.ndarray:
@@ -540,11 +521,6 @@ class _Shards:
         return out
 
 
-def local_values(t: Tensor) -> Tensor:
-    """A tensor's values held by this rank: a DTensor's local shard, else the tensor."""
-    return t.detach().to_local() if _sharded(t) else t.detach()
-
-
 def update_ratios(before: List[Tensor], params: Sequence[Tensor], group: Any = None) -> Tensor:
     """``[P]`` float64 ``||w_old - w_new|| / ||w_old||`` (NaN where ``||w_old||`` is 0)
     from a copy of the (local) weights taken before an optimizer step; ``before`` is used
@@ -554,7 +530,7 @@ def update_ratios(before: List[Tensor], params: Sequence[Tensor], group: Any = N
     wn = torch.stack(torch._foreach_norm(before)).double()
     torch._foreach_sub_(before, [local_values(p) for p in params])
     dn = torch.stack(torch._foreach_norm(before)).double()
-    shard = [i for i, p in enumerate(params) if _sharded(p)]
+    shard = [i for i, p in enumerate(params) if is_dtensor(p)]
     if shard and group is not False:
         import torch.distributed as dist
 
@@ -594,7 +570,7 @@ def histogram_counts(grad: Tensor, edges: Tensor) -> Tensor:
         >>> histogram_counts(torch.tensor([0.0, 1.0, -1.0, float("nan")]), torch.tensor([0.5, 2.0])).tolist()
         [1, 2, 0]
     """
-    a = (_local_shard(grad) if _sharded(grad) else _dense(grad)).detach().reshape(-1).abs()
+    a = _stored_values(grad).detach().reshape(-1).abs()
     a = a[torch.isfinite(a)]
     idx = torch.bucketize(a.to(edges.dtype), edges, right=True)
     return torch.bincount(idx, minlength=edges.numel() + 1)
@@ -653,11 +629,12 @@ def grad_stats(model_or_named_params: Any, stats: Sequence[str] = STAT_NAMES):
 # --------------------------------------------------------------------------- history
 @dataclass
 class StepRecord:
-    """What one step boundary recorded (host-side, numpy; small). Built by keyword; a step
-    that read nothing (or a GradScaler's skipped step) has only ``step``, ``overflow``,
-    ``scale`` and ``lr``."""
+    """What one step boundary recorded (host-side, numpy; small). Built one way: the step,
+    then every other field by keyword (they are keyword-only); a step that read nothing (or
+    a GradScaler's skipped step) has only ``step``, ``overflow``, ``scale`` and ``lr``."""
 
     step: int
+    _: KW_ONLY
     per_param: Optional[StepStats] = None  # None when per-parameter statistics were not due
     global_norm: float = math.nan
     clipped_norm: float = math.nan

@@ -219,11 +219,13 @@ def drift(rank, world, dev):
         with torch.no_grad():
             model.module[2].weight[1, 3] += 1e-3
     after = _summ(v.check_parameters(model, details=True))
-    old, v._DETAIL_BYTES = v._DETAIL_BYTES, 8 * world * 16   # slices of 16 elements
+    from graddbg import _verdict
+
+    old, _verdict._DETAIL_BYTES = _verdict._DETAIL_BYTES, 8 * world * 16   # slices of 16 elements
     try:
         sliced = _summ(v.check_parameters(model, details=True))
     finally:
-        v._DETAIL_BYTES = old
+        _verdict._DETAIL_BYTES = old
     return {"before": _summ(before), "after": after, "sliced": sliced,
             "reference": model.module[2].weight[1, 3].item(),
             "after_tol": _summ(v.check_parameters(model, rtol=1e-5))}
@@ -341,14 +343,15 @@ def architecture(rank, world, dev):
 
 
 def side_group(rank, world, dev):
+    from graddbg import _rendezvous
     from graddbg import ddp_verify
-    side = ddp_verify._barrier_group(None, timedelta(seconds=20), force_side=True)
-    again = ddp_verify._barrier_group(None, timedelta(seconds=20), force_side=True)
+    side = _rendezvous.side_group(None, timedelta(seconds=20), force_side=True)
+    again = _rendezvous.side_group(None, timedelta(seconds=20), force_side=True)
     dist.monitored_barrier(side, timeout=timedelta(seconds=20))
     out = {"cached": side is again, "side_world": dist.get_world_size(side),
            "check": _summ(ddp_verify.check_parameters(_mlp(dev)))}
     out["backend"] = str(dist.get_backend())
-    out["side_groups"] = len(ddp_verify._SIDE_GROUPS)
+    out["side_groups"] = len(_rendezvous._SIDE_GROUPS)
     return out
 
 
@@ -357,7 +360,9 @@ def subgroup(rank, world, dev):
     sub = dist.new_group([0, 1])
     if rank in (0, 1):
         result = _summ(v.check_parameters(_mlp(dev), group=sub))
-        result["side_groups"] = len(v._SIDE_GROUPS)
+        from graddbg import _rendezvous
+
+        result["side_groups"] = len(_rendezvous._SIDE_GROUPS)
     else:
         result = {"skipped": True}
     dist.barrier()
@@ -393,9 +398,11 @@ def local_failure(rank, world, dev):
 
 def no_store(rank, world, dev):
     """Without a store to count check-ins in, the checks fall back to a monitored barrier."""
+    from graddbg import _rendezvous
+
     v = _check()
-    original = v._store
-    v._store = lambda: None
+    original = _rendezvous._store
+    _rendezvous._store = lambda: None
     try:
         model = DDP(_mlp(dev))
         model(_batch(rank, dev)).sum().backward()
@@ -404,7 +411,7 @@ def no_store(rank, world, dev):
             model.module[0].bias.grad[3] = float("nan")
         bad = _summ(v.check_gradients(model))
     finally:
-        v._store = original
+        _rendezvous._store = original
     return {"healthy": healthy, "bad": bad, "after": _summ(v.check_gradients(model))}
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 import _ddp_mesh_worker as workers
 from graddbg import ddp_verify
+from graddbg import _verdict
 from graddbg._errors import GraddbgTypeError
 
 REPLICAS = [[0, 2], [1, 3]]        # on a 2 x 2 mesh: the ranks that hold the same shards
@@ -86,9 +87,9 @@ def test_verdict_compares_each_replica_group_within_itself():
     bad_b = ddp_verify.fingerprints([torch.arange(4.0) + 11])
     table = torch.stack([shard_a, shard_b, shard_a, bad_b])
     meta = [("w", (8,), "float32")]
-    assert ddp_verify._verdict(table, ["w"], meta, "bitwise", 0.0, 0.0, REPLICAS) == \
+    assert _verdict.disagreements(table, ["w"], meta, "bitwise", 0.0, 0.0, REPLICAS) == \
         [(0, 3, 1, "bits differ")]
-    assert ddp_verify._verdict(table[[0, 1, 2, 1]], ["w"], meta, "bitwise", 0.0, 0.0, REPLICAS) == []
+    assert _verdict.disagreements(table[[0, 1, 2, 1]], ["w"], meta, "bitwise", 0.0, 0.0, REPLICAS) == []
 
 
 def test_a_dimension_name_on_a_plain_model_is_a_type_error_before_any_collective():

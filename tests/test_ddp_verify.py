@@ -19,6 +19,7 @@ import torch.distributed as dist
 import _ddp_workers as workers
 from conftest import requires_cuda
 from graddbg import DDPInconsistencyError, DDPTimeoutError, GraddbgError, ddp_verify
+from graddbg import _fingerprint, _rendezvous, _replicas, _verdict
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
 
 # --------------------------------------------------------------------------- references
@@ -58,23 +59,23 @@ def naive_bitwise(t: torch.Tensor) -> list:
 
     Words: little-endian 32-bit, the last one zero-padded; each mixed, h = fold(M *
     fold(w)) with fold(x) = x ^ (x >> 16) on 32 bits, read as a signed 32-bit integer; per
-    block of ddp_verify._BLOCK words the sum of K_j * h_j modulo 2**64 (K the fixed odd
+    block of _fingerprint._BLOCK words the sum of K_j * h_j modulo 2**64 (K the fixed odd
     weight of position j) is the block's value v_b; each lane is the sum of mix64(v_b + b *
     golden + seed) over the blocks b, modulo 2**64.
     """
-    keys = ddp_verify._keys(torch.device("cpu")).tolist()
+    keys = _fingerprint._keys(torch.device("cpu")).tolist()
     words = _raw_words(t)
 
     def fold(x):
         x &= 0xFFFFFFFF
         return x ^ (x >> 16)
-    block = ddp_verify._BLOCK
+    block = _fingerprint._BLOCK
     values = []
     for start in range(0, len(words), block):
-        h = [_signed(fold(fold(w) * ddp_verify._MIX32), 32) for w in words[start:start + block]]
+        h = [_signed(fold(fold(w) * _fingerprint._MIX32), 32) for w in words[start:start + block]]
         values.append(sum(k * x for k, x in zip(keys, h)) % _M64)
     lanes = [sum(_splitmix64_finaliser(v + b * 0x9E3779B97F4A7C15 + seed)
-                 for b, v in enumerate(values)) for seed in ddp_verify._LANE_SEEDS]
+                 for b, v in enumerate(values)) for seed in _fingerprint._LANE_SEEDS]
     return [1] + [_signed(v % _M64, 64) for v in lanes]
 
 
@@ -144,10 +145,10 @@ def test_digest_is_the_weighted_sum_modulo_two_primes():
     for n in (0, 1, 7, 400):
         values = [rng.choice(extremes) if rng.random() < 0.3 else rng.randrange(-(2**63), 2**63)
                   for _ in range(4 * n)]
-        want = [sum((v % p) * ((i + 1) * ddp_verify._MULT % p) for i, v in enumerate(values)) % p
-                for p in ddp_verify._DIGEST_PRIMES]
-        got = ddp_verify._digest(torch.tensor(values, dtype=torch.int64).reshape(n, 4)).tolist()
-        assert [g % p for g, p in zip(got, ddp_verify._DIGEST_PRIMES)] == want
+        want = [sum((v % p) * ((i + 1) * _fingerprint._MULT % p) for i, v in enumerate(values)) % p
+                for p in _fingerprint._DIGEST_PRIMES]
+        got = _fingerprint.digest(torch.tensor(values, dtype=torch.int64).reshape(n, 4)).tolist()
+        assert [g % p for g, p in zip(got, _fingerprint._DIGEST_PRIMES)] == want
 
 
 def test_bitwise_fingerprint_wraps_a_partial_block_and_its_padded_last_word():
@@ -214,7 +215,7 @@ def test_an_8_byte_element_whose_32_bit_halves_change_in_opposite_ways_is_detect
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
 def test_two_elements_swapped_across_blocks_are_detected(dtype):
     size = torch.empty(0, dtype=dtype).element_size()
-    per_block = ddp_verify._BLOCK * max(1, 4 // size)                 # elements per block
+    per_block = _fingerprint._BLOCK * max(1, 4 // size)                 # elements per block
     t = _tensor((3 * per_block + 100,), dtype)
     base = _fp(t)
     rng = random.Random(1)
@@ -287,7 +288,7 @@ def test_fingerprints_of_other_layouts_and_dtypes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2500,), (3, 50000)], ids=str)   # last: chunked
 def test_tolerance_fingerprint_matches_naive_reference(shape, dtype, monkeypatch):
-    monkeypatch.setattr(ddp_verify, "_CHUNK", 4096)     # float64 casts in slices of 4096
+    monkeypatch.setattr(_fingerprint, "_CHUNK", 4096)     # float64 casts in slices of 4096
     t = _tensor(shape, dtype)
     t.reshape(-1)[0] = float("nan")
     t.reshape(-1)[-1] = float("-inf")
@@ -296,12 +297,12 @@ def test_tolerance_fingerprint_matches_naive_reference(shape, dtype, monkeypatch
     assert row[:4].tolist() == ref[:4]
     got = row[4:].view(torch.float64).tolist()
     # and the quick first round (sums of everything): NaN propagates
-    quick = ddp_verify._tolerance_quick_table([t], torch.device("cpu"))[0]
+    quick = _fingerprint.tolerance_quick_table([t], torch.device("cpu"))[0]
     assert quick[0] == 1 and all(math.isnan(v) for v in quick[1:].view(torch.float64).tolist())
     finite = t.clone()
     finite.reshape(-1)[0] = 1.0
     finite.reshape(-1)[-1] = -2.0
-    quick = ddp_verify._tolerance_quick_table([finite], torch.device("cpu"))[0]
+    quick = _fingerprint.tolerance_quick_table([finite], torch.device("cpu"))[0]
     assert quick[1:].view(torch.float64).tolist() == pytest.approx(naive_tolerance(finite)[4:],
                                                                      rel=1e-12)
     assert got == pytest.approx(ref[4:], rel=1e-12)
@@ -328,7 +329,7 @@ def test_fingerprints_leave_their_tensors_unchanged():
     before = [t.clone() for t in ts]
     for mode in ("bitwise", "tolerance"):
         ddp_verify.fingerprints(ts, mode=mode)
-    ddp_verify._tolerance_quick_table(ts, torch.device("cpu"))
+    _fingerprint.tolerance_quick_table(ts, torch.device("cpu"))
     assert all(torch.equal(t, b) for t, b in zip(ts, before))
 
 
@@ -348,14 +349,19 @@ def test_verdict_reports_the_minority_and_breaks_ties_towards_rank_0():
     a, b = torch.ones(3), torch.tensor([1.0, 2.0, 1.0])
     meta = [("w", (3,), "float32")]
     # three ranks, rank 0 is the odd one: the majority {1, 2} is the reference
-    found = ddp_verify._verdict(_table([[b], [a], [a]]), ["w"], meta, "bitwise", 0.0, 0.0)
+    found = _verdict.disagreements(_table([[b], [a], [a]]), ["w"], meta, "bitwise", 0.0, 0.0)
     assert found == [(0, 0, 1, "bits differ")]
     # two ranks: a tie, the group holding rank 0 is the reference
-    found = ddp_verify._verdict(_table([[b], [a]]), ["w"], meta, "bitwise", 0.0, 0.0)
+    found = _verdict.disagreements(_table([[b], [a]]), ["w"], meta, "bitwise", 0.0, 0.0)
     assert found == [(0, 1, 0, "bits differ")]
     # a missing tensor on one rank of three
-    found = ddp_verify._verdict(_table([[a], [None], [a]]), ["w"], meta + [], "bitwise", 0.0, 0.0)
+    found = _verdict.disagreements(_table([[a], [None], [a]]), ["w"], meta + [], "bitwise", 0.0, 0.0)
     assert found == [(0, 1, 0, "no gradient on this rank")]
+
+
+def _close(a, b, numel, atol, rtol):
+    """Could two tolerance fingerprints come from tensors with |a - b| <= atol + rtol |b|?"""
+    return bool(_verdict._close_matrix(torch.stack([a, b]), numel, atol, rtol)[0, 1])
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -367,10 +373,10 @@ def test_tolerance_bounds_never_flag_elementwise_close_tensors(seed):
     a = b + (atol + rtol * b.abs()) * (2 * torch.rand(n, generator=g, dtype=torch.float64) - 1)
     assert torch.all((a - b).abs() <= atol + rtol * b.abs())
     fa, fb = (ddp_verify.fingerprints([x], mode="tolerance")[0] for x in (a, b))
-    assert ddp_verify._close(fa, fb, n, atol, rtol)
+    assert _close(fa, fb, n, atol, rtol)
     far = b.clone()
     far[0] += 10 * (atol * n + rtol * b.abs().sum().item() + 1.0)
-    assert not ddp_verify._close(ddp_verify.fingerprints([far], mode="tolerance")[0], fb, n, atol, rtol)
+    assert not _close(ddp_verify.fingerprints([far], mode="tolerance")[0], fb, n, atol, rtol)
 
 
 # --------------------------------------------------------------------------- one process
@@ -454,8 +460,8 @@ def test_missing_ranks_are_named_from_the_store_or_not_at_all(one_rank_world, mo
     enter the check; when the store cannot be read, no rank is blamed. A rank writes its
     counter only when its exchange is slow."""
     ddp_verify.check_parameters(torch.nn.Linear(2, 2))
-    key = ddp_verify._counter_key(None, 0)
-    entered = ddp_verify._ENTERED[(id(dist.group.WORLD), key)]
+    key = _rendezvous._counter_key(None, 0)
+    entered = _rendezvous._ENTERED[(id(dist.group.WORLD), key)]
 
     class Slow:                                             # an exchange still running
         waited = None
@@ -466,17 +472,17 @@ def test_missing_ranks_are_named_from_the_store_or_not_at_all(one_rank_world, mo
         def wait(self, timeout):
             Slow.waited = timeout
     started = time.perf_counter()
-    ddp_verify._settle(Slow(), ddp_verify._store(), key, entered, timedelta(seconds=2))
-    assert ddp_verify._QUIET <= time.perf_counter() - started < 1.5
+    _rendezvous._settle(Slow(), _rendezvous._store(), key, entered, timedelta(seconds=2))
+    assert _rendezvous._QUIET <= time.perf_counter() - started < 1.5
     assert timedelta(seconds=1.5) < Slow.waited < timedelta(seconds=2)
-    assert ddp_verify._behind(None, entered) == []
-    assert ddp_verify._behind(None, entered + 1) == [0]
+    assert _rendezvous._behind(None, entered) == []
+    assert _rendezvous._behind(None, entered + 1) == [0]
 
     class Gone:
         def check(self, keys):
             raise RuntimeError("connection reset")
-    monkeypatch.setattr(ddp_verify, "_store", lambda: Gone())
-    assert ddp_verify._behind(None, entered) is None
+    monkeypatch.setattr(_rendezvous, "_store", lambda: Gone())
+    assert _rendezvous._behind(None, entered) is None
 
 
 def test_report_str_is_bounded():
@@ -772,16 +778,16 @@ def test_cuda_model_over_gloo(tmp_path):
 def test_digest_tells_tables_apart():
     ts = [_tensor(s, torch.float32, seed=i) for i, s in enumerate(SHAPES)]
     table = ddp_verify.fingerprints(ts)
-    same = ddp_verify._digest(table.clone())
-    assert torch.equal(ddp_verify._digest(table), same) and same.shape == (2,)
+    same = _fingerprint.digest(table.clone())
+    assert torch.equal(_fingerprint.digest(table), same) and same.shape == (2,)
     for p in range(table.shape[0]):
         for k in range(table.shape[1]):
             other = table.clone()
             other[p, k] += 1
-            assert not torch.equal(ddp_verify._digest(other), same), (p, k)
+            assert not torch.equal(_fingerprint.digest(other), same), (p, k)
     swapped = table[[1, 0] + list(range(2, table.shape[0]))]
-    assert not torch.equal(ddp_verify._digest(swapped), same)
-    assert ddp_verify._digest(table[:0]).tolist() == [0, 0]
+    assert not torch.equal(_fingerprint.digest(swapped), same)
+    assert _fingerprint.digest(table[:0]).tolist() == [0, 0]
 
 
 def test_verdict_scales_to_many_ranks_and_tensors():
@@ -793,7 +799,7 @@ def test_verdict_scales_to_many_ranks_and_tensors():
     table[5, :, 1] += 1
     meta = [(f"p{i}", (4,), "float32") for i in range(300)]
     start = time.perf_counter()
-    found = ddp_verify._verdict(table, [m[0] for m in meta], meta, "bitwise", 0.0, 0.0)
+    found = _verdict.disagreements(table, [m[0] for m in meta], meta, "bitwise", 0.0, 0.0)
     assert time.perf_counter() - start < 5.0
     assert found == [(p, 5, 0, "bits differ") for p in range(300)]
 
@@ -897,16 +903,16 @@ def test_each_tensor_is_compared_with_the_ranks_holding_the_same_shard_of_it():
     sharded in two with replicas [0, 2] and [1, 3], tensor 2 is sharded four ways (no
     replica: not compared). Within group= sets, only those ranks."""
     shards = [[0, 11, 21], [0, 12, 22], [0, 11, 23], [0, 12, 24]]
-    assert ddp_verify._tensor_sets(shards, None) == [[[0, 1, 2, 3]], [[0, 2], [1, 3]],
+    assert _replicas.tensor_sets(shards, None) == [[[0, 1, 2, 3]], [[0, 2], [1, 3]],
                                                      [[0], [1], [2], [3]]]
-    assert ddp_verify._tensor_sets(shards, [[0, 2], [1, 3]])[0] == [[0, 2], [1, 3]]
-    per_tensor = ddp_verify._tensor_sets(shards, None)
+    assert _replicas.tensor_sets(shards, [[0, 2], [1, 3]])[0] == [[0, 2], [1, 3]]
+    per_tensor = _replicas.tensor_sets(shards, None)
     a, b = (ddp_verify.fingerprints([torch.full((3,), v)]) for v in (1.0, 2.0))
     # rank 2 differs on the plain tensor; rank 3 from its replica, rank 1, on tensor 1; the
     # unreplicated tensor 2 differs everywhere, by design
     table = torch.stack([torch.cat([a, a, a]), torch.cat([a, b, b]), torch.cat([b, a, a]),
                          torch.cat([a, a, b])])        # [rank, tensor, k]
     meta = [(f"t{i}", (3,), "float32") for i in range(3)]
-    found = ddp_verify._verdict(table, [], meta, "bitwise", 0.0, 0.0, per_tensor=per_tensor)
+    found = _verdict.disagreements(table, [], meta, "bitwise", 0.0, 0.0, per_tensor=per_tensor)
     assert found == [(0, 2, 0, "bits differ"), (1, 3, 1, "bits differ")]
     assert ddp_verify._groups_compared(per_tensor) == ((0, 1, 2, 3), (0, 2), (1, 3))

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graddbg import ddp_verify
+from graddbg import _fingerprint
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True)
@@ -82,7 +83,7 @@ def test_reversed_and_swapped_rows_are_detected(rows, cols, dtype, seed, data):
 @SETTINGS
 @given(dtype=dtypes, seed=seeds, data=st.data())
 def test_elements_swapped_inside_one_block_are_detected(dtype, seed, data):
-    per_block = ddp_verify._BLOCK * 4 // torch.empty(0, dtype=dtype).element_size()
+    per_block = _fingerprint._BLOCK * 4 // torch.empty(0, dtype=dtype).element_size()
     t = _values(seed, (per_block + 77,), dtype, -1, 1)
     changed = []
     for _ in range(8):
@@ -227,10 +228,10 @@ def test_the_compiled_kernel_gives_the_eager_fingerprints_bit_for_bit():
     try:
         assert ddp_verify.set_fingerprint_kernel("eager") == "eager"
         eager = ddp_verify.fingerprints(tensors)
-        assert ddp_verify._KERNEL.due(torch.device("cpu")) is None
+        assert _fingerprint._KERNEL.due(torch.device("cpu")) is None
         in_use = ddp_verify.set_fingerprint_kernel("compiled")
         assert in_use == "compiled", f"torch.compile is needed here (a C++ compiler): {in_use}"
-        assert ddp_verify._KERNEL.due(torch.device("cpu")) is not None
+        assert _fingerprint._KERNEL.due(torch.device("cpu")) is not None
         compiled = ddp_verify.fingerprints(tensors)
     finally:
         ddp_verify.set_fingerprint_kernel("auto")
@@ -257,4 +258,4 @@ def test_set_fingerprint_kernel_names_bad_arguments():
         ddp_verify.set_fingerprint_kernel("fast")
     with pytest.raises(GraddbgValueError, match=r"device=\.\.\.\): got 'gpu7'"):
         ddp_verify.set_fingerprint_kernel("auto", device="gpu7")
-    assert ddp_verify._KERNEL.kind == "auto"
+    assert _fingerprint._KERNEL.kind == "auto"

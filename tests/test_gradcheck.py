@@ -397,13 +397,13 @@ def test_complex_output_checked_as_real_and_imaginary_parts():
 
 def test_bad_strings_and_options():
     x = x64(3)
-    with pytest.raises(GraddbgError, match=r"mode='slow' is not supported.*'full', 'fast'"):
+    with pytest.raises(GraddbgError, match=r"\(mode=...\): got 'slow'; accepted: 'full', 'fast'"):
         gradcheck(torch.sin, x, mode="slow")
-    with pytest.raises(GraddbgError, match=r"kinks='ignore' is not supported"):
+    with pytest.raises(GraddbgError, match=r"\(kinks=...\): got 'ignore'; accepted: "):
         gradcheck(torch.sin, x, kinks="ignore")
-    with pytest.raises(GraddbgError, match=r"eps=-1.0 must be"):
+    with pytest.raises(GraddbgError, match=r"\(eps=...\): got -1.0; accepted: a finite number > 0"):
         gradcheck(torch.sin, x, eps=-1.0)
-    with pytest.raises(GraddbgError, match=r"dtype=torch.int64 must be a floating-point"):
+    with pytest.raises(GraddbgError, match=r"\(dtype=...\): got torch.int64; accepted: a floating-point torch.dtype"):
         gradcheck(torch.sin, x, dtype=torch.int64)
     with pytest.raises(GraddbgError, match="max_entries=10"):
         gradcheck(torch.sin, x64(20), max_entries=10)
@@ -520,30 +520,30 @@ def test_unknown_keyword_is_a_type_error_naming_it_and_the_accepted_ones(entry):
 
 
 BAD_OPTIONS = [  # (keywords, error, message)
-    (dict(mode="slow"), ValueError, r"mode='slow' is not supported; use one of \('full', 'fast'\)"),
-    (dict(mode=1), TypeError, r"mode=1 must be a string, one of \('full', 'fast'\)"),
-    (dict(kinks="ignore"), ValueError, r"kinks='ignore' is not supported; use one of \('allow', 'fail'\)"),
-    (dict(eps=0.0), ValueError, r"eps=0.0 must be a finite number > 0 \(or None for the default"),
-    (dict(atol=-1), ValueError, r"atol=-1 must be a finite number >= 0"),
-    (dict(rtol=float("inf")), ValueError, r"rtol=inf must be a finite number >= 0"),
-    (dict(atol="1e-5"), TypeError, r"atol='1e-5' must be a number \(or None for the default\), got str"),
-    (dict(nondet_tol=True), TypeError, r"nondet_tol=True must be a number"),
-    (dict(forward_ad="yes"), TypeError, r"forward_ad='yes' must be True or False"),
-    (dict(second_order=None), TypeError, r"second_order=None must be True or False"),
-    (dict(compress=2), TypeError, r"compress=2 must be True or False"),
-    (dict(probes=0), ValueError, r"probes=0 must be an int >= 1"),
-    (dict(probes=2.0), TypeError, r"probes=2.0 must be an int, got float"),
-    (dict(seed="0"), TypeError, r"seed='0' must be an int, got str"),
-    (dict(max_entries=0), ValueError, r"max_entries=0 must be an int >= 1"),
-    (dict(localise_entries=-1), ValueError, r"localise_entries=-1 must be an int >= 0"),
-    (dict(dtype=torch.int64), ValueError, r"dtype=torch.int64 must be a floating-point torch.dtype"),
-    (dict(dtype="float64"), TypeError, r"dtype='float64' must be a floating-point torch.dtype"),
+    (dict(mode="slow"), ValueError, r"\(mode=...\): got 'slow'; accepted: 'full', 'fast'$"),
+    (dict(mode=1), TypeError, r"\(mode=...\): got 1 \(int\); accepted: 'full', 'fast'$"),
+    (dict(kinks="ignore"), ValueError, r"\(kinks=...\): got 'ignore'; accepted: 'allow', 'fail'$"),
+    (dict(eps=0.0), ValueError, r"\(eps=...\): got 0.0; accepted: a finite number > 0 \(or None for the default"),
+    (dict(atol=-1), ValueError, r"\(atol=...\): got -1; accepted: a finite number >= 0"),
+    (dict(rtol=float("inf")), ValueError, r"\(rtol=...\): got inf; accepted: a finite number >= 0"),
+    (dict(atol="1e-5"), TypeError, r"\(atol=...\): got '1e-5' \(str\); accepted: a finite number >= 0 \(or None for the default"),
+    (dict(nondet_tol=True), TypeError, r"\(nondet_tol=...\): got True \(bool\); accepted: a finite number"),
+    (dict(forward_ad="yes"), TypeError, r"\(forward_ad=...\): got 'yes' \(str\); accepted: True or False$"),
+    (dict(second_order=None), TypeError, r"\(second_order=...\): got None \(NoneType\); accepted: True or False$"),
+    (dict(compress=2), TypeError, r"\(compress=...\): got 2 \(int\); accepted: True or False$"),
+    (dict(probes=0), ValueError, r"\(probes=...\): got 0; accepted: an int >= 1$"),
+    (dict(probes=2.0), TypeError, r"\(probes=...\): got 2.0 \(float\); accepted: an int >= 1$"),
+    (dict(seed="0"), TypeError, r"\(seed=...\): got '0' \(str\); accepted: an int$"),
+    (dict(max_entries=0), ValueError, r"\(max_entries=...\): got 0; accepted: an int >= 1$"),
+    (dict(localise_entries=-1), ValueError, r"\(localise_entries=...\): got -1; accepted: an int >= 0$"),
+    (dict(dtype=torch.int64), ValueError, r"\(dtype=...\): got torch.int64; accepted: a floating-point torch.dtype"),
+    (dict(dtype="float64"), TypeError, r"\(dtype=...\): got 'float64' \(str\); accepted: a floating-point torch.dtype"),
 ]
 
 
 @pytest.mark.parametrize("kw, error, match", BAD_OPTIONS, ids=[repr(kw) for kw, _, _ in BAD_OPTIONS])
 def test_bad_option_is_a_value_or_type_error_naming_it(kw, error, match):
-    with pytest.raises(error, match="^gradcheck: " + match) as info:
+    with pytest.raises(error, match=r"^gradcheck" + match) as info:
         gradcheck(torch.sin, x64(3), **kw)
     assert isinstance(info.value, GraddbgError)
 
@@ -606,7 +606,7 @@ def test_bad_module_arguments_are_value_or_type_errors():
     with pytest.raises(TypeError, match=r"^assert_gradients_close: wrt=\['weight'\] selects parameters "
                                         r"or inputs of an nn.Module, but fn_or_module is a function"):
         assert_gradients_close(lambda t: t, x64(2), wrt=["weight"])
-    with pytest.raises(ValueError, match=r"^assert_gradients_close: mode='slow'"):
+    with pytest.raises(ValueError, match=r"^assert_gradients_close\(mode=...\): got 'slow'"):
         assert_gradients_close(lin, x, mode="slow")
 
 

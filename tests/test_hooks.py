@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import io
 import math
 import pickle
@@ -673,23 +674,68 @@ def test_bad_model_arguments():
         graddbg.watch(nn.Linear)
 
 
-@pytest.mark.parametrize("kw,exc,match", [
-    ({"every": 0}, ValueError, r"every= must be an int >= 1, got 0"),
-    ({"every": 1.5}, ValueError, r"every= must be an int >= 1, got 1.5"),
-    ({"history": 0}, ValueError, r"history= must be an int >= 1, got 0"),
-    ({"stats": ("norm", "median")}, ValueError, r"unknown statistic\(s\) \['median'\]; accepted: norm, absmax"),
-    ({"nonfinite": "explode"}, ValueError, r"nonfinite= got 'explode'; accepted: 'raise', 'warn'"),
-    ({"explode": graddbg.Vanish()}, TypeError, r"expected a Explode"),
-    ({"histograms": "yes"}, TypeError, r"histograms= must be None, a bool or an int"),
-    ({"ddp_check_every": 0}, ValueError, r"ddp_check_every= must be None, 'auto' or an int >= 1"),
-    ({"scaler": object()}, TypeError, r"scaler= must be a torch.amp.GradScaler"),
-])
+# every option of watch(), a bad value for it, and the error: naming the option, what was
+# given and what is accepted (issue 33: "ddp_timeout accepts anything")
+BAD_OPTIONS = [
+    ({"every": 0}, ValueError, r"^watch\(every=...\): got 0; accepted: an int >= 1$"),
+    ({"every": 1.5}, TypeError, r"^watch\(every=...\): got 1.5 \(float\); accepted: an int >= 1$"),
+    ({"stats": ("norm", "median")}, ValueError,
+     r"^watch\(stats=...\): got unknown statistic\(s\) \['median'\]; accepted: norm, absmax"),
+    ({"nonfinite": "explode"}, ValueError, r"^watch\(nonfinite=...\): got 'explode'; accepted: 'raise', 'warn'"),
+    ({"explode": graddbg.Vanish()}, TypeError, r"^watch\(explode=...\): got a Vanish detector; accepted: a Explode"),
+    ({"vanish": 3}, ValueError, r"^watch\(vanish=...\): got 3; accepted: 'raise'"),
+    ({"stale_grad": "loud"}, ValueError, r"^watch\(stale_grad=...\): got 'loud'; accepted: 'raise'"),
+    ({"empty_step": 1}, ValueError, r"^watch\(empty_step=...\): got 1; accepted"),
+    ({"orphan_param": "x"}, ValueError, r"^watch\(orphan_param=...\): got 'x'; accepted"),
+    ({"no_update": "x"}, ValueError, r"^watch\(no_update=...\): got 'x'; accepted"),
+    ({"dead_grad": "x"}, ValueError, r"^watch\(dead_grad=...\): got 'x'; accepted"),
+    ({"double_step": "x"}, ValueError, r"^watch\(double_step=...\): got 'x'; accepted"),
+    ({"scaled_grad": "x"}, ValueError, r"^watch\(scaled_grad=...\): got 'x'; accepted"),
+    ({"foreign_update": "x"}, ValueError, r"^watch\(foreign_update=...\): got 'x'; accepted"),
+    ({"lr_schedule": "x"}, ValueError, r"^watch\(lr_schedule=...\): got 'x'; accepted"),
+    ({"hidden_param": "x"}, ValueError, r"^watch\(hidden_param=...\): got 'x'; accepted"),
+    ({"eval_mode": "x"}, ValueError, r"^watch\(eval_mode=...\): got 'x'; accepted"),
+    ({"loss_pattern": "x"}, ValueError, r"^watch\(loss_pattern=...\): got 'x'; accepted"),
+    ({"unused_param": "x"}, ValueError, r"^watch\(unused_param=...\): got 'x'; accepted"),
+    ({"activations": "yes"}, TypeError, r"^watch\(activations=...\): got 'yes' \(str\); accepted: True or False$"),
+    ({"histograms": "yes"}, TypeError, r"^watch\(histograms=...\): got 'yes' \(str\); accepted: None, a bool or an int"),
+    ({"histograms": -2}, ValueError, r"^watch\(histograms=...\): got -2; accepted: an int >= 1$"),
+    ({"scaler": object()}, TypeError, r"^watch\(scaler=...\): got <object object .*\(object\); accepted: a torch.amp.GradScaler"),
+    ({"history": 0}, ValueError, r"^watch\(history=...\): got 0; accepted: an int >= 1$"),
+    ({"ddp_check_every": 0}, ValueError, r"^watch\(ddp_check_every=...\): got 0; accepted: None, 'auto' or an int >= 1$"),
+    ({"ddp_check_every": "sometimes"}, TypeError, r"^watch\(ddp_check_every=...\): got 'sometimes' \(str\)"),
+    ({"update_every": -1}, ValueError, r"^watch\(update_every=...\): got -1; accepted: an int >= 1$"),
+    ({"localise": 2}, TypeError, r"^watch\(localise=...\): got 2 \(int\); accepted: True or False$"),
+    ({"ddp_timeout": "10s"}, TypeError,
+     r"^watch\(ddp_timeout=...\): got '10s' \(str\); accepted: a datetime.timedelta or a number of seconds > 0$"),
+    ({"ddp_timeout": -5}, ValueError, r"^watch\(ddp_timeout=...\): got -5; accepted: a positive duration"),
+    ({"ddp_timeout": float("nan")}, ValueError, r"^watch\(ddp_timeout=...\): got nan; accepted: a positive duration"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,match", BAD_OPTIONS, ids=[f"{k}={v!r}" for kw, _, _ in BAD_OPTIONS for k, v in kw.items()])
 def test_bad_options(kw, exc, match):
     model = nn.Linear(2, 2)
     before = hook_counts(model)
     with pytest.raises(exc, match=match):
         graddbg.watch(model, **kw)
     assert hook_counts(model) == before
+
+
+def test_every_option_of_watch_is_validated_at_the_call():
+    """Each keyword option of watch() has a bad value above that is refused when watch() is
+    called (not later, at the step that uses it)."""
+    options = {n for n, p in inspect.signature(graddbg.watch).parameters.items() if p.kind == p.KEYWORD_ONLY}
+    assert options and options == {next(iter(kw)) for kw, _, _ in BAD_OPTIONS}
+
+
+def test_good_options_are_normalised():
+    from datetime import timedelta
+
+    with graddbg.watch(nn.Linear(2, 2), ddp_timeout=2.5, localise=1, histograms=True, ddp_check_every=None) as w:
+        opts = w.options
+    assert opts.ddp_timeout == timedelta(seconds=2.5) and opts.localise is True and opts.histograms == 1
+    assert opts.record_schedule.includes(0) and opts.histogram_schedule.includes(7)
 
 
 def test_optimizer_of_another_model_is_refused():
@@ -702,12 +748,18 @@ def test_optimizer_of_another_model_is_refused():
 
 
 def test_bad_detector_arguments():
-    with pytest.raises(ValueError, match=r"NonFinite\(every=\) must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"^NonFinite\(every=...\): got 0; accepted: an int >= 1$"):
         graddbg.NonFinite(every=0)
-    with pytest.raises(ValueError, match=r"Explode\(factor=\) must be > 1"):
+    with pytest.raises(ValueError, match=r"^Explode\(factor=...\): got 0.5; accepted: a number > 1$"):
         graddbg.Explode(factor=0.5)
-    with pytest.raises(ValueError, match=r"Vanish\(below=\) must be > 0"):
+    with pytest.raises(TypeError, match=r"^Explode\(absolute=...\): got '1e3' \(str\); accepted: a number > 0$"):
+        graddbg.Explode(absolute="1e3")
+    with pytest.raises(ValueError, match=r"^Explode\(factor=None, absolute=None\): nothing to compare"):
+        graddbg.Explode(factor=None)
+    with pytest.raises(ValueError, match=r"^Vanish\(below=...\): got 0; accepted: a number > 0$"):
         graddbg.Vanish(below=0)
+    with pytest.raises(ValueError, match=r"^Vanish\(policy=...\): got 'loud'; accepted: 'raise'"):
+        graddbg.Vanish(policy="loud")
 
 
 def test_forwards_without_backward_do_not_pile_up():

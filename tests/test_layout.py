@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ ARCHITECTURE = pathlib.Path(__file__).parent.parent / "docs" / "architecture.md"
 # module -> graddbg modules it may import at module level (docs/architecture.md's arrows)
 ALLOWED = {
     "_errors": set(),
+    "_args": {"_errors"},
     "_source": set(),
     "_io": {"_errors"},
     "_compiled": set(),
@@ -28,17 +30,23 @@ ALLOWED = {
     "_groups": {"_errors", "_model", "_collective"},
     "_deepspeed": {"_errors", "_model", "_collective", "stats"},
     "stats": {"_errors", "_model", "_collective"},
-    "anomaly": {"_errors", "_source"},
+    "anomaly": {"_errors", "_args", "_source"},
     "blame": {"_errors", "_source", "_model", "anomaly"},
-    "options": {"_errors", "stats", "anomaly"},
-    "checks": {"_errors", "_source", "_model", "_collective", "_groups", "stats", "anomaly", "blame", "checks"},
-    "hooks": {"_errors", "_source", "_model", "_deepspeed", "_groups", "stats", "anomaly", "blame", "options", "checks"},
+    "options": {"_errors", "_args", "stats", "anomaly"},
+    "checks": {"_errors", "_args", "_source", "_model", "_collective", "_groups", "stats", "anomaly", "blame", "checks"},
+    "hooks": {"_errors", "_args", "_source", "_model", "_deepspeed", "_groups", "stats", "anomaly", "blame", "options",
+              "checks"},
     "callbacks": {"_errors", "_model", "hooks", "options"},
-    "gradcheck": {"_errors", "_source", "_model"},
+    "gradcheck": {"_errors", "_args", "_source", "_model"},
     "pytest_plugin": {"_errors", "gradcheck"},
     "graphviz": {"_errors", "_source", "_model", "_io"},
     "plots": {"_errors"},
-    "ddp_verify": {"_errors", "_model", "_compiled", "_collective", "stats"},
+    # ddp_verify (the public API) over its parts: hashing, the rendezvous, replica groups, the verdict
+    "_fingerprint": {"_errors", "_compiled"},
+    "_rendezvous": {"_errors", "_collective"},
+    "_replicas": {"_errors", "_model", "_rendezvous"},
+    "_verdict": {"_errors", "_fingerprint", "_rendezvous", "_replicas"},
+    "ddp_verify": {"_errors", "_args", "_model", "_fingerprint", "_rendezvous", "_replicas", "_verdict"},
     "run": {"_errors", "_model", "stats", "anomaly", "_io"},
     "report": {"_errors", "_source", "_model", "_io", "stats", "anomaly", "plots", "graphviz"},
     "_demo_model": set(),  # the demo's model and loop: user-level code (graddbg demo)
@@ -225,3 +233,88 @@ def test_error_family():
     assert issubclass(graddbg.GradientMismatchError, graddbg.GraddbgError)
     assert issubclass(graddbg.PrecisionWarning, graddbg.GraddbgWarning)
     assert (PKG / "py.typed").exists()
+
+
+# --------------------------------------------------------------------------- private reach-ins
+#: private names that are public protocols of other libraries (IPython's display hooks)
+PROTOCOL = re.compile(r"^_(repr_\w+|ipython_\w+)_$")
+
+
+def _class_privates(cls: ast.ClassDef) -> set:
+    """The private names a class defines: its methods, ``self._x``/``cls._x`` assignments in
+    them, and assignments in its body."""
+    found = set()
+    for n in ast.walk(cls):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found.add(n.name)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and \
+                isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+            found.add(n.attr)
+    for n in cls.body:
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []):
+            if isinstance(t, ast.Name):
+                found.add(t.id)
+    return {a for a in found if a.startswith("_") and not a.startswith("__")}
+
+
+def _module_privates(tree: ast.Module) -> set:
+    found = set()
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(n.name)
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []):
+            found.update(x.id for x in ast.walk(t) if isinstance(x, ast.Name))
+    return {a for a in found if a.startswith("_") and not a.startswith("__")}
+
+
+def private_reach_ins(paths, root: pathlib.Path) -> list:
+    """``x._name`` where ``_name`` is a private name that graddbg (or a bench) defines, read
+    on something else than ``self``/``cls`` outside the class that defines it: another
+    object's private attribute, or another module's private function (``module._f``)."""
+    trees = {p: ast.parse(p.read_text()) for p in paths}
+    known = set()
+    for tree in trees.values():
+        known |= _module_privates(tree)
+        known.update(*(_class_privates(c) for c in ast.walk(tree) if isinstance(c, ast.ClassDef)))
+    found = []
+
+    def visit(node, path, own):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, path, _class_privates(child))
+                continue
+            if isinstance(child, ast.Attribute) and child.attr in known and child.attr not in own \
+                    and not PROTOCOL.match(child.attr) \
+                    and not (isinstance(child.value, ast.Name) and child.value.id in ("self", "cls")):
+                found.append(f"{path.relative_to(root)}:{child.lineno} {ast.unparse(child)}")
+            visit(child, path, own)
+
+    for path, tree in trees.items():
+        visit(tree, path, set())
+    return found
+
+
+def test_no_private_reach_ins():
+    """What one object or module needs of another goes through its public names: no
+    ``scan._push`` from a function outside the scan's class, no ``ctx._reader._shards`` from a
+    bench (an object may read its own class's private fields on another instance)."""
+    paths = sorted(PKG.rglob("*.py")) + sorted((PKG.parent / "bench").glob("*.py"))
+    assert private_reach_ins(paths, PKG.parent) == []
+
+
+def test_the_reach_in_check_sees_a_reach_in(tmp_path):
+    (tmp_path / "a.py").write_text(
+        "class Scan:\n    def __init__(self):\n        self._stack = []\n\n"
+        "    def push(self, other):\n        other._stack.append(1)   # its own class: allowed\n\n\n"
+        "def use(scan):\n    scan._stack.clear()\n    return scan._repr_svg_()\n")
+    (tmp_path / "b.py").write_text("import a\n\n\ndef f(x):\n    return a._helper(x), x._stack, x._version\n")
+    (tmp_path / "c.py").write_text("def _helper(x):\n    return x\n")
+    found = private_reach_ins(sorted(tmp_path.glob("*.py")), tmp_path)
+    # (x._version: a private name graddbg does not define, such as torch's, is not checked here)
+    assert [f.split(" ", 1)[1] for f in found] == ["scan._stack", "a._helper", "x._stack"]
+
+
+# --------------------------------------------------------------------------- module sizes
+@pytest.mark.parametrize("module", ["ddp_verify", "_fingerprint", "_rendezvous", "_replicas", "_verdict"])
+def test_ddp_verify_and_its_parts_stay_under_about_800_lines(module):
+    assert len((PKG / f"{module}.py").read_text().splitlines()) <= 820

@@ -4,6 +4,7 @@ output. Module hooks under torch.compile are skipped (no graph break); the check
 when activations were asked for and none came."""
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -40,7 +41,8 @@ class Activations(Check):
         self.bwd: List[Tuple[int, Tensor]] = []
         self.rows: List[Tuple[int, str, float, int]] = []
         self.seen: set = set()
-        self.handles: List[Any] = []
+        self.handles = contextlib.ExitStack()  # the tensor hooks of the forward pass since the last step
+        self.n_handles = 0
         self.warned = False
         self._backward_since = True
 
@@ -66,7 +68,8 @@ class Activations(Check):
             if leaf and torch.is_grad_enabled():
                 for t in outs:
                     if t.requires_grad:
-                        self.handles.append(t.register_hook(self._make_grad_hook(idx, alive)))
+                        self.handles.callback(t.register_hook(self._make_grad_hook(idx, alive)).remove)
+                        self.n_handles += 1
 
         return hook
 
@@ -89,9 +92,8 @@ class Activations(Check):
         self._backward_since = True
 
     def _drop(self) -> None:
-        handles, self.handles = self.handles, []
-        for h in handles:
-            h.remove()
+        handles, self.handles, self.n_handles = self.handles, contextlib.ExitStack(), 0
+        handles.close()
         self.fwd, self.bwd = [], []
 
     def queue(self, step: Step) -> Any:
@@ -158,7 +160,7 @@ class Activations(Check):
 
     def pending(self) -> int:
         """Forward records and tensor hooks waiting for a step (bounded by one forward pass)."""
-        return max(len(self.handles), len(self.fwd))
+        return max(self.n_handles, len(self.fwd))
 
     def frame(self):
         """Gradient norm at each leaf module's output per step."""

@@ -2,13 +2,15 @@
 explosions and vanishing gradients. Each reads what the statistics recorder measured."""
 from __future__ import annotations
 
+import bisect
 import contextlib
-from typing import Iterator, List
+import math
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from graddbg._model import unwrap
-from graddbg.anomaly import Anomaly, Blame, nonfinite_anomaly
+from graddbg.anomaly import Anomaly, Blame, Explode, Vanish, nonfinite_anomaly
 from graddbg.blame import nonfinite_state, replay, state_anomaly
 from graddbg.checks.base import Check, Finding, Step, Watched
 
@@ -74,38 +76,137 @@ class NonFiniteCheck(Check):
 
 
 class ExplodeCheck(Check):
-    """A global gradient norm far above its robust running level (see `graddbg.Explode`)."""
+    """A global gradient norm far above its robust running level (see `graddbg.Explode`,
+    its configuration): the level is the median of the last ``window`` healthy recorded
+    steps, kept sorted (no sort per step); consecutive exploded steps are one episode and
+    one finding, and do not enter the level."""
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        det = ctx.options.explode
-        self._state = det.new_state() if det is not None else None
+        self.det: Optional[Explode] = ctx.options.explode
+        self.level: List[float] = []    # the window's global norms, oldest first
+        self._sorted: List[float] = []  # the same, sorted
+        self.prev_norms: Any = None
+        self.in_episode = False
+        self.above = 0  # recorded steps in a row above the relative threshold
 
     def read(self, step: Step) -> List[Finding]:
-        if self._state is None or not step.due_stats or step.stats is None or step.any_bad:
+        if self.det is None or not step.due_stats or step.stats is None or step.any_bad:
             return []
         st = step.stats
         gn = st.global_norm
         clipped = step.clipped_norm == step.clipped_norm and step.clipped_norm < gn * (1 - 1e-6)
-        a = self._state.check(step.index, gn, st.norm, self.ctx.names, self.ctx.modules, clipped=clipped)
-        return [] if a is None else [Finding(a, self.ctx.options.explode.policy)]
+        a = self.judge(step.index, gn, st.norm, clipped=clipped)
+        return [] if a is None else [Finding(a, self.det.policy)]
+
+    def _threshold(self) -> Tuple[float, float]:
+        """(relative threshold, hard threshold): factor x and factor**2 x the median."""
+        det = self.det
+        if det.factor is None or not self.level:
+            return math.inf, math.inf
+        srt = self._sorted
+        half = len(srt) // 2
+        med = srt[half] if len(srt) % 2 else (srt[half - 1] + srt[half]) / 2
+        if len(self.level) < det.warmup:  # too little history: only a thousandfold jump
+            return math.inf, det.factor ** 3 * med
+        return det.factor * med, det.factor ** 2 * med
+
+    def judge(self, step: int, global_norm: float, norms: Any, clipped: bool = False) -> Optional[Anomaly]:
+        """The finding of one recorded step (None: healthy, or inside an episode already
+        reported); a healthy step enters the running level."""
+        det = self.det
+        prev, self.prev_norms = self.prev_norms, norms
+        if not math.isfinite(global_norm) or global_norm == 0:
+            return None  # the non-finite detector's business; a step without gradients
+        rel, hard = self._threshold()
+        self.above = self.above + 1 if global_norm > rel else 0
+        threshold = min(rel, det.absolute if det.absolute is not None else math.inf)
+        exploded = (det.absolute is not None and global_norm > det.absolute) or \
+            (not clipped and (global_norm > hard or self.above >= det.persist))
+        if exploded or (global_norm > rel and clipped) or self.above:
+            if not exploded or self.in_episode:  # one anomaly per episode of consecutive exploded steps
+                return None
+            self.in_episode = True
+            return self._anomaly(step, global_norm, threshold, _jumped(prev, norms, self.ctx.names))
+        self.in_episode = False
+        self.above = 0
+        self.level.append(global_norm)
+        bisect.insort(self._sorted, global_norm)
+        if len(self.level) > det.window:
+            del self._sorted[bisect.bisect_left(self._sorted, self.level[0])]
+            del self.level[0]
+        return None
+
+    def _anomaly(self, step: int, global_norm: float, threshold: float, jumped: List[str]) -> Anomaly:
+        det, names = self.det, self.ctx.names
+        top = jumped[0] if jumped else None
+        relative = (det.factor is not None and len(self.level) >= det.warmup
+                    and threshold < (det.absolute or math.inf) and global_norm <= (det.absolute or math.inf))
+        msg = (f"graddbg: gradient explosion at step {step}: global gradient norm "
+               f"{global_norm:.4g} > threshold {threshold:.4g}"
+               + (f" ({det.factor:g}x the median of the last {len(self.level)} steps)" if relative
+                  else " (absolute bound)")
+               + (f"; parameters that jumped most: {', '.join(jumped)}" if jumped else "")
+               + ". Try a lower learning rate, warm-up, or gradient clipping.")
+        return Anomaly(step=step, kind="explode", name=top,
+                       module=self.ctx.modules[names.index(top)] if top else None, op=None,
+                       value=float(global_norm), threshold=float(threshold), source=None,
+                       message=msg, params=tuple(jumped))
+
+
+def _jumped(prev: Any, norms: Any, names: Sequence[str]) -> List[str]:
+    """The parameters whose norm jumped most relative to their previous recorded norm (at
+    most 5; without a previous record, the largest norms)."""
+    if prev is not None and norms is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(prev > 0, norms / prev, np.inf)
+        ratio = np.nan_to_num(ratio, nan=-1.0)
+        return [names[i] for i in np.argsort(-ratio)[:5] if ratio[i] > 1]
+    if norms is not None:
+        return [names[i] for i in np.argsort(-np.nan_to_num(norms, nan=-1.0))[:5]]
+    return []
 
 
 class VanishCheck(Check):
-    """Parameters whose gradient norm stays tiny (see `graddbg.Vanish`)."""
+    """Parameters whose gradient norm stays under ``below`` for ``patience`` recorded steps
+    in a row (see `graddbg.Vanish`, its configuration); reported once per parameter, until
+    it recovers."""
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        det = ctx.options.vanish
-        self._state = det.new_state(len(ctx)) if det is not None else None
+        self.det: Optional[Vanish] = ctx.options.vanish
+        self.run = np.zeros(len(ctx), dtype=np.int64)   # recorded steps in a row below
+        self.flagged = np.zeros(len(ctx), dtype=bool)
 
     def params_added(self, k: int) -> None:
-        if self._state is not None:
-            self._state.widen(k)
+        self.run = np.concatenate([self.run, np.zeros(k, dtype=np.int64)])
+        self.flagged = np.concatenate([self.flagged, np.zeros(k, dtype=bool)])
 
     def read(self, step: Step) -> List[Finding]:
-        if self._state is None or not step.due_stats or step.stats is None:
+        if self.det is None or not step.due_stats or step.stats is None:
             return []
         st = step.stats
-        a = self._state.check(step.index, st.norm, st.has_grad, self.ctx.names, self.ctx.modules)
-        return [] if a is None else [Finding(a, self.ctx.options.vanish.policy, skip=[])]
+        a = self.judge(step.index, st.norm, st.has_grad)
+        return [] if a is None else [Finding(a, self.det.policy, skip=[])]
+
+    def judge(self, step: int, norms: Any, has_grad: Any) -> Optional[Anomaly]:
+        """The finding of one recorded step: the parameters newly below for long enough."""
+        det, names, modules = self.det, self.ctx.names, self.ctx.modules
+        low = has_grad & np.isfinite(norms) & (norms < det.below)
+        self.run = np.where(low, self.run + 1, 0)
+        self.flagged &= low  # recovered parameters may be flagged again later
+        new = (self.run >= det.patience) & ~self.flagged
+        if not new.any():
+            return None
+        self.flagged |= new
+        idx = np.nonzero(new)[0]  # forward order: the first are the earliest layers
+        first = int(idx[0])
+        shown = ", ".join(names[i] for i in idx[:8]) + (f" and {len(idx) - 8} more" if len(idx) > 8 else "")
+        msg = (f"graddbg: vanishing gradients at step {step}: {len(idx)} parameter(s) have had a "
+               f"gradient norm below {det.below:g} for {det.patience} recorded steps: {shown}. "
+               f"The earliest is {names[first]} (module {modules[first] or '<root>'}), "
+               f"norm {float(norms[first]):.3g}. Check saturating activations, initialisation, "
+               f"normalisation or residual connections.")
+        return Anomaly(step=step, kind="vanish", name=names[first], module=modules[first], op=None,
+                       value=float(norms[first]), threshold=float(det.below), source=None,
+                       message=msg, params=tuple(names[i] for i in idx))

@@ -291,8 +291,7 @@ class StatsRecorder(Check):
                       if g is not None and type(g) is Tensor and g.layout == torch.strided] or None
             if q.live:
                 q.clip = rb.add("clip_norms", torch.stack(torch._foreach_norm([step.grads[i] for i in q.live])))
-        hist_every = self.ctx.options.histograms
-        if step.due_stats and hist_every is not None and step.index % hist_every == 0:
+        if step.due_stats and self.ctx.options.histogram_schedule.includes(step.index):
             q.hist = rb.add("hist", self._histograms(step.grads))
         layout = self.ctx.layout
         q.flags = self._flags.add_to(rb, agree=launch.sharded is not None and collect,
@@ -391,7 +390,7 @@ class StatsRecorder(Check):
             return False
         g = next((g for g in grads if g is not None), None)
         on_cpu = g is None or g.device.type == "cpu"
-        return index % (opts.every * (opts.absmax_cpu_every if on_cpu else 1)) == 0
+        return (opts.absmax_cpu_schedule if on_cpu else opts.record_schedule).includes(index)
 
     def _stats(self, launch: Any, slots: Dict[str, Slot], grads: List[Optional[Tensor]],
                div: float, changed: bool = False) -> StepStats:

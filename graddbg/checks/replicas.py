@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import List, Optional
 
+from graddbg._args import AUTO, Schedule
 from graddbg._errors import DDPInconsistencyError, GraddbgValueError, GraddbgWarning
 from graddbg._model import in_backward, module_of
 from graddbg.anomaly import Anomaly
@@ -36,19 +37,19 @@ class ReplicaCheck(Check):
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
         every = ctx.options.ddp_check_every
-        self.auto = every == "auto"
+        self.auto = every == AUTO
         if self.auto:
             every = AUTO_EVERY if ctx.world_size > 1 else None
-        self.every: Optional[int] = every
+        self.schedule = Schedule(every)
         self._differed = False
 
     def due(self, index: int) -> bool:
-        return self.every is not None and index % self.every == 0
+        return self.schedule.includes(index)
 
     def read(self, step: Step) -> List[Finding]:
         # on its schedule, and at once when the recorder's hash of the reduced norms differs
         # across the replicas (the same on every rank: every rank runs the check alike)
-        urgent = step.replicas_differ and not self._differed and self.every is not None
+        urgent = step.replicas_differ and not self._differed and self.schedule.on
         self._differed = step.replicas_differ  # (a difference that persists was reported when it began)
         if not (self.due(step.index) or urgent) or step.closure:
             return []
@@ -69,7 +70,7 @@ class ReplicaCheck(Check):
                 return None  # (no collective at this boundary: inside a pipeline stage's backward pass)
             layout.resolve()  # (once; the statistics recorder usually did it at this boundary)
             if layout.local or layout.replica_group is None:
-                self.every = None  # peers not all watched, or no replicas (pipeline stages without dp)
+                self.schedule = Schedule(None)  # peers not all watched, or no replicas (pipeline stages without dp)
                 return None
             kw["group"] = layout.group(layout.replica_group)
         first = index == 0
@@ -80,7 +81,7 @@ class ReplicaCheck(Check):
             # that hold different models (pipeline stages): no replicas to compare
             if isinstance(err, DDPInconsistencyError) and not (self.auto and "hold different models" in str(err)):
                 raise
-            self.every = None
+            self.schedule = Schedule(None)
             if not self.auto:
                 warnings.warn(f"graddbg.watch: ddp_check_every is switched off: {err}", GraddbgWarning, stacklevel=2)
             return None

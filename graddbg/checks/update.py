@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from graddbg._args import Schedule
 from graddbg._errors import GraddbgWarning
 from graddbg.checks.base import Check, Finding, Step, Watched
 from graddbg.stats import Slot, local_values, update_ratios
@@ -27,10 +28,10 @@ class UpdateRatio(Check):
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        self.every = ctx.options.update_every if ctx.optimizer is not None else None
+        self.schedule = ctx.options.update_schedule if ctx.optimizer is not None else Schedule(None)
 
     def due(self, index: int) -> bool:
-        return bool(self.every) and index % self.ctx.options.every == 0 and index % self.every == 0
+        return self.schedule.includes(index) and self.ctx.options.record_schedule.includes(index)
 
     # ------------------------------------------------------------------ events
     def queue(self, step: Step) -> Optional[Tuple[int, Slot]]:
@@ -67,7 +68,7 @@ class UpdateRatio(Check):
             self._copy = self.copy_weights(params)
             self._copy_step = index
         except torch.cuda.OutOfMemoryError as err:  # (torch.OutOfMemoryError from torch 2.5)
-            self.every, self._copy = None, None
+            self.schedule, self._copy = Schedule(None), None
             mb = sum(p.numel() * p.element_size() for p in params) / 2**20
             warnings.warn(
                 f"graddbg.watch: no memory for the copy of the weights ({mb:.0f} MB) that the "

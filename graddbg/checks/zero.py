@@ -53,7 +53,7 @@ class ZeroRecorder(StatsRecorder):
     def _read(self, step: Step) -> List[Finding]:
         state = step.token(self)
         if state is None:
-            self.history.append(StepRecord(step.index, None, math.nan, math.nan, False, math.nan, self._lr()))
+            self.history.append(StepRecord(step.index, lr=self._lr()))
             return []
         pieces, absmax, shape, scale, host = state
         got = host if isinstance(host, np.ndarray) else host.value.reshape(tuple(shape))
@@ -67,11 +67,11 @@ class ZeroRecorder(StatsRecorder):
         if any_bad and self.source.skips_overflow():
             # fp16's dynamic loss scale overflowed: DeepSpeed skips this step and lowers the
             # scale by design; an overflow step, as with GradScaler, not an anomaly
-            self.history.append(StepRecord(step.index, None, math.nan, math.nan, True, scale, self._lr()))
+            self.history.append(StepRecord(step.index, overflow=True, scale=scale, lr=self._lr()))
             return []
         scale_rec = scale if self.source.engine.fp16_enabled() else math.nan
-        self.history.append(StepRecord(step.index, st if step.due_stats else None, st.global_norm, math.nan,
-                                       False, scale_rec, self._lr()))
+        self.history.append(StepRecord(step.index, per_param=st if step.due_stats else None,
+                                       global_norm=st.global_norm, scale=scale_rec, lr=self._lr()))
         step.stats, step.bad, step.first_bad = st, st.bad, step.index
         if any_bad:  # (every rank holds the same table: every rank gathers the evidence)
             step.origin = self.source.find_origin()

@@ -1,0 +1,153 @@
+"""Argument validation shared by every options object (`graddbg.options.WatchOptions`,
+gradcheck's options, the cross-rank checks' arguments), the ``"auto"`` sentinel and
+`Schedule`, the one type of a cadence.
+
+Every validator takes ``(where, name, value)``: ``where`` is the public call
+(``"watch"``, ``"gradcheck"``, ``"check_gradients"``), ``name`` the option. A bad value
+raises one message, naming the option, what was given and what is accepted::
+
+    watch(every=...): got 0; accepted: an int >= 1
+
+(`GraddbgTypeError` for a value of the wrong type, `GraddbgValueError` for one out of
+range), and a good value comes back normalised (an ``int``, a ``float``, a ``timedelta``).
+
+Examples:
+    >>> count("watch", "every", 3)
+    3
+    >>> Schedule(3).includes(6), Schedule(3).includes(7)
+    (True, False)
+    >>> duration("watch", "ddp_timeout", 2.5)
+    datetime.timedelta(seconds=2, microseconds=500000)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+from graddbg._errors import GraddbgTypeError, GraddbgValueError
+
+__all__ = ["AUTO", "Schedule", "bad_type", "bad_value", "choice", "count", "duration", "flag",
+           "integer", "optional", "tolerance"]
+
+#: the sentinel of options whose default depends on the run (``ddp_check_every="auto"``,
+#: ``set_fingerprint_kernel("auto")``)
+AUTO = "auto"
+
+
+def _message(where: str, name: str, shown: str, accepted: str) -> str:
+    return f"{where}({name}=...): got {shown}; accepted: {accepted}"
+
+
+def bad_type(where: str, name: str, value: Any, accepted: str) -> GraddbgTypeError:
+    """The error for ``value`` of a type ``name`` does not take (its type is named)."""
+    return GraddbgTypeError(_message(where, name, f"{value!r} ({type(value).__name__})", accepted))
+
+
+def bad_value(where: str, name: str, value: Any, accepted: str) -> GraddbgValueError:
+    """The error for ``value`` of the right type but out of what ``name`` takes."""
+    return GraddbgValueError(_message(where, name, repr(value), accepted))
+
+
+def integer(where: str, name: str, value: Any, minimum: Optional[int] = None) -> int:
+    """An int (not a bool), at least ``minimum`` when given."""
+    accepted = "an int" + ("" if minimum is None else f" >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise bad_type(where, name, value, accepted)
+    if minimum is not None and value < minimum:
+        raise bad_value(where, name, value, accepted)
+    return int(value)
+
+
+def count(where: str, name: str, value: Any) -> int:
+    """An int >= 1 (a number of steps, of rows, of entries)."""
+    return integer(where, name, value, minimum=1)
+
+
+def flag(where: str, name: str, value: Any) -> bool:
+    """True or False (1 and 0 are taken as such)."""
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise bad_type(where, name, value, "True or False")
+    return bool(value)
+
+
+def choice(where: str, name: str, value: Any, choices: Sequence[str]) -> str:
+    """One of the strings ``choices``."""
+    accepted = ", ".join(map(repr, choices))
+    if not isinstance(value, str):
+        raise bad_type(where, name, value, accepted)
+    if value not in choices:
+        raise bad_value(where, name, value, accepted)
+    return value
+
+
+def tolerance(where: str, name: str, value: Any, positive: bool = False, default: str = "") -> float:
+    """A finite real number >= 0 (> 0 with ``positive``), as a float; ``default``: what
+    None means, where None is taken (said in the error)."""
+    accepted = f"a finite number {'> 0' if positive else '>= 0'}"
+    if default:
+        accepted += f" (or None for the default: {default})"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise bad_type(where, name, value, accepted)
+    try:
+        number = float(value)
+    except OverflowError:           # an int too large for a float
+        number = math.inf
+    if not (math.isfinite(number) and (number > 0 if positive else number >= 0)):
+        raise bad_value(where, name, value, accepted)
+    return number
+
+
+def duration(where: str, name: str, value: Any) -> timedelta:
+    """A positive, finite duration: a ``datetime.timedelta`` or a number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (timedelta, numbers.Real)):
+        raise bad_type(where, name, value, "a datetime.timedelta or a number of seconds > 0")
+    try:
+        seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+        if seconds > 0 and math.isfinite(seconds):
+            return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+    except OverflowError:
+        pass
+    shown = str(value) if isinstance(value, timedelta) else repr(value)
+    raise GraddbgValueError(_message(where, name, shown, "a positive duration (a datetime.timedelta "
+                                     "or a finite number of seconds > 0)"))
+
+
+def optional(check: Callable[..., Any]) -> Callable[..., Any]:
+    """``check`` that also lets None through (the option is off, or left to its default)."""
+    def check_or_none(where: str, name: str, value: Any, *args: Any, **kw: Any) -> Any:
+        return None if value is None else check(where, name, value, *args, **kw)
+    check_or_none.__name__ = f"optional_{getattr(check, '__name__', 'check')}"
+    return check_or_none
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A cadence: every ``every``-th step of a count that starts at 0, the first included
+    (``includes(0)`` is True), unless it is off (``every`` None: no step).
+
+    What is counted is the caller's: the watch's step index for ``every=`` and
+    ``NonFinite(every=)``, recorded steps for ``histograms=`` and the CPU's absmax reads.
+    A schedule says when a step is on the cadence; whether a check runs (reads the
+    statistics back) at a step is the check's own decision (``Check.due``).
+    """
+
+    every: Optional[int] = 1
+
+    def includes(self, index: int) -> bool:
+        """Whether step ``index`` (0-based) is on the cadence."""
+        return self.every is not None and index % self.every == 0
+
+    @property
+    def on(self) -> bool:
+        """Whether any step is on it."""
+        return self.every is not None
+
+    def within(self, outer: "Schedule") -> "Schedule":
+        """This cadence counted in the steps of ``outer`` (every N-th of the steps that
+        ``outer`` includes), as a schedule of the steps themselves."""
+        if self.every is None or outer.every is None:
+            return Schedule(None)
+        return Schedule(self.every * outer.every)
