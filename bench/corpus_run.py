@@ -95,7 +95,12 @@ def _watched(model, opt, extras, loop, steps, findings):
     import graddbg
 
     result, error, raised = None, None, None
-    w = graddbg.watch(model, opt)
+    try:
+        w = graddbg.watch(model, opt)
+    except graddbg.GraddbgError as exc:  # watch() refused the model and optimizer: said, and
+        # counted as its own kind ("refused"), which no case expects: conservative for recall
+        findings.append(Finding(kind="refused", step=None, name=None, params=(), message=str(exc)))
+        return None, f"{type(exc).__name__}: {exc}"
     try:
         with w:
             result = loop(model, opt, extras, steps)
