@@ -62,6 +62,7 @@ import torch
 
 from graddbg import hooks
 from graddbg._errors import GraddbgTypeError, GraddbgValueError, GraddbgWarning
+from graddbg._io import write_atomic
 from graddbg.options import WatchOptions
 
 __all__ = ["LightningCallback", "TransformersCallback"]
@@ -117,6 +118,7 @@ class _Adapter:
         self._folder = pathlib.Path.cwd()
         self._logged_step = 0
         self._running = False
+        self._resumed: Optional[Dict[str, Any]] = None  # a watch state to restore when training starts
         super().__init__()
 
     def _start(self, model: Any, optimizer: Any, scaler: Any, folder: Any) -> None:
@@ -129,6 +131,13 @@ class _Adapter:
         self._logged_step = 0
         self.watch = hooks.watch(model, optimizer, **kwargs)
         self._running = True
+        if self._resumed is not None:  # (a run resumed from a checkpoint: graddbg goes on where it stopped)
+            self.watch.load_state_dict(self._resumed)
+            self._resumed = None
+            self._logged_step = self.watch.current_step
+
+    def _watch_state(self) -> Optional[Dict[str, Any]]:
+        return self.watch.state_dict() if self.watch is not None else self._resumed
 
     def _new_values(self) -> Dict[str, float]:
         """The values to log when a step boundary passed since the last call, else ``{}``:
@@ -221,6 +230,15 @@ class _LightningHooks(_Adapter):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._finish(write=False)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """Saved in Lightning's checkpoints: the watch's state (`graddbg.Watch.state_dict`)."""
+        state = self._watch_state()
+        return {"watch": state} if state is not None else {}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restored by Lightning when ``fit(ckpt_path=...)`` resumes: applied when training starts."""
+        self._resumed = state_dict.get("watch")
+
 
 def _lightning_base() -> type:
     """``lightning.pytorch.Callback``, or ``pytorch_lightning.Callback`` where only that is installed."""
@@ -232,6 +250,22 @@ def _lightning_base() -> type:
                 raise  # installed but broken: say so
     raise ImportError("graddbg.callbacks.LightningCallback needs Lightning: pip install lightning "
                       "(or pytorch-lightning)")
+
+
+#: the watch's state in a transformers checkpoint folder
+STATE_NAME = "graddbg_state.json"
+
+
+def _checkpoint_state(args: Any, state: Any) -> Optional[Dict[str, Any]]:
+    """The watch state saved in the checkpoint a transformers run resumes from (the
+    trainer's state is loaded before ``on_train_begin``), or None."""
+    step = int(getattr(state, "global_step", 0) or 0)
+    path = pathlib.Path(getattr(args, "output_dir", None) or ".") / f"checkpoint-{step}" / STATE_NAME
+    if step <= 0 or not path.is_file():
+        return None
+    import json
+
+    return json.loads(path.read_text())
 
 
 # --------------------------------------------------------------------------- transformers
@@ -266,7 +300,19 @@ class _TransformersHooks(_Adapter):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
+        saved = _checkpoint_state(args, state)  # (resuming from a checkpoint this callback saved)
+        if saved is not None:
+            self._resumed = saved
         self._start(model, optimizer, getattr(optimizer, "scaler", None), getattr(args, "output_dir", None))
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The watch's state into the checkpoint just saved (``graddbg_state.json``), read
+        back when training resumes from it."""
+        folder = pathlib.Path(args.output_dir or ".") / f"checkpoint-{state.global_step}"
+        if self.watch is not None and folder.is_dir() and bool(getattr(state, "is_world_process_zero", True)):
+            import json
+
+            write_atomic(folder / STATE_NAME, json.dumps(self.watch.state_dict()).encode())
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None,
                **kwargs: Any) -> None:

@@ -771,6 +771,33 @@ class Watch(_Results):
         self._tap.before(rng_state)
         self._tap.after(args, kwargs, output)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """What a resumed run needs to go on where this one stopped (JSON-able): the step
+        count and each check's running state (Explode's running level, which findings were
+        made, which parameters ever had a gradient). The trainer callbacks save it with
+        their checkpoints; `load_state_dict` restores it."""
+        return {"format": "graddbg.watch.state", "version": 1, "step": self._clock.index,
+                "params": list(self._ctx.names),
+                "checks": {type(c).__name__: c.state_dict() for c in self._checks if c.STATE}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore `state_dict`'s state into this watch (a run resumed from a checkpoint);
+        per-parameter state is restored only for the same parameters.
+
+        Raises:
+            GraddbgValueError: ``state`` is not a graddbg watch state.
+        """
+        if not isinstance(state, dict) or state.get("format") != "graddbg.watch.state":
+            raise GraddbgValueError(f"Watch.load_state_dict(state=...): got {type(state).__name__}; accepted: "
+                                    f"a dict from Watch.state_dict()")
+        self._clock.index = int(state.get("step", 0))
+        same = list(state.get("params") or []) == list(self._ctx.names)
+        for c in self._checks:
+            saved = (state.get("checks") or {}).get(type(c).__name__)
+            if saved:
+                c.load_state_dict(saved if same else {k: v for k, v in saved.items()
+                                                       if not (isinstance(v, dict) and "__array__" in v)})
+
     def step(self) -> None:
         """Mark a step boundary by hand (statistics are read from the current ``.grad``)."""
         if self._closed:

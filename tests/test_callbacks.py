@@ -88,7 +88,7 @@ def regression_data() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
 
 
-def lightning_fit(root, cb, module=None, **trainer_kwargs):
+def lightning_fit(root, cb, module=None, ckpt_path=None, **trainer_kwargs):
     torch.manual_seed(0)
     module = module or TinyModule()
     kwargs = dict(accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=ACCUMULATE,
@@ -97,7 +97,7 @@ def lightning_fit(root, cb, module=None, **trainer_kwargs):
                   default_root_dir=root)
     kwargs.update(trainer_kwargs)
     trainer = L.Trainer(callbacks=[cb], **kwargs)
-    trainer.fit(module, regression_data())
+    trainer.fit(module, regression_data(), ckpt_path=ckpt_path)
     return trainer, module
 
 
@@ -493,3 +493,51 @@ def test_a_callback_pickles_by_reference():
     cb = gcb.TransformersCallback(every=2)
     back = pickle.loads(pickle.dumps(cb))
     assert type(back) is gcb.TransformersCallback and back._watch_kwargs == {"every": 2}
+
+
+# --------------------------------------------------------------------------- resuming (issue 33 point 6)
+class DeadBranch(TinyModule):
+    """TinyModule with a branch whose loss weight is 0: its gradients are exactly zero, so
+    dead_grad fires once (after 5 recorded steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y) + 0.0 * self.branch(x).sum()
+
+
+def test_lightning_resume_restores_the_watch_state(tmp_path):
+    first = gcb.LightningCallback(dead_grad="record")
+    trainer, _ = lightning_fit(tmp_path / "a", first, DeadBranch(), max_epochs=2, enable_checkpointing=True)
+    assert [a.kind for a in first.watch.anomalies] == ["dead_grad"]
+    ckpt = trainer.checkpoint_callback.best_model_path
+    assert ckpt and torch.load(ckpt, weights_only=False)["callbacks"], "the callback's state is in the checkpoint"
+    resumed = gcb.LightningCallback(dead_grad="record")
+    lightning_fit(tmp_path / "b", resumed, DeadBranch(), max_epochs=4, enable_checkpointing=True, ckpt_path=ckpt)
+    assert int(resumed.watch.steps["step"].min()) == 2 * OPT_STEPS  # the step count goes on
+    assert resumed.watch.anomalies == []  # the finding made before the checkpoint is not made again
+    fresh = gcb.LightningCallback(dead_grad="record")  # the control: the same resume without graddbg's state fires again
+    fresh.load_state_dict({})
+    lightning_fit(tmp_path / "c", fresh, DeadBranch(), max_epochs=4, ckpt_path=None)
+    assert [a.kind for a in fresh.watch.anomalies] == ["dead_grad"]
+
+
+def test_transformers_resume_restores_the_watch_state(tmp_path):
+    first = gcb.TransformersCallback()
+    transformers_train(tmp_path, first, save_strategy="steps", save_steps=OPT_STEPS)
+    saved = tmp_path / f"checkpoint-{OPT_STEPS}" / gcb.STATE_NAME
+    assert saved.is_file()
+    level = first.watch.state_dict()["checks"]["ExplodeCheck"]["level"]
+    resumed = gcb.TransformersCallback()
+    trainer = RecordingTrainer(model=tiny_gpt2(), args=transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=ACCUMULATE,
+        max_steps=2 * OPT_STEPS, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+        learning_rate=1e-3, lr_scheduler_type="constant", seed=0),
+        train_dataset=TokenData(4 * BATCHES), callbacks=[resumed])
+    trainer.train(resume_from_checkpoint=str(tmp_path / f"checkpoint-{OPT_STEPS}"))
+    assert int(resumed.watch.steps["step"].min()) == OPT_STEPS
+    restored = resumed.watch.state_dict()["checks"]["ExplodeCheck"]["level"]
+    assert restored[:len(level)] == level  # Explode's running level went on from the checkpoint's

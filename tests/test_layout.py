@@ -36,7 +36,7 @@ ALLOWED = {
     "checks": {"_errors", "_args", "_source", "_model", "_collective", "_groups", "stats", "anomaly", "blame", "checks"},
     "hooks": {"_errors", "_args", "_source", "_model", "_deepspeed", "_groups", "stats", "anomaly", "blame", "options",
               "checks"},
-    "callbacks": {"_errors", "_model", "hooks", "options"},
+    "callbacks": {"_errors", "_io", "_model", "hooks", "options"},
     "gradcheck": {"_errors", "_args", "_source", "_model"},
     "pytest_plugin": {"_errors", "gradcheck"},
     "graphviz": {"_errors", "_source", "_model", "_io"},

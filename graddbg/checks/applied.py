@@ -26,6 +26,8 @@ class ScaledStep(Check):
     """The optimizer stepped on gradients that a GradScaler scaled and never unscaled: the
     step is the loss scale times too large (or Inf). Reported at its first occurrence."""
 
+    STATE = ("_reported",)
+
     after = (LedgerKeeper, StatsRecorder)
 
     def attach(self, ctx: Watched) -> None:
@@ -54,6 +56,8 @@ class ForeignUpdate(Check):
     (their version counters moved after it last stepped): another optimizer steps them (one
     re-created every epoch or batch), or code writes the weights. Found at a backward pass:
     the watched optimizer may never step again."""
+
+    STATE = ("_reported",)
 
     after = (LedgerKeeper,)
 
@@ -106,6 +110,8 @@ class LrSchedule(Check):
     `COLLAPSE` of its peak and stay there for `COLLAPSE_SHARE` of the steps it took to
     get there (a scheduler stepped per batch instead of per epoch)."""
 
+    STATE = ("_reported", "_peak", "_low")
+
     after = (LedgerKeeper,)
 
     def attach(self, ctx: Watched) -> None:
@@ -142,7 +148,7 @@ class LrSchedule(Check):
         return [_finding("lr_schedule", e.index, [], [], msg, self._policy, self.ctx.rank, value=e.lrs[0])]
 
     def _collapse(self, e: StepEntry) -> List[Finding]:
-        if len(self._peak) != len(e.lrs):
+        if len(self._peak) != len(e.lrs) or len(self._low) != len(e.lrs):
             self._peak, self._low = [(x, e.index) for x in e.lrs], [None] * len(e.lrs)
         for k, lr in enumerate(e.lrs):
             if not math.isfinite(lr):

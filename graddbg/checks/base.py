@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np  # noqa: F401  (the masks of a Step are numpy arrays)
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -146,6 +146,24 @@ class Check:
     `graddbg.checks.default_checks` is derived from it, not from list position)."""
 
     after: Tuple[type, ...] = ()
+    #: the attributes that make this check's running state (saved with a checkpoint by
+    #: `state_dict`, restored by `load_state_dict` when a run resumes)
+    STATE: Tuple[str, ...] = ()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This check's running state (the `STATE` attributes), JSON-able."""
+        return {name: _to_json(getattr(self, name)) for name in self.STATE if hasattr(self, name)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what `state_dict` gave; an array of another length (a model with other
+        parameters) is left as it is."""
+        for name in self.STATE:
+            if name not in state or not hasattr(self, name):
+                continue
+            value, now = _from_json(state[name]), getattr(self, name)
+            if isinstance(now, np.ndarray) and (not isinstance(value, np.ndarray) or value.shape != now.shape):
+                continue
+            setattr(self, name, value)
 
     def attach(self, ctx: Watched) -> None:
         self.ctx = ctx
@@ -206,3 +224,25 @@ def finding(kind: str, step: int, names: List[str], modules: List[str], message:
 def step_range(first: int, last: int) -> str:
     """The text "step N" or "steps A-B"."""
     return f"step {last}" if first == last else f"steps {first}-{last}"
+
+
+def _to_json(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return {"__array__": v.tolist(), "dtype": str(v.dtype)}
+    if isinstance(v, set):
+        return {"__set__": sorted(v, key=str)}
+    if isinstance(v, (list, tuple)):
+        return [_to_json(x) for x in v]
+    if isinstance(v, (np.integer, np.floating, np.bool_)):
+        return v.item()
+    return v
+
+
+def _from_json(v: Any) -> Any:
+    if isinstance(v, dict) and "__array__" in v:
+        return np.array(v["__array__"], dtype=v.get("dtype"))
+    if isinstance(v, dict) and "__set__" in v:
+        return set(v["__set__"])
+    if isinstance(v, list):
+        return [_from_json(x) for x in v]
+    return v

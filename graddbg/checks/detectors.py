@@ -81,6 +81,8 @@ class ExplodeCheck(Check):
     steps, kept sorted (no sort per step); consecutive exploded steps are one episode and
     one finding, and do not enter the level."""
 
+    STATE = ("level", "_sorted", "in_episode", "above")
+
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
         self.det: Optional[Explode] = ctx.options.explode
@@ -171,6 +173,8 @@ class VanishCheck(Check):
     """Parameters whose gradient norm stays under ``below`` for ``patience`` recorded steps
     in a row (see `graddbg.Vanish`, its configuration); reported once per parameter, until
     it recovers."""
+
+    STATE = ("run", "flagged")
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)

@@ -207,6 +207,8 @@ class LossGraph(Check):
     """Reads the loss's autograd graph on scheduled backward passes; its findings are made
     at the next step boundary."""
 
+    STATE = ("_reported",)
+
     after = (LedgerKeeper,)
 
     def attach(self, ctx: Watched) -> None:

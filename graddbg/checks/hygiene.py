@@ -56,6 +56,8 @@ class StaleGrad(Check):
     step's read-back. Gradient accumulation clears before its first micro-batch, so it is
     not this."""
 
+    STATE = ("_reported",)
+
     after = (LedgerKeeper,)
 
     def attach(self, ctx: Watched) -> None:
@@ -110,6 +112,8 @@ class EmptyStep(Check):
     """Optimizer steps that find no gradient (every ``.grad`` None, or every one exactly
     zero), ``PATIENCE`` in a row: one such step (a skipped batch) is harmless."""
 
+    STATE = ("_reported", "_ever")
+
     after = (LedgerKeeper, StatsRecorder)
 
     def attach(self, ctx: Watched) -> None:
@@ -161,6 +165,8 @@ class DoubleStep(Check):
     one finds the very gradient tensors that step applied, untouched (same identities and
     version counters). Reported on its second occurrence."""
 
+    STATE = ("_reported",)
+
     after = (LedgerKeeper,)
 
     def attach(self, ctx: Watched) -> None:
@@ -197,6 +203,8 @@ class EvalMode(Check):
     two steps in a row: ``model.eval()`` (for a validation pass) not undone. A model without
     such layers behaves the same in both modes: not a finding. A run that is in eval mode
     from its first step (a deliberate choice: frozen batch statistics) is not either."""
+
+    STATE = ("_reported", "_trained")
 
     after = (LedgerKeeper,)
 
@@ -238,6 +246,8 @@ class Unchanged(Check):
     it. Parameters in no param group (and changed by nothing else) are ``orphan_param``; the
     others ``no_update``. A step's entry is complete after the step, so it is judged at the
     next boundary."""
+
+    STATE = ("_reported",)
 
     after = (LedgerKeeper, StatsRecorder)
 
@@ -347,6 +357,8 @@ class DeadGrad(Check):
     """A parameter whose gradient has been exactly zero for ``DEAD_PATIENCE`` recorded steps
     in a row: after having been non-zero (dead ReLUs, a saturated gate), or since its
     first gradient (dead from initialisation)."""
+
+    STATE = ("_reported", "_alive")
 
     after = (StatsRecorder,)
 

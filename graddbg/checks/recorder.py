@@ -205,6 +205,8 @@ def _is_ddp(model: Any) -> bool:
 class StatsRecorder(Check):
     """Per-parameter statistics into the history, and the non-finite mask of each step."""
 
+    STATE = ("ever_grad",)
+
     after = (LedgerKeeper,)
 
     def __init__(self) -> None:
