@@ -20,8 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from graddbg._model import in_backward, tensors_in, unwrap
-from graddbg.anomaly import Anomaly
-from graddbg.checks.base import Check, Finding, Step, Watched
+from graddbg.checks.base import Check, Finding, Step, Watched, finding
 from graddbg.checks.ledger import LedgerKeeper
 
 __all__ = ["LossGraph", "loss_patterns", "graph_roots", "walk", "CutOff"]
@@ -319,9 +318,8 @@ class LossGraph(Check):
                f"and are new tensors at each backward pass (not the ones of the pass before): a layer built inside "
                f"forward() is initialised again at every step, is not in model.parameters(), and is never trained. "
                f"Fix: build the layer in __init__ (self.layer = nn.Linear(...)) and call it in forward().")
-        a = Anomaly(step=index, kind="hidden_param", name=None, module=None, op=None, value=float(len(shapes)),
-                    threshold=None, source=None, message=msg, rank=self.ctx.rank, params=())
-        return Finding(a, self._policies["hidden_param"], skip=[])
+        return finding("hidden_param", index, [], [], msg, self._policies["hidden_param"], self.ctx.rank,
+                       value=float(len(shapes)))
 
     def _replaced_finding(self, index: int, names: List[str]) -> Finding:
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
@@ -331,18 +329,15 @@ class LossGraph(Check):
                f"built), and no param group of {type(self.ctx.optimizer).__name__} holds it, so it never trains "
                f"(and a weight tied to the old one is tied no more). Fix: replace or load layers before building "
                f"the optimizer (or copy the new values in place: with torch.no_grad(): layer.weight.copy_(...)).")
-        a = Anomaly(step=index, kind="orphan_param", name=names[0], module=names[0].rpartition(".")[0] or None,
-                    op=None, value=float(len(names)), threshold=None, source=None, message=msg, rank=self.ctx.rank,
-                    params=tuple(names))
-        return Finding(a, self.ctx.options.orphan_param, skip=[])
+        return finding("orphan_param", index, names, [n.rpartition(".")[0] for n in names], msg,
+                       self.ctx.options.orphan_param, self.ctx.rank, value=float(len(names)))
 
     def _pattern_finding(self, index: int, patterns: List[Tuple[str, str, str]]) -> Finding:
         parts = "; ".join(f"{what}: {evidence}. Fix: {fix}" for what, evidence, fix in patterns)
         msg = (f"graddbg: a harmful pattern on the path to the loss at step {index} (read from the loss's autograd "
                f"graph): {parts}.")
-        a = Anomaly(step=index, kind="loss_pattern", name=None, module=None, op=None, value=float(len(patterns)),
-                    threshold=None, source=None, message=msg, rank=self.ctx.rank, params=())
-        return Finding(a, self._policies["loss_pattern"], skip=[])
+        return finding("loss_pattern", index, [], [], msg, self._policies["loss_pattern"], self.ctx.rank,
+                       value=float(len(patterns)))
 
     def _hidden_finding(self, index: int, hidden: List[Tuple[str, Tuple[int, ...]]]) -> Finding:
         names = [h[0] for h in hidden]
@@ -353,10 +348,8 @@ class LossGraph(Check):
                f"them (nor does .to(), state_dict() or DDP see them). Likely cause: a tensor attribute made with "
                f"requires_grad=True instead of nn.Parameter, or layers kept in a plain Python list or dict instead "
                f"of nn.ModuleList / nn.ModuleDict. Fix: wrap it in nn.Parameter(...), or use nn.ModuleList.")
-        a = Anomaly(step=index, kind="hidden_param", name=names[0], module=names[0].rpartition(".")[0] or None,
-                    op=None, value=float(len(names)), threshold=None, source=None, message=msg, rank=self.ctx.rank,
-                    params=tuple(names))
-        return Finding(a, self._policies["hidden_param"], skip=[])
+        return finding("hidden_param", index, names, [n.rpartition(".")[0] for n in names], msg,
+                       self._policies["hidden_param"], self.ctx.rank, value=float(len(names)))
 
     def params_added(self, k: int) -> None:
         if self._cut is not None:
@@ -523,10 +516,8 @@ class CutOff:
                f"had no gradient in any step so far (steps 0-{index}), read from the forward pass and the loss's "
                f"autograd graph: {parts}. Fix as said, or freeze them (requires_grad_(False)).")
         modules = [self.ctx.modules[self.ctx.names.index(n)] for n in names]
-        a = Anomaly(step=index, kind="unused_param", name=names[0], module=modules[0], op=None,
-                    value=float(len(names)), threshold=None, source=None, message=msg, rank=self.ctx.rank,
-                    params=tuple(names))
-        return [Finding(a, self.ctx.options.unused_param, skip=[])]
+        return [finding("unused_param", index, names, modules, msg, self.ctx.options.unused_param, self.ctx.rank,
+                        value=float(len(names)))]
 
     def close(self) -> None:
         for h in self._handles:
