@@ -7,6 +7,8 @@ Internal: `graddbg.cli.run_script` is the public entry point.
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 import os
 import pathlib
@@ -159,7 +161,7 @@ class ScriptWatcher:
         self._free: Optional[Tuple[Any, "weakref.ref[nn.Module]"]] = None  # (watch, model)
         self._looking = True  # for a model without an optimizer (until any watch starts)
         self._depth = 0
-        self._handles: List[Any] = []
+        self._handles = contextlib.ExitStack()  # (every handle removed by _remove)
         self._failed = False
         self.pid = os.getpid()
         self.outdir: Optional[pathlib.Path] = None  # where forked workers write their records
@@ -174,10 +176,10 @@ class ScriptWatcher:
         from torch.optim import optimizer as optim_mod
 
         try:
-            self._handles.append(module_mod.register_module_forward_pre_hook(self._pre))
-            self._handles.append(module_mod.register_module_forward_hook(self._post, always_call=True))
-            self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._on_step))
-            self._handles.append(optim_mod.register_optimizer_step_post_hook(self._after))
+            self._handles.callback(module_mod.register_module_forward_pre_hook(self._pre).remove)
+            self._handles.callback(module_mod.register_module_forward_hook(self._post, always_call=True).remove)
+            self._handles.callback(optim_mod.register_optimizer_step_pre_hook(self._on_step).remove)
+            self._handles.callback(optim_mod.register_optimizer_step_post_hook(self._after).remove)
         except BaseException:
             self._remove()
             raise
@@ -333,9 +335,7 @@ class ScriptWatcher:
             self._failed = True
 
     def _remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._handles.close()
 
     def __exit__(self, *exc: Any) -> None:
         self._remove()

@@ -228,7 +228,7 @@ class ModuleTrace:
         """Remember ``module``'s own parameters as its forward saw them (plain tensors in
         place of the DTensor shards that ``named_parameters()`` gives outside the forward)."""
         for name, p in module._parameters.items():
-            if p is not None and not _is_dtensor(p):
+            if p is not None and not is_dtensor(p):
                 self.forward_params[prefix + name] = p
 
     def exit(self, module: nn.Module) -> None:
@@ -247,17 +247,12 @@ class ModuleTrace:
         return self._paths[i] if i >= 0 else ()
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    """A DTensor (FSDP2, HSDP or tensor-parallel parameter), without importing it."""
-    return is_dtensor(t)
-
-
 def _sharded_owners(model: nn.Module) -> Dict[int, str]:
     """id(module) -> its name prefix (``"enc."``; ``""`` for the root) for every module of a
     model with DTensor parameters, whose forward may run on other tensors (FSDP2 gathers
     them); empty for any other model (nothing to record)."""
     inner = unwrap(model)
-    if not any(_is_dtensor(p) for p in inner.parameters()):
+    if not any(is_dtensor(p) for p in inner.parameters()):
         return {}
     return {id(m): (clean_name(q) + "." if q else "") for q, m in inner.named_modules(remove_duplicate=True)}
 
@@ -265,7 +260,7 @@ def _sharded_owners(model: nn.Module) -> Dict[int, str]:
 def _fsdp_resharded(model: nn.Module) -> bool:
     """Whether ``model`` uses FSDP2 (``fully_shard``) and holds sharded parameters now: the
     leaves of a forward already run are gathered copies that only a traced forward names."""
-    if not torch.distributed.is_available() or not any(_is_dtensor(p) for p in model.parameters()):
+    if not torch.distributed.is_available() or not any(is_dtensor(p) for p in model.parameters()):
         return False
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -337,14 +332,10 @@ def trace_modules(model: nn.Module) -> Iterator[ModuleTrace]:
         if id(module) in paths:
             trace.exit(module)
 
-    handles: List[Any] = []
-    try:
-        handles.append(_module.register_module_forward_pre_hook(pre_hook))
-        handles.append(_module.register_module_forward_hook(post_hook, always_call=True))
+    with contextlib.ExitStack() as handles:  # (every handle removed, whatever happens)
+        handles.callback(_module.register_module_forward_pre_hook(pre_hook).remove)
+        handles.callback(_module.register_module_forward_hook(post_hook, always_call=True).remove)
         yield trace
-    finally:
-        for h in handles:
-            h.remove()
 
 
 # --------------------------------------------------------------------------- arguments
@@ -788,23 +779,20 @@ def _hooked_backward(fns: Dict[str, Any], outputs: List[torch.Tensor], leaves: L
                 received[nid] = inp
         return hook
 
-    handles: List[Any] = []
-    try:
-        for nid, fn in fns.items():
-            if not hasattr(fn, "variable"):
-                handles.append(fn.register_hook(make_hook(nid)))
-        leaf_grads = torch.autograd.grad(outputs, leaves, grad_outputs=[torch.ones_like(t) for t in outputs],
-                                         retain_graph=True, allow_unused=True)
-    except RuntimeError as exc:
-        if "second time" in str(exc) or "freed" in str(exc):
-            raise GraddbgError(
-                "graph(grads=True) needs the autograd graph, but a backward pass already "
-                "freed it; call graddbg.graph(...) before loss.backward(), or use "
-                "loss.backward(retain_graph=True)") from exc
-        raise
-    finally:
-        for h in handles:
-            h.remove()
+    with contextlib.ExitStack() as handles:  # (every handle removed, whatever happens)
+        try:
+            for nid, fn in fns.items():
+                if not hasattr(fn, "variable"):
+                    handles.callback(fn.register_hook(make_hook(nid)).remove)
+            leaf_grads = torch.autograd.grad(outputs, leaves, grad_outputs=[torch.ones_like(t) for t in outputs],
+                                             retain_graph=True, allow_unused=True)
+        except RuntimeError as exc:
+            if "second time" in str(exc) or "freed" in str(exc):
+                raise GraddbgError(
+                    "graph(grads=True) needs the autograd graph, but a backward pass already "
+                    "freed it; call graddbg.graph(...) before loss.backward(), or use "
+                    "loss.backward(retain_graph=True)") from exc
+            raise
     return produced, received, leaf_grads
 
 

@@ -66,7 +66,7 @@ def test_ledger_records_accumulation_clip_lr_and_moved_parameters():
     assert list(led["step"]) == [0, 1, 2]
     assert list(led["backwards"]) == [2, 2, 2] and list(led["forwards"]) == [2, 2, 2]
     assert list(led["held_before"])[1:] == ["none,kept", "none,kept"]  # (zero_grad(set_to_none) after the step)
-    assert set(led["between"]) == {"changed"}  # the clip, seen from the version counters
+    assert set(led["between"]) == {"clipped"}  # the clip: version counters moved, the norm went down
     assert list(led["lr"]) == ["0.1"] * 3 and list(led["moved"]) == [4, 4, 4]
     assert (led["clipped_norm"] < led["global_norm"]).all()
     assert set(led["mode"]) == {"train"} and set(led["grad_mode"]) == {"on"}

@@ -10,6 +10,8 @@ a walk of the graph's nodes, no device work.
 """
 from __future__ import annotations
 
+import contextlib
+
 import sys
 import threading
 import weakref
@@ -411,7 +413,7 @@ class CutOff:
     def __init__(self, ctx: Watched) -> None:
         self.ctx = ctx
         self._ever = np.zeros(len(ctx), dtype=bool)
-        self._handles: List[Any] = []
+        self._handles = contextlib.ExitStack()  # (the one-shot hooks, removed by conclude or close)
         self._seen: Dict[str, Dict[str, Any]] = {}
         self._state = "idle"  # idle -> armed (hooks on) -> waiting (forward seen) -> done(-ish) -> idle
         self._missing: List[int] = []
@@ -450,7 +452,7 @@ class CutOff:
                 m = root.get_submodule(name) if name else root
             except AttributeError:
                 continue
-            self._handles.append(m.register_forward_hook(self._noter(name)))
+            self._handles.callback(m.register_forward_hook(self._noter(name)).remove)
         self._seen = {}
         self._state = "armed"
 
@@ -468,9 +470,7 @@ class CutOff:
 
     def conclude(self, nodes: Sequence[Any]) -> None:
         """The walk of the loss's graph after the noted forward pass: each module's verdict."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._handles.close()
         reached = {id(n) for n in nodes}
         leaves = {id(n.variable) for n in nodes if _name(n) == "AccumulateGrad"}
         verdicts: Dict[str, str] = {}
@@ -520,9 +520,7 @@ class CutOff:
                         value=float(len(names)))]
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._handles.close()
 
 
 def _in_checkpoint() -> bool:

@@ -91,12 +91,20 @@ class StepEntry:
 
     @property
     def between(self) -> str:
-        """What touched the gradients after the last backward pass and before the step."""
+        """What touched the gradients after the last backward pass and before the step:
+        ``cleared``; ``unscaled`` (the GradScaler's step), ``clipped`` (the norm went down:
+        a clip), ``unscaled+clipped``, or ``changed`` (in place or replaced, by whom the
+        recorded norms do not tell) from the version counters and, on recorded steps, the
+        norms before and after; ``-``: untouched."""
         if self.present is not None and not self.present.any():
             return "cleared" if self.backwards else "none"
-        if self.changed is not None and self.changed.any():
-            return "changed"
-        return "-"
+        if self.changed is None or not self.changed.any():
+            return "-"
+        unscaled = self.path == "scaler"
+        clipped = not math.isnan(self.clipped_norm) and self.clipped_norm < self.global_norm * (1 - 1e-6)
+        if unscaled or clipped:
+            return "+".join(w for w, on in (("unscaled", unscaled), ("clipped", clipped)) if on)
+        return "changed"
 
 
 class Ledger:
@@ -435,6 +443,15 @@ class LedgerKeeper(Check):
         return len(self._layers)
 
 
+def _between_text(e: StepEntry) -> str:
+    n = int(e.changed.sum()) if e.changed is not None else 0
+    return {"cleared": " (all cleared after the backward pass)",
+            "unscaled": f" ({n} unscaled by the GradScaler after the backward pass)",
+            "clipped": f" ({n} clipped after the backward pass: the norm went down)",
+            "unscaled+clipped": f" ({n} unscaled by the GradScaler and clipped after the backward pass)",
+            "changed": f" ({n} changed in place or replaced after the backward pass)"}.get(e.between, "")
+
+
 def describe(e: Optional[StepEntry], names: Sequence[str], index: int) -> str:
     """Step ``index``'s entry in words: what happened in that step, in order."""
     if e is None:
@@ -455,9 +472,7 @@ def describe(e: Optional[StepEntry], names: Sequence[str], index: int) -> str:
         lines.append("  no backward pass since the previous step")
     if e.present is not None:
         lines.append(f"  at the step: {int(e.present.sum())} of {len(e.present)} parameter(s) with a gradient"
-                     + {"cleared": " (all cleared after the backward pass)",
-                        "changed": f" ({int(e.changed.sum())} changed in place or replaced after the backward pass:"
-                                   f" a clip, an unscale, a hand edit)" if e.changed is not None else ""}.get(e.between, ""))
+                     + _between_text(e))
     if e.lrs:
         lines.append("  learning rates: " + ", ".join(f"group {k}: {x:g}" for k, x in enumerate(e.lrs))
                      + (f" ({'; '.join(h for h in e.hparams if h)})" if any(e.hparams) else ""))
