@@ -78,6 +78,9 @@ class ForeignUpdate(Check):
     def on_backward_end(self, bw: BackwardEnd) -> Optional[List[Finding]]:
         if not self._on or self._reported or self.ctx.ledger.after_step_versions is None:
             return None
+        if len(self.ctx.ledger.current.backwards) < 2:  # (the first backward pass since the step: nothing to compare)
+            self._prev = None
+            return None
         now = param_versions(self.ctx.params)
         if self._prev is not None and len(self._prev) == len(now):
             changed = now != self._prev

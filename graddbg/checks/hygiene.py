@@ -301,7 +301,8 @@ class Unchanged(Check):
         if e is None or e.moved is None or len(e.moved) != len(self.ctx) or e.skipped:
             return []
         group = self._group_of()
-        lr0 = np.array([e.lrs[k] == 0.0 if 0 <= k < len(e.lrs) else False for k in group], dtype=bool)
+        lrs = np.append(np.asarray(e.lrs, dtype=np.float64), np.nan)  # (index -1: held by no group)
+        lr0 = lrs[np.where(group < len(e.lrs), group, -1)] == 0.0
         outside = e.outside if e.outside is not None and len(e.outside) == len(e.moved) else np.zeros_like(e.moved)
         # (held: not moved by the step, or an lr of 0; held by none: changed by nothing at all)
         stuck = moving[1] & np.where(group >= 0, ~e.moved | lr0, ~e.moved & ~outside)

@@ -169,6 +169,11 @@ def versions(tensors: Sequence[Optional[Tensor]]) -> np.ndarray:
     return np.fromiter((-1 if t is None else t._version for t in tensors), dtype=np.int64, count=len(tensors))
 
 
+def _ids(tensors: Sequence[Optional[Tensor]]) -> np.ndarray:
+    """The tensors' identities (0 for None), as an array compared at once."""
+    return np.fromiter((0 if t is None else id(t) for t in tensors), dtype=np.uint64, count=len(tensors))
+
+
 def param_versions(params: Sequence[Tensor]) -> np.ndarray:
     """The parameters' version counters (a DTensor's: its local shard's), a host read."""
     return np.fromiter((getattr(p, "_local_tensor", p)._version for p in params), dtype=np.int64,
@@ -188,8 +193,22 @@ def _lr(group: Dict[str, Any]) -> float:
 _HPARAMS = ("momentum", "betas", "weight_decay", "eps", "dampening", "nesterov", "alpha", "maximize")
 
 
+_HP_TEXT: Dict[tuple, str] = {}
+
+
 def _hparams(group: Dict[str, Any]) -> str:
-    """A param group's hyper-parameters besides its lr, as short text."""
+    """A param group's hyper-parameters besides its lr, as short text (made once per set of
+    values: a step reads the values only)."""
+    key = tuple(str(group.get(k)) for k in _HPARAMS)
+    text = _HP_TEXT.get(key)
+    if text is None:
+        if len(_HP_TEXT) > 256:
+            _HP_TEXT.clear()
+        text = _HP_TEXT[key] = _hparams_text(group)
+    return text
+
+
+def _hparams_text(group: Dict[str, Any]) -> str:
     out = []
     for k in _HPARAMS:
         v = group.get(k)
@@ -225,9 +244,9 @@ class LedgerKeeper(Check):
         self._forward: Optional[Forward] = None
         self._held = "first"
         self._after: Tuple[int, int] = (0, -1)  # (id, version) of the probe's gradient after the last step
-        self._bw_ids: List[int] = []
+        self._bw_ids = np.zeros(0, dtype=np.uint64)
         self._bw_versions: Optional[np.ndarray] = None
-        self._step_ids: Optional[List[int]] = None
+        self._step_ids: Optional[np.ndarray] = None
         self._step_versions: Optional[np.ndarray] = None
         self._before: Optional[np.ndarray] = None
         self._last: Optional[np.ndarray] = None  # the parameters' versions after the last step
@@ -308,7 +327,7 @@ class LedgerKeeper(Check):
 
     def params_added(self, k: int) -> None:
         self._bw_versions = self._step_versions = self._before = self._last = None
-        self._bw_ids, self._step_ids = [], None
+        self._bw_ids, self._step_ids = np.zeros(0, dtype=np.uint64), None
 
     # ------------------------------------------------------------------ events
     @property
@@ -347,7 +366,7 @@ class LedgerKeeper(Check):
                                     tuple(_lr(g) for g in opt.param_groups) if opt is not None else ()))
         # (accumulation: the next backward pass of this step finds the gradient kept)
         self._after = self._probe_state()
-        self._bw_ids = [id(g) for g in grads]
+        self._bw_ids = _ids(grads)
         self._bw_versions = versions(grads)
 
     def _probe_state(self) -> Tuple[int, int]:
@@ -361,13 +380,12 @@ class LedgerKeeper(Check):
         e = self.entry
         e.index, e.path = index, path
         e.present = np.fromiter((g is not None for g in grads), dtype=bool, count=len(grads))
-        ids = [id(g) for g in grads]
+        ids = _ids(grads)
         now = versions(grads)
         if self._bw_versions is not None and len(self._bw_versions) == len(grads) and e.backwards:
-            e.changed = e.present & ((now != self._bw_versions) | np.array([a != b for a, b in zip(ids, self._bw_ids)]))
+            e.changed = e.present & ((now != self._bw_versions) | (ids != self._bw_ids))
         if self._step_versions is not None and len(self._step_versions) == len(grads):
-            e.same_as_last_step = e.present & (now == self._step_versions) & \
-                np.array([a == b for a, b in zip(ids, self._step_ids)])
+            e.same_as_last_step = e.present & (now == self._step_versions) & (ids == self._step_ids)
         self._step_ids, self._step_versions = ids, now
         opt = self.ctx.optimizer
         if opt is not None:
@@ -419,7 +437,7 @@ class LedgerKeeper(Check):
         self._held = "-" if self.ledger.probe is None else self._held
         # the gradients the step left, as the next step would find them again unchanged
         grads = self.ctx.grads()
-        self._step_ids, self._step_versions = [id(g) for g in grads], versions(grads)
+        self._step_ids, self._step_versions = _ids(grads), versions(grads)
 
     def end(self) -> StepEntry:
         """The step's entry is complete: into the ledger; the next step's entry starts."""
