@@ -479,8 +479,40 @@ class _Results:
         return next((c for c in self._checks if isinstance(c, cls)), None)
 
 
+class _Resumable:
+    """The checkpoint side of `Watch`: its state, saved with a trainer's checkpoint and
+    restored when the run resumes."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a resumed run needs to go on where this one stopped (JSON-able): the step
+        count and each check's running state (Explode's running level, which findings were
+        made, which parameters ever had a gradient). The trainer callbacks save it with
+        their checkpoints; `load_state_dict` restores it."""
+        return {"format": "graddbg.watch.state", "version": 1, "step": self._clock.index,
+                "params": list(self._ctx.names),
+                "checks": {type(c).__name__: c.state_dict() for c in self._checks if c.STATE}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore `state_dict`'s state into this watch (a run resumed from a checkpoint);
+        per-parameter state is restored only for the same parameters.
+
+        Raises:
+            GraddbgValueError: ``state`` is not a graddbg watch state.
+        """
+        if not isinstance(state, dict) or state.get("format") != "graddbg.watch.state":
+            raise GraddbgValueError(f"Watch.load_state_dict(state=...): got {type(state).__name__}; accepted: "
+                                    f"a dict from Watch.state_dict()")
+        self._clock.index = int(state.get("step", 0))
+        same = list(state.get("params") or []) == list(self._ctx.names)
+        for c in self._checks:
+            saved = (state.get("checks") or {}).get(type(c).__name__)
+            if saved:
+                c.load_state_dict(saved if same else {k: v for k, v in saved.items()
+                                                       if not (isinstance(v, dict) and "__array__" in v)})
+
+
 # --------------------------------------------------------------------------- the watch
-class Watch(_Results):
+class Watch(_Results, _Resumable):
     """Records per-parameter gradient statistics and catches anomalies; see `watch`.
 
     ``Watch(model, optimizer, **options)`` takes the options of `watch`
@@ -567,7 +599,8 @@ class Watch(_Results):
             return  # (a DeepSpeedEngine always calls its module: the end of each backward pass is seen from its output)
         for i in (range(P) if opt is None else sorted({(k * P) // 8 for k in range(8)} | {P - 1})):
             if 0 <= i < P:
-                hooks.add(ctx.params[i].register_post_accumulate_grad_hook(self._on_param_grad))
+                hooks.add(ctx.params[i].register_post_accumulate_grad_hook(
+                    lambda p: self._queue_end_of_backward() if self._alive() else None))
 
     def _alive(self) -> bool:
         return not self._closed and not self._ctx.replaying
@@ -617,10 +650,6 @@ class Watch(_Results):
             self._ctx.layout.output_grad(grad)
         for handle in self._on["on_output_grad"]:
             handle()
-
-    def _on_param_grad(self, p: Tensor) -> None:
-        if self._alive():
-            self._queue_end_of_backward()
 
     def _queue_end_of_backward(self) -> None:
         if self._cb_queued or self._closed:
@@ -770,33 +799,6 @@ class Watch(_Results):
             return
         self._tap.before(rng_state)
         self._tap.after(args, kwargs, output)
-
-    def state_dict(self) -> Dict[str, Any]:
-        """What a resumed run needs to go on where this one stopped (JSON-able): the step
-        count and each check's running state (Explode's running level, which findings were
-        made, which parameters ever had a gradient). The trainer callbacks save it with
-        their checkpoints; `load_state_dict` restores it."""
-        return {"format": "graddbg.watch.state", "version": 1, "step": self._clock.index,
-                "params": list(self._ctx.names),
-                "checks": {type(c).__name__: c.state_dict() for c in self._checks if c.STATE}}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore `state_dict`'s state into this watch (a run resumed from a checkpoint);
-        per-parameter state is restored only for the same parameters.
-
-        Raises:
-            GraddbgValueError: ``state`` is not a graddbg watch state.
-        """
-        if not isinstance(state, dict) or state.get("format") != "graddbg.watch.state":
-            raise GraddbgValueError(f"Watch.load_state_dict(state=...): got {type(state).__name__}; accepted: "
-                                    f"a dict from Watch.state_dict()")
-        self._clock.index = int(state.get("step", 0))
-        same = list(state.get("params") or []) == list(self._ctx.names)
-        for c in self._checks:
-            saved = (state.get("checks") or {}).get(type(c).__name__)
-            if saved:
-                c.load_state_dict(saved if same else {k: v for k, v in saved.items()
-                                                       if not (isinstance(v, dict) and "__array__" in v)})
 
     def step(self) -> None:
         """Mark a step boundary by hand (statistics are read from the current ``.grad``)."""
