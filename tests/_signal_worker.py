@@ -40,7 +40,7 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
                         time.sleep(600)  # (killed by the test)
                     (out / f"waiting{rank}").write_text(str(time.time()))
                 opt.step()
-    except BaseException as err:  # KeyboardInterrupt, or graddbg run's _Terminated
+    except BaseException as err:  # KeyboardInterrupt, or graddbg run's Terminated
         status = type(err).__name__
     w.close()
     w.save(out / f"record{rank}")

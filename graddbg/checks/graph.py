@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from graddbg._model import in_backward, tensors_in, unwrap
+from graddbg._model import in_backward, is_dtensor, tensors_in, unwrap
 from graddbg.checks.base import Check, Finding, Step, Watched, finding
 from graddbg.checks.ledger import LedgerKeeper
 
@@ -115,7 +115,9 @@ def scaler_of_backward(thread: int) -> Any:
         if frame is None:
             return None
         for v in list(frame.f_locals.values()):
-            if isinstance(v, torch.amp.GradScaler) and v.is_enabled() and getattr(v, "_scale", None) is not None:
+            # (by type only: an isinstance check would touch every local, a dead weak proxy raises
+            # and a deprecated torch object warns)
+            if issubclass(type(v), torch.amp.GradScaler) and v.is_enabled() and getattr(v, "_scale", None) is not None:
                 return v
         frame = frame.f_back
     return None
@@ -258,6 +260,8 @@ class LossGraph(Check):
         requires_grad or a module kept in a plain list (held by the model, not registered),
         parameters made anew in each forward pass, and parameters of the model that replaced
         watched ones (``orphan_param`` when no param group holds them)."""
+        if any(is_dtensor(p) for p in self.ctx.params):
+            return []  # (sharded: the graph's leaves are the unsharded copies FSDP makes, not the watched tensors)
         watched = {id(p) for p in self.ctx.params}
         leaves = [n.variable for n in nodes if _name(n) == "AccumulateGrad"]
         strays = {id(v): v for v in leaves if id(v) not in watched}

@@ -177,6 +177,8 @@ class _RankFlags:
                 applied.index_copy_(0, self._ix(ix, dev), norms.double().to(dev))
         if now is not None:
             applied.index_copy_(0, self._ix(live, dev), now.double())
+        # (a non-finite norm is the non-finite check's: NaN payloads may differ between ranks)
+        applied = torch.nan_to_num(applied, nan=0.0, posinf=0.0, neginf=0.0)
         bits = applied.view(torch.int64)
         weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64, device=bits.device) * 0x9E3779B97F4A7C1
         h = (bits * weights).sum()  # (wraps modulo 2**64)
@@ -192,7 +194,8 @@ class _RankFlags:
         bits = bad_slot.value.astype(np.int64)
         ranks = {int(i): [self.ranks[r] for r in range(len(self.ranks)) if bits[i] >> r & 1]
                  for i in np.nonzero(bits)[0]}
-        differ = hash_slot is not None and hash_slot.value[0] != -hash_slot.value[1]
+        # (a non-finite gradient on some rank is the non-finite check's finding, not a replica's)
+        differ = hash_slot is not None and hash_slot.value[0] != -hash_slot.value[1] and not bits.any()
         return bits > 0, ranks, bool(differ)
 
 
