@@ -142,7 +142,8 @@ def find_stages(model: nn.Module) -> List[Any]:
     mine = {id(m) for m in inner.modules()} | {id(model)}
 
     def holds(obj: Any) -> bool:
-        return isinstance(obj, _PipelineStageBase) and (id(obj.submod) in mine or id(unwrap(obj.submod)) in mine)
+        # (by type only: gc holds dead weak proxies, which raise, and deprecated objects, which warn)
+        return issubclass(type(obj), _PipelineStageBase) and (id(obj.submod) in mine or id(unwrap(obj.submod)) in mine)
 
     found = [r for m in {id(model): model, id(inner): inner}.values() for r in gc.get_referrers(m) if holds(r)]
     if not found:
