@@ -152,15 +152,40 @@ def find_stages(model: nn.Module) -> List[Any]:
 
 
 def _dp_group(model: nn.Module) -> Any:
-    """The data-parallel group of a wrapped stage: DDP's ``process_group``, or the 1-D mesh
-    of FSDP2's sharded parameters; None when there is none."""
+    """The group of a wrapped stage's replicas and shards: DDP's ``process_group``, or the
+    group of every rank of its DTensor parameters' meshes (FSDP2 over a data-parallel
+    dimension, tensor parallelism over another: one stage's ranks in a 3-D mesh); None when
+    there is none.
+
+    A mesh of two or more dimensions is flattened (``DeviceMesh._flatten``, which every rank
+    of its root mesh calls here, at the same boundary) into a group named
+    ``graddbg_<its dimensions>``; a mesh without dimension names cannot be, and gives None."""
     pg = getattr(model, "process_group", None)
     if pg is not None and type(model).__name__ == "DistributedDataParallel":
         return pg
-    p = next((p for p in model.parameters() if is_dtensor(p)), None)
-    if p is not None and p.device_mesh.ndim == 1:
-        return p.device_mesh.get_group()
-    return None
+    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if is_dtensor(p)}
+    if not meshes:
+        return None
+    widest = max(meshes.values(), key=lambda m: m.mesh.numel())
+    ranks = set(widest.mesh.reshape(-1).tolist())
+    if any(not set(m.mesh.reshape(-1).tolist()) <= ranks for m in meshes.values()):
+        return None  # (parameters on meshes that no one of them holds: no group holds them all)
+    if widest.ndim == 1:
+        return widest.get_group()
+    names = widest.mesh_dim_names
+    if not names:
+        return None
+    return widest._flatten("graddbg_" + "_".join(names)).get_group()
+
+
+def _stage_mesh(model: nn.Module) -> Dict[str, int]:
+    """The dimensions (name: size) of the widest mesh of a stage's DTensor parameters."""
+    meshes = [p.device_mesh for p in model.parameters() if is_dtensor(p)]
+    if not meshes:
+        return {}
+    widest = max(meshes, key=lambda m: m.mesh.numel())
+    names = widest.mesh_dim_names or tuple(f"dim{i}" for i in range(widest.ndim))
+    return {str(k): int(v) for k, v in zip(names, widest.mesh.shape)}
 
 
 def _signature(names: Sequence[str], params: Sequence[Tensor], stage: int) -> List[int]:
@@ -198,7 +223,8 @@ class Layout:
     boundary where a collective is safe, before any other collective of graddbg's."""
 
     def __init__(self, model: nn.Module, names: Sequence[str], params: Sequence[Tensor], meta: Dict[str, Any],
-                 pp_group: Any = None, dp_group: Any = None) -> None:
+                 pp_group: Any = None, dp_group: Any = None, localise: bool = False,
+                 active: Any = lambda: True) -> None:
         dist = _dist()
         self.rank = dist.get_rank() if dist is not None else 0
         self.world = dist.get_world_size() if dist is not None else 1
@@ -213,9 +239,94 @@ class Layout:
         if self.stages and self.world == 1:  # (one stage, one process: read as a stage, nothing to exchange)
             meta.update(layout="pipeline", stage=self.stages[0].stage_index, num_stages=self.stages[0].num_stages)
         self.slots: List[int] = []            #: this rank's slots in the summary
+        self.ddp_stages = False               #: several stages here, each wrapped in DDP (replicas)
         self.param_slot: Optional[Tensor] = None
-        self._arrived: Optional[Tensor] = None
+        self._arrived: Dict[int, Tensor] = {}  # stage -> whether a non-finite gradient reached its output
+        self._taps: List[Any] = []
+        self._localise, self._active = localise, active
+        self._captures: Dict[int, Any] = {}    # stage -> its last forward pass (a replay's inputs)
+        self._last_captures: Dict[int, Any] = {}  # (those of the step last exchanged)
+        self._tap_stages()
         self._checkin = CheckIn(self.rank, self.world) if self.world > 1 else None
+
+    def _tap_stages(self) -> None:
+        """With several stages on this rank (an interleaved schedule), hooks on each stage:
+        its output's gradient, arriving from the next stage, and (with ``localise``) its
+        last forward pass, for a replay of the stage where a non-finite gradient was made.
+        One stage: the watch's own tap on the model's output does both (`output_grad`)."""
+        if len(self.stages) < 2 or self._taps:
+            return
+        names = {id(m): n for n, m in unwrap(self.model).named_modules()}
+        for st in self.stages:
+            mod = st.submod
+            prefix = names.get(id(unwrap(mod)), names.get(id(mod), ""))  # (replays name modules within unwrap(mod))
+            if self._localise:
+                self._taps.append(mod.register_forward_pre_hook(self._stage_rng(st.stage_index)))
+            self._taps.append(mod.register_forward_hook(
+                self._stage_output_hook(st.stage_index, st.stage_index == st.num_stages - 1, mod, prefix),
+                with_kwargs=True))
+
+    def _stage_rng(self, index: int) -> Any:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            if self._active():
+                self._captures[index] = torch.get_rng_state()
+
+        return pre_hook
+
+    def _stage_output_hook(self, index: int, last: bool, mod: nn.Module, prefix: str) -> Any:
+        def forward_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if not self._active():
+                return
+            outs = [o for o in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(o, Tensor)]
+            i = next((k for k, o in enumerate(outs) if o.requires_grad), None)
+            if i is None:
+                return
+            cap = None
+            if self._localise:
+                from graddbg.blame import Capture
+
+                rng = self._captures.get(index)
+                cap = Capture(args, kwargs, rng if isinstance(rng, Tensor) else None, i, module=mod, prefix=prefix)
+                self._captures[index] = cap
+            outs[i].register_hook(lambda grad: self._arrive(index, grad, last, cap))
+
+        return forward_hook
+
+    def _arrive(self, index: int, grad: Tensor, last: bool = False, cap: Any = None) -> None:
+        try:  # (inside the user's backward pass: never raise there)
+            if cap is not None:
+                cap.grad = grad
+            if last or not self._active():
+                return
+            with torch.no_grad():
+                flag = ~torch.isfinite(grad.detach()).all()
+                held = self._arrived.get(index)
+                self._arrived[index] = flag if held is None else held | flag
+        except Exception:
+            pass
+
+    def capture(self, report: "StageReport") -> Any:
+        """The last forward pass of the stage of this rank's where a non-finite gradient was
+        made (bad, and none arrived at its output), for a replay; None when there is none
+        (one stage on this rank: the watch's own capture)."""
+        made = [s for s in self.slots if report.bad[s] and not report.arrived[s]]
+        cap = self._last_captures.get(max(made)) if made and len(self.stages) > 1 else None
+        return cap if cap is not None and not isinstance(cap, Tensor) and cap.grad is not None else None
+
+    def close(self) -> None:
+        """Remove the hooks on the stages' outputs."""
+        for handle in self._taps:
+            handle.remove()
+        self._taps = []
+
+    def param_stages(self) -> Optional[np.ndarray]:
+        """The stage of each watched parameter (a pipeline's layout), else None."""
+        if self.stages:
+            owner = {id(p): s.stage_index for s in self.stages for p in s.submod.parameters()}
+            return np.array([owner.get(id(p), self.stages[0].stage_index) for p in self.params], dtype=np.int64)
+        if self.pipeline and self.slots:
+            return np.full(len(self.params), self.slots[0], dtype=np.int64)
+        return None
 
     @property
     def pipeline(self) -> bool:
@@ -228,6 +339,7 @@ class Layout:
         after the watch are looked for until the layout is resolved)."""
         if not self.resolved and not self.stages:
             self.stages = find_stages(self.model)
+            self._tap_stages()
         return not (in_backward and self.pipeline)
 
     def resolve(self) -> None:
@@ -267,12 +379,19 @@ class Layout:
             stage = self.stages[0] if self.stages else None
             self.summary_group = pp_given if pp_given is not None else (stage.group or _WORLD)
             dp = dp_given if dp_given is not None else _dp_group(self.model)
+            if dp is None and len(self.stages) > 1:  # (the stages wrapped one by one)
+                dp = next((g for g in (_dp_group(st.submod) for st in self.stages) if g is not None), None)
+                self.ddp_stages = all(type(st.submod).__name__ == "DistributedDataParallel" for st in self.stages)
             self.replica_group = self.shard_group = dp
             n = stage.num_stages if stage is not None else dist.get_world_size(_group_arg(self.summary_group))
             self._slots_of_stages(n)
             self.meta.update(layout="pipeline", stage=self.slots[0] if len(self.slots) == 1 else list(self.slots),
                              num_stages=n, pp_size=dist.get_world_size(_group_arg(self.summary_group)),
                              dp_size=1 if dp is None else dist.get_world_size(_group_arg(dp)))
+            dims = _stage_mesh(self.stages[0].submod if len(self.stages) > 1 else self.model)
+            if len(dims) > 1:  # (a stage's ranks in a mesh of data and tensor/context parallelism)
+                self.meta["stage_mesh"] = dims
+                self.meta["dp_size"] = int(np.prod([v for k, v in dims.items() if not k.startswith(("tp", "cp"))]))
         elif len(same) == self.world:
             self.replica_group = dp_given if dp_given is not None else _WORLD
             self.meta["layout"] = "replicas"
@@ -329,9 +448,12 @@ class Layout:
         from the next stage: the stage it came from and the stage where it started."""
         if report.what != "stage" or not self.slots:
             return None
-        s = self.slots[0]
+        mine_bad = [s for s in self.slots if report.bad[s]]
+        if not mine_bad or not all(report.arrived[s] for s in mine_bad):
+            return None  # (it was made in a stage of this rank's: the local search names it)
+        s = max(mine_bad)  # (the one nearest the loss: the others got it from there)
         n = len(report.ranks)
-        if not report.arrived[s] or s + 1 >= n:
+        if s + 1 >= n:
             return None
         start = s + 1
         while start + 1 < n and report.arrived[start] and report.bad[start + 1]:
@@ -349,11 +471,9 @@ class Layout:
     def output_grad(self, grad: Tensor) -> None:
         """The gradient arriving at the stage's output from the next stage (a tap on the
         output, in the backward pass): whether it was non-finite, kept on the device."""
-        if not self.pipeline or not isinstance(grad, Tensor) or self._last_stage():
+        if not self.pipeline or not isinstance(grad, Tensor) or self._last_stage() or len(self.stages) > 1:
             return
-        with torch.no_grad():
-            flag = ~torch.isfinite(grad.detach()).all()
-            self._arrived = flag if self._arrived is None else self._arrived | flag
+        self._arrive(self.slots[0] if self.slots else self.stages[0].stage_index if self.stages else 0, grad)
 
     def _last_stage(self) -> bool:
         return bool(self.stages) and self.stages[-1].stage_index == self.stages[-1].num_stages - 1
@@ -361,7 +481,9 @@ class Layout:
     def exchange(self, norms: np.ndarray, has: np.ndarray, bad: np.ndarray) -> Optional[StageReport]:
         """The per-step summary over the pipeline group (or the world): every rank learns
         each slot's squared norm and non-finite flag. None when there is no summary."""
-        arrived, self._arrived = self._arrived, None
+        arrived, self._arrived = self._arrived, {}
+        captures, self._captures = self._captures, {}
+        self._last_captures = captures
         if self.local or self.summary_group is None:
             return None
         dist = _dist()
@@ -380,8 +502,9 @@ class Layout:
         for s in self.slots:
             table[s, 0] = float(slot_sq[s])
             table[s, 1] = float(slot_bad[s])
-        if arrived is not None:
-            table[self.slots[0], 2] = arrived.to(dev).double()
+        for s, flag in arrived.items():
+            if s < n:
+                table[s, 2] = flag.to(dev).double()
         run_collective(dist.all_reduce, table, group=_group_arg(self.summary_group))
         got = table.cpu().numpy()
         return StageReport("stage" if self.pipeline else "rank", got[:, 0], got[:, 1] > 0, got[:, 2] > 0,

@@ -339,6 +339,11 @@ def _origin_text(origin: Optional[Tuple[Sequence[int], str]]) -> str:
     return f"It was first seen on rank(s) {', '.join(map(str, ranks))} ({how}). "
 
 
+def _elsewhere(origin: Optional[Tuple[Sequence[int], str]], rank: Optional[int]) -> bool:
+    """Whether ``origin`` puts the start of a non-finite value on other ranks only."""
+    return origin is not None and bool(origin[0]) and rank is not None and rank not in origin[0]
+
+
 def nonfinite_anomaly(step: int, names: Sequence[str], shapes: Sequence[tuple], total: Optional[int],
                       where: Blame, rank: Optional[int] = None) -> Anomaly:
     """The anomaly of non-finite gradients in parameters ``names``, blamed on ``where``.
@@ -365,7 +370,8 @@ def nonfinite_anomaly(step: int, names: Sequence[str], shapes: Sequence[tuple], 
            + (f"The non-finite shards were on rank(s) {', '.join(map(str, where.ranks))}. "
               if where.ranks else "")
            + _origin_text(where.origin)
-           + f"It started in module '{module or '<root>'}'"
+           + (f"It started in module '{module or '<root>'}'" if not _elsewhere(where.origin, rank) else
+              f"On this rank it reached module '{module or '<root>'}' first")
            + (f", op {op}" if op else "") + (f", created at {source}" if source else "")
            + f" (found from {where.how}). "
            + "Next: wrap one step in graddbg.find_nonfinite(model) to see every op's inputs, "

@@ -616,6 +616,10 @@ class Capture:
     rng: Optional[torch.Tensor]
     output_index: int
     grad: Optional[torch.Tensor] = None
+    #: the module the forward pass ran, when not the watched model (a pipeline stage of
+    #: several on one rank), and its name in the watched model
+    module: Optional[torch.nn.Module] = None
+    prefix: str = ""
 
 
 def replay(model: torch.nn.Module, cap: Capture, step: int) -> Tuple[bool, Optional[Anomaly]]:

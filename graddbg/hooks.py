@@ -556,7 +556,8 @@ class Watch(_Results, _Resumable):
         self.meta = _meta(opts, ctx)
         if zero is not None:
             self.meta["deepspeed"] = zero.describe()
-        ctx.layout = Layout(model, ctx.names, ctx.params, self.meta)  # (pipeline stages, groups, the check-in)
+        ctx.layout = Layout(model, ctx.names, ctx.params, self.meta, localise=opts.localise,
+                            active=lambda: not ctx.replaying)  # (pipeline stages, groups, the check-in)
         self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive, self._on_output_grad)
         self._cb_queued = False
         self._scaler_looked = False
@@ -611,6 +612,9 @@ class Watch(_Results, _Resumable):
             c.close()
         if hasattr(self, "_tap"):
             self._tap.clear()
+        layout = getattr(getattr(self, "_ctx", None), "layout", None)
+        if layout is not None:
+            layout.close()
 
     def _adopt_unfrozen(self) -> None:
         """Parameters frozen when the watch began and trainable now (fine-tuning schedules

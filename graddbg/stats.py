@@ -668,6 +668,8 @@ class History:
         self.keep: set = set()  # steps that thinning never drops
         self._since = np.zeros(len(self.names), dtype=np.int64)  # first step of each parameter
         self.dropped = 0  # step rows thinned away
+        #: each parameter's pipeline stage (a ``stage`` column in `stats_frame`), or None
+        self.stage: Optional[np.ndarray] = None
 
     def add_params(self, names: Sequence[str], numel: Sequence[int], since: int) -> None:
         """Parameters that start receiving gradients late (unfrozen): they have rows from
@@ -676,6 +678,8 @@ class History:
         self.names += list(names)
         self.modules += [module_of(n) for n in names]
         self.numel = np.concatenate([self.numel, np.asarray(numel, dtype=np.int64)])
+        if self.stage is not None:
+            self.stage = np.concatenate([self.stage, np.full(len(names), -1, dtype=np.int64)])
         self._rows.widen(len(names))
         self._hist = [(s, np.concatenate([h, np.zeros((len(names), h.shape[1]), h.dtype)])) for s, h in self._hist]
 
@@ -772,7 +776,7 @@ class History:
     def stats_frame(self):
         import pandas as pd
 
-        cols = list(STATS_COLUMNS) + list(self.extras)
+        cols = list(STATS_COLUMNS) + list(self.extras) + (["stage"] if self.stage is not None else [])
         P, n = len(self.names), self._rows.n
         if n == 0 or P == 0:
             return _typed_empty(cols, self.names)
@@ -791,6 +795,8 @@ class History:
         }
         for j, c in enumerate(self.extras):
             data[c] = r["extras"][:, :, j].reshape(-1)
+        if self.stage is not None:
+            data["stage"] = np.tile(self.stage, n)
         df = pd.DataFrame(data, columns=cols)
         if self._since.any():  # parameters adopted late: no rows before they were
             df = df[data["step"] >= np.tile(self._since, n)].reset_index(drop=True)
@@ -912,7 +918,7 @@ def _categorical(values: Sequence[str], repeat: int):
 def _typed_empty(cols: Sequence[str], names: Sequence[str] = ()):
     import pandas as pd
 
-    dtypes = {"step": np.int64, "numel": np.int64, "nonfinite": np.int64, "has_grad": bool}
+    dtypes = {"step": np.int64, "numel": np.int64, "nonfinite": np.int64, "has_grad": bool, "stage": np.int64}
     data = {c: np.zeros(0, dtype=dtypes.get(c, np.float64)) for c in cols}
     data["name"] = pd.Categorical([], categories=pd.Index(list(names), dtype=object))
     data["module"] = pd.Categorical([], categories=pd.Index(sorted(set(module_of(n) for n in names)), dtype=object))

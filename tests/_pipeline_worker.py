@@ -5,7 +5,8 @@ Scenarios, in this order on every rank: "pp4" (4 uneven stages, GPipe), "dp2pp2"
 1F1B, each stage wrapped in DDP over its data-parallel group), "nan" (4 stages, 1F1B, a NaN
 made in stage 2's backward at step 1), "uneven" (each rank a module of its own size, no
 pipelining library: ranks that hold different parameters), "unwatched" (DDP, rank 3 not
-watched: the others find out at the first step and go on with local statistics). Each
+watched: the others find out at the first step and go on with local statistics),
+"interleaved" (dp 2 x pp 2, 4 stages, two per rank). With 8 ranks: "dp_tp_pp" (a 3-D mesh). Each
 scenario's record (per rank) goes into the JSON the test reads."""
 from __future__ import annotations
 
@@ -63,11 +64,11 @@ def _stage(full: nn.Sequential, n: int, s: int, group, dp_group=None, fsdp_mesh=
     return PipelineStage(mod, s, n, torch.device("cpu"), input_args=(x,), output_args=y, group=group), mod, part
 
 
-def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, edit=None, **watch_kw):
+def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, edit=None, stages=None, **watch_kw):
     import graddbg
 
     loss = lambda out, tgt: nn.functional.mse_loss(out, tgt)  # noqa: E731
-    sched = schedule_cls(stage, n_microbatches=N_MB, loss_fn=loss)
+    sched = schedule_cls(stages or stage, n_microbatches=N_MB, loss_fn=loss)
     opt = torch.optim.SGD(mod.parameters(), lr=0.05)
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
@@ -78,9 +79,9 @@ def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, 
                     boom.on = step == 1
                 x, y = data(replica, step)
                 opt.zero_grad()
-                if stage.is_first:
+                if any(s.is_first for s in stages or [stage]):
                     sched.step(x)
-                elif stage.is_last:
+                elif any(s.is_last for s in stages or [stage]):
                     sched.step(target=y, losses=[])
                 else:
                     sched.step()
@@ -90,8 +91,9 @@ def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, 
     st = w.stats
     first = st[st.step == 0]
     return {"names": list(first["name"]), "norms": [float(v) for v in first["norm"]],
+            "stages": [int(v) for v in first["stage"]] if "stage" in first else None,
             "global": [float(v) for v in w.steps["global_norm"]], "meta": {k: w.meta.get(k) for k in (
-                "layout", "stage", "num_stages", "pp_size", "dp_size", "rank")},
+                "layout", "stage", "num_stages", "pp_size", "dp_size", "rank", "stage_mesh")},
             "anomalies": [(a.step, a.kind, a.name, a.message) for a in w.anomalies],
             "warnings": [str(c.message) for c in caught if "graddbg" in str(c.message)],
             "seconds": time.monotonic() - t0}
@@ -141,6 +143,63 @@ def nan(rank: int) -> dict:
     full = full_model()
     stage, mod, _ = _stage(full, 4, rank, None)
     return _run(stage, Schedule1F1B, mod, 0, steps=2, boom=full[7])
+
+
+def interleaved(rank: int) -> dict:
+    """dp 2 x pp 2 with an interleaved 1F1B schedule: 4 stages, two on each rank (stage s on
+    pipeline rank s % 2), each wrapped in DDP over its data-parallel group and watched
+    together as one ``nn.ModuleList``; at step 1 a NaN is made in stage 2's backward."""
+    import graddbg
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp, pp = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    full = full_model()
+    stages, parts = [], []
+    for s in (pp, pp + 2):
+        a, b = CUTS[4][s]
+        part = nn.parallel.DistributedDataParallel(full[a:b], process_group=mesh["dp"].get_group())
+        x = torch.randn(MB, WIDTH[a], requires_grad=s > 0)
+        y = torch.randn(MB, WIDTH[b], requires_grad=True)
+        stages.append(PipelineStage(part, s, 4, torch.device("cpu"), input_args=(x,), output_args=y,
+                                    group=mesh["pp"].get_group()))
+        parts.append(part)
+    mod = nn.ModuleList(parts)
+    out = _run(stages[0], ScheduleInterleaved1F1B, mod, dp, steps=2, boom=full[7], stages=stages)
+    out["dp"], out["pp"] = dp, pp
+    return out
+
+
+def dp_tp_pp(rank: int) -> dict:
+    """dp 2 x tp 2 x pp 2 on a 3-D mesh (torchtitan's order: pp, dp, tp): each stage's
+    Linear layers split over tp (column- then row-wise), FSDP2 over dp, 1F1B over pp. At
+    step 1 a NaN is written into rank 5's shard of 6.weight's gradient after backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    a, b = CUTS[2][pp]
+    part = full_model()[a:b]
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()} if pp == 0 else \
+        {"4": ColwiseParallel(), "6": RowwiseParallel()}
+    parallelize_module(part, mesh["tp"], plan)
+    fully_shard(part, mesh=mesh["dp"])
+    x = torch.randn(MB, WIDTH[a], requires_grad=pp > 0)
+    y = torch.randn(MB, WIDTH[b], requires_grad=True)
+    stage = PipelineStage(part, pp, 2, torch.device("cpu"), input_args=(x,), output_args=y,
+                          group=mesh["pp"].get_group())
+
+    def edit():
+        if rank == 5:
+            dict(part.named_parameters())["6.weight"].grad.to_local().view(-1)[0] = float("nan")
+
+    out = _run(stage, Schedule1F1B, part, dp, steps=2, edit=edit)
+    out["dp"], out["pp"] = dp, pp
+    return out
 
 
 def uneven(rank: int) -> dict:
@@ -193,10 +252,10 @@ def unwatched(rank: int) -> dict:
             "warnings": [str(c.message) for c in caught if "graddbg" in str(c.message)]}
 
 
-def body(rank: int) -> dict:
+def body(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = {}
-    for fn in (pp4, dp2pp2, fsdp_pp, nan, uneven, unwatched):
+    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, uneven, unwatched) if world == 4 else (dp_tp_pp,):
         out[fn.__name__] = fn(rank)
     return out
 
@@ -205,4 +264,4 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
     os.environ["GRADDBG_CHECKIN_SECONDS"] = "3"
     from _dist import run_rank
 
-    run_rank(rank, world, port, os.path.join(outdir, f"rank{rank}.json"), lambda: body(rank))
+    run_rank(rank, world, port, os.path.join(outdir, f"rank{rank}.json"), lambda: body(rank, world))

@@ -113,3 +113,63 @@ def test_fsdp2_x_pp2_full_norms_and_a_nan_written_into_one_shard_after_backward(
             assert name == "0.weight" and "rank(s) 2" in text, text
         else:               # the other stage stops at the same step, naming stage 0
             assert name is None and "stage 0, rank" in text, text
+
+
+@pytest.mark.timeout(300)
+def test_interleaved_dp2_x_pp2_two_stages_per_rank(runs):
+    """ScheduleInterleaved1F1B: 4 stages on a pipeline of 2 (rank p holds stages p and p + 2),
+    each stage in DDP over its data-parallel group, watched as one ModuleList. The norms and
+    the global norm are the unsplit model's; rows say each parameter's stage; the NaN made in
+    stage 2 is named there (module, op, line) and said to have arrived at stage 1."""
+    norms, total = _unsplit([0, 1])
+    for r in range(4):
+        got = runs[r]["interleaved"]
+        pp = got["pp"]
+        assert got["meta"]["stage"] == [pp, pp + 2] and got["meta"]["num_stages"] == 4, got["meta"]
+        assert got["meta"]["pp_size"] == 2 and got["meta"]["dp_size"] == 2
+        own = [n.split(".module.", 1)[1] for n in got["names"]]  # (names in the ModuleList of DDP-wrapped stages)
+        for name, norm in zip(own, got["norms"]):
+            assert norm == pytest.approx(norms[name], rel=1e-5), (r, name)
+        want = {n: s for s, (a, b) in enumerate(worker.CUTS[4]) for n in norms if a <= int(n.split(".")[0]) < b}
+        assert got["stages"] == [want[n] for n in own], got["stages"]
+        assert got["global"][0] == pytest.approx(total, rel=1e-6)
+        assert got["global"] == runs[0]["interleaved"]["global"]
+        (step, kind, name, text), = got["anomalies"]
+        assert (step, kind) == (1, "nonfinite"), got["anomalies"]
+        if pp == 0:  # stages 0 and 2: the one that made it, found by a replay of stage 2 alone
+            assert "It started in module '1.module.7', op SqrtBackward0" in text and "_pipeline_worker.py" in text, text
+            assert name == "1.module.6.weight"
+        else:        # stages 1 and 3: stage 1 got it from stage 2, on the pipeline rank 0 of its replica
+            assert "arrived non-finite from stage 2, rank" in text and "It started in module" not in text, text
+            assert name.startswith("0.module.4.")
+    assert sorted(n.split(".module.", 1)[1] for r in (0, 1) for n in runs[r]["interleaved"]["names"]) == sorted(norms)
+
+
+@pytest.fixture(scope="module")
+def runs3d(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline3d")
+    return spawn(worker.main, 8, lambda r, port: (r, 8, port, str(out)), lambda r: out / f"rank{r}.json", timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_dp2_x_tp2_x_pp2_on_a_3d_mesh(runs3d):
+    """torchtitan's layout on 8 ranks: full gradients' norms (tp shards counted once, across
+    the FSDP2 shards too) equal to the unsplit model's, the global norm summed over the
+    pipeline only, and a NaN written into one rank's shard named with that rank by every
+    rank of its stage, while the other stage stops at the same step naming it."""
+    norms, total = _unsplit([0, 1])
+    for r in range(8):
+        got = runs3d[r]["dp_tp_pp"]
+        assert got["meta"]["stage"] == got["pp"] and got["meta"]["pp_size"] == 2, got["meta"]
+        assert got["meta"]["stage_mesh"] == {"dp": 2, "tp": 2} and got["meta"]["dp_size"] == 2, got["meta"]
+        for name, norm in zip(got["names"], got["norms"]):
+            assert norm == pytest.approx(norms[name], rel=1e-5), (r, name)
+        assert got["stages"] == [got["pp"]] * len(got["names"])
+        assert got["global"][0] == pytest.approx(total, rel=1e-6)
+        assert got["global"][0] == runs3d[0]["dp_tp_pp"]["global"][0]
+        (step, kind, name, text), = got["anomalies"]
+        assert (step, kind) == (1, "nonfinite"), got["anomalies"]
+        if got["pp"] == 1:
+            assert name == "6.weight" and "rank(s) 5" in text, text
+        else:
+            assert name is None and "stage 1, rank" in text, text

@@ -59,10 +59,13 @@ class NonFiniteCheck(Check):
         cap = step.capture
         if self.ctx.options.localise and cap is not None and step.first_bad == step.index:
             with self._replaying():
-                ran, got = replay(self.ctx.model, cap, step.index)
+                ran, got = replay(self.ctx.model if cap.module is None else cap.module, cap, step.index)
             where.reproduced = (got is not None) if ran else None
             if got is not None and (got.module is not None or got.op is not None):
-                where.module = got.module if got.module is not None else where.module
+                m = got.module
+                if m is not None and cap.prefix and m != "<loss>":  # (a stage's replay: names within it)
+                    m = cap.prefix + ("" if m in ("", "<root>") else "." + m)
+                where.module = m if m is not None else where.module
                 where.op, where.source, where.how = got.op, got.source, "a replay of the forward and backward pass"
         return where
 

@@ -273,7 +273,8 @@ class StatsRecorder(Check):
             collect = not layout.local
         if collect and self._ranks is None and layout.replica_group is not None:
             self._ranks = _RankFlags(layout.group(layout.replica_group),
-                                     replicated=_is_ddp(self.ctx.model) and self.ctx.options.ddp_check_every is not None)
+                                     replicated=(_is_ddp(self.ctx.model) or layout.ddp_stages)
+                                     and self.ctx.options.ddp_check_every is not None)
         self._reader.shard_group(layout.shards_over() if collect else False)
         return collect
 
@@ -307,6 +308,9 @@ class StatsRecorder(Check):
 
     def read(self, step: Step) -> List[Finding]:
         q: Optional[_Queued] = step.token(self)
+        layout = self.ctx.layout
+        if self.ctx.history.stage is None and layout is not None and layout.pipeline:
+            self.ctx.history.stage = layout.param_stages()  # (a ``stage`` column in w.stats)
         if q is None:
             self.history.append(StepRecord(step.index, scale=math.nan, lr=self._lr()))
             return []
@@ -355,6 +359,8 @@ class StatsRecorder(Check):
         came = layout.arrival(report)
         if came is not None and bad.any():
             step.origin, step.capture = came, None
+        elif bad.any() and layout.capture(report) is not None:  # (several stages here: the one that made it)
+            step.capture = layout.capture(report)
 
     def _launch(self, index: int, grads: List[Optional[Tensor]], scale: Optional[Tensor]) -> _Pending:
         launch = self._reader.launch(grads, absmax=self._absmax_due(index, grads), extras=True)
