@@ -348,3 +348,55 @@ def test_anomaly_json_round_trip_and_frame():
     df = anomalies_frame([a, b])
     assert list(df.columns[:9]) == ["step", "kind", "name", "module", "op", "value", "threshold", "source", "message"]
     assert len(df) == 2
+
+
+def _closure_run(plant):
+    """SGD stepped through ``step(closure)`` (as Lightning steps): ``plant(step, model, out)``
+    may make a NaN; the gradients are read after the update applied them."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with graddbg.watch(m, opt, nonfinite="record") as w:
+        for step in range(3):
+            def closure():
+                opt.zero_grad()
+                out = plant(step, m, m(torch.randn(2, 4)))
+                loss = out.pow(2).mean()
+                loss.backward()
+                return loss
+            opt.step(closure)
+    return w.anomalies
+
+
+def test_a_nan_made_in_backward_under_step_closure_is_not_blamed_on_the_weights_it_reached():
+    """The update had put the NaN gradient into every weight by the time graddbg read it:
+    those weights are victims. The ledger says nothing else wrote them since the last step."""
+    got = _closure_run(lambda step, m, out: out + torch.sqrt(out * 0.0) if step == 1 else out)
+    first = got[0]
+    assert (first.step, first.kind) == (1, "nonfinite")
+    assert "non-finite gradient at step 1" in first.message and "It started in module '2'" in first.message
+    assert "read after step(closure) had applied them" in first.message and "entered from outside" not in first.message
+
+
+def test_a_nan_weight_written_between_steps_under_step_closure_is_still_its_own_producer():
+    def run():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with graddbg.watch(m, opt, nonfinite="record") as w:
+            for step in range(3):
+                if step == 1:
+                    with torch.no_grad():
+                        m[0].weight[1, 1] = float("nan")  # (a bad checkpoint, say)
+
+                def closure():
+                    opt.zero_grad()
+                    loss = m(torch.randn(2, 4)).pow(2).mean()
+                    loss.backward()
+                    return loss
+                opt.step(closure)
+        return w.anomalies
+
+    first = run()[0]
+    assert first.step == 1 and "non-finite parameter 0.weight" in first.message
+    assert "entered from outside the autograd graph" in first.message

@@ -34,9 +34,15 @@ class NonFiniteCheck(Check):
         ctx = self.ctx
         names = [ctx.names[i] for i in idx]
         state = nonfinite_state(unwrap(ctx.model)) if ctx.model is not None else []
-        if state:  # a NaN/Inf weight or buffer: it is the producer
+        applied = bool(state) and self._applied_here(step, state)
+        if state and not applied:  # a NaN/Inf weight or buffer: it is the producer
+            self._seen = True
             return state_anomaly(state, step.first_bad, ctx.rank)
-        where = self._localise(step, names, idx)
+        self._seen = True
+        where = self._localise(step, names, idx, replay_ok=not applied)
+        if applied:
+            where.how += (", read after step(closure) had applied them: the weights it made non-finite "
+                          "are victims, and no replay could run on them")
         if where.module:  # name a parameter of the module blamed, when it has one among the affected
             own = [n for n in names if n.startswith(where.module + ".")]
             where.name = own[0] if own else where.name
@@ -48,7 +54,21 @@ class NonFiniteCheck(Check):
         return nonfinite_anomaly(step.first_bad, names, [tuple(ctx.params[i].shape) for i in idx], total,
                                  where, ctx.rank)
 
-    def _localise(self, step: Step, names: List[str], idx: np.ndarray) -> Blame:
+    _seen = False  # a non-finite gradient or weight was found at an earlier step
+
+    def _applied_here(self, step: Step, state: list) -> bool:
+        """Whether the non-finite weights were made by this very step's update: under
+        ``step(closure)`` the gradients are read after the optimizer applied them. Said only
+        on the ledger's evidence: no earlier step had a non-finite gradient or weight, this is
+        not the first step, and nothing but the optimizer wrote a parameter since the previous
+        step (version counters); buffers are never made by an update."""
+        entry = step.entry
+        if not step.closure or self._seen or step.first_bad != step.index or step.index == 0 or entry is None \
+                or entry.outside is None or bool(np.asarray(entry.outside).any()):
+            return False
+        return all(kind == "parameter" for kind, _, _ in state)
+
+    def _localise(self, step: Step, names: List[str], idx: np.ndarray, replay_ok: bool = True) -> Blame:
         """Where the non-finite value started: the affected parameter nearest the output
         (the first the backward pass reached), refined by the activations and by a replay."""
         modules = self.ctx.modules
@@ -57,7 +77,7 @@ class NonFiniteCheck(Check):
         if step.hint is not None:
             where.module, where.how = step.hint
         cap = step.capture
-        if self.ctx.options.localise and cap is not None and step.first_bad == step.index:
+        if self.ctx.options.localise and cap is not None and step.first_bad == step.index and replay_ok:
             with self._replaying():
                 ran, got = replay(self.ctx.model if cap.module is None else cap.module, cap, step.index)
             where.reproduced = (got is not None) if ran else None
