@@ -22,12 +22,14 @@ import json
 import os
 import pathlib
 import sys
+import time
 from typing import Any, Dict, Iterator, List, Optional
 
-__all__ = ["ENV", "rank_folder", "record_folder", "follow_children", "boot", "child_records"]
+__all__ = ["ENV", "rank_folder", "record_folder", "follow_children", "boot", "child_records", "wait_for_children"]
 
 #: the environment variable that tells a child process to watch itself (JSON settings)
 ENV = "GRADDBG_RUN_CHILD"
+RUNNING = ".running-"    #: a watched child's marker in the output folder while it runs (its pid)
 BOOT = pathlib.Path(__file__).resolve().parent / "_boot"
 
 
@@ -91,8 +93,19 @@ def boot(script_watcher: Any) -> None:
     settings = json.loads(os.environ[ENV])
     watcher = script_watcher(dict(settings.get("watch", {})))
     watcher.outdir = pathlib.Path(settings["out"])
+    # (once it watches something, the parent waits for its record: `wait_for_children`; a process
+    # that never trains, such as a data loader's worker, is not waited for)
+    watcher.on_watch = lambda w: _mark_running(watcher.outdir)
     watcher.__enter__()
     atexit.register(_finish, watcher, watcher.outdir)
+
+
+def _mark_running(outdir: pathlib.Path) -> None:
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+        (outdir / f"{RUNNING}{os.getpid()}").touch()
+    except OSError:
+        pass
 
 
 def _finish(watcher: Any, outdir: pathlib.Path) -> None:
@@ -109,6 +122,30 @@ def _finish(watcher: Any, outdir: pathlib.Path) -> None:
             w.report(folder / f"report{suffix}.html")
     except Exception as err:  # (a child's exit must not fail because of its record)
         print(f"graddbg run: process {os.getpid()} could not write its record: {err}", file=sys.stderr)
+    finally:
+        with contextlib.suppress(OSError):
+            (outdir / f"{RUNNING}{os.getpid()}").unlink()
+
+
+def wait_for_children(outdir: pathlib.Path, seconds: float = 30.0) -> List[int]:
+    """Wait (at most ``seconds``) for the watched child processes still running to write
+    their records (Lightning's ``strategy="ddp"`` does not wait for the ranks it started);
+    the pids of those that had not when the time was up."""
+    end, delay = time.monotonic() + seconds, 0.01
+    while True:
+        left = []
+        for marker in outdir.glob(f"{RUNNING}*"):
+            pid = int(marker.name[len(RUNNING):]) if marker.name[len(RUNNING):].isdigit() else -1
+            try:
+                os.kill(pid, 0)
+                left.append(pid)
+            except (OSError, ValueError):  # (gone without its record: a crash, a kill)
+                with contextlib.suppress(OSError):
+                    marker.unlink()
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
 
 
 def child_records(outdir: pathlib.Path, since: float) -> List[pathlib.Path]:

@@ -118,6 +118,13 @@ class _Deferred:
         self.args, self.kwargs, self.watch = args, kwargs, watch
 
 
+def _inner(optimizer: Any) -> Any:
+    """The optimizer a wrapper optimizer holds as ``.optimizer`` (accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``), else ``optimizer``."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
 class ScriptWatcher:
     """Watches what a script trains, through PyTorch's global optimizer and module hook
     registries (no monkeypatching):
@@ -165,6 +172,7 @@ class ScriptWatcher:
         self._failed = False
         self.pid = os.getpid()
         self.outdir: Optional[pathlib.Path] = None  # where forked workers write their records
+        self.on_watch: Optional[Callable[[Any], None]] = None  #: called with each watch started
         self._in_child = False
         self._rng: Optional[torch.Tensor] = None
         self.namespace: Any = None
@@ -217,8 +225,16 @@ class ScriptWatcher:
             if d is not None:  # the first step raised before its end: this one
                 d.args, d.kwargs = args, kwargs
             return
-        self._seen.add(optimizer)
+        self._see(optimizer)
         self._safely(self._first_step, optimizer, args, kwargs)
+
+    def _see(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` and the optimizers it wraps (``.optimizer``) are seen: watched once."""
+        for _ in range(4):
+            self._seen.add(optimizer)
+            if _inner(optimizer) is optimizer:
+                return
+            optimizer = _inner(optimizer)
 
     def _first_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         model = choose_model([*self._roots, *_frame_modules()], _held(optimizer))
@@ -253,11 +269,13 @@ class ScriptWatcher:
         if not any(t.requires_grad for t in tensors_in(output)):
             return
         own = {id(p) for p in module.parameters() if p.requires_grad}
-        for opt in _frame_modules(kind=torch.optim.Optimizer):
+        found = _frame_modules(kind=torch.optim.Optimizer)
+        inner = {id(_inner(o)) for o in found if _inner(o) is not o}
+        for opt in found:
             held = _held(opt)
-            if opt in self._seen or not own & held:
-                continue
-            self._seen.add(opt)
+            if opt in self._seen or id(opt) in inner or not own & held:
+                continue  # (seen, or held by a wrapper found here too: accelerate's AcceleratedOptimizer)
+            self._see(opt)
             model = choose_model([module, *self._roots, *_frame_modules()], held)
             w = self._start(model if model is not None else module, opt)
             w.adopt_forward(args, {}, output, rng_state=self._rng)
@@ -289,6 +307,8 @@ class ScriptWatcher:
             kwargs["scaler"] = scalers[0] if scalers else None
         w = graddbg.watch(model, optimizer, **kwargs)
         self.watches.append(w)
+        if self.on_watch is not None:
+            self.on_watch(w)
         self._looking = False
         if os.getpid() != self.pid:  # a forked worker (torch.multiprocessing, Hogwild)
             self._in_worker(w)

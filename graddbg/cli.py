@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from graddbg._launch import child_records, follow_children, rank_folder, record_folder
+from graddbg._launch import child_records, follow_children, rank_folder, record_folder, wait_for_children
 from graddbg._demo_model import demo_loss, demo_model, train as train_demo
 from graddbg._errors import GraddbgError, GraddbgValueError, GradientAnomalyError
 from graddbg._io import write_atomic
@@ -150,7 +150,8 @@ def _anomaly_lines(anomalies: Sequence[Any]) -> str:
     for a in shown:
         where = f"module {a.module or '<root>'}" + (f", op {a.op}" if a.op else "") + \
                 (f", {a.source}" if a.source else "")
-        out.append(f"  step {a.step:>4}  {a.kind:<12} {a.name or '-':<16} {where}")
+        rank = f"  rank {a.rank}" if getattr(a, "rank", None) is not None else ""
+        out.append(f"  step {a.step:>4}{rank}  {a.kind:<12} {a.name or '-':<16} {where}")
         if a.kind in HYGIENE_KINDS:
             out.append(f"             {_fix(a.message)}")
     if len(anomalies) > len(shown):
@@ -401,6 +402,8 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
             fail_on: str, stream: Any, since: float = 0.0) -> int:
     """Write each watch's statistics and report (under distribution, rank 0 writes: the
     table is the same on every rank); the exit status."""
+    if outdir.is_dir():
+        wait_for_children(outdir)  # (ranks a framework started and does not wait for: Lightning's ddp)
     workers = child_records(outdir, since)
     if not watches and not workers:
         print("graddbg run: the script stepped no optimizer and ran no backward pass through a module "
