@@ -63,7 +63,7 @@ def run_collective(collective: Callable[..., Any], out: Any, *args: Any, **kwarg
     work.wait()             # (returns at once when done; raises what the work raised)
 
 
-def wait_interruptibly(work: Any, first_sleep: float = 2e-5, longest_sleep: float = 0.01) -> None:
+def wait_interruptibly(work: Any, first_sleep: float = 2e-5, longest_sleep: float = 1e-3) -> None:
     """Wait until ``work.is_completed()``, sleeping between polls (from ``first_sleep``
     seconds, doubling up to ``longest_sleep``): signal handlers run between the polls."""
     delay = first_sleep

@@ -382,7 +382,8 @@ class Layout:
             if dp is None and len(self.stages) > 1:  # (the stages wrapped one by one)
                 dp = next((g for g in (_dp_group(st.submod) for st in self.stages) if g is not None), None)
                 self.ddp_stages = all(type(st.submod).__name__ == "DistributedDataParallel" for st in self.stages)
-            self.replica_group = self.shard_group = dp
+            self.replica_group = dp
+            self.shard_group = dp if dp is not None else False  # (never the world: other stages hold other tables)
             n = stage.num_stages if stage is not None else dist.get_world_size(_group_arg(self.summary_group))
             self._slots_of_stages(n)
             self.meta.update(layout="pipeline", stage=self.slots[0] if len(self.slots) == 1 else list(self.slots),

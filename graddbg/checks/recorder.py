@@ -116,8 +116,8 @@ class _RankFlags:
     """Under distribution: which ranks of the replica group (the ranks that hold the same
     parameters) hold a non-finite gradient of each parameter (after the backward pass, or
     changed since: a hand edit, a faulty clip on one rank), agreed by one small all-reduce
-    per read step over that group only, so that every replica knows at the same step,
-    whichever holds it. Each rank adds its bit (``1 << its rank in the group``; a plain flag
+    per read step over that group only (with the replicas' gradient hash, under DDP), so
+    that every replica knows at the same step, whichever holds it. Each rank adds its bit (``1 << its rank in the group``; a plain flag
     past 62 ranks)."""
 
     def __init__(self, group: Any, replicated: bool = False) -> None:
@@ -145,7 +145,7 @@ class _RankFlags:
             dev = next((g.device for g in grads if g is not None), torch.device("cpu"))
         else:
             dev = launch.norms[0].device
-        local = torch.zeros(P, dtype=torch.int64, device=dev)
+        local = torch.zeros(P + 2 if self.replicated else P, dtype=torch.int64, device=dev)
         with torch.no_grad():
             for ix, norms in zip(launch.groups, launch.norms):
                 local.index_copy_(0, self._ix(ix, dev), (~torch.isfinite(norms)).long().to(dev))
@@ -156,21 +156,25 @@ class _RankFlags:
             if live:  # as the optimizer will use them (local values: a DTensor's shard)
                 now = torch.stack(torch._foreach_norm([local_values(grads[i]).to(dev) for i in live]))
                 local.index_fill_(0, self._ix(live, dev)[~torch.isfinite(now)], 1)
-            local.mul_(self.bit)
+            local[:P].mul_(self.bit)
+            differ = None
+            if self.replicated:
+                h = self._hash(launch, dev, P, live, now)
+                local[P:] = torch.stack([h, h * h])
             run_collective(dist.all_reduce, local, op=dist.ReduceOp.SUM, group=self.group)
-            spread = self._spread(launch, dev, P, live, now)
-        return rb.add("rank_bad", local), (rb.add("replica_hash", spread) if spread is not None else None)
+            if self.replicated:
+                # n * sum(h^2) - sum(h)^2 = sum over pairs of (h_i - h_j)^2: zero exactly when every
+                # replica's hash is the same (modulo 2**64: a false "same" once in ~2**64), and
+                # computed from the reduced values only, so every rank decides alike
+                n, s1, s2 = dist.get_world_size(self.group), local[P], local[P + 1]
+                differ = (s2 * n != s1 * s1).reshape(1).long()
+        return rb.add("rank_bad", local[:P]), (rb.add("replica_hash", differ) if differ is not None else None)
 
-    def _spread(self, launch: Any, dev: torch.device, P: int, live: List[int], now: Optional[Tensor]) -> Optional[Tensor]:
+    def _hash(self, launch: Any, dev: torch.device, P: int, live: List[int], now: Optional[Tensor]) -> Tensor:
         """Replicas (DDP) hold the same reduced gradients, so the same norms, bit for bit: a
         52-bit hash of this rank's norms (of the gradients as the optimizer will use them:
-        ``now`` for those changed since the backward pass), all-reduced with MAX as
-        ``[h, -h]`` (16 bytes), is the same maximum and minimum on every rank exactly when
-        every replica's hash is."""
-        import torch.distributed as dist
-
-        if not self.replicated:
-            return None
+        ``now`` for those changed since the backward pass), exchanged with the non-finite
+        flags in the same all-reduce (as ``h`` and ``h * h``)."""
         applied = torch.zeros(P, dtype=torch.float64, device=dev)
         for k, (ix, norms) in enumerate(zip(launch.groups, launch.norms)):
             if launch.sharded is None or k != launch.sharded[0]:
@@ -182,10 +186,7 @@ class _RankFlags:
         bits = applied.view(torch.int64)
         weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64, device=bits.device) * 0x9E3779B97F4A7C1
         h = (bits * weights).sum()  # (wraps modulo 2**64)
-        h = (h ^ (h >> 29)) & ((1 << 52) - 1)  # (exact in the float64 of the read-back)
-        pair = torch.stack([h, -h]).to(dev)
-        run_collective(dist.all_reduce, pair, op=dist.ReduceOp.MAX, group=self.group)
-        return pair
+        return ((h ^ (h >> 29)) & ((1 << 52) - 1)).to(dev)
 
     def read(self, slots: Tuple[Slot, Optional[Slot]]) -> Tuple[np.ndarray, Dict[int, List[int]], bool]:
         """(non-finite somewhere, per parameter; the global ranks holding each; the replicas'
@@ -195,7 +196,7 @@ class _RankFlags:
         ranks = {int(i): [self.ranks[r] for r in range(len(self.ranks)) if bits[i] >> r & 1]
                  for i in np.nonzero(bits)[0]}
         # (a non-finite gradient on some rank is the non-finite check's finding, not a replica's)
-        differ = hash_slot is not None and hash_slot.value[0] != -hash_slot.value[1] and not bits.any()
+        differ = hash_slot is not None and hash_slot.value[0] != 0 and not bits.any()
         return bits > 0, ranks, bool(differ)
 
 
@@ -300,8 +301,9 @@ class StatsRecorder(Check):
         if step.due_stats and self.ctx.options.histogram_schedule.includes(step.index):
             q.hist = rb.add("hist", self._histograms(step.grads))
         layout = self.ctx.layout
-        q.flags = self._flags.add_to(rb, agree=launch.sharded is not None and collect,
-                                     group=layout.group(layout.shard_group) if collect else None)
+        shards = collect and layout.shard_group is not False  # (False: this rank's shards only)
+        q.flags = self._flags.add_to(rb, agree=launch.sharded is not None and shards,
+                                     group=layout.group(layout.shard_group) if shards else None)
         if self._ranks is not None and collect:
             q.rank_bad = self._ranks.queue(rb, launch, step.grads, changed, len(self.ctx))
         return q

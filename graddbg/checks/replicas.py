@@ -30,7 +30,7 @@ AUTO_EVERY = 100
 class ReplicaCheck(Check):
     """The parameters at the first step, then gradients and parameters every N steps, and at
     once at a step whose gradients differ across the replicas by the recorder's comparison
-    (a hash of the reduced norms, one 16-byte all-reduce per recorded step)."""
+    (a hash of the reduced norms, in the all-reduce of the non-finite flags: 16 more bytes per recorded step)."""
 
     after = (StatsRecorder,)
 
