@@ -202,6 +202,38 @@ def dp_tp_pp(rank: int) -> dict:
     return out
 
 
+def nan_raise(rank: int) -> dict:
+    """4 stages (GPipe), the default non-finite policy ("raise"): a NaN made in stage 2 at
+    step 1 stops every rank at that step, with no rank left waiting on another."""
+    import graddbg
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    full = full_model()
+    stage, mod, _ = _stage(full, 4, rank, None)
+    sched = ScheduleGPipe(stage, n_microbatches=N_MB, loss_fn=lambda o, t: nn.functional.mse_loss(o, t))
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05)
+    t0, stopped = time.monotonic(), None
+    try:
+        with graddbg.watch(mod, opt):
+            for step in range(STEPS):
+                full[7].on = step == 1
+                x, y = data(0, step)
+                opt.zero_grad()
+                if stage.is_first:
+                    sched.step(x)
+                elif stage.is_last:
+                    sched.step(target=y, losses=[])
+                else:
+                    sched.step()
+                opt.step()
+    except graddbg.GradientAnomalyError as err:
+        stopped = (err.anomaly.step, err.anomaly.kind, type(err).__name__)
+    import torch.distributed as dist
+
+    dist.barrier()  # (every rank is here: none is left inside a collective)
+    return {"stopped": stopped, "seconds": time.monotonic() - t0}
+
+
 def uneven(rank: int) -> dict:
     """Ranks holding different parameters (sizes differ) with no pipeline stage: the flag
     exchange must not mix sizes; a NaN on rank 2 is known to every rank at the same step."""
@@ -255,7 +287,7 @@ def unwatched(rank: int) -> dict:
 def body(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = {}
-    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, uneven, unwatched) if world == 4 else (dp_tp_pp,):
+    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, nan_raise, uneven, unwatched) if world == 4 else (dp_tp_pp,):
         out[fn.__name__] = fn(rank)
     return out
 

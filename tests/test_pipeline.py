@@ -72,6 +72,14 @@ def test_a_nan_in_stage_2_is_blamed_there_and_every_rank_stops_at_that_step(runs
 
 
 @pytest.mark.timeout(300)
+def test_under_the_raise_policy_every_stage_stops_at_the_same_step(runs):
+    for r in range(4):
+        got = runs[r]["nan_raise"]
+        assert got["stopped"] == [1, "nonfinite", "NonFiniteError"], (r, got)  # (a GradientAnomalyError)
+        assert got["seconds"] < 60
+
+
+@pytest.mark.timeout(300)
 def test_ranks_holding_different_parameters_never_mix_sizes(runs):
     """No pipeline library: each rank holds a module of its own size. The flags go through a
     fixed-size exchange (a mixed-size all-reduce would deadlock); a NaN written on rank 2

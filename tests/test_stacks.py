@@ -433,3 +433,25 @@ def test_a_gradscaler_that_was_not_passed_is_found_and_used():
             scaler.step(opt)
             scaler.update()
     assert w.steps["global_norm"].iloc[0] == pytest.approx(seen, rel=1e-6)
+
+
+def test_a_failure_inside_the_backward_pass_never_raises_there(monkeypatch):
+    """graddbg's work at the end of a backward pass (inside autograd's engine) fails: the
+    user's backward returns normally, one warning says so, the training goes on."""
+    from graddbg.checks.ledger import LedgerKeeper
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug inside graddbg's backward hook")
+
+    monkeypatch.setattr(LedgerKeeper, "on_backward_end", broken)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(graddbg.GraddbgWarning) as rec:
+        with graddbg.watch(model, opt) as w:
+            for _ in range(3):
+                model(torch.randn(4, 3)).sum().backward()   # (raises nothing)
+                opt.step()
+                opt.zero_grad()
+    errors = [str(r.message) for r in rec if "internal error" in str(r.message)]
+    assert len(errors) == 1 and "a bug inside graddbg's backward hook" in errors[0], errors
+    assert w.current_step == 3 and len(w.steps) == 3
