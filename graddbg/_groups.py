@@ -223,7 +223,7 @@ class Layout:
     boundary where a collective is safe, before any other collective of graddbg's."""
 
     def __init__(self, model: nn.Module, names: Sequence[str], params: Sequence[Tensor], meta: Dict[str, Any],
-                 pp_group: Any = None, dp_group: Any = None, localise: bool = False,
+                 pp_group: Any = None, dp_group: Any = None, make_capture: Any = None,
                  active: Any = lambda: True) -> None:
         dist = _dist()
         self.rank = dist.get_rank() if dist is not None else 0
@@ -243,7 +243,9 @@ class Layout:
         self.param_slot: Optional[Tensor] = None
         self._arrived: Dict[int, Tensor] = {}  # stage -> whether a non-finite gradient reached its output
         self._taps: List[Any] = []
-        self._localise, self._active = localise, active
+        #: with several stages here: ``graddbg.blame.Capture`` to keep each stage's last forward pass
+        #: (a replay's inputs), or None
+        self._make_capture, self._active = make_capture, active
         self._captures: Dict[int, Any] = {}    # stage -> its last forward pass (a replay's inputs)
         self._last_captures: Dict[int, Any] = {}  # (those of the step last exchanged)
         self._tap_stages()
@@ -260,7 +262,7 @@ class Layout:
         for st in self.stages:
             mod = st.submod
             prefix = names.get(id(unwrap(mod)), names.get(id(mod), ""))  # (replays name modules within unwrap(mod))
-            if self._localise:
+            if self._make_capture is not None:
                 self._taps.append(mod.register_forward_pre_hook(self._stage_rng(st.stage_index)))
             self._taps.append(mod.register_forward_hook(
                 self._stage_output_hook(st.stage_index, st.stage_index == st.num_stages - 1, mod, prefix),
@@ -282,11 +284,10 @@ class Layout:
             if i is None:
                 return
             cap = None
-            if self._localise:
-                from graddbg.blame import Capture
-
+            if self._make_capture is not None:
                 rng = self._captures.get(index)
-                cap = Capture(args, kwargs, rng if isinstance(rng, Tensor) else None, i, module=mod, prefix=prefix)
+                cap = self._make_capture(args, kwargs, rng if isinstance(rng, Tensor) else None, i, module=mod,
+                                         prefix=prefix)
                 self._captures[index] = cap
             outs[i].register_hook(lambda grad: self._arrive(index, grad, last, cap))
 
