@@ -64,6 +64,25 @@ def _stage(full: nn.Sequential, n: int, s: int, group, dp_group=None, fsdp_mesh=
     return PipelineStage(mod, s, n, torch.device("cpu"), input_args=(x,), output_args=y, group=group), mod, part
 
 
+def _torchtitan_norm(mod: nn.Module, pp_group) -> float:
+    """The global norm as torchtitan's clip computes it, in the same run: torch's
+    ``get_total_norm`` of this rank's gradients (a DTensor's full norm over its mesh), its
+    square summed over the pipeline group."""
+    import torch.distributed as dist
+
+    by_mesh = {}  # (torch's total norm takes DTensors of one mesh at a time: tp+dp and dp-only here)
+    for p in mod.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+    sq = torch.zeros((), dtype=torch.float64)
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        sq = sq + norm.detach().double().pow(2)
+    dist.all_reduce(sq, group=pp_group)
+    return float(sq.sqrt())
+
+
 def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, edit=None, stages=None, **watch_kw):
     import graddbg
 
@@ -87,6 +106,8 @@ def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, 
                     sched.step()
                 if edit is not None and step == 1:
                     edit()
+                if step == 0:
+                    theirs = _torchtitan_norm(mod, stage.group)
                 opt.step()
     st = w.stats
     first = st[st.step == 0]
@@ -96,7 +117,7 @@ def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, 
                 "layout", "stage", "num_stages", "pp_size", "dp_size", "rank", "stage_mesh")},
             "anomalies": [(a.step, a.kind, a.name, a.message) for a in w.anomalies],
             "warnings": [str(c.message) for c in caught if "graddbg" in str(c.message)],
-            "seconds": time.monotonic() - t0}
+            "seconds": time.monotonic() - t0, "torch_norm": theirs}
 
 
 def pp4(rank: int) -> dict:

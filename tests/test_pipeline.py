@@ -37,6 +37,7 @@ def test_pp4_uneven_stages_global_norm_is_the_unsplit_models(runs):
         for name, norm in zip(got["names"], got["norms"]):  # the gradient the optimizer applies
             assert norm == pytest.approx(norms[name], rel=1e-5), (r, name)
         assert got["global"][0] == pytest.approx(total, rel=1e-6)
+        assert got["global"][0] == pytest.approx(got["torch_norm"], rel=1e-6)  # torch's, in the same run
         assert got["global"] == runs[0]["pp4"]["global"]  # identical on every rank
         assert got["anomalies"] == [] and got["warnings"] == []
     assert sorted(n for r in range(4) for n in runs[r]["pp4"]["names"]) == sorted(norms)  # each once
@@ -51,6 +52,7 @@ def test_dp2_x_pp2_with_ddp(runs):
         for name, norm in zip(got["names"], got["norms"]):
             assert norm == pytest.approx(norms[name], rel=1e-5), (r, name)
         assert got["global"][0] == pytest.approx(total, rel=1e-6)
+        assert got["global"][0] == pytest.approx(got["torch_norm"], rel=1e-6)  # torch's, in the same run
         assert got["global"] == runs[0]["dp2pp2"]["global"]
         # the replica check compares the dp replicas only (same stage), never stages: silent
         assert got["anomalies"] == [] and got["warnings"] == []
@@ -115,6 +117,7 @@ def test_fsdp2_x_pp2_full_norms_and_a_nan_written_into_one_shard_after_backward(
         for name, norm in zip(got["names"], got["norms"]):  # full (unsharded) gradients
             assert norm == pytest.approx(norms[name], rel=1e-5), (r, name)
         assert got["global"][0] == pytest.approx(total, rel=1e-6)
+        assert got["global"][0] == pytest.approx(got["torch_norm"], rel=1e-6)  # torch's, in the same run
         (step, kind, name, text), = got["anomalies"]
         assert (step, kind) == (1, "nonfinite"), got["anomalies"]
         if got["pp"] == 0:  # the stage of the edited shard: every dp rank names it and rank 2
@@ -141,6 +144,7 @@ def test_interleaved_dp2_x_pp2_two_stages_per_rank(runs):
         want = {n: s for s, (a, b) in enumerate(worker.CUTS[4]) for n in norms if a <= int(n.split(".")[0]) < b}
         assert got["stages"] == [want[n] for n in own], got["stages"]
         assert got["global"][0] == pytest.approx(total, rel=1e-6)
+        assert got["global"][0] == pytest.approx(got["torch_norm"], rel=1e-6)  # torch's, in the same run
         assert got["global"] == runs[0]["interleaved"]["global"]
         (step, kind, name, text), = got["anomalies"]
         assert (step, kind) == (1, "nonfinite"), got["anomalies"]
@@ -174,6 +178,7 @@ def test_dp2_x_tp2_x_pp2_on_a_3d_mesh(runs3d):
             assert norm == pytest.approx(norms[name], rel=1e-5), (r, name)
         assert got["stages"] == [got["pp"]] * len(got["names"])
         assert got["global"][0] == pytest.approx(total, rel=1e-6)
+        assert got["global"][0] == pytest.approx(got["torch_norm"], rel=1e-6)  # torch's, in the same run
         assert got["global"][0] == runs3d[0]["dp_tp_pp"]["global"][0]
         (step, kind, name, text), = got["anomalies"]
         assert (step, kind) == (1, "nonfinite"), got["anomalies"]
