@@ -188,6 +188,28 @@ def _stage_mesh(model: nn.Module) -> Dict[str, int]:
     return {str(k): int(v) for k, v in zip(names, widest.mesh.shape)}
 
 
+def _shard_replicas(model: nn.Module) -> Optional[tuple]:
+    """``(k, j, m)`` when every parameter of ``model`` is a DTensor on one mesh, with the
+    same placements, replicated along some of its dimensions (HSDP's replicate dimension):
+    the ranks with the same coordinates on the other dimensions hold the same shards. k: the
+    number of distinct shards; j: this rank's; m: the ranks holding each. Else None."""
+    params = list(model.parameters())
+    if not params or not all(is_dtensor(p) for p in params):
+        return None
+    mesh, placements = params[0].device_mesh, tuple(params[0].placements)
+    if any(p.device_mesh is not mesh and p.device_mesh != mesh or tuple(p.placements) != placements for p in params):
+        return None
+    rep = [d for d, pl in enumerate(placements) if pl.is_replicate()]
+    coord = mesh.get_coordinate()
+    if not rep or coord is None:
+        return None
+    other = [d for d in range(mesh.ndim) if d not in rep]
+    sizes = list(mesh.mesh.shape)
+    k = int(np.prod([sizes[d] for d in other])) if other else 1
+    j = int(np.ravel_multi_index([coord[d] for d in other], [sizes[d] for d in other])) if other else 0
+    return k, j, int(np.prod([sizes[d] for d in rep]))
+
+
 def _signature(names: Sequence[str], params: Sequence[Tensor], stage: int) -> List[int]:
     """A fixed-size description of this rank's parameters: equal on two ranks when they
     hold the same parameters (by name and full shape)."""
@@ -240,6 +262,10 @@ class Layout:
             meta.update(layout="pipeline", stage=self.stages[0].stage_index, num_stages=self.stages[0].num_stages)
         self.slots: List[int] = []            #: this rank's slots in the summary
         self.ddp_stages = False               #: several stages here, each wrapped in DDP (replicas)
+        #: a stage's DTensor parameters replicated along some mesh dimensions (HSDP): the ranks
+        #: that hold the same shards, as (the number of distinct shards k, this rank's shard
+        #: j, the ranks holding each m), for the replicas' per-step hash; None otherwise
+        self.shard_replicas: Optional[tuple] = None
         self.param_slot: Optional[Tensor] = None
         self._arrived: Dict[int, Tensor] = {}  # stage -> whether a non-finite gradient reached its output
         self._taps: List[Any] = []
@@ -390,6 +416,7 @@ class Layout:
             self.meta.update(layout="pipeline", stage=self.slots[0] if len(self.slots) == 1 else list(self.slots),
                              num_stages=n, pp_size=dist.get_world_size(_group_arg(self.summary_group)),
                              dp_size=1 if dp is None else dist.get_world_size(_group_arg(dp)))
+            self.shard_replicas = _shard_replicas(self.stages[0].submod if len(self.stages) > 1 else self.model)
             dims = _stage_mesh(self.stages[0].submod if len(self.stages) > 1 else self.model)
             if len(dims) > 1:  # (a stage's ranks in a mesh of data and tensor/context parallelism)
                 self.meta["stage_mesh"] = dims

@@ -83,7 +83,8 @@ def _torchtitan_norm(mod: nn.Module, pp_group) -> float:
     return float(sq.sqrt())
 
 
-def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, edit=None, stages=None, **watch_kw):
+def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, edit=None, stages=None,
+         after_step=None, **watch_kw):
     import graddbg
 
     loss = lambda out, tgt: nn.functional.mse_loss(out, tgt)  # noqa: E731
@@ -109,6 +110,8 @@ def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, 
                 if step == 0:
                     theirs = _torchtitan_norm(mod, stage.group)
                 opt.step()
+                if after_step is not None and step == 1:
+                    after_step()
     st = w.stats
     first = st[st.step == 0]
     return {"names": list(first["name"]), "norms": [float(v) for v in first["norm"]],
@@ -255,6 +258,35 @@ def nan_raise(rank: int) -> dict:
     return {"stopped": stopped, "seconds": time.monotonic() - t0}
 
 
+def hsdp_pp(rank: int) -> dict:
+    """pp 2 x HSDP (replicate 2 x shard 2) on a 3-D mesh: FSDP2 over the 2-D (rep, shard)
+    mesh of each stage; after step 1 rank 5 (stage 1, replica 0, shard 1) edits a weight
+    of its shard, as a rank that drifted would; the replica check (every step here) runs
+    within each stage only."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "rep", "shard"))
+    pp, rep = mesh["pp"].get_local_rank(), mesh["rep"].get_local_rank()
+    a, b = CUTS[2][pp]
+    part = full_model()[a:b]
+    fully_shard(part, mesh=mesh["rep", "shard"])
+    x = torch.randn(MB, WIDTH[a], requires_grad=pp > 0)
+    y = torch.randn(MB, WIDTH[b], requires_grad=True)
+    stage = PipelineStage(part, pp, 2, torch.device("cpu"), input_args=(x,), output_args=y,
+                          group=mesh["pp"].get_group())
+
+    def drift():
+        if rank == 5:
+            with torch.no_grad():
+                dict(part.named_parameters())["6.weight"].to_local().view(-1)[0] += 1e-3
+
+    out = _run(stage, Schedule1F1B, part, rep, after_step=drift, ddp_check_every=1)
+    out["pp"] = pp
+    return out
+
+
 def uneven(rank: int) -> dict:
     """Ranks holding different parameters (sizes differ) with no pipeline stage: the flag
     exchange must not mix sizes; a NaN on rank 2 is known to every rank at the same step."""
@@ -308,7 +340,7 @@ def unwatched(rank: int) -> dict:
 def body(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = {}
-    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, nan_raise, uneven, unwatched) if world == 4 else (dp_tp_pp,):
+    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, nan_raise, uneven, unwatched) if world == 4 else (dp_tp_pp, hsdp_pp):
         out[fn.__name__] = fn(rank)
     return out
 

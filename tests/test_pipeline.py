@@ -186,3 +186,26 @@ def test_dp2_x_tp2_x_pp2_on_a_3d_mesh(runs3d):
             assert name == "6.weight" and "rank(s) 5" in text, text
         else:
             assert name is None and "stage 1, rank" in text, text
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_x_pp_replicas_are_compared_within_each_stage_only(runs3d):
+    """pp 2 x HSDP (replicate 2 x shard 2): full norms equal to the unsplit model's and to
+    torch's in the same run; a weight edited on rank 5 after step 1 is a replica drift found
+    at step 2 by every rank of stage 1 (which compares only the ranks holding the same
+    shards), and by no rank of stage 0 (never compared with stage 1)."""
+    norms, total = _unsplit([0, 1])
+    for r in range(8):
+        got = runs3d[r]["hsdp_pp"]
+        assert got["meta"]["stage_mesh"] == {"rep": 2, "shard": 2} and got["meta"]["dp_size"] == 4, got["meta"]
+        for name, norm in zip(got["names"], got["norms"]):
+            assert norm == pytest.approx(norms[name], rel=1e-5), (r, name)
+        assert got["global"][0] == pytest.approx(total, rel=1e-6)
+        assert got["global"][0] == pytest.approx(got["torch_norm"], rel=1e-6)
+        kinds = [(s, k) for s, k, _, _ in got["anomalies"]]
+        if got["pp"] == 1:
+            assert kinds == [(2, "ddp_mismatch")], got["anomalies"]
+            assert "in pipeline stage 1" in got["anomalies"][0][3]
+        else:
+            assert kinds == [], got["anomalies"]
+        assert len(got["warnings"]) == 1 and "per-step hash" in got["warnings"][0], got["warnings"]

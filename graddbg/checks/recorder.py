@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from graddbg._args import AUTO, Schedule
 from graddbg._collective import run_collective
 from graddbg._model import in_backward
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
@@ -112,6 +113,10 @@ def _agree(bad: Tensor, first: Tensor, group: Any = None) -> None:
     first.copy_(torch.where(packed[0] > 0, -packed[1], -1))
 
 
+#: the replica checks' default cadence under distribution (graddbg.checks.replicas.AUTO_EVERY)
+REPLICA_EVERY = 100
+
+
 class _RankFlags:
     """Under distribution: which ranks of the replica group (the ranks that hold the same
     parameters) hold a non-finite gradient of each parameter (after the backward pass, or
@@ -120,12 +125,17 @@ class _RankFlags:
     that every replica knows at the same step, whichever holds it. Each rank adds its bit (``1 << its rank in the group``; a plain flag
     past 62 ranks)."""
 
-    def __init__(self, group: Any, replicated: bool = False) -> None:
+    def __init__(self, group: Any, replicated: bool = False, shard_replicas: Optional[tuple] = None) -> None:
         import torch.distributed as dist
 
         self.group = group
         #: the ranks of the group hold equal gradients (DDP): a hash of the norms is compared too
-        self.replicated = replicated
+        self.replicated = replicated or shard_replicas is not None
+        #: (k, j, m): the group's ranks hold k distinct shards, this rank the j-th, m ranks each
+        #: (HSDP): the hash of the shards' norms is compared among the m ranks of each; DDP:
+        #: one "shard", held by every rank of the group
+        self.slots = shard_replicas or (1, 0, dist.get_world_size(group))
+        self.shards_hashed = shard_replicas is not None
         size, me = dist.get_world_size(group), dist.get_rank(group)
         self.bit = 1 << me if size <= 62 else 1
         self.ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(min(size, 63))]
@@ -138,14 +148,16 @@ class _RankFlags:
             t = self._index[key] = torch.tensor(key, dtype=torch.int64, device=device)
         return t
 
-    def queue(self, rb: Readback, launch: Any, grads: List[Optional[Tensor]], changed: bool, P: int) -> Slot:
+    def queue(self, rb: Readback, launch: Any, grads: List[Optional[Tensor]], changed: bool, P: int,
+              weights: Optional[List[Tensor]] = None) -> Slot:
         import torch.distributed as dist
 
         if not launch.norms:
             dev = next((g.device for g in grads if g is not None), torch.device("cpu"))
         else:
             dev = launch.norms[0].device
-        local = torch.zeros(P + 2 if self.replicated else P, dtype=torch.int64, device=dev)
+        k, j, m = self.slots
+        local = torch.zeros(P + 2 * k if self.replicated else P, dtype=torch.int64, device=dev)
         with torch.no_grad():
             for ix, norms in zip(launch.groups, launch.norms):
                 local.index_copy_(0, self._ix(ix, dev), (~torch.isfinite(norms)).long().to(dev))
@@ -159,28 +171,31 @@ class _RankFlags:
             local[:P].mul_(self.bit)
             differ = None
             if self.replicated:
-                h = self._hash(launch, dev, P, live, now)
-                local[P:] = torch.stack([h, h * h])
+                h = self._hash(launch, dev, P, live, now, weights)
+                local[P + 2 * j: P + 2 * j + 2] = torch.stack([h, h * h])
             run_collective(dist.all_reduce, local, op=dist.ReduceOp.SUM, group=self.group)
             if self.replicated:
-                # n * sum(h^2) - sum(h)^2 = sum over pairs of (h_i - h_j)^2: zero exactly when every
-                # replica's hash is the same (modulo 2**64: a false "same" once in ~2**64), and
-                # computed from the reduced values only, so every rank decides alike
-                n, s1, s2 = dist.get_world_size(self.group), local[P], local[P + 1]
-                differ = (s2 * n != s1 * s1).reshape(1).long()
+                # per shard, m * sum(h^2) - sum(h)^2 = sum over pairs of (h_a - h_b)^2: zero exactly
+                # when the hashes of the ranks holding it agree (modulo 2**64: a false "same" once
+                # in ~2**64), decided from the reduced values only, so every rank decides alike
+                s1, s2 = local[P::2], local[P + 1::2]
+                differ = (s2 * m != s1 * s1).any().reshape(1).long()
         return rb.add("rank_bad", local[:P]), (rb.add("replica_hash", differ) if differ is not None else None)
 
-    def _hash(self, launch: Any, dev: torch.device, P: int, live: List[int], now: Optional[Tensor]) -> Tensor:
+    def _hash(self, launch: Any, dev: torch.device, P: int, live: List[int], now: Optional[Tensor],
+              weights: Optional[List[Tensor]] = None) -> Tensor:
         """Replicas (DDP) hold the same reduced gradients, so the same norms, bit for bit: a
         52-bit hash of this rank's norms (of the gradients as the optimizer will use them:
         ``now`` for those changed since the backward pass), exchanged with the non-finite
         flags in the same all-reduce (as ``h`` and ``h * h``)."""
         applied = torch.zeros(P, dtype=torch.float64, device=dev)
         for k, (ix, norms) in enumerate(zip(launch.groups, launch.norms)):
-            if launch.sharded is None or k != launch.sharded[0]:
+            if launch.sharded is None or k != launch.sharded[0] or self.shards_hashed:
                 applied.index_copy_(0, self._ix(ix, dev), norms.double().to(dev))
         if now is not None:
             applied.index_copy_(0, self._ix(live, dev), now.double())
+        if weights:  # (the weights too, on the replica checks' steps: a replica whose weights drifted)
+            applied = torch.cat([applied, torch.stack(torch._foreach_norm(weights)).double().to(dev)])
         # (a non-finite norm is the non-finite check's: NaN payloads may differ between ranks)
         applied = torch.nan_to_num(applied, nan=0.0, posinf=0.0, neginf=0.0)
         bits = applied.view(torch.int64)
@@ -228,6 +243,8 @@ class StatsRecorder(Check):
         P = len(ctx)
         self._version_idx = sorted({0, P // 3, (2 * P) // 3, P - 1}) if P else []
         self._ranks: Optional[_RankFlags] = None  # (made once the replica group is known)
+        every = ctx.options.ddp_check_every  # (the replica checks' cadence: the weights in the replicas' hash)
+        self._weigh_replicas = Schedule(REPLICA_EVERY if every == AUTO else every)
 
     def params_added(self, k: int) -> None:
         self._reader = StepReader(self.ctx.params, self.ctx.options.quantities)
@@ -273,9 +290,10 @@ class StatsRecorder(Check):
             layout.resolve()
             collect = not layout.local
         if collect and self._ranks is None and layout.replica_group is not None:
+            on = self.ctx.options.ddp_check_every is not None
             self._ranks = _RankFlags(layout.group(layout.replica_group),
-                                     replicated=(_is_ddp(self.ctx.model) or layout.ddp_stages)
-                                     and self.ctx.options.ddp_check_every is not None)
+                                     replicated=(_is_ddp(self.ctx.model) or layout.ddp_stages) and on,
+                                     shard_replicas=layout.shard_replicas if on else None)
         self._reader.shard_group(layout.shards_over() if collect else False)
         return collect
 
@@ -305,7 +323,10 @@ class StatsRecorder(Check):
         q.flags = self._flags.add_to(rb, agree=launch.sharded is not None and shards,
                                      group=layout.group(layout.shard_group) if shards else None)
         if self._ranks is not None and collect:
-            q.rank_bad = self._ranks.queue(rb, launch, step.grads, changed, len(self.ctx))
+            weights = None
+            if self._ranks.shards_hashed and self._weigh_replicas.includes(step.index):
+                weights = [local_values(p.detach()) for p in self.ctx.params]
+            q.rank_bad = self._ranks.queue(rb, launch, step.grads, changed, len(self.ctx), weights)
         return q
 
     def read(self, step: Step) -> List[Finding]:

@@ -15,16 +15,16 @@ from typing import List, Optional
 
 from graddbg._args import AUTO, Schedule
 from graddbg._errors import DDPInconsistencyError, GraddbgValueError, GraddbgWarning
-from graddbg._model import in_backward, module_of
+from graddbg._model import in_backward, is_dtensor, module_of
 from graddbg.anomaly import Anomaly
 from graddbg.checks.base import Check, Finding, Step, Watched
-from graddbg.checks.recorder import StatsRecorder
+from graddbg.checks.recorder import REPLICA_EVERY, StatsRecorder
 
 __all__ = ["ReplicaCheck", "AUTO_EVERY"]
 
 #: the default cadence under distribution: one check (about 8 reads of the gradients and
 #: weights, and one rendezvous) every 100 steps is under 1% of a step on the bench models
-AUTO_EVERY = 100
+AUTO_EVERY = REPLICA_EVERY
 
 
 class ReplicaCheck(Check):
@@ -53,11 +53,29 @@ class ReplicaCheck(Check):
         self._differed = step.replicas_differ  # (a difference that persists was reported when it began)
         if not (self.due(step.index) or urgent) or step.closure:
             return []
-        a = self._check(step.index)
+        if self._stage_of_shards():
+            # ddp_verify compares sharded models across the whole world, and a pipeline's stages
+            # hold different models: the recorder's per-step hash, within each stage, is the check
+            a = _hash_mismatch(step.index, self.ctx.layout, self.ctx.rank) if urgent else None
+        else:
+            a = self._check(step.index)
         if a is None:
             return []
         nf = self.ctx.options.nonfinite
         return [Finding(a, nf.policy if nf is not None else "raise")]
+
+    def _stage_of_shards(self) -> bool:
+        """A pipeline stage whose parameters are DTensors (FSDP2, HSDP, tensor parallel)."""
+        layout = self.ctx.layout
+        sharded = layout is not None and layout.world > 1 and layout.pipeline and any(
+            is_dtensor(p) for p in self.ctx.params)
+        if sharded and not self.auto and not getattr(self, "_said", False):
+            self._said = True
+            warnings.warn("graddbg.watch: ddp_check_every: the full comparison of the replicas (ddp_verify) spans "
+                          "the whole world on a sharded model, and the stages of this pipeline hold different "
+                          "parameters; the replicas of each stage (the ranks holding the same shards) are compared "
+                          "by a per-step hash of their gradients' norms instead.", GraddbgWarning, stacklevel=2)
+        return sharded
 
     def _check(self, index: int) -> Optional[Anomaly]:
         from graddbg import ddp_verify
@@ -87,6 +105,19 @@ class ReplicaCheck(Check):
             return None
         self.ctx.host_syncs += 1
         return None if report.ok else _mismatch(index, report, self.ctx.rank)
+
+
+def _hash_mismatch(index: int, layout: object, rank: Optional[int]) -> Anomaly:
+    stage = getattr(layout, "meta", {}).get("stage")
+    k, _, m = getattr(layout, "shard_replicas", None) or (1, 0, 0)
+    held = f"each of the {k} shard(s) held by {m} ranks" if m else "the ranks holding the same shards"
+    return Anomaly(step=index, kind="ddp_mismatch", name=None, module=None, op=None, value=float("nan"),
+                   threshold=0.0, source=None, rank=rank,
+                   message=f"graddbg: replicas differ at step {index} in pipeline stage {stage}: the ranks that "
+                           f"should hold the same shards ({held}, across the replicate dimension) hold different "
+                           f"gradients or weights (a hash of their norms: the gradients every recorded step, the "
+                           f"weights on the replica checks' steps). A rank that drifted (a weight edited on one "
+                           f"rank, a missed all-reduce) trains a different model from here on.")
 
 
 def _mismatch(index: int, report: object, rank: Optional[int]) -> Anomaly:
