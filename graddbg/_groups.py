@@ -151,31 +151,48 @@ def find_stages(model: nn.Module) -> List[Any]:
     return sorted({id(s): s for s in found}.values(), key=lambda s: s.stage_index)
 
 
-def _dp_group(model: nn.Module) -> Any:
-    """The group of a wrapped stage's replicas and shards: DDP's ``process_group``, or the
-    group of every rank of its DTensor parameters' meshes (FSDP2 over a data-parallel
-    dimension, tensor parallelism over another: one stage's ranks in a 3-D mesh); None when
-    there is none.
-
-    A mesh of two or more dimensions is flattened (``DeviceMesh._flatten``, which every rank
-    of its root mesh calls here, at the same boundary) into a group named
-    ``graddbg_<its dimensions>``; a mesh without dimension names cannot be, and gives None."""
-    pg = getattr(model, "process_group", None)
-    if pg is not None and type(model).__name__ == "DistributedDataParallel":
-        return pg
+def _widest_mesh(model: nn.Module) -> Any:
+    """The mesh of ``model``'s DTensor parameters that holds the ranks of all the others;
+    None when it holds none, or when no one of them holds all."""
     meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if is_dtensor(p)}
     if not meshes:
         return None
     widest = max(meshes.values(), key=lambda m: m.mesh.numel())
     ranks = set(widest.mesh.reshape(-1).tolist())
     if any(not set(m.mesh.reshape(-1).tolist()) <= ranks for m in meshes.values()):
-        return None  # (parameters on meshes that no one of them holds: no group holds them all)
-    if widest.ndim == 1:
-        return widest.get_group()
-    names = widest.mesh_dim_names
-    if not names:
         return None
-    return widest._flatten("graddbg_" + "_".join(names)).get_group()
+    return widest
+
+
+def _flat_name(model: nn.Module) -> str:
+    """The name graddbg flattens the widest mesh of ``model``'s DTensor parameters under,
+    when it has two or more named dimensions (``graddbg_<its dimensions>``); else ""."""
+    mesh = _widest_mesh(model)
+    if mesh is None or mesh.ndim < 2 or not mesh.mesh_dim_names:
+        return ""
+    return "graddbg_" + "_".join(mesh.mesh_dim_names)
+
+
+def _dp_group(model: nn.Module, flatten: bool = False) -> Any:
+    """The group of a wrapped stage's replicas and shards: DDP's ``process_group``, or the
+    group of every rank of its DTensor parameters' meshes (FSDP2 over a data-parallel
+    dimension, tensor parallelism over another: one stage's ranks in a 3-D mesh); None when
+    there is none.
+
+    A mesh of two or more dimensions is flattened (``DeviceMesh._flatten``, which makes
+    process groups: a call every rank of the world makes in the same order, or the groups
+    made after it no longer match across ranks) only with ``flatten``, which the caller sets
+    when every rank said, in the signatures gathered before, that it flattens a mesh of the
+    same name here."""
+    pg = getattr(model, "process_group", None)
+    if pg is not None and type(model).__name__ == "DistributedDataParallel":
+        return pg
+    mesh = _widest_mesh(model)
+    if mesh is None:
+        return None
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return mesh._flatten(_flat_name(model)).get_group() if flatten and _flat_name(model) else None
 
 
 def _stage_mesh(model: nn.Module) -> Dict[str, int]:
@@ -210,11 +227,13 @@ def _shard_replicas(model: nn.Module) -> Optional[tuple]:
     return k, j, int(np.prod([sizes[d] for d in rep]))
 
 
-def _signature(names: Sequence[str], params: Sequence[Tensor], stage: int) -> List[int]:
+def _signature(names: Sequence[str], params: Sequence[Tensor], stage: int, flat: str = "") -> List[int]:
     """A fixed-size description of this rank's parameters: equal on two ranks when they
-    hold the same parameters (by name and full shape)."""
+    hold the same parameters (by name and full shape); then its stage, and the name of the
+    mesh it would flatten (a hash; 0: none)."""
     text = "|".join(f"{n}:{tuple(p.shape)}" for n, p in zip(names, params))
-    return [len(params), int(sum(p.numel() for p in params)), zlib.crc32(text.encode()), stage]
+    return [len(params), int(sum(p.numel() for p in params)), zlib.crc32(text.encode()), stage,
+            zlib.crc32(flat.encode()) if flat else 0]
 
 
 @dataclasses.dataclass
@@ -393,7 +412,9 @@ class Layout:
     def _gather_signatures(self) -> np.ndarray:
         dist = _dist()
         stage = self.stages[0].stage_index if self.stages else -1
-        mine = torch.tensor(_signature(self.names, self.params, stage), dtype=torch.int64, device=self._device())
+        flat = _flat_name(self._stage_module()) if self.pipeline else ""
+        mine = torch.tensor(_signature(self.names, self.params, stage, flat), dtype=torch.int64,
+                            device=self._device())
         out = [torch.empty_like(mine) for _ in range(self.world)]
         run_collective(dist.all_gather, out, mine)
         return torch.stack(out).cpu().numpy()
@@ -405,7 +426,15 @@ class Layout:
         if self.pipeline:
             stage = self.stages[0] if self.stages else None
             self.summary_group = pp_given if pp_given is not None else (stage.group or _WORLD)
-            dp = dp_given if dp_given is not None else _dp_group(self.model)
+            # (a mesh is flattened, a collective of the world, only when every rank flattens one alike)
+            flatten = bool(sigs[self.rank, 4]) and bool((sigs[:, 4] == sigs[self.rank, 4]).all())
+            dp = dp_given if dp_given is not None else _dp_group(self._stage_module(), flatten)
+            if dp is None and sigs[self.rank, 4] and not flatten:
+                warn_at_user(f"graddbg.watch on rank {self.rank}: this stage's DTensor parameters lie on a mesh of "
+                             f"several dimensions, which graddbg flattens into one group to combine their shards' "
+                             f"statistics only when every rank of the world holds such a mesh (making the group is "
+                             f"a collective of every rank); here not every rank does, so each rank records the "
+                             f"statistics of its own shards.", GraddbgWarning)
             if dp is None and len(self.stages) > 1:  # (the stages wrapped one by one)
                 dp = next((g for g in (_dp_group(st.submod) for st in self.stages) if g is not None), None)
                 self.ddp_stages = all(type(st.submod).__name__ == "DistributedDataParallel" for st in self.stages)
@@ -416,8 +445,8 @@ class Layout:
             self.meta.update(layout="pipeline", stage=self.slots[0] if len(self.slots) == 1 else list(self.slots),
                              num_stages=n, pp_size=dist.get_world_size(_group_arg(self.summary_group)),
                              dp_size=1 if dp is None else dist.get_world_size(_group_arg(dp)))
-            self.shard_replicas = _shard_replicas(self.stages[0].submod if len(self.stages) > 1 else self.model)
-            dims = _stage_mesh(self.stages[0].submod if len(self.stages) > 1 else self.model)
+            self.shard_replicas = _shard_replicas(self._stage_module())
+            dims = _stage_mesh(self._stage_module())
             if len(dims) > 1:  # (a stage's ranks in a mesh of data and tensor/context parallelism)
                 self.meta["stage_mesh"] = dims
                 self.meta["dp_size"] = int(np.prod([v for k, v in dims.items() if not k.startswith(("tp", "cp"))]))
@@ -431,6 +460,11 @@ class Layout:
                              for s in range(self.world)]
             self.meta["layout"] = "different parameters on each rank"
         self._summary_ranks = self._slot_ranks()
+
+    def _stage_module(self) -> nn.Module:
+        """The module whose wrapper and meshes tell the groups: the watched model, or with
+        several stages on this rank the first stage's module."""
+        return self.stages[0].submod if len(self.stages) > 1 else self.model
 
     def _slots_of_stages(self, n: int) -> None:
         """This rank's stages, and each watched parameter's stage."""

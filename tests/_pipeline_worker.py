@@ -287,6 +287,31 @@ def hsdp_pp(rank: int) -> dict:
     return out
 
 
+def mixed_meshes(rank: int) -> dict:
+    """pp 2 on a ("pp", "dp", "tp") mesh of (2, 1, 2): stage 0's Linear layers split over tp
+    and put under FSDP2 over dp (a 2-D mesh), stage 1 plain. Flattening stage 0's mesh would
+    be a collective that stage 1's ranks never join: graddbg must not try."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pp = mesh["pp"].get_local_rank()
+    a, b = CUTS[2][pp]
+    part = full_model()[a:b]
+    if pp == 0:
+        parallelize_module(part, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(part, mesh=mesh["dp"])
+    x = torch.randn(MB, WIDTH[a], requires_grad=pp > 0)
+    y = torch.randn(MB, WIDTH[b], requires_grad=True)
+    stage = PipelineStage(part, pp, 2, torch.device("cpu"), input_args=(x,), output_args=y,
+                          group=mesh["pp"].get_group())
+    out = _run(stage, ScheduleGPipe, part, 0, steps=2)
+    out["pp"] = pp
+    return out
+
+
 def uneven(rank: int) -> dict:
     """Ranks holding different parameters (sizes differ) with no pipeline stage: the flag
     exchange must not mix sizes; a NaN on rank 2 is known to every rank at the same step."""
@@ -340,7 +365,8 @@ def unwatched(rank: int) -> dict:
 def body(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = {}
-    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, nan_raise, uneven, unwatched) if world == 4 else (dp_tp_pp, hsdp_pp):
+    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, nan_raise, mixed_meshes, uneven, unwatched) if world == 4 \
+            else (dp_tp_pp, hsdp_pp):
         out[fn.__name__] = fn(rank)
     return out
 

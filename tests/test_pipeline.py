@@ -82,6 +82,25 @@ def test_under_the_raise_policy_every_stage_stops_at_the_same_step(runs):
 
 
 @pytest.mark.timeout(300)
+def test_a_mesh_only_some_stages_hold_is_never_flattened(runs):
+    """Making a process group is a call every rank of the world makes, in the same order
+    (a rank that makes one the others do not puts the groups made after it, the user's own,
+    out of step across ranks): a stage on a 2-D mesh next to a plain stage must not flatten
+    its mesh. The job finishes; stage 0 says once that it records its own shards; the plain
+    stage's norms are the unsplit model's."""
+    norms, _ = _unsplit([0])
+    for r in range(4):
+        got = runs[r]["mixed_meshes"]
+        assert got["seconds"] < 60 and got["anomalies"] == []
+        if got["pp"] == 0:
+            assert len(got["warnings"]) == 1 and "its own shards" in got["warnings"][0], got["warnings"]
+        else:
+            assert got["warnings"] == []
+            for name, norm in zip(got["names"], got["norms"]):
+                assert norm == pytest.approx(norms[name], rel=1e-5), (r, name)
+
+
+@pytest.mark.timeout(300)
 def test_ranks_holding_different_parameters_never_mix_sizes(runs):
     """No pipeline library: each rank holds a module of its own size. The flags go through a
     fixed-size exchange (a mixed-size all-reduce would deadlock); a NaN written on rank 2
