@@ -98,6 +98,20 @@ class CheckIn:
         except Exception:  # (no store to check in with: no way to be sure of the peers)
             self.store = None
 
+    def abstain(self) -> None:
+        """This rank takes part in no exchange (a pipeline stage watched without an optimizer:
+        its steps end inside the schedule's backward passes): said through the store, so that
+        every peer goes on with local statistics at once instead of waiting for it."""
+        if self.store is not None:
+            self.store.set(f"{self.prefix}out/{self.rank}", "1")
+            self.store.add(self.prefix + "no", 1)
+
+    def abstained(self) -> List[int]:
+        """The ranks that said they take part in no exchange."""
+        if self.store is None:
+            return []
+        return [r for r in range(self.world) if self.store.check([f"{self.prefix}out/{r}"])]
+
     def _count(self, name: str) -> int:
         return int(self.store.add(self.prefix + name, 0))
 
@@ -265,7 +279,7 @@ class Layout:
 
     def __init__(self, model: nn.Module, names: Sequence[str], params: Sequence[Tensor], meta: Dict[str, Any],
                  pp_group: Any = None, dp_group: Any = None, make_capture: Any = None,
-                 active: Any = lambda: True) -> None:
+                 active: Any = lambda: True, stepped: bool = True) -> None:
         dist = _dist()
         self.rank = dist.get_rank() if dist is not None else 0
         self.world = dist.get_world_size() if dist is not None else 1
@@ -295,6 +309,23 @@ class Layout:
         self._last_captures: Dict[int, Any] = {}  # (those of the step last exchanged)
         self._tap_stages()
         self._checkin = CheckIn(self.rank, self.world) if self.world > 1 else None
+        self._stepped = stepped  # (an optimizer steps the model: its boundaries are outside backward passes)
+        self._abstain_if_stepless()
+
+    def _abstain_if_stepless(self) -> None:
+        """A pipeline stage watched without an optimizer never reaches a boundary where a
+        collective is safe (each backward pass, inside the schedule, is its step): it says
+        so to its peers and goes on with local statistics, as they do."""
+        if self._checkin is None or self._stepped or not self.pipeline or self.local:
+            return
+        self._checkin.abstain()
+        self.local = self.resolved = True
+        self.meta["layout"] = "local: a pipeline stage watched without an optimizer"
+        warn_at_user(f"graddbg.watch on rank {self.rank}: a pipeline stage watched without an optimizer has its "
+                     f"steps end inside the schedule's backward passes, where no exchange with other ranks is "
+                     f"safe; this rank and its peers go on with local statistics (pass the stage's optimizer "
+                     f"to watch() for the whole model's norm and the exchange of non-finite flags).",
+                     GraddbgWarning)
 
     def _tap_stages(self) -> None:
         """With several stages on this rank (an interleaved schedule), hooks on each stage:
@@ -386,6 +417,7 @@ class Layout:
         if not self.resolved and not self.stages:
             self.stages = find_stages(self.model)
             self._tap_stages()
+            self._abstain_if_stepless()
         return not (in_backward and self.pipeline)
 
     def resolve(self) -> None:
@@ -395,7 +427,14 @@ class Layout:
         self.resolved = True
         if not self._checkin.wait():
             self.local = True
-            missing = self._checkin.missing
+            missing, out = self._checkin.missing, self._checkin.abstained()
+            if out:
+                self.meta["layout"] = "local: a peer takes part in no exchange"
+                warn_at_user(f"graddbg.watch on rank {self.rank}: rank(s) {', '.join(map(str, out))} of "
+                             f"{self.world} watch a pipeline stage without an optimizer, so they take part in no "
+                             f"exchange; graddbg goes on with this rank's local statistics and issues no "
+                             f"collective of its own.", GraddbgWarning)
+                return
             who = (f"rank(s) {', '.join(map(str, missing))} of {self.world} did not check in within "
                    f"{checkin_seconds():g} s" if missing and missing != [-1] else
                    "the process group has no store to check in with" if missing else

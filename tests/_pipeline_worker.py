@@ -312,6 +312,34 @@ def mixed_meshes(rank: int) -> dict:
     return out
 
 
+def stepless(rank: int) -> dict:
+    """4 stages (GPipe); rank 2 watches its stage without an optimizer (each of its backward
+    passes, inside the schedule, is a step there: no exchange is safe): it tells its peers,
+    and every rank goes on with local statistics at once."""
+    import graddbg
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    stage, mod, _ = _stage(full_model(), 4, rank, None)
+    sched = ScheduleGPipe(stage, n_microbatches=N_MB, loss_fn=lambda o, t: nn.functional.mse_loss(o, t))
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05)
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with graddbg.watch(mod, None if rank == 2 else opt) as w:
+            for step in range(STEPS):
+                x, y = data(0, step)
+                opt.zero_grad()
+                if stage.is_first:
+                    sched.step(x)
+                elif stage.is_last:
+                    sched.step(target=y, losses=[])
+                else:
+                    sched.step()
+                opt.step()
+    return {"seconds": time.monotonic() - t0, "layout": w.meta.get("layout"), "steps": len(w.steps),
+            "warnings": [str(c.message) for c in caught if "graddbg" in str(c.message)]}
+
+
 def uneven(rank: int) -> dict:
     """Ranks holding different parameters (sizes differ) with no pipeline stage: the flag
     exchange must not mix sizes; a NaN on rank 2 is known to every rank at the same step."""
@@ -365,7 +393,8 @@ def unwatched(rank: int) -> dict:
 def body(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = {}
-    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, nan_raise, mixed_meshes, uneven, unwatched) if world == 4 \
+    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, nan_raise, mixed_meshes, stepless, uneven, unwatched) \
+            if world == 4 \
             else (dp_tp_pp, hsdp_pp):
         out[fn.__name__] = fn(rank)
     return out

@@ -101,6 +101,20 @@ def test_a_mesh_only_some_stages_hold_is_never_flattened(runs):
 
 
 @pytest.mark.timeout(300)
+def test_a_stage_watched_without_an_optimizer_never_leaves_its_peers_waiting(runs):
+    for r in range(4):
+        got = runs[r]["stepless"]
+        assert got["seconds"] < 30, got["seconds"]
+        assert len(got["warnings"]) == 1, got["warnings"]
+        if r == 2:
+            assert got["layout"] == "local: a pipeline stage watched without an optimizer"
+            assert got["steps"] == worker.STEPS * worker.N_MB  # (each backward pass a step)
+        else:
+            assert got["layout"] == "local: a peer takes part in no exchange" and got["steps"] == worker.STEPS
+            assert "rank(s) 2 of 4 watch a pipeline stage without an optimizer" in got["warnings"][0]
+
+
+@pytest.mark.timeout(300)
 def test_ranks_holding_different_parameters_never_mix_sizes(runs):
     """No pipeline library: each rank holds a module of its own size. The flags go through a
     fixed-size exchange (a mixed-size all-reduce would deadlock); a NaN written on rank 2
