@@ -498,6 +498,13 @@ class Layout:
             self._classes = [next(r for r in range(self.world) if (sigs[r, :3] == sigs[s, :3]).all())
                              for s in range(self.world)]
             self.meta["layout"] = "different parameters on each rank"
+            # replicas among them: the ranks of the model's DDP group (or 1-D mesh), when every one
+            # of them holds the same parameters as this rank (a hand-written pipeline, DDP per stage)
+            dp = dp_given if dp_given is not None else _dp_group(self.model)
+            if dp is not None and all((sigs[r, :3] == sigs[self.rank, :3]).all()
+                                      for r in dist.get_process_group_ranks(dp)):
+                self.replica_group = dp
+                self.meta["dp_size"] = dist.get_world_size(dp)
         self._summary_ranks = self._slot_ranks()
 
     def _stage_module(self) -> nn.Module:

@@ -363,6 +363,39 @@ def uneven(rank: int) -> dict:
             "own_sq": own_sq, "seconds": time.monotonic() - t0}
 
 
+def handmade(rank: int) -> dict:
+    """A hand-written pipeline's parameters (no PipelineStage): dp 2 x pp 2, each rank a
+    module of its pipeline rank's size, in DDP over its data-parallel group. After the
+    backward pass of step 1, rank 3 (pp 1, dp 1) edits its reduced gradient: its replica,
+    rank 1, holds another. The replica check compares the dp group only."""
+    import graddbg
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp, pp = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    torch.manual_seed(pp)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(*[nn.Linear(3, 3) for _ in range(pp + 1)]),
+                                                process_group=mesh["dp"].get_group())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    own_sq = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with graddbg.watch(model, opt, nonfinite="record") as w:
+            for step in range(STEPS):
+                opt.zero_grad()
+                g = torch.Generator().manual_seed(10 * dp + step)
+                model(torch.randn(2, 3, generator=g)).pow(2).sum().backward()
+                if rank == 3 and step == 1:
+                    with torch.no_grad():
+                        model.module[0].weight.grad[0, 0] += 1e-3
+                own_sq.append(sum(float(p.grad.norm()) ** 2 for p in model.parameters()))
+                opt.step()
+    return {"global": [float(v) for v in w.steps["global_norm"]], "meta": {k: w.meta.get(k) for k in (
+                "layout", "dp_size")}, "anomalies": [(a.step, a.kind, a.name, a.message) for a in w.anomalies],
+            "own_sq": own_sq, "pp": pp, "dp": dp,
+            "warnings": [str(c.message) for c in caught if "graddbg" in str(c.message)]}
+
+
 def unwatched(rank: int) -> dict:
     """Rank 3 trains the same DDP model without graddbg (as a worker a framework started
     itself): the watched ranks wait at most the check-in time, warn once, go on."""
@@ -393,7 +426,7 @@ def unwatched(rank: int) -> dict:
 def body(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = {}
-    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, nan_raise, mixed_meshes, stepless, uneven, unwatched) \
+    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, nan_raise, mixed_meshes, stepless, uneven, handmade, unwatched) \
             if world == 4 \
             else (dp_tp_pp, hsdp_pp):
         out[fn.__name__] = fn(rank)

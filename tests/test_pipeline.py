@@ -133,6 +133,21 @@ def test_ranks_holding_different_parameters_never_mix_sizes(runs):
 
 
 @pytest.mark.timeout(300)
+def test_a_hand_written_pipeline_with_ddp_per_stage_compares_each_stages_replicas_only(runs):
+    """No PipelineStage: ranks holding different parameters, each stage's in DDP over its dp
+    group. The global norm counts each stage once (at step 0, before any drift); the gradient
+    edited on rank 3 after its reduction is a replica drift found at step 1 by ranks 1 and 3
+    (its dp group), and by neither rank of the other stage."""
+    for r in range(4):
+        got = runs[r]["handmade"]
+        assert got["meta"] == {"layout": "different parameters on each rank", "dp_size": 2}, got["meta"]
+        want = math.sqrt(sum(runs[q]["handmade"]["own_sq"][0] for q in (0, 1)))  # (ranks 0, 1: pp 0 and 1)
+        assert got["global"][0] == pytest.approx(want, rel=1e-6)
+        kinds = [(s, k) for s, k, _, _ in got["anomalies"]]
+        assert kinds == ([(1, "ddp_mismatch")] if got["pp"] == 1 else []), (r, got["anomalies"])
+
+
+@pytest.mark.timeout(300)
 def test_an_unwatched_peer_is_found_within_seconds_and_the_job_goes_on(runs):
     for r in (0, 1, 2):
         got = runs[r]["unwatched"]
