@@ -112,3 +112,31 @@ def test_accelerate_launch_runs_graddbg_run_on_every_rank(tmp_path):
         run = graddbg.load(folder / "stats.parquet")
         assert run.meta["rank"] == rank and run.meta["world_size"] == 2
         assert [(a.step, a.kind) for a in run.anomalies] == [(2, "nonfinite")], run.anomalies
+
+
+@pytest.mark.timeout(240)
+def test_graddbg_run_under_torchrun_on_a_pipeline_script(tmp_path):
+    """``torchrun -m graddbg run`` on an unchanged pipeline script (2 stages, GPipe): no
+    collective inside a stage's backward pass (the first step used to deadlock), each
+    rank's record, the global norm of the whole model on both ranks equal to torch's in the
+    same run, and the NaN made in stage 1 found by both ranks at the same step."""
+    import json
+
+    from _dist import free_port
+
+    out, theirs = tmp_path / "g", tmp_path / "torch"
+    theirs.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "graddbg", "run", "--out", str(out), "--nonfinite", "record",
+           "--fail-on", "never", str(SCRIPTS / "torchrun_pipeline_train.py"), str(theirs)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=200, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr[-3000:]  # (the script's own: 0)
+    import graddbg
+
+    for rank in (0, 1):
+        run = graddbg.load(out / f"rank-{rank}" / "stats.parquet")
+        assert run.meta["rank"] == rank and run.meta["layout"] == "pipeline" and run.meta["stage"] == rank
+        torch_norms = json.loads((theirs / f"torch-{rank}.json").read_text())
+        got = list(run.steps["global_norm"])
+        assert got[:2] == pytest.approx(torch_norms[:2], rel=1e-6), (got, torch_norms)
+        assert [(a.step, a.kind) for a in run.anomalies] == [(2, "nonfinite")], run.anomalies
