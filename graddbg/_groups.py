@@ -206,15 +206,15 @@ def _dp_group(model: nn.Module, flatten: bool = False) -> Any:
         return None
     if mesh.ndim == 1:
         return mesh.get_group()
-    return mesh._flatten(_flat_name(model)).get_group() if flatten and _flat_name(model) else None
+    name = _flat_name(model) if flatten else ""
+    return mesh._flatten(name).get_group() if name else None
 
 
 def _stage_mesh(model: nn.Module) -> Dict[str, int]:
     """The dimensions (name: size) of the widest mesh of a stage's DTensor parameters."""
-    meshes = [p.device_mesh for p in model.parameters() if is_dtensor(p)]
-    if not meshes:
+    widest = _widest_mesh(model)
+    if widest is None:
         return {}
-    widest = max(meshes, key=lambda m: m.mesh.numel())
     names = widest.mesh_dim_names or tuple(f"dim{i}" for i in range(widest.ndim))
     return {str(k): int(v) for k, v in zip(names, widest.mesh.shape)}
 
@@ -305,6 +305,7 @@ class Layout:
         #: with several stages here: ``graddbg.blame.Capture`` to keep each stage's last forward pass
         #: (a replay's inputs), or None
         self._make_capture, self._active = make_capture, active
+        self._rngs: Dict[int, Tensor] = {}     # stage -> the RNG state before its last forward pass
         self._captures: Dict[int, Any] = {}    # stage -> its last forward pass (a replay's inputs)
         self._last_captures: Dict[int, Any] = {}  # (those of the step last exchanged)
         self._tap_stages()
@@ -347,7 +348,7 @@ class Layout:
     def _stage_rng(self, index: int) -> Any:
         def pre_hook(module: nn.Module, args: Any) -> None:
             if self._active():
-                self._captures[index] = torch.get_rng_state()
+                self._rngs[index] = torch.get_rng_state()
 
         return pre_hook
 
@@ -361,9 +362,7 @@ class Layout:
                 return
             cap = None
             if self._make_capture is not None:
-                rng = self._captures.get(index)
-                cap = self._make_capture(args, kwargs, rng if isinstance(rng, Tensor) else None, i, module=mod,
-                                         prefix=prefix)
+                cap = self._make_capture(args, kwargs, self._rngs.get(index), i, module=mod, prefix=prefix)
                 self._captures[index] = cap
             outs[i].register_hook(lambda grad: self._arrive(index, grad, last, cap))
 
@@ -387,8 +386,8 @@ class Layout:
         made (bad, and none arrived at its output), for a replay; None when there is none
         (one stage on this rank: the watch's own capture)."""
         made = [s for s in self.slots if report.bad[s] and not report.arrived[s]]
-        cap = self._last_captures.get(max(made)) if made and len(self.stages) > 1 else None
-        return cap if cap is not None and not isinstance(cap, Tensor) and cap.grad is not None else None
+        cap = self._last_captures.get(max(made)) if made else None
+        return cap if cap is not None and cap.grad is not None else None
 
     def close(self) -> None:
         """Remove the hooks on the stages' outputs."""
@@ -591,8 +590,7 @@ class Layout:
         """The per-step summary over the pipeline group (or the world): every rank learns
         each slot's squared norm and non-finite flag. None when there is no summary."""
         arrived, self._arrived = self._arrived, {}
-        captures, self._captures = self._captures, {}
-        self._last_captures = captures
+        self._last_captures, self._captures = self._captures, {}
         if self.local or self.summary_group is None:
             return None
         dist = _dist()

@@ -135,10 +135,12 @@ def wait_for_children(outdir: pathlib.Path, seconds: float = 30.0) -> List[int]:
     while True:
         left = []
         for marker in outdir.glob(f"{RUNNING}*"):
-            pid = int(marker.name[len(RUNNING):]) if marker.name[len(RUNNING):].isdigit() else -1
+            pid = marker.name[len(RUNNING):]
             try:
-                os.kill(pid, 0)
-                left.append(pid)
+                if not pid.isdigit():  # (never os.kill(-1, 0): that is every process)
+                    raise ValueError(pid)
+                os.kill(int(pid), 0)
+                left.append(int(pid))
             except (OSError, ValueError):  # (gone without its record: a crash, a kill)
                 with contextlib.suppress(OSError):
                     marker.unlink()

@@ -556,9 +556,9 @@ class Watch(_Results, _Resumable):
         self.meta = _meta(opts, ctx)
         if zero is not None:
             self.meta["deepspeed"] = zero.describe()
+        # (pipeline stages, groups, the check-in)
         ctx.layout = Layout(model, ctx.names, ctx.params, self.meta, make_capture=Capture if opts.localise else None,
                             active=lambda: not ctx.replaying, stepped=ctx.optimizer is not None or zero is not None)
-        # (pipeline stages, groups, the check-in)
         self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive, self._on_output_grad)
         self._cb_queued = False
         self._scaler_looked = False

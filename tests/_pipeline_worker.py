@@ -49,9 +49,18 @@ def data(replica: int, step: int):
     return torch.randn(MB * N_MB, 4, generator=g), torch.randn(MB * N_MB, 2, generator=g)
 
 
-def _stage(full: nn.Sequential, n: int, s: int, group, dp_group=None, fsdp_mesh=None):
+def _pipeline_stage(mod: nn.Module, n: int, s: int, group):
+    """Stage ``s`` of ``n`` (its piece of the unsplit model, wrapped or not, in ``mod``), with
+    the static shapes of its input and output."""
     from torch.distributed.pipelining import PipelineStage
 
+    a, b = CUTS[n][s]
+    x = torch.randn(MB, WIDTH[a], requires_grad=s > 0)
+    y = torch.randn(MB, WIDTH[b], requires_grad=True)
+    return PipelineStage(mod, s, n, torch.device("cpu"), input_args=(x,), output_args=y, group=group)
+
+
+def _stage(full: nn.Sequential, n: int, s: int, group, dp_group=None, fsdp_mesh=None):
     a, b = CUTS[n][s]
     part = full[a:b]
     mod = nn.parallel.DistributedDataParallel(part, process_group=dp_group) if dp_group is not None else part
@@ -59,9 +68,18 @@ def _stage(full: nn.Sequential, n: int, s: int, group, dp_group=None, fsdp_mesh=
         from torch.distributed.fsdp import fully_shard
 
         mod = fully_shard(part, mesh=fsdp_mesh)
-    x = torch.randn(MB, WIDTH[a], requires_grad=s > 0)
-    y = torch.randn(MB, WIDTH[b], requires_grad=True)
-    return PipelineStage(mod, s, n, torch.device("cpu"), input_args=(x,), output_args=y, group=group), mod, part
+    return _pipeline_stage(mod, n, s, group), mod, part
+
+
+def schedule_step(sched, stages, x, y) -> None:
+    """One ``schedule.step`` as each rank makes it: the inputs where a stage of this rank's is
+    the first, the targets where one is the last."""
+    if any(s.is_first for s in stages):
+        sched.step(x)
+    elif any(s.is_last for s in stages):
+        sched.step(target=y, losses=[])
+    else:
+        sched.step()
 
 
 def _torchtitan_norm(mod: nn.Module, pp_group) -> float:
@@ -99,12 +117,7 @@ def _run(stage, schedule_cls, mod, replica: int, steps: int = STEPS, boom=None, 
                     boom.on = step == 1
                 x, y = data(replica, step)
                 opt.zero_grad()
-                if any(s.is_first for s in stages or [stage]):
-                    sched.step(x)
-                elif any(s.is_last for s in stages or [stage]):
-                    sched.step(target=y, losses=[])
-                else:
-                    sched.step()
+                schedule_step(sched, stages or [stage], x, y)
                 if edit is not None and step == 1:
                     edit()
                 if step == 0:
@@ -173,9 +186,8 @@ def interleaved(rank: int) -> dict:
     """dp 2 x pp 2 with an interleaved 1F1B schedule: 4 stages, two on each rank (stage s on
     pipeline rank s % 2), each wrapped in DDP over its data-parallel group and watched
     together as one ``nn.ModuleList``; at step 1 a NaN is made in stage 2's backward."""
-    import graddbg
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     dp, pp = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
@@ -184,10 +196,7 @@ def interleaved(rank: int) -> dict:
     for s in (pp, pp + 2):
         a, b = CUTS[4][s]
         part = nn.parallel.DistributedDataParallel(full[a:b], process_group=mesh["dp"].get_group())
-        x = torch.randn(MB, WIDTH[a], requires_grad=s > 0)
-        y = torch.randn(MB, WIDTH[b], requires_grad=True)
-        stages.append(PipelineStage(part, s, 4, torch.device("cpu"), input_args=(x,), output_args=y,
-                                    group=mesh["pp"].get_group()))
+        stages.append(_pipeline_stage(part, 4, s, mesh["pp"].get_group()))
         parts.append(part)
     mod = nn.ModuleList(parts)
     out = _run(stages[0], ScheduleInterleaved1F1B, mod, dp, steps=2, boom=full[7], stages=stages)
@@ -201,7 +210,7 @@ def dp_tp_pp(rank: int) -> dict:
     step 1 a NaN is written into rank 5's shard of 6.weight's gradient after backward."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import Schedule1F1B
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
@@ -212,10 +221,7 @@ def dp_tp_pp(rank: int) -> dict:
         {"4": ColwiseParallel(), "6": RowwiseParallel()}
     parallelize_module(part, mesh["tp"], plan)
     fully_shard(part, mesh=mesh["dp"])
-    x = torch.randn(MB, WIDTH[a], requires_grad=pp > 0)
-    y = torch.randn(MB, WIDTH[b], requires_grad=True)
-    stage = PipelineStage(part, pp, 2, torch.device("cpu"), input_args=(x,), output_args=y,
-                          group=mesh["pp"].get_group())
+    stage = _pipeline_stage(part, 2, pp, mesh["pp"].get_group())
 
     def edit():
         if rank == 5:
@@ -243,12 +249,7 @@ def nan_raise(rank: int) -> dict:
                 full[7].on = step == 1
                 x, y = data(0, step)
                 opt.zero_grad()
-                if stage.is_first:
-                    sched.step(x)
-                elif stage.is_last:
-                    sched.step(target=y, losses=[])
-                else:
-                    sched.step()
+                schedule_step(sched, [stage], x, y)
                 opt.step()
     except graddbg.GradientAnomalyError as err:
         stopped = (err.anomaly.step, err.anomaly.kind, type(err).__name__)
@@ -265,17 +266,14 @@ def hsdp_pp(rank: int) -> dict:
     within each stage only."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import Schedule1F1B
 
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "rep", "shard"))
     pp, rep = mesh["pp"].get_local_rank(), mesh["rep"].get_local_rank()
     a, b = CUTS[2][pp]
     part = full_model()[a:b]
     fully_shard(part, mesh=mesh["rep", "shard"])
-    x = torch.randn(MB, WIDTH[a], requires_grad=pp > 0)
-    y = torch.randn(MB, WIDTH[b], requires_grad=True)
-    stage = PipelineStage(part, pp, 2, torch.device("cpu"), input_args=(x,), output_args=y,
-                          group=mesh["pp"].get_group())
+    stage = _pipeline_stage(part, 2, pp, mesh["pp"].get_group())
 
     def drift():
         if rank == 5:
@@ -293,7 +291,7 @@ def mixed_meshes(rank: int) -> dict:
     be a collective that stage 1's ranks never join: graddbg must not try."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import ScheduleGPipe
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
@@ -303,10 +301,7 @@ def mixed_meshes(rank: int) -> dict:
     if pp == 0:
         parallelize_module(part, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         fully_shard(part, mesh=mesh["dp"])
-    x = torch.randn(MB, WIDTH[a], requires_grad=pp > 0)
-    y = torch.randn(MB, WIDTH[b], requires_grad=True)
-    stage = PipelineStage(part, pp, 2, torch.device("cpu"), input_args=(x,), output_args=y,
-                          group=mesh["pp"].get_group())
+    stage = _pipeline_stage(part, 2, pp, mesh["pp"].get_group())
     out = _run(stage, ScheduleGPipe, part, 0, steps=2)
     out["pp"] = pp
     return out
@@ -329,12 +324,7 @@ def stepless(rank: int) -> dict:
             for step in range(STEPS):
                 x, y = data(0, step)
                 opt.zero_grad()
-                if stage.is_first:
-                    sched.step(x)
-                elif stage.is_last:
-                    sched.step(target=y, losses=[])
-                else:
-                    sched.step()
+                schedule_step(sched, [stage], x, y)
                 opt.step()
     return {"seconds": time.monotonic() - t0, "layout": w.meta.get("layout"), "steps": len(w.steps),
             "warnings": [str(c.message) for c in caught if "graddbg" in str(c.message)]}

@@ -4,7 +4,7 @@ stepped once per optimizer step (``lr_schedule``). Host facts of the ledger only
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import numpy as np
 

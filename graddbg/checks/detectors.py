@@ -35,10 +35,9 @@ class NonFiniteCheck(Check):
         names = [ctx.names[i] for i in idx]
         state = nonfinite_state(unwrap(ctx.model)) if ctx.model is not None else []
         applied = bool(state) and self._applied_here(step, state)
-        if state and not applied:  # a NaN/Inf weight or buffer: it is the producer
-            self._seen = True
-            return state_anomaly(state, step.first_bad, ctx.rank)
         self._seen = True
+        if state and not applied:  # a NaN/Inf weight or buffer: it is the producer
+            return state_anomaly(state, step.first_bad, ctx.rank)
         where = self._localise(step, names, idx, replay_ok=not applied)
         if applied:
             where.how += (", read after step(closure) had applied them: the weights it made non-finite "

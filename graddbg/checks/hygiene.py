@@ -26,11 +26,10 @@ a finding once, with the step, the parameters, the evidence and the likely fix:
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from graddbg.anomaly import Anomaly
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched, finding as _finding, shown as _shown, \

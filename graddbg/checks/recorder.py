@@ -199,8 +199,8 @@ class _RankFlags:
         # (a non-finite norm is the non-finite check's: NaN payloads may differ between ranks)
         applied = torch.nan_to_num(applied, nan=0.0, posinf=0.0, neginf=0.0)
         bits = applied.view(torch.int64)
-        weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64, device=bits.device) * 0x9E3779B97F4A7C1
-        h = (bits * weights).sum()  # (wraps modulo 2**64)
+        coef = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64, device=bits.device) * 0x9E3779B97F4A7C1
+        h = (bits * coef).sum()  # (wraps modulo 2**64)
         return ((h ^ (h >> 29)) & ((1 << 52) - 1)).to(dev)
 
     def read(self, slots: Tuple[Slot, Optional[Slot]]) -> Tuple[np.ndarray, Dict[int, List[int]], bool]:
@@ -382,8 +382,8 @@ class StatsRecorder(Check):
         came = layout.arrival(report)
         if came is not None and bad.any():
             step.origin, step.capture = came, None
-        elif bad.any() and layout.capture(report) is not None:  # (several stages here: the one that made it)
-            step.capture = layout.capture(report)
+        elif bad.any():  # (several stages here: the last forward pass of the one that made it, if any)
+            step.capture = layout.capture(report) or step.capture
 
     def _launch(self, index: int, grads: List[Optional[Tensor]], scale: Optional[Tensor]) -> _Pending:
         launch = self._reader.launch(grads, absmax=self._absmax_due(index, grads), extras=True)

@@ -42,6 +42,7 @@ class ReplicaCheck(Check):
             every = AUTO_EVERY if ctx.world_size > 1 else None
         self.schedule = Schedule(every)
         self._differed = False
+        self._said = False  # (the per-step hash stands in for ddp_verify: said once)
 
     def due(self, index: int) -> bool:
         return self.schedule.includes(index)
@@ -53,10 +54,12 @@ class ReplicaCheck(Check):
         self._differed = step.replicas_differ  # (a difference that persists was reported when it began)
         if not (self.due(step.index) or urgent) or step.closure:
             return []
+        layout = self.ctx.layout
         if self._stage_of_shards():
             # ddp_verify compares sharded models across the whole world, and a pipeline's stages
             # hold different models: the recorder's per-step hash, within each stage, is the check
-            a = _hash_mismatch(step.index, self.ctx.layout, self.ctx.rank) if urgent else None
+            a = _hash_mismatch(step.index, layout.meta.get("stage"), layout.shard_replicas,
+                               self.ctx.rank) if urgent else None
         else:
             a = self._check(step.index)
         if a is None:
@@ -69,7 +72,7 @@ class ReplicaCheck(Check):
         layout = self.ctx.layout
         sharded = layout is not None and layout.world > 1 and layout.pipeline and any(
             is_dtensor(p) for p in self.ctx.params)
-        if sharded and not self.auto and not getattr(self, "_said", False):
+        if sharded and not self.auto and not self._said:
             self._said = True
             warnings.warn("graddbg.watch: ddp_check_every: the full comparison of the replicas (ddp_verify) spans "
                           "the whole world on a sharded model, and the stages of this pipeline hold different "
@@ -107,9 +110,10 @@ class ReplicaCheck(Check):
         return None if report.ok else _mismatch(index, report, self.ctx.rank)
 
 
-def _hash_mismatch(index: int, layout: object, rank: Optional[int]) -> Anomaly:
-    stage = getattr(layout, "meta", {}).get("stage")
-    k, _, m = getattr(layout, "shard_replicas", None) or (1, 0, 0)
+def _hash_mismatch(index: int, stage: object, shard_replicas: Optional[tuple], rank: Optional[int]) -> Anomaly:
+    """A replica drift within a pipeline stage, from the recorder's hash (no names: it
+    compares norms hashed together)."""
+    k, _, m = shard_replicas or (1, 0, 0)
     held = f"each of the {k} shard(s) held by {m} ranks" if m else "the ranks holding the same shards"
     return Anomaly(step=index, kind="ddp_mismatch", name=None, module=None, op=None, value=float("nan"),
                    threshold=0.0, source=None, rank=rank,
