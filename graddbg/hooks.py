@@ -32,7 +32,7 @@ from graddbg.blame import Capture
 from graddbg.checks.hygiene import unused_anomaly
 from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, Ledger, LedgerKeeper, LossGraph,
                             StatsRecorder, Step, Watched, ZeroRecorder, default_checks)
-from graddbg.options import UPDATE_EVERY, WatchOptions, options_in_signature
+from graddbg.options import COPY_BUDGET, UPDATE_EVERY, WatchOptions, options_in_signature
 from graddbg.stats import DEFAULT_STATS, History
 
 __all__ = ["HookSet", "Watch", "watch", "MAX_ROWS"]
@@ -865,7 +865,8 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
           loss_pattern: Any = "warn", dead_grad: Any = "warn", unused_param: Any = "warn", activations: bool = False,
           histograms: Union[None, bool, int] = None, scaler: Any = None, history: int = 10_000,
           ddp_check_every: Union[None, str, int] = "auto", update_every: Optional[int] = UPDATE_EVERY,
-          localise: bool = True, ddp_timeout: Any = None, **old_spellings: Any) -> Watch:
+          copy_budget: float = COPY_BUDGET, localise: bool = True, ddp_timeout: Any = None,
+          **old_spellings: Any) -> Watch:
     """Watch a model's gradients while it trains; use as a context manager.
 
     Step boundaries: the optimizer's step when ``optimizer`` is given (statistics of the
@@ -952,6 +953,11 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
         update_every: measure the update/weight ratio ||Δw||/||w|| on every N-th recorded
             step, the first included (200; None: off). It copies the weights before the
             step; without memory for the copy it warns and switches itself off.
+        copy_budget: the share of the weights' bytes that may be copied before one
+            optimizer step (0.1; a fraction in (0, 1]; weights under 1 MiB are copied whole).
+            Each measured step copies the parameters measured longest ago that fit (one
+            larger than the whole budget alone), so each parameter's update ratio comes every
+            ``1 / copy_budget`` measured steps or so (NaN on the others); 1 copies all.
         localise: on a non-finite gradient, replay the last forward and backward pass
             under `graddbg.find_nonfinite` to name the op and source line (True).
             The old spelling ``localize=`` is accepted.

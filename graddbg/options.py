@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -31,11 +32,14 @@ from graddbg._errors import GraddbgTypeError, GraddbgValueError
 from graddbg.anomaly import HYGIENE_KINDS, Explode, NonFinite, Vanish, as_detector, check_policy
 from graddbg.stats import CPU_ABSMAX_EVERY, DEFAULT_STATS, validate_stats
 
-__all__ = ["WatchOptions", "UPDATE_EVERY", "AUTO"]
+__all__ = ["WatchOptions", "UPDATE_EVERY", "COPY_BUDGET", "AUTO"]
 
 #: the default of ``update_every=``: the update/weight ratio needs a copy of every weight,
 #: which is slow to reach again when taken rarely
 UPDATE_EVERY = 200
+#: the default of ``copy_budget=``: the share of the weights' bytes that may be copied before
+#: one optimizer step (`graddbg.checks.budget.WeightBudget`)
+COPY_BUDGET = 0.1
 
 
 # --------------------------------------------------------------------------- validators
@@ -82,6 +86,16 @@ def _replica_every(where: str, name: str, value: Any) -> Any:
     return value
 
 
+def _fraction(where: str, name: str, value: Any) -> float:
+    """A fraction in (0, 1], as a float."""
+    accepted = "a fraction in (0, 1] of the weights' bytes"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise bad_type(where, name, value, accepted)
+    if not 0 < float(value) <= 1:
+        raise bad_value(where, name, value, accepted)
+    return float(value)
+
+
 def _option(default: Any, check: Callable[[str, str, Any], Any], doc: str) -> Any:
     return field(default=default, metadata={"check": check, "doc": doc})
 
@@ -118,6 +132,7 @@ class WatchOptions:
     history: int = _option(10_000, count, "steps kept in the history")
     ddp_check_every: Any = _option(AUTO, _replica_every, "replica check cadence under distribution")
     update_every: Optional[int] = _option(UPDATE_EVERY, optional(count), "update/weight ratio cadence")
+    copy_budget: float = _option(COPY_BUDGET, _fraction, "weights copied before a step, a fraction of their bytes")
     localise: bool = _option(True, flag, "replay a non-finite step to name its op and line")
     ddp_timeout: Any = _option(None, optional(duration), "timeout of the replica checks (None: 60 s)")
 

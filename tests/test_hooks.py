@@ -705,6 +705,7 @@ BAD_OPTIONS = [
     ({"ddp_check_every": 0}, ValueError, r"^watch\(ddp_check_every=...\): got 0; accepted: None, 'auto' or an int >= 1$"),
     ({"ddp_check_every": "sometimes"}, TypeError, r"^watch\(ddp_check_every=...\): got 'sometimes' \(str\)"),
     ({"update_every": -1}, ValueError, r"^watch\(update_every=...\): got -1; accepted: an int >= 1$"),
+    ({"copy_budget": 0}, ValueError, r"^watch\(copy_budget=...\): got 0; accepted: a fraction in \(0, 1\]"),
     ({"localise": 2}, TypeError, r"^watch\(localise=...\): got 2 \(int\); accepted: True or False$"),
     ({"ddp_timeout": "10s"}, TypeError,
      r"^watch\(ddp_timeout=...\): got '10s' \(str\); accepted: a datetime.timedelta or a number of seconds > 0$"),

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from graddbg._model import module_of
 from graddbg.anomaly import Anomaly
+from graddbg.checks.budget import WeightBudget
 from graddbg.stats import Readback, StepStats
 
 __all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "finding", "shown", "step_range"]
@@ -62,6 +63,8 @@ class Watched:
         #: a GradScaler found scaling the loss (in the frames of a backward pass's caller): used from now on
         self.adopt_scaler: Callable[[Any], None] = lambda scaler: None
         self.layout: Any = None  #: which ranks graddbg exchanges what with (`graddbg._groups.Layout`)
+        #: the one memory budget of the weights copied before a step, shared by the checks that copy them
+        self.budget = WeightBudget(options.copy_budget)
         self.add(named)
 
     def add(self, named: Sequence[tuple]) -> None:
