@@ -13,12 +13,24 @@ without an optimizer (each backward pass a step) under graddbg.watch for many st
 
     python bench/memory.py                      # 5,000 parameters x 1,000 steps
     python bench/memory.py --params 1000 --steps 200
+
+With ``--copies``, the memory of the update/weight ratio's copies of the weights instead: a
+stack of ``--layers`` nn.Linear(4096, 4096) (18: 302M float32 parameters, 1.21 GB) trained
+with SGD without momentum (the optimizer holds nothing) for ``--steps`` steps (2), the ratio
+measured at step 0, each configuration alone in a fresh process (one at a time: several GB
+each); the bench prints each one's peak resident memory and what it adds to the unwatched
+run, as a share of the weights' bytes:
+
+    python bench/memory.py --copies             # unwatched / watched without the ratio /
+                                                # copy_budget=1 (every weight) / the default
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,12 +76,71 @@ def run(params: int, steps: int, cap: int = None) -> dict:
             "rss_growth_mb": rss1 - rss0, "train_s": train_s, "frame_s": frame_s, "report_s": report_s}
 
 
+#: the configurations of ``--copies``: the keywords of watch() (None: unwatched)
+COPY_RUNS = {"unwatched": None, "watched, update_every=None": {"update_every": None},
+             "watched, copy_budget=1 (every weight)": {"copy_budget": 1.0},
+             "watched, default copy_budget=0.1": {}}
+
+
+def copies_child(name: str, layers: int, steps: int) -> dict:
+    """One configuration of ``--copies``, in this (fresh) process: its peak RSS."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(layers)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(8, 4096)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kw = COPY_RUNS[name]
+    w = graddbg.watch(model, opt, explode=None, **kw) if kw is not None else None
+    try:
+        for _ in range(steps):
+            model(x).square().mean().backward()
+            opt.step()                                  # (step 0: the ratio is measured)
+            opt.zero_grad(set_to_none=True)
+    finally:
+        if w is not None:
+            w.close()
+    copied = 0
+    if w is not None and "update_ratio" in w.stats:
+        at0 = w.stats[(w.stats.step == 0) & w.stats.update_ratio.notna()]
+        copied = int(at0.numel.sum()) * 4
+    return {"name": name, "peak_rss_mb": _rss_mb(), "weights_mb": weights / 2**20, "copied_mb": copied / 2**20,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def copies(layers: int, steps: int) -> None:
+    """Run every configuration of ``--copies`` in its own process, one at a time."""
+    rows = []
+    for name in COPY_RUNS:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--copies-child", name,
+                              "--layers", str(layers), "--steps", str(steps)],
+                             check=True, capture_output=True, text=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    base = rows[0]["peak_rss_mb"]
+    print(f"{rows[0]['params'] / 1e6:.0f}M parameters ({layers} x nn.Linear(4096, 4096)), weights "
+          f"{rows[0]['weights_mb']:.0f} MB, SGD without momentum, {steps} steps, the update ratio at step 0:")
+    for r in rows:
+        extra = r["peak_rss_mb"] - base
+        print(f"  {r['name']:<40} peak RSS {r['peak_rss_mb']:7.0f} MB  +{extra:6.0f} MB over unwatched "
+              f"({100 * extra / r['weights_mb']:5.1f}% of the weights); copied at step 0: "
+              f"{r['copied_mb']:.0f} MB ({100 * r['copied_mb'] / r['weights_mb']:.1f}%)")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=int, default=5000)
-    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=None, help="steps (1000; with --copies: 2)")
     ap.add_argument("--small-cap", type=int, default=200_000, help="a second run with this row cap")
+    ap.add_argument("--copies", action="store_true", help="the memory of the update ratio's copies instead")
+    ap.add_argument("--layers", type=int, default=18, help="--copies: nn.Linear(4096, 4096) layers")
+    ap.add_argument("--copies-child", choices=list(COPY_RUNS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.copies_child:
+        print(json.dumps(copies_child(args.copies_child, args.layers, args.steps)))
+        return
+    if args.copies:
+        copies(args.layers, args.steps or 2)
+        return
+    args.steps = args.steps or 1000
     default_cap = graddbg.hooks.MAX_ROWS
     for cap in (default_cap, args.small_cap):
         r = run(args.params, args.steps, cap)
