@@ -455,9 +455,12 @@ def _write(w: Any, outdir: pathlib.Path, i: int, stream: Any) -> bool:
 
 def report(run_path: str, out: Optional[str] = None) -> pathlib.Path:
     """Render a saved run (``w.save``) as an HTML report; ``graddbg report`` calls it.
+    It never writes over its input: an ``out`` that is the run file, or one of the runs in
+    the folder given, is refused before anything is read or written.
 
     Args:
-        run_path: a file written by `Watch.save` or `Run.save`.
+        run_path: a file written by `Watch.save` or `Run.save`, or the folder that
+            ``graddbg run`` / ``graddbg demo`` wrote (its ``stats.parquet`` is read).
         out: the HTML file to write (its folder must exist). None: next to the run, with
             its name and ``.html`` (``out/stats.parquet`` -> ``out/stats.html``).
 
@@ -465,22 +468,64 @@ def report(run_path: str, out: Optional[str] = None) -> pathlib.Path:
         pathlib.Path: the report written.
 
     Raises:
-        UsageError: ``run_path`` is not an existing file or is not a run that `graddbg.load`
-            reads; ``out`` is a folder, or its folder does not exist or cannot be written
-            in (checked before the run is read). A ``UsageError`` is a `GraddbgValueError`:
-            the command exits with 2.
+        UsageError: ``run_path`` is neither an existing file nor a folder with a run, or
+            is not a run that `graddbg.load` reads; ``out`` is a folder, its folder does
+            not exist or cannot be written in, or it is the run itself, one of the runs in
+            the folder given, or another parquet file (checked before the run is read).
+            A ``UsageError`` is a `GraddbgValueError`: the command exits with 2.
         GraddbgError: the report could not be written.
     """
     import graddbg
 
-    if not isinstance(run_path, (str, os.PathLike)) or not pathlib.Path(run_path).is_file():
-        raise UsageError(f"run: {run_path!r} does not exist (expected a file written by Watch.save)")
-    target = _out_file(pathlib.Path(run_path).with_suffix(".html") if out is None else out)
+    source, inputs = _run_input(run_path)
+    target = _out_file(source.with_suffix(".html") if out is None else out)
+    _not_an_input(target, source, inputs, out)
     try:
-        run = graddbg.load(run_path)
+        run = graddbg.load(source)
     except GraddbgError as e:
         raise UsageError(str(e)) from None
     return run.report(target)
+
+
+def _run_input(run_path: Any) -> Tuple[pathlib.Path, List[pathlib.Path]]:
+    """(the run file to read, every run file the input holds): a file is itself; the
+    folder ``graddbg run`` / ``demo`` wrote is its ``stats.parquet``, and holds the runs
+    of its ranks and workers too."""
+    if not isinstance(run_path, (str, os.PathLike)) or not pathlib.Path(run_path).exists():
+        raise UsageError(f"run: {run_path!r} does not exist (expected a file written by Watch.save, "
+                         f"or the folder graddbg run / demo wrote)")
+    path = pathlib.Path(run_path)
+    if not path.is_dir():
+        return path, [path]
+    inputs = sorted(path.glob("*.parquet")) + sorted(path.glob("*/*.parquet"))
+    if (path / "stats.parquet").is_file():
+        return path / "stats.parquet", inputs
+    found = ", ".join(str(p.relative_to(path)) for p in inputs[:5]) or "no .parquet file"
+    raise UsageError(f"run: the folder {str(path)!r} holds no stats.parquet (it holds {found}); give a run "
+                     f"file written by Watch.save, graddbg run or graddbg demo, or the folder they wrote")
+
+
+def _not_an_input(target: pathlib.Path, source: pathlib.Path, inputs: List[pathlib.Path], out: Any) -> None:
+    """A report is never written over a run: not over the input, not over another run in the
+    folder given, not over any other parquet file."""
+    from graddbg._io import same_file
+
+    given = f"--out: {str(target)!r}" if out is not None else f"--out: not given, and the default {str(target)!r}"
+    hit = next((p for p in inputs if same_file(target, p)), None)
+    if hit is not None:
+        what = "the run being read" if same_file(hit, source) else f"a run in the folder being read ({str(hit)!r})"
+        instead = source.with_suffix(".html")
+        instead = instead if not same_file(instead, hit) else source.with_name(source.stem + "-report.html")
+        raise UsageError(f"{given} is {what}; the report would overwrite it. --out accepts a new or HTML file "
+                         f"that is not an input, such as {str(instead)!r}")
+    try:
+        with open(target, "rb") as f:
+            parquet = f.read(4) == b"PAR1"
+    except OSError:
+        parquet = False
+    if parquet:
+        raise UsageError(f"{given} is a parquet file (a saved run?), which the report would overwrite. "
+                         f"--out accepts a new or HTML file, such as {str(target.with_suffix('.html'))!r}")
 
 
 # --------------------------------------------------------------------------- main
@@ -516,9 +561,11 @@ Everything after the script's name goes to the script.
 
 A POLICY is what to do on a finding: raise (stop the script with an error), warn,
 skip (drop the affected gradients this step), record (only in the report), none (off)."""
-_REPORT = """Render a run saved by `graddbg run`, `graddbg demo` or Watch.save (a .parquet file)
-as a self-contained HTML report. Without --out the report is written next to the run,
-with the run's name: out/stats.parquet -> out/stats.html. Prints where it wrote."""
+_REPORT = """Render a run saved by `graddbg run`, `graddbg demo` or Watch.save (a .parquet file,
+or the folder `graddbg run` / `demo` wrote) as a self-contained HTML report. Without --out
+the report is written next to the run, with the run's name: out/stats.parquet ->
+out/stats.html. Prints where it wrote. It never writes over a run: an --out that is the run,
+a run in the folder given or any parquet file is refused (exit code 2)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -555,7 +602,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the script's own arguments (its sys.argv[1:])").required = False
     rep = sub.add_parser("report", help="render a saved run (stats.parquet) as an HTML report",
                          description=_REPORT, formatter_class=_Help)
-    rep.add_argument("run", help="a .parquet file written by graddbg run, graddbg demo or Watch.save")
+    rep.add_argument("run", help="a .parquet file written by graddbg run, graddbg demo or Watch.save, "
+                                 "or the folder graddbg run / demo wrote")
     rep.add_argument("--out", default=None, metavar="FILE",
                      help="the HTML file to write (default: next to the run, with its name: out/stats.parquet -> out/stats.html)")
     return p
