@@ -17,6 +17,15 @@ too: a temporary file in the same folder, then ``os.replace``), so a failed writ
 the previous file whole. `load` validates everything it reads and raises a
 `graddbg.GraddbgError` naming the file and what is wrong with it.
 
+A run file is untrusted input (runs are shared between people): `load` reads each parquet
+footer's metadata itself (``graddbg._io.parquet_key_values``) and refuses an Arrow schema
+that declares an extension type before pyarrow reads anything, refuses columns that are
+not plain numbers, booleans, times or text, and builds the DataFrames from the columns
+alone (the ``pandas`` metadata key is ignored). Empty tables (a run stopped in its first
+step) are written with their columns' proper dtypes, and read back whatever dtypes an older
+file gave them. Why the run stopped, when graddbg knows it, is ``meta["stopped"]`` (see
+`stop_reason`; `Run.stopped`).
+
 pandas and pyarrow are imported inside the functions that need them.
 """
 from __future__ import annotations
@@ -24,22 +33,26 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import inspect
 import io
 import json
 import math
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Union
+import signal
+import sys
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from graddbg._errors import GraddbgError, GraddbgTypeError, GraddbgValueError
-from graddbg._io import as_path, file_target, replacing, write_atomic
+from graddbg._io import (arrow_schema_extensions, as_path, file_target, parquet_key_values, replacing,
+                         same_file, write_atomic)
 from graddbg.anomaly import Anomaly
 
 if TYPE_CHECKING:  # pragma: no cover - type names only
     import pandas
     from matplotlib.figure import Figure
 
-__all__ = ["Run", "load", "FORMAT_VERSION"]
+__all__ = ["Run", "load", "stop_reason", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 _META_KEY = b"graddbg"
@@ -65,6 +78,12 @@ _KINDS = {
                     "out_nonfinite": ("int",)},
     "ledger": {"step": ("int",), "path": ("text",)},
 }
+# the dtype an empty column is given (an empty table holds no values to tell it), by kind; and
+# the kinds of the ledger's other columns, used for an empty ledger only
+_EMPTY_DTYPE = {"int": "int64", "float": "float64", "bool": "bool", "text": "object"}
+_EMPTY_LEDGER = {**{c: ("int",) for c in ("forwards", "backwards", "grads", "moved")},
+                 **{c: ("float",) for c in ("update", "global_norm", "clipped_norm", "scale")},
+                 "skipped": ("bool",)}
 
 
 # ---------------------------------------------------------------------- files
@@ -123,12 +142,30 @@ class Run:
         self.activations = activations
         self.ledger = ledger
         self.meta: Dict[str, Any] = dict(meta or {})
+        #: the file this run was read from by `load` (None for a run made in memory): its
+        #: report is never written over it
+        self.source: Optional[pathlib.Path] = None
 
     def __repr__(self) -> str:
         n_rec = self.stats["step"].nunique() if "step" in self.stats.columns else 0
         n_par = self.stats["name"].nunique() if "name" in self.stats.columns else 0
         return (f"Run(recorded_steps={n_rec}, steps={len(self.steps)}, params={n_par}, "
                 f"anomalies={len(self.anomalies)})")
+
+    @property
+    def stopped(self) -> Optional[Dict[str, Any]]:
+        """Why the run stopped, when graddbg knew it (``meta["stopped"]``, see
+        `stop_reason`): ``{"how": "completed"}``, an exception's type and message, a signal,
+        ...; None when it was not recorded.
+
+        Examples:
+            >>> import pandas as pd
+            >>> Run(pd.DataFrame({"step": [], "name": []}), pd.DataFrame({"step": []}),
+            ...     meta={"stopped": stop_reason(KeyboardInterrupt())}).stopped["signal"]
+            'SIGINT'
+        """
+        stopped = self.meta.get("stopped")
+        return stopped if isinstance(stopped, dict) else None
 
     # ------------------------------------------------------------------ views
     def summary(self, by: str = "param") -> "pandas.DataFrame":
@@ -192,10 +229,15 @@ class Run:
             pathlib.Path: ``path``.
 
         Raises:
+            GraddbgValueError: ``path`` is the file this run was loaded from (`source`).
             GraddbgError: the file cannot be written.
         """
         from graddbg.report import write_report
 
+        if self.source is not None and isinstance(path, (str, os.PathLike)) and same_file(path, self.source):
+            raise GraddbgValueError(f"path: {os.fspath(path)!r} is the run file this Run was loaded from; "
+                                    f"the report would overwrite it: give another file name, such as "
+                                    f"{str(_report_name(self.source))!r}")
         return write_report(self, path, graph=graph, title=title)
 
     # ------------------------------------------------------------------ persistence
@@ -234,16 +276,18 @@ class Run:
         """The stats table with the rest of the run in its schema metadata."""
         import pyarrow as pa
 
+        stats = _typed_if_empty("stats", self.stats)
         doc: Dict[str, Any] = {
             "format": "graddbg.run", "version": FORMAT_VERSION,
-            "anomalies": [a.to_dict() for a in self.anomalies], "meta": self.meta,
-            "dtypes": {"stats": _dtypes(self.stats)}, "tables": [],
-            "categories": {"stats": _category_dtypes(self.stats)},
+            "anomalies": [a.to_dict() for a in self.anomalies], "meta": self._meta_to_save(),
+            "dtypes": {"stats": _dtypes(stats)}, "tables": [],
+            "categories": {"stats": _category_dtypes(stats)},
         }
         metadata: Dict[bytes, bytes] = {}
         for name in _TABLES:
             frame = getattr(self, name)
             if frame is not None:
+                frame = _typed_if_empty(name, frame)
                 doc["tables"].append(name)
                 doc["dtypes"][name] = _dtypes(frame)
                 doc["categories"][name] = _category_dtypes(frame)
@@ -253,9 +297,18 @@ class Run:
         except (TypeError, ValueError) as e:
             raise GraddbgTypeError(f"Run.meta must hold JSON-able values only (str, numbers, "
                                    f"bool, None, lists, dicts): {e}") from e
-        table = pa.Table.from_pandas(self.stats)
+        table = pa.Table.from_pandas(stats, preserve_index=False)
         metadata = {**(table.schema.metadata or {}), _META_KEY: text.encode("utf-8"), **metadata}
         return table.replace_schema_metadata(metadata)
+
+    def _meta_to_save(self) -> Dict[str, Any]:
+        """``meta``, with why the run stopped when it does not say and an exception is being
+        handled as the run is saved (``except ...: w.save(path)``)."""
+        exc = sys.exc_info()[1]
+        if "stopped" in self.meta or exc is None:
+            return self.meta
+        return {**self.meta, "stopped": {**stop_reason(exc),
+                                         "evidence": "the exception being handled when the run was saved"}}
 
     def to_tensorboard(self, writer: Any, *, prefix: str = "graddbg") -> None:
         """Write the run to TensorBoard.
@@ -301,7 +354,11 @@ def load(path: PathLike) -> Run:
 
     Everything read is checked: a file that is not such a run, or whose metadata or
     tables were damaged or edited (bad JSON, wrong types, bad base64, incomplete anomalies,
-    an unknown format version, missing columns, wrong column types) is refused.
+    an unknown format version, missing columns, wrong column types) is refused. A run file
+    is untrusted input: a file whose Arrow schema declares an extension type is refused
+    before pyarrow reads it, a column that is not plain numbers, booleans, times or text is
+    refused, and the ``pandas`` metadata is ignored, so reading a file never runs code from
+    it. A run stopped at any point loads, its first step included (empty tables).
 
     Args:
         path: the parquet file.
@@ -328,8 +385,7 @@ def load(path: PathLike) -> Run:
     if path.is_dir():
         raise GraddbgValueError(f"path: {str(path)!r} is a directory; expected a file written "
                                 f"by Watch.save / Run.save")
-    table = _read_parquet(path)
-    metadata = table.schema.metadata or {}
+    table, metadata = _read_parquet(path)
     doc = _read_doc(path, metadata)
     dtypes = {"": doc.get("dtypes") or {}, "categories": doc.get("categories") or {}}
     frames = {"stats": _frame(path, "stats", table, dtypes)}
@@ -341,8 +397,57 @@ def load(path: PathLike) -> Run:
 
         steps = pd.DataFrame({"step": pd.Series([], dtype="int64")})
     anomalies = _anomalies(path, doc.get("anomalies") or [])
-    return Run(frames["stats"], steps, anomalies, histograms=frames["histograms"],
-               activations=frames["activations"], meta=doc.get("meta") or {}, ledger=frames["ledger"])
+    run = Run(frames["stats"], steps, anomalies, histograms=frames["histograms"],
+              activations=frames["activations"], meta=doc.get("meta") or {}, ledger=frames["ledger"])
+    run.source = path
+    return run
+
+
+def stop_reason(exc: Optional[BaseException] = None) -> Dict[str, Any]:
+    """Why a run stopped, as JSON-able data for ``Run.meta["stopped"]``: None (no exception)
+    is ``{"how": "completed"}``; Ctrl-C and SIGTERM / SIGHUP under ``graddbg run`` are
+    ``"signal"``; ``sys.exit`` is ``"exit"`` with its code; a `GradientAnomalyError` is
+    ``"anomaly"`` (graddbg's own policy stopped it); any other exception is
+    ``"exception"``, with its type and message.
+
+    Examples:
+        >>> stop_reason()
+        {'how': 'completed'}
+        >>> stop_reason(ValueError("bad batch"))
+        {'how': 'exception', 'type': 'ValueError', 'message': 'bad batch'}
+        >>> stop_reason(KeyboardInterrupt())
+        {'how': 'signal', 'type': 'KeyboardInterrupt', 'signal': 'SIGINT'}
+    """
+    if exc is None:
+        return {"how": "completed"}
+    kind = type(exc)
+    module = "graddbg" if kind.__module__.startswith("graddbg.") else kind.__module__
+    name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+    signum = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else getattr(exc, "signum", None)
+    if isinstance(signum, int) and not isinstance(signum, bool):
+        try:
+            return {"how": "signal", "type": name, "signal": signal.Signals(signum).name}
+        except ValueError:
+            return {"how": "signal", "type": name, "signal": int(signum)}
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        return {"how": "exit", "type": name, "code": code if isinstance(code, (int, type(None))) else str(code)}
+    try:
+        message = str(exc)
+    except Exception:  # (a broken __str__ of the user's exception)
+        message = f"<{name} whose str() failed>"
+    out = {"how": "anomaly" if hasattr(exc, "anomaly") and module == "graddbg" else "exception",
+           "type": name, "message": message if len(message) <= 2000 else message[:2000] + "..."}
+    step = getattr(getattr(exc, "anomaly", None), "step", None)
+    if out["how"] == "anomaly" and isinstance(step, int):
+        out["step"] = step
+    return out
+
+
+def _report_name(run_file: pathlib.Path) -> pathlib.Path:
+    """A report's file name next to ``run_file`` that is not ``run_file`` itself."""
+    html = run_file.with_suffix(".html")
+    return html if html != run_file else run_file.with_name(run_file.stem + "-report.html")
 
 
 def _Invalid(path: pathlib.Path, what: str) -> GraddbgError:
@@ -350,19 +455,45 @@ def _Invalid(path: pathlib.Path, what: str) -> GraddbgError:
     return GraddbgError(f"path: {str(path)!r} is not a valid graddbg run: {what}")
 
 
-def _read_parquet(path: pathlib.Path) -> Any:
-    import pyarrow.parquet as pq
+def _read_parquet(path: pathlib.Path) -> Tuple[Any, Dict[bytes, bytes]]:
+    """The stats table of the run file and its key/value metadata, as read from its footer
+    (checked before pyarrow reads anything: see `_safe_table`)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise GraddbgError(f"path: cannot read {str(path)!r}: {e.strerror or e}") from None
+
+    def refuse(why: str) -> GraddbgError:
+        return GraddbgError(f"path: {str(path)!r} is not a parquet file written by Watch.save / Run.save ({why})")
 
     try:
-        table = pq.read_table(path)
-    except Exception as e:  # pyarrow raises its own ArrowInvalid for non-parquet input
-        raise GraddbgError(f"path: {str(path)!r} is not a parquet file written by "
-                           f"Watch.save / Run.save ({type(e).__name__}: {e})") from e
-    if _META_KEY not in (table.schema.metadata or {}):
+        pairs = parquet_key_values(data)
+    except GraddbgValueError as e:
+        raise refuse(str(e)) from None
+    if _META_KEY not in dict(pairs):
         raise GraddbgError(f"path: {str(path)!r} is a parquet file but not a graddbg run "
                            f"(it has no 'graddbg' metadata); write runs with Watch.save or "
                            f"Run.save")
-    return table
+    return _safe_table(data, pairs, refuse, lambda why: _Invalid(path, why)), dict(pairs)
+
+
+def _safe_table(data: bytes, pairs: List[Tuple[bytes, bytes]], refuse: Any, invalid: Any) -> Any:
+    """The parquet file ``data`` as a pyarrow Table, read only when its Arrow schema
+    declares no extension type (whose deserialisation could run code from the file:
+    CVE-2023-47248), and with pyarrow's own extension types for parquet types off."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    problems = arrow_schema_extensions(pairs)
+    if problems:
+        raise invalid(f"{problems[0]}; graddbg run files hold plain columns only, and reading an "
+                      f"extension type could run code from the file: refused unread")
+    options = {"arrow_extensions_enabled": False} \
+        if "arrow_extensions_enabled" in inspect.signature(pq.ParquetFile).parameters else {}
+    try:
+        return pq.ParquetFile(pa.BufferReader(data), **options).read()
+    except Exception as e:  # pyarrow's ArrowInvalid and friends
+        raise refuse(f"{type(e).__name__}: {e}") from None
 
 
 def _read_doc(path: pathlib.Path, metadata: Dict[bytes, bytes]) -> Dict[str, Any]:
@@ -388,7 +519,17 @@ def _read_doc(path: pathlib.Path, metadata: Dict[bytes, bytes]) -> Dict[str, Any
                           ("categories", "an object of table -> {column: dtype}", _dtype_doc)):
         if doc.get(key) is not None and not ok(doc[key]):
             raise _Invalid(path, f"metadata {key!r} must be {want}; got {_describe(doc[key])}")
+    stopped = (doc.get("meta") or {}).get("stopped")
+    if not _stopped_doc(stopped):
+        raise _Invalid(path, f"metadata meta['stopped'] must be an object of plain values with a 'how' "
+                             f"string (see graddbg.run.stop_reason); got {_describe(stopped)}")
     return doc
+
+
+def _stopped_doc(v: Any) -> bool:
+    """``meta["stopped"]``: absent, or an object of plain values with a 'how' string."""
+    return v is None or isinstance(v, dict) and isinstance(v.get("how"), str) and all(
+        isinstance(x, (str, int, float, bool, type(None))) for x in v.values())
 
 
 def _table_names(v: Any) -> bool:
@@ -408,8 +549,6 @@ def _describe(v: Any) -> str:
 
 def _subtable(path: pathlib.Path, name: str, metadata: Dict[bytes, bytes],
               dtypes: Dict[str, Any]) -> "pandas.DataFrame":
-    import pyarrow.parquet as pq
-
     raw = metadata.get(b"graddbg." + name.encode())
     if raw is None:
         raise _Invalid(path, f"table {name!r} is listed in the metadata but missing")
@@ -418,17 +557,25 @@ def _subtable(path: pathlib.Path, name: str, metadata: Dict[bytes, bytes],
     except (binascii.Error, ValueError) as e:
         raise _Invalid(path, f"table {name!r} is not valid base64 ({e})") from None
     try:
-        table = pq.read_table(io.BytesIO(data))
-    except Exception as e:  # pyarrow's ArrowInvalid and friends
-        raise _Invalid(path, f"table {name!r} is not parquet ({type(e).__name__}: {e})") from None
+        pairs = parquet_key_values(data)
+    except GraddbgValueError as e:
+        raise _Invalid(path, f"table {name!r} is not parquet ({e})") from None
+    table = _safe_table(data, pairs, lambda why: _Invalid(path, f"table {name!r} is not parquet ({why})"),
+                        lambda why: _Invalid(path, f"table {name!r}: {why}"))
     return _frame(path, name, table, dtypes)
 
 
 def _frame(path: pathlib.Path, name: str, table: Any, dtypes: Dict[str, Any]) -> "pandas.DataFrame":
-    """The table as a DataFrame with its recorded dtypes, its columns checked."""
+    """The table as a DataFrame built from its plain columns (its ``pandas`` metadata
+    ignored), with its recorded dtypes, its columns checked."""
+    for field in table.schema:
+        bad = _arrow_type_problem(field)
+        if bad:
+            raise _Invalid(path, f"column {field.name!r} of table {name!r} {bad}")
+    table = table.drop_columns([c for c in table.column_names if c.startswith("__index_level_")])
     try:
-        frame = table.to_pandas()
-    except Exception as e:  # damaged pandas metadata
+        frame = table.replace_schema_metadata(None).to_pandas(ignore_metadata=True)
+    except Exception as e:
         raise _Invalid(path, f"table {name!r} cannot be read ({type(e).__name__}: {e})") from None
     recorded = dtypes[""].get(name) or {}
     frame = _restore(frame, recorded, dtypes["categories"].get(name) or {})
@@ -437,6 +584,8 @@ def _frame(path: pathlib.Path, name: str, table: Any, dtypes: Dict[str, Any]) ->
     if missing:
         raise _Invalid(path, f"table {name!r} has no column {', '.join(map(repr, missing))} "
                              f"(its columns: {[str(c) for c in frame.columns]})")
+    if len(frame) == 0:  # no values to check: the dtypes of the known columns, whatever the file said
+        return _typed_if_empty(name, frame)
     for col in frame.columns:
         kind = _kind(frame[col].dtype)
         want = _KINDS[name].get(str(col))
@@ -446,6 +595,40 @@ def _frame(path: pathlib.Path, name: str, table: Any, dtypes: Dict[str, Any]) ->
             raise _Invalid(path, f"column {str(col)!r} of table {name!r} holds {frame[col].dtype} "
                                  f"values, expected {expected}")
     return frame
+
+
+def _arrow_type_problem(field: Any) -> Optional[str]:
+    """What is wrong with a column's Arrow type for a run file (None when it is plain:
+    numbers, booleans, times, text, a dictionary of text, or null for an empty column)."""
+    import pyarrow as pa
+
+    t = field.type
+    if isinstance(t, pa.ExtensionType) or any(k.startswith(b"ARROW:extension") for k in (field.metadata or {})):
+        return (f"has an extension type ({getattr(t, 'extension_name', None) or 'ARROW:extension:name'}); "
+                f"run files hold plain columns only: refused")
+    types = pa.types
+    is_text = lambda u: types.is_string(u) or types.is_large_string(u) or getattr(types, "is_string_view", bool)(u)  # noqa: E731
+    value = t.value_type if types.is_dictionary(t) else t
+    if types.is_dictionary(t) and not types.is_integer(t.index_type):
+        value = None
+    if value is not None and (types.is_null(value) or types.is_boolean(value) or types.is_integer(value)
+                              or types.is_floating(value) or types.is_temporal(value) or is_text(value)):
+        return None
+    return f"has Arrow type {t}; expected numbers, booleans, times or text"
+
+
+def _typed_if_empty(name: str, frame: "pandas.DataFrame") -> "pandas.DataFrame":
+    """An empty table with its known columns in their dtypes (a run stopped in its first step
+    has empty tables whose columns hold no values to give them one); others as they are."""
+    if len(frame) or not len(frame.columns):
+        return frame
+    kinds = {**(_EMPTY_LEDGER if name == "ledger" else {}), **_KINDS.get(name, {})}
+    out = frame.copy()
+    for col in frame.columns:
+        want = kinds.get(str(col))
+        if want is not None and _kind(frame[col].dtype) not in want:
+            out[col] = frame[col].astype(_EMPTY_DTYPE["float" if "float" in want else want[0]])
+    return out
 
 
 def _kind(dtype: Any) -> str:
@@ -535,7 +718,7 @@ def _parquet_bytes(frame: "pandas.DataFrame") -> bytes:
     import pyarrow.parquet as pq
 
     buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pandas(frame), buf, compression="zstd")
+    pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), buf, compression="zstd")
     return buf.getvalue()
 
 
