@@ -4,12 +4,19 @@
   ``graddbg run`` itself and writes under ``<out>/rank-<r>/`` (`rank_folder`).
 - Processes the script starts itself (``torch.multiprocessing.spawn``, Lightning's
   ``strategy="ddp"``, which starts the script again with ``subprocess``, accelerate) are
-  watched too: while the script runs, `follow_children` puts ``graddbg/_boot`` first on
-  ``PYTHONPATH`` and the run's settings in ``GRADDBG_RUN_CHILD``; Python imports the
-  ``sitecustomize`` there at the start of every child process, which calls `boot`: a
-  `graddbg.cli.ScriptWatcher` for the child's lifetime, its records written at exit under
-  ``<out>/rank-<r>/`` (its rank in the process group it joined) or ``<out>/worker-<pid>/``.
-  The child's own exit code is left as it is.
+  watched too: while the script runs, `follow_children` puts ``graddbg/_boot`` (a folder
+  holding only the start-up hook, ``sitecustomize.py``) first on ``PYTHONPATH``, the run's
+  settings in ``GRADDBG_RUN_CHILD`` (with the absolute path of this graddbg) and this
+  interpreter's identity in ``GRADDBG_RUN_PYTHON`` (`interpreter`). Python imports the hook
+  at the start of every child process. In a process of another interpreter or environment
+  (a tool of another Python, the system python) it only runs the ``sitecustomize`` it hides
+  and takes its folder off ``sys.path``: nothing of graddbg or of this environment is
+  imported or reachable there. In a process of this interpreter and environment it waits,
+  at no cost, for the first import of torch (a child that never imports torch never
+  imports graddbg); then it calls `boot`: a `graddbg.cli.ScriptWatcher` for the child's
+  lifetime, its records written at exit under ``<out>/rank-<r>/`` (its rank in the
+  process group it joined) or ``<out>/worker-<pid>/``. The child's own exit code is left
+  as it is.
 - The parent reports the children's records with its own (`child_records`).
 
 This module imports nothing of graddbg; `graddbg.cli` uses it.
@@ -25,12 +32,22 @@ import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
-__all__ = ["ENV", "rank_folder", "record_folder", "follow_children", "boot", "child_records", "wait_for_children"]
+__all__ = ["ENV", "ENV_PYTHON", "interpreter", "rank_folder", "record_folder", "follow_children", "boot", "child_records",
+           "wait_for_children"]
 
 #: the environment variable that tells a child process to watch itself (JSON settings)
 ENV = "GRADDBG_RUN_CHILD"
+#: the identity of the interpreter and environment whose child processes are watched (`interpreter`)
+ENV_PYTHON = "GRADDBG_RUN_PYTHON"
 RUNNING = ".running-"    #: a watched child's marker in the output folder while it runs (its pid)
 BOOT = pathlib.Path(__file__).resolve().parent / "_boot"
+
+
+def interpreter() -> str:
+    """This interpreter and environment: its version (and build), ``sys.prefix`` and the real
+    path of its executable. The start-up hook (graddbg/_boot/sitecustomize.py) computes the
+    same text in each child, and watches the child only when the two are equal."""
+    return "\n".join((sys.version, sys.prefix, os.path.realpath(sys.executable)))
 
 
 def env_rank() -> Optional[int]:
@@ -65,16 +82,18 @@ def record_folder(outdir: pathlib.Path, meta: Dict[str, Any]) -> pathlib.Path:
 
 @contextlib.contextmanager
 def follow_children(outdir: pathlib.Path, watch_kwargs: Dict[str, Any]) -> Iterator[None]:
-    """While entered, every Python process started from this one watches itself (see the
-    module's docstring); the environment is put back on exit."""
+    """While entered, every Python process of this interpreter and environment started from
+    this one watches itself once it imports torch (see the module's docstring); the
+    environment is put back on exit."""
+    settings: Dict[str, Any] = {"out": str(outdir.resolve()), "graddbg": str(BOOT.parent), "watch": watch_kwargs}
     try:
-        settings = json.dumps({"out": str(outdir.resolve()), "watch": watch_kwargs})
+        text = json.dumps(settings)
     except (TypeError, ValueError):  # (an option that is not plain data: the children use the defaults)
-        settings = json.dumps({"out": str(outdir.resolve()), "watch": {}})
-    package_root = str(BOOT.parent.parent)
-    saved = {k: os.environ.get(k) for k in (ENV, "PYTHONPATH")}
-    parts = [str(BOOT), package_root] + [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p]
-    os.environ[ENV] = settings
+        text = json.dumps({**settings, "watch": {}})
+    saved = {k: os.environ.get(k) for k in (ENV, ENV_PYTHON, "PYTHONPATH")}
+    parts = [str(BOOT)] + [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p]
+    os.environ[ENV] = text
+    os.environ[ENV_PYTHON] = interpreter()
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
     try:
         yield
