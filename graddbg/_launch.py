@@ -17,7 +17,10 @@
   lifetime, its records written at exit under ``<out>/rank-<r>/`` (its rank in the
   process group it joined) or ``<out>/worker-<pid>/``. The child's own exit code is left
   as it is.
-- The parent reports the children's records with its own (`child_records`).
+- A watched child marks itself running with an empty file ``<out>/.graddbg-running/<pid>``
+  (`MARKERS`, a folder of graddbg's own, removed at the end when this run made it); the
+  parent waits for those (`Children.wait`) and reports the children's records with its own
+  (`child_records`). No other file in the output folder is ever touched.
 
 This module imports nothing of graddbg; `graddbg.cli` uses it.
 """
@@ -30,16 +33,17 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
-__all__ = ["ENV", "ENV_PYTHON", "interpreter", "rank_folder", "record_folder", "follow_children", "boot", "child_records",
-           "wait_for_children"]
+__all__ = ["ENV", "ENV_PYTHON", "MARKERS", "Children", "interpreter", "rank_folder", "record_folder",
+           "follow_children", "boot", "child_records", "wait_for_children"]
 
 #: the environment variable that tells a child process to watch itself (JSON settings)
 ENV = "GRADDBG_RUN_CHILD"
 #: the identity of the interpreter and environment whose child processes are watched (`interpreter`)
 ENV_PYTHON = "GRADDBG_RUN_PYTHON"
-RUNNING = ".running-"    #: a watched child's marker in the output folder while it runs (its pid)
+#: the folder, under the output folder, of the watched children's markers (one empty file per pid)
+MARKERS = ".graddbg-running"
 BOOT = pathlib.Path(__file__).resolve().parent / "_boot"
 
 
@@ -80,11 +84,39 @@ def record_folder(outdir: pathlib.Path, meta: Dict[str, Any]) -> pathlib.Path:
     return folder
 
 
+class Children:
+    """The watched child processes of one ``graddbg run`` (see `follow_children`): their
+    markers' folder, ``<out>/.graddbg-running``, and whether this run made it."""
+
+    def __init__(self, outdir: pathlib.Path) -> None:
+        self.outdir = outdir
+        self.folder = outdir / MARKERS
+        self.created = False
+        try:
+            self.folder.mkdir()
+            self.created = True
+        except OSError:  # there already (another run's), or not writable: the children try
+            pass
+
+    def wait(self, seconds: float = 30.0, stop: Optional[Callable[[], bool]] = None) -> List[int]:
+        """`wait_for_children`."""
+        return wait_for_children(self.outdir, seconds, stop)
+
+    def close(self) -> None:
+        """Remove the markers' folder if this run made it and it is empty (a child still
+        running keeps it)."""
+        if self.created:
+            with contextlib.suppress(OSError):
+                self.folder.rmdir()
+            self.created = False
+
+
 @contextlib.contextmanager
-def follow_children(outdir: pathlib.Path, watch_kwargs: Dict[str, Any]) -> Iterator[None]:
+def follow_children(outdir: pathlib.Path, watch_kwargs: Dict[str, Any]) -> Iterator[Children]:
     """While entered, every Python process of this interpreter and environment started from
     this one watches itself once it imports torch (see the module's docstring); the
-    environment is put back on exit."""
+    environment is put back on exit. Yields the `Children`, whose markers' folder outlives
+    the block (``close`` it after waiting for them)."""
     settings: Dict[str, Any] = {"out": str(outdir.resolve()), "graddbg": str(BOOT.parent), "watch": watch_kwargs}
     try:
         text = json.dumps(settings)
@@ -92,11 +124,12 @@ def follow_children(outdir: pathlib.Path, watch_kwargs: Dict[str, Any]) -> Itera
         text = json.dumps({**settings, "watch": {}})
     saved = {k: os.environ.get(k) for k in (ENV, ENV_PYTHON, "PYTHONPATH")}
     parts = [str(BOOT)] + [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p]
+    children = Children(outdir)
     os.environ[ENV] = text
     os.environ[ENV_PYTHON] = interpreter()
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
     try:
-        yield
+        yield children
     finally:
         for k, v in saved.items():
             if v is None:
@@ -114,20 +147,27 @@ def boot(script_watcher: Any) -> None:
     watcher.outdir = pathlib.Path(settings["out"])
     # (once it watches something, the parent waits for its record: `wait_for_children`; a process
     # that never trains, such as a data loader's worker, is not waited for)
-    watcher.on_watch = lambda w: _mark_running(watcher.outdir)
+    made: List[pathlib.Path] = []
+    watcher.on_watch = lambda w: _mark_running(watcher.outdir, made)
     watcher.__enter__()
-    atexit.register(_finish, watcher, watcher.outdir)
+    atexit.register(_finish, watcher, watcher.outdir, made)
 
 
-def _mark_running(outdir: pathlib.Path) -> None:
+def _mark_running(outdir: pathlib.Path, made: List[pathlib.Path]) -> None:
+    """This child's marker, ``<outdir>/.graddbg-running/<pid>`` (the folder made if the parent
+    could not: noted in ``made``, for this child to remove)."""
+    folder = outdir / MARKERS
     try:
-        outdir.mkdir(parents=True, exist_ok=True)
-        (outdir / f"{RUNNING}{os.getpid()}").touch()
+        if not folder.is_dir():
+            outdir.mkdir(parents=True, exist_ok=True)
+            folder.mkdir()
+            made.append(folder)
+        (folder / str(os.getpid())).touch()
     except OSError:
         pass
 
 
-def _finish(watcher: Any, outdir: pathlib.Path) -> None:
+def _finish(watcher: Any, outdir: pathlib.Path, made: Optional[List[pathlib.Path]] = None) -> None:
     """At a child's exit: each watch's statistics and report under its rank's folder."""
     try:
         watcher.__exit__(None, None, None)
@@ -143,27 +183,37 @@ def _finish(watcher: Any, outdir: pathlib.Path) -> None:
         print(f"graddbg run: process {os.getpid()} could not write its record: {err}", file=sys.stderr)
     finally:
         with contextlib.suppress(OSError):
-            (outdir / f"{RUNNING}{os.getpid()}").unlink()
+            (outdir / MARKERS / str(os.getpid())).unlink()
+        for folder in made or ():
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
-def wait_for_children(outdir: pathlib.Path, seconds: float = 30.0) -> List[int]:
-    """Wait (at most ``seconds``) for the watched child processes still running to write
-    their records (Lightning's ``strategy="ddp"`` does not wait for the ranks it started);
-    the pids of those that had not when the time was up."""
+def wait_for_children(outdir: pathlib.Path, seconds: float = 30.0,
+                      stop: Optional[Callable[[], bool]] = None) -> List[int]:
+    """Wait (at most ``seconds``, and only while ``stop()`` is false) for the watched child
+    processes still running to write their records (Lightning's ``strategy="ddp"`` does not
+    wait for the ranks it started); the pids of those that had not when the wait ended. Only
+    graddbg's own markers are read (and removed, those of processes gone without their
+    record): ``<outdir>/.graddbg-running/<pid>``."""
     end, delay = time.monotonic() + seconds, 0.01
+    folder = outdir / MARKERS
     while True:
         left = []
-        for marker in outdir.glob(f"{RUNNING}*"):
-            pid = marker.name[len(RUNNING):]
+        try:
+            markers = list(folder.iterdir())
+        except OSError:  # (none yet, or removed)
+            markers = []
+        for marker in markers:
+            if not marker.name.isdigit() or not 0 < int(marker.name) < 2 ** 31:
+                continue  # (not a marker; never os.kill(0 or -1, 0): a process group, every process)
             try:
-                if not pid.isdigit():  # (never os.kill(-1, 0): that is every process)
-                    raise ValueError(pid)
-                os.kill(int(pid), 0)
-                left.append(int(pid))
-            except (OSError, ValueError):  # (gone without its record: a crash, a kill)
+                os.kill(int(marker.name), 0)
+                left.append(int(marker.name))
+            except OSError:  # (gone without its record, a crash or a kill; or the pid is another user's now)
                 with contextlib.suppress(OSError):
                     marker.unlink()
-        if not left or time.monotonic() > end:
+        if not left or time.monotonic() > end or (stop is not None and stop()):
             return left
         time.sleep(delay)
         delay = min(delay * 2, 0.2)

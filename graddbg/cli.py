@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from graddbg._launch import child_records, follow_children, rank_folder, record_folder, wait_for_children
+from graddbg._launch import Children, child_records, follow_children, rank_folder, record_folder
 from graddbg._demo_model import demo_loss, demo_model, train as train_demo
 from graddbg._errors import GraddbgError, GraddbgValueError, GradientAnomalyError
 from graddbg._io import write_atomic
@@ -338,11 +338,12 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fa
     started = time.time() - 1.0
     watcher.after_step = Snapshots(outdir, float(save_every), watcher.watches)
     with Signals() as signals:
-        with follow_children(outdir, kwargs):  # (processes the script starts are watched too)
+        with follow_children(outdir, kwargs) as children:  # (processes the script starts are watched too)
             status, failure = _execute(path, args, watcher, signals)
         if failure:
             print(f"graddbg run: {failure}", file=sys.stderr)
-        status = _finish(watcher.watches, outdir, created, status, fail_on, stream, since=started)
+        status = _finish(watcher.watches, outdir, created, status, fail_on, stream, since=started,
+                         children=children)
     if signals.received is not None and status == 0:  # a signal while the results were written
         status = 128 + signals.received
     _SCRIPT_NAMESPACE[:] = [watcher.namespace]  # freed at exit, as plain python frees a script's objects
@@ -399,11 +400,14 @@ def _script_traceback(exc: BaseException, script: pathlib.Path) -> str:
 
 
 def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int,
-            fail_on: str, stream: Any, since: float = 0.0) -> int:
+            fail_on: str, stream: Any, since: float = 0.0, children: Optional[Children] = None) -> int:
     """Write each watch's statistics and report (under distribution, rank 0 writes: the
-    table is the same on every rank); the exit status."""
-    if outdir.is_dir():
-        wait_for_children(outdir)  # (ranks a framework started and does not wait for: Lightning's ddp)
+    table is the same on every rank); the exit status. The watched children are waited for
+    first, and their markers' folder removed."""
+    if children is not None:
+        if outdir.is_dir():
+            children.wait()  # (ranks a framework started and does not wait for: Lightning's ddp)
+        children.close()
     workers = child_records(outdir, since)
     if not watches and not workers:
         print("graddbg run: the script stepped no optimizer and ran no backward pass through a module "

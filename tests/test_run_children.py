@@ -2,8 +2,7 @@
 only what it should: Python processes of the same interpreter and environment, and only once
 they import torch. Any other interpreter the script starts (a tool with its own numpy, the
 system python) is left untouched; a user's own sitecustomize still runs; the markers of
-watched children are graddbg's own files; a second Ctrl-C while the record is written is
-deferred."""
+watched children are graddbg's own files."""
 from __future__ import annotations
 
 import glob
@@ -222,3 +221,21 @@ def test_same_interpreter_children_are_watched_only_once_they_import_torch(tmp_p
     assert sorted(run.stats["step"].unique()) == [0, 1, 2]
     assert {plain["pid"], trained["pid"]} <= _logged(tmp_path)
     assert "a worker process (worker-" in stdout
+
+
+def test_a_users_running_files_in_the_out_folder_survive(tmp_path, monkeypatch, capsys):
+    """Markers are graddbg's own: a user's files named .running-* in an existing out folder
+    are left as they are, and graddbg's marker folder is gone after the run unless it was there
+    before."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in (".running-123", ".running-notes"):
+        (out / name).write_text("mine")
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    assert _run_here(tmp_path, monkeypatch, capsys, out, script)[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == [".running-123", ".running-notes"]
+    assert all((out / n).read_text() == "mine" for n in (".running-123", ".running-notes"))
+    (out / ".graddbg-running").mkdir()  # there before the run: not graddbg's to remove
+    assert _run_here(tmp_path, monkeypatch, capsys, out, script)[0] == 0
+    assert (out / ".graddbg-running").is_dir()
