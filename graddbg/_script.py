@@ -438,8 +438,10 @@ class Terminated(BaseException):
 class Signals:
     """While entered (in the main thread), SIGTERM and SIGHUP raise ``Terminated`` in the
     script once, as Ctrl-C raises KeyboardInterrupt, so that what was recorded is written
-    before the exit; a signal after that (while the results are being written) is only
-    remembered. The previous handlers are put back on exit."""
+    before the exit. From `disarm` on (the script has ended: the results are being written)
+    a signal, Ctrl-C's SIGINT included, is only remembered (``received``; in order in
+    ``deferred``): a second Ctrl-C never breaks the write. The previous handlers are put back
+    on exit."""
 
     NAMES = ("SIGTERM", "SIGHUP")
 
@@ -447,10 +449,13 @@ class Signals:
         self.previous: Dict[int, Any] = {}
         self.armed = False
         self.received: Optional[int] = None
+        self.deferred: List[int] = []
         self.pid = os.getpid()
+        self.main = False
 
     def __enter__(self) -> "Signals":
         if threading.current_thread() is threading.main_thread():
+            self.main = True
             try:
                 for name in self.NAMES:
                     signum = getattr(signal, name, None)
@@ -472,9 +477,14 @@ class Signals:
         if self.armed:
             self.armed = False
             raise Terminated(signum)
+        self.deferred.append(signum)
 
     def disarm(self) -> None:
+        """The script has ended: from now on every signal handled here, SIGINT too, waits."""
         self.armed = False
+        if self.main and signal.SIGINT not in self.previous and os.getpid() == self.pid:
+            with contextlib.suppress(ValueError, OSError):  # (not the main thread after all)
+                self.previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._handle)
 
     def __exit__(self, *exc: Any) -> None:
         self.armed = False

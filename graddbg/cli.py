@@ -337,14 +337,17 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fa
     watcher.outdir = outdir.resolve()
     started = time.time() - 1.0
     watcher.after_step = Snapshots(outdir, float(save_every), watcher.watches)
-    with Signals() as signals:
+    with Signals() as signals:  # (from the script's end on, a signal waits for the record to be written)
         with follow_children(outdir, kwargs) as children:  # (processes the script starts are watched too)
             status, failure = _execute(path, args, watcher, signals)
         if failure:
             print(f"graddbg run: {failure}", file=sys.stderr)
         status = _finish(watcher.watches, outdir, created, status, fail_on, stream, since=started,
-                         children=children)
-    if signals.received is not None and status == 0:  # a signal while the results were written
+                         children=children, stop=lambda: bool(signals.deferred))
+    if signals.deferred:
+        print(f"graddbg run: {signal.Signals(signals.deferred[0]).name} while the record was written: "
+              f"it was written first", file=sys.stderr)
+    if signals.received is not None and status <= 128:  # a signal while the results were written
         status = 128 + signals.received
     _SCRIPT_NAMESPACE[:] = [watcher.namespace]  # freed at exit, as plain python frees a script's objects
     return status
@@ -400,13 +403,14 @@ def _script_traceback(exc: BaseException, script: pathlib.Path) -> str:
 
 
 def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int,
-            fail_on: str, stream: Any, since: float = 0.0, children: Optional[Children] = None) -> int:
+            fail_on: str, stream: Any, since: float = 0.0, children: Optional[Children] = None,
+            stop: Any = None) -> int:
     """Write each watch's statistics and report (under distribution, rank 0 writes: the
     table is the same on every rank); the exit status. The watched children are waited for
-    first, and their markers' folder removed."""
+    first (until ``stop()``), and their markers' folder removed."""
     if children is not None:
         if outdir.is_dir():
-            children.wait()  # (ranks a framework started and does not wait for: Lightning's ddp)
+            children.wait(stop=stop)  # (ranks a framework started and does not wait for: Lightning's ddp)
         children.close()
     workers = child_records(outdir, since)
     if not watches and not workers:

@@ -2,7 +2,8 @@
 only what it should: Python processes of the same interpreter and environment, and only once
 they import torch. Any other interpreter the script starts (a tool with its own numpy, the
 system python) is left untouched; a user's own sitecustomize still runs; the markers of
-watched children are graddbg's own files."""
+watched children are graddbg's own files; a second Ctrl-C while the record is written is
+deferred."""
 from __future__ import annotations
 
 import glob
@@ -10,8 +11,10 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -239,3 +242,58 @@ def test_a_users_running_files_in_the_out_folder_survive(tmp_path, monkeypatch, 
     (out / ".graddbg-running").mkdir()  # there before the run: not graddbg's to remove
     assert _run_here(tmp_path, monkeypatch, capsys, out, script)[0] == 0
     assert (out / ".graddbg-running").is_dir()
+
+
+SLOW_WRITE = """\
+import pathlib, sys, time
+import torch
+from torch import nn
+import graddbg
+
+writing = pathlib.Path(sys.argv[1])
+report = graddbg.Watch.report
+
+def slow_report(self, *args, **kwargs):  # the report takes long: the test's second Ctrl-C lands in it
+    writing.write_text("writing")
+    time.sleep(3)
+    return report(self, *args, **kwargs)
+
+graddbg.Watch.report = slow_report
+model = nn.Linear(3, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(100000):
+    model(torch.randn(4, 3)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    print("step", step, flush=True)
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_second_ctrl_c_while_the_record_is_written_is_deferred(tmp_path):
+    """Ctrl-C stops the script; a second Ctrl-C while graddbg writes the record and the report
+    waits for the write: exit code 130, no traceback, a loadable run and a whole report."""
+    script, writing, out = tmp_path / "train.py", tmp_path / "writing", tmp_path / "out"
+    script.write_text(SLOW_WRITE)
+    with open(tmp_path / "stdout", "w") as so, open(tmp_path / "stderr", "w") as se:
+        proc = subprocess.Popen([sys.executable, "-m", "graddbg", "run", "--out", str(out), "--save-every", "0",
+                                 str(script), str(writing)], stdout=so, stderr=se, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        for done in (lambda: "step 5\n" in (tmp_path / "stdout").read_text(), writing.exists):
+            while not done():
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "graddbg run: interrupted" in err, err[-3000:]
+    run = graddbg.load(out / "stats.parquet")
+    assert run.stats["step"].nunique() >= 6
+    assert (out / "report.html").read_text(encoding="utf-8").rstrip().endswith("</html>")
