@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from graddbg._collective import run_collective
 from graddbg._errors import GraddbgWarning, warn_at_user
 from graddbg._model import is_dtensor, unwrap
+from graddbg._peers import Peers, Verdict
 
 __all__ = ["CHECKIN_SECONDS", "CheckIn", "Layout", "StageReport", "find_stages"]
 
@@ -76,24 +77,28 @@ def _group_arg(group: Any) -> Any:
 # --------------------------------------------------------------------------- the check-in
 class CheckIn:
     """Every watched rank writes ``graddbg/<n>/in/<rank>`` in the default store when its
-    watch starts; `wait` (at the first step boundary) returns whether every rank of the
-    world is watched, the same answer on every rank in all but pathological timings.
+    watch starts (after its position and pulse: `graddbg._peers.Peers`); `wait` (at the first
+    step boundary) returns whether every rank of the world is watched.
 
     A rank waits up to ``seconds`` for every check-in key; one that does not see them all
-    adds to the ``no`` counter and goes on alone, and so does every rank that sees ``no``
-    above zero (at once: a late rank never waits again). A rank that saw them all adds to
-    the ``ok`` counter and waits for it to reach the world's size (its peers are watched
-    and on their way to the same step, so it waits as it would for a collective, up to
-    `AGREE_SECONDS`). The store is polled with short sleeps, so signals are handled."""
+    adds to the ``no`` counter, writes the stop key and goes on alone, and so does every rank
+    that sees ``no`` above zero (at once: a late rank never waits again). Then the ranks that
+    saw every key wait for each other at that boundary (`Peers.arrive`, which the caller
+    runs), each wait bounded by ``bound`` (the process group's timeout, or ``ddp_timeout``
+    when shorter). The store is polled with short sleeps, so signals are handled."""
 
-    AGREE_SECONDS = 600.0
-
-    def __init__(self, rank: int, world: int) -> None:
+    def __init__(self, rank: int, world: int, bound: Optional[float] = None) -> None:
         self.rank, self.world = rank, world
         self.prefix = f"graddbg/{next(_GENERATION)}/"
         self.missing: List[int] = []
+        self.gone = False  #: the store stopped answering
+        self.peers: Optional[Peers] = None
         try:
             self.store = torch.distributed.distributed_c10d._get_default_store()
+            seconds = self.store.timeout.total_seconds()
+            if bound is not None:
+                seconds = min(seconds, bound)
+            self.peers = Peers(self.store, self.prefix, rank, world, seconds)
             self.store.set(f"{self.prefix}in/{rank}", "1")
         except Exception:  # (no store to check in with: no way to be sure of the peers)
             self.store = None
@@ -105,12 +110,17 @@ class CheckIn:
         if self.store is not None:
             self.store.set(f"{self.prefix}out/{self.rank}", "1")
             self.store.add(self.prefix + "no", 1)
+            if self.peers is not None:
+                self.peers.stop(f"stopped|rank {self.rank} watches a pipeline stage without an optimizer")
 
     def abstained(self) -> List[int]:
         """The ranks that said they take part in no exchange."""
-        if self.store is None:
+        if self.store is None or self.gone:
             return []
-        return [r for r in range(self.world) if self.store.check([f"{self.prefix}out/{r}"])]
+        try:
+            return [r for r in range(self.world) if self.store.check([f"{self.prefix}out/{r}"])]
+        except Exception:  # (the store stopped answering)
+            return []
 
     def _count(self, name: str) -> int:
         return int(self.store.add(self.prefix + name, 0))
@@ -125,22 +135,30 @@ class CheckIn:
         return True
 
     def wait(self, seconds: Optional[float] = None) -> bool:
-        """Whether every rank's watch checked in (and every rank goes on with collectives)."""
+        """Whether every rank's watch checked in (the ranks then meet at this boundary:
+        `Peers.arrive`). A store that stops answering (its host died) is a no."""
         if self.store is None:
             self.missing = [-1]
             return False
         keys = [f"{self.prefix}in/{r}" for r in range(self.world)]
         seconds = checkin_seconds() if seconds is None else seconds
-        self._poll(lambda: self.store.check(keys) or self._count("no") > 0, seconds)
-        if self._count("no") > 0 or not self.store.check(keys):
-            self.missing = [r for r in range(self.world) if not self.store.check([keys[r]])]
-            self.store.add(self.prefix + "no", 1)
+        try:
+            self._poll(lambda: self.store.check(keys) or self._count("no") > 0, seconds)
+            if self._count("no") > 0 or not self.store.check(keys):
+                self.missing = [r for r in range(self.world) if not self.store.check([keys[r]])]
+                self.store.add(self.prefix + "no", 1)
+                if self.peers is not None:
+                    self.peers.stop(f"not every rank checked in (rank(s) {', '.join(map(str, self.missing))} "
+                                    f"missing at rank {self.rank})" if self.missing else "a peer did not check in")
+                return False
+        except Exception:  # (the store stopped answering: its host, rank 0, ended)
+            self.missing, self.gone = [], True
             return False
-        self.store.add(self.prefix + "ok", 1)
-        agreed = self._poll(lambda: self._count("ok") >= self.world or self._count("no") > 0, self.AGREE_SECONDS)
-        if not agreed:
-            self.store.add(self.prefix + "no", 1)
-        return agreed and self._count("no") == 0
+        return True
+
+    def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
 
 
 # --------------------------------------------------------------------------- discovery
@@ -279,7 +297,7 @@ class Layout:
 
     def __init__(self, model: nn.Module, names: Sequence[str], params: Sequence[Tensor], meta: Dict[str, Any],
                  pp_group: Any = None, dp_group: Any = None, make_capture: Any = None,
-                 active: Any = lambda: True, stepped: bool = True) -> None:
+                 active: Any = lambda: True, stepped: bool = True, bound: Optional[float] = None) -> None:
         dist = _dist()
         self.rank = dist.get_rank() if dist is not None else 0
         self.world = dist.get_world_size() if dist is not None else 1
@@ -309,7 +327,10 @@ class Layout:
         self._captures: Dict[int, Any] = {}    # stage -> its last forward pass (a replay's inputs)
         self._last_captures: Dict[int, Any] = {}  # (those of the step last exchanged)
         self._tap_stages()
-        self._checkin = CheckIn(self.rank, self.world) if self.world > 1 else None
+        self._checkin = CheckIn(self.rank, self.world, bound) if self.world > 1 else None
+        self._ready_at, self._ready, self._found = -1, False, False  # (this boundary's decision; groups found)
+        #: ``(step, what)`` when the ranks were found to step differently (the replica check reports it)
+        self.desync: Optional[tuple] = None
         self._stepped = stepped  # (an optimizer steps the model: its boundaries are outside backward passes)
         self._abstain_if_stepless()
 
@@ -390,10 +411,12 @@ class Layout:
         return cap if cap is not None and cap.grad is not None else None
 
     def close(self) -> None:
-        """Remove the hooks on the stages' outputs."""
+        """Remove the hooks on the stages' outputs; stop this rank's pulse."""
         for handle in self._taps:
             handle.remove()
         self._taps = []
+        if self._checkin is not None:
+            self._checkin.close()
 
     def param_stages(self) -> Optional[np.ndarray]:
         """The stage of each watched parameter (a pipeline's layout), else None."""
@@ -419,33 +442,109 @@ class Layout:
             self._abstain_if_stepless()
         return not (in_backward and self.pipeline)
 
-    def resolve(self) -> None:
-        """Check in, agree on sizes, find the groups (once)."""
-        if self.resolved:
+    def ready(self, steps: int, in_backward: bool) -> bool:
+        """Whether graddbg's collectives run at this boundary (``steps`` boundaries before
+        it): decided once per boundary, the same on every rank. The first time, the ranks
+        check in; then every peer must be watched and at this same boundary (`Peers.arrive`):
+        a peer that went past it without a step (or took more), that died, or that does not
+        come within the bound makes every rank go on with local statistics, saying why. The
+        groups are found at the first boundary where all arrived."""
+        if self.desync is not None and self._ready_at != steps:
+            self._ready_at = steps
+            self._checkin.peers.at_boundary(steps)  # (how this rank steps, for the summary at the end)
+        if self.local or not self.safe_now(in_backward):
+            return False
+        if self._ready_at == steps:
+            return self._ready
+        self._ready_at, self._ready = steps, False
+        if not self.resolved:
+            self.resolved = True
+            if not self._checkin.wait():
+                self._not_checked_in()
+                return False
+        verdict = self._checkin.peers.arrive(steps, comparable=not self.pipeline)
+        if not verdict.ok:
+            self._go_local(verdict, steps)
+            return False
+        if not self._found:
+            self._found = True
+            self._groups(self._gather_signatures())
+        self._ready = True
+        return True
+
+    def resolve(self, steps: int = 0) -> None:
+        """Check in, agree on sizes, find the groups (at a boundary where every rank is)."""
+        self.ready(steps, False)
+
+    def backward_ended(self) -> None:
+        """A backward pass of this rank ended (its position, for the peers)."""
+        if self._checkin is not None and self._checkin.peers is not None:
+            self._checkin.peers.backward_ended()
+
+    def forward_began(self, steps: int) -> None:
+        """A training forward pass begins, ``steps`` boundaries so far."""
+        if self._checkin is not None and self._checkin.peers is not None and (not self.local or self.desync):
+            self._checkin.peers.forward_began(steps)
+
+    def drift(self) -> Optional[str]:
+        """After the ranks stepped differently: how each has stepped so far (for the
+        finding's last words when the watch closes), or None."""
+        if self.desync is None:
+            return None
+        pos = self._checkin.peers.positions()
+        if pos is None:
+            return None
+        most = max(p.steps for p in pos)
+        each = "; ".join(f"rank {r}: {p.steps} step(s) over {p.backward} backward pass(es)"
+                         + (f" ({most - p.steps} fewer)" if p.steps < most else "") for r, p in enumerate(pos))
+        return f"When rank {self.rank}'s watch closed: {each}."
+
+    def _go_local(self, verdict: Verdict, steps: int) -> None:
+        """No more collectives of graddbg's on this rank: say why, once; tell the peers."""
+        self.local = True
+        why = verdict.why
+        kind = verdict.kind
+        if kind != "stopped":
+            self._checkin.peers.stop(f"{kind}|{why}")
+        else:
+            kind, _, why = why.partition("|") if "|" in why else ("stopped", "", why)
+        self.meta["layout"] = f"local: {kind}"
+        if kind == "desync":
+            # a finding (the replicas now differ), made by the replica check from this record
+            self.desync = (steps, why)
             return
-        self.resolved = True
-        if not self._checkin.wait():
-            self.local = True
-            missing, out = self._checkin.missing, self._checkin.abstained()
-            if out:
-                self.meta["layout"] = "local: a peer takes part in no exchange"
-                warn_at_user(f"graddbg.watch on rank {self.rank}: rank(s) {', '.join(map(str, out))} of "
-                             f"{self.world} watch a pipeline stage without an optimizer, so they take part in no "
-                             f"exchange; graddbg goes on with this rank's local statistics and issues no "
-                             f"collective of its own.", GraddbgWarning)
-                return
-            who = (f"rank(s) {', '.join(map(str, missing))} of {self.world} did not check in within "
-                   f"{checkin_seconds():g} s" if missing and missing != [-1] else
-                   "the process group has no store to check in with" if missing else
-                   f"a peer gave up waiting {checkin_seconds():g} s for every rank to check in")
-            self.meta["layout"] = "local: not every peer is watched"
-            warn_at_user(f"graddbg.watch on rank {self.rank}: {who}, so not every "
-                         f"process of this job is watched (a framework that starts its own worker processes, such "
-                         f"as Lightning's strategy='ddp' under `graddbg run`?). graddbg goes on with this rank's "
-                         f"local statistics and issues no collective of its own (no replica check, no exchange "
-                         f"of non-finite flags).", GraddbgWarning)
+        what = {"gone": "a peer is gone", "late": "a peer is late"}.get(kind, "a peer stopped waiting")
+        warn_at_user(f"graddbg.watch on rank {self.rank}, step {steps}: {what}: {why}. graddbg goes on with this "
+                     f"rank's local statistics and issues no collective of its own from here on (what torch "
+                     f"does with the job is torch's: a collective of the job's own with a dead peer fails).",
+                     GraddbgWarning)
+
+    def _not_checked_in(self) -> None:
+        self.local = True
+        missing, out = self._checkin.missing, self._checkin.abstained()
+        if out:
+            self.meta["layout"] = "local: a peer takes part in no exchange"
+            warn_at_user(f"graddbg.watch on rank {self.rank}: rank(s) {', '.join(map(str, out))} of "
+                         f"{self.world} watch a pipeline stage without an optimizer, so they take part in no "
+                         f"exchange; graddbg goes on with this rank's local statistics and issues no "
+                         f"collective of its own.", GraddbgWarning)
             return
-        self._groups(self._gather_signatures())
+        if self._checkin.gone:
+            self.meta["layout"] = "local: the store stopped answering"
+            warn_at_user(f"graddbg.watch on rank {self.rank}: the process group's store stopped answering at the "
+                         f"first step (rank 0, which hosts it, ended?); graddbg goes on with this rank's local "
+                         f"statistics and issues no collective of its own.", GraddbgWarning)
+            return
+        who = (f"rank(s) {', '.join(map(str, missing))} of {self.world} did not check in within "
+               f"{checkin_seconds():g} s" if missing and missing != [-1] else
+               "the process group has no store to check in with" if missing else
+               f"a peer gave up waiting {checkin_seconds():g} s for every rank to check in")
+        self.meta["layout"] = "local: not every peer is watched"
+        warn_at_user(f"graddbg.watch on rank {self.rank}: {who}, so not every "
+                     f"process of this job is watched (a framework that starts its own worker processes, such "
+                     f"as Lightning's strategy='ddp' under `graddbg run`?). graddbg goes on with this rank's "
+                     f"local statistics and issues no collective of its own (no replica check, no exchange "
+                     f"of non-finite flags).", GraddbgWarning)
 
     def _gather_signatures(self) -> np.ndarray:
         dist = _dist()
@@ -539,10 +638,11 @@ class Layout:
 
     def shards_over(self) -> Any:
         """The group DTensor statistics are combined over now, as ``torch.distributed``
-        takes it; False when graddbg issues no collective now (this rank's shards only)."""
+        takes it; False when graddbg issues no collective now (this rank's shards only: the
+        peers were not all at the last boundary)."""
         if self.world == 1:
             return None
-        if self.local or not self.resolved:
+        if self.local or not self.resolved or not self._ready:
             return False
         return _group_arg(self.shard_group)
 

@@ -12,6 +12,7 @@ policies once, here (`Watch._apply`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
@@ -558,7 +559,8 @@ class Watch(_Results, _Resumable):
             self.meta["deepspeed"] = zero.describe()
         # (pipeline stages, groups, the check-in)
         ctx.layout = Layout(model, ctx.names, ctx.params, self.meta, make_capture=Capture if opts.localise else None,
-                            active=lambda: not ctx.replaying, stepped=ctx.optimizer is not None or zero is not None)
+                            active=lambda: not ctx.replaying, stepped=ctx.optimizer is not None or zero is not None,
+                            bound=opts.ddp_timeout.total_seconds() if opts.ddp_timeout is not None else None)
         self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive, self._on_output_grad)
         self._cb_queued = False
         self._scaler_looked = False
@@ -635,6 +637,7 @@ class Watch(_Results, _Resumable):
         if _is_compiling() or not self._alive() or not torch.is_grad_enabled() or in_backward():
             return None
         self._tap.before()
+        self._ctx.layout.forward_began(self._clock.index)
         fwd = self._keeper.forward_facts(module)
         for handle in self._on["on_forward"]:
             handle(fwd)
@@ -683,6 +686,7 @@ class Watch(_Results, _Resumable):
             self._skipped()  # the GradScaler updated without stepping the optimizer: it skipped that step
         self._adopt_unfrozen()
         self._clock.noted(state)
+        self._ctx.layout.backward_ended()
         scale = scale_of(self.options.scaler)
         bw = BackwardEnd(self._clock.index, self._ctx.grads(), scale)
         found: List[Finding] = []
@@ -822,6 +826,7 @@ class Watch(_Results, _Resumable):
                 self._skipped()  # (the last step: the scaler updated without stepping the optimizer)
             for c in self._checks:
                 c.flush()
+            self._last_words()
             # the parameters that never had a gradient (and were not named as cut off already):
             # one unused_param finding (its policy is applied by __exit__ when the body ended normally)
             graph = self._part(LossGraph)
@@ -834,6 +839,15 @@ class Watch(_Results, _Resumable):
             # keep only what the tables need; no tensors of the user's past the watch
             ctx = self._ctx
             ctx.params, ctx.model, ctx.optimizer = [], None, None
+
+    def _last_words(self) -> None:
+        """A finding whose evidence grew until the end (the ranks' steps after they went out
+        of step) gets its last numbers."""
+        drift = self._ctx.layout.drift() if self._ctx.layout is not None else None
+        for i, a in enumerate(self.anomalies):
+            if drift and a.kind == "ddp_mismatch" and "stepped differently" in a.message:
+                self.anomalies[i] = dataclasses.replace(a, message=f"{a.message} {drift}")
+                break
 
     def __enter__(self) -> "Watch":
         return self

@@ -278,17 +278,16 @@ class StatsRecorder(Check):
                 self._skipped_scales.append((index, pending.scale))
         self.history.append(StepRecord(index, overflow=True, scale=math.nan, lr=self._lr()))
 
-    def _exchanges(self) -> bool:
+    def _exchanges(self, index: int) -> bool:
         """Whether this step exchanges statistics with other ranks: the layout is known (or
-        found now: the first such step), every peer is watched, and this boundary is not
-        inside a pipeline stage's backward pass. Sets the groups of the reader's gathers."""
-        layout, collect = self.ctx.layout, False
+        found now: the first such step), every peer is watched and at this same boundary,
+        and this boundary is not inside a pipeline stage's backward pass. Sets the groups of
+        the reader's gathers."""
+        layout = self.ctx.layout
         if layout is None:
             self._reader.shard_group(None)
             return False
-        if not layout.local and layout.safe_now(in_backward()):
-            layout.resolve()
-            collect = not layout.local
+        collect = layout.ready(index, in_backward())
         if collect and self._ranks is None and layout.replica_group is not None:
             on = self.ctx.options.ddp_check_every is not None
             self._ranks = _RankFlags(layout.group(layout.replica_group),
@@ -298,7 +297,7 @@ class StatsRecorder(Check):
         return collect
 
     def queue(self, step: Step) -> Optional[_Queued]:
-        collect = self._exchanges()
+        collect = self._exchanges(step.index)
         launch, scale, unscale, changed = self._take(step)
         if not step.read:
             # no read this step: flags stay on the device (of the gradients as the optimizer

@@ -43,11 +43,35 @@ class ReplicaCheck(Check):
         self.schedule = Schedule(every)
         self._differed = False
         self._said = False  # (the per-step hash stands in for ddp_verify: said once)
+        self._desync_said = False
 
     def due(self, index: int) -> bool:
         return self.schedule.includes(index)
 
     def read(self, step: Step) -> List[Finding]:
+        drift = self._out_of_step()
+        return drift + self._replicas(step)
+
+    def _out_of_step(self) -> List[Finding]:
+        """The ranks stepped differently (one skipped or repeated ``optimizer.step()``), as the
+        layout found while waiting for the peers: named once, as a warning whatever the
+        policy (no rank can be stopped at the same step as the others once they are out of
+        step; raising on one would leave the others waiting)."""
+        layout = self.ctx.layout
+        if layout is None or layout.desync is None or self._desync_said:
+            return []
+        self._desync_said = True
+        at, why = layout.desync
+        a = Anomaly(step=at, kind="ddp_mismatch", name=None, module=None, op=None, value=float("nan"),
+                    threshold=0.0, source=None, rank=self.ctx.rank,
+                    message=f"graddbg: the ranks stepped differently at step {at}: {why}. Their replicas now "
+                            f"differ (a rank that skips or repeats an update trains a different model from here "
+                            f"on; DDP does not notice). A per-rank guard such as 'skip this step if my loss looks "
+                            f"bad' must decide alike on every rank (all-reduce the decision first). graddbg goes "
+                            f"on with each rank's local statistics, without collectives of its own.")
+        return [Finding(a, "warn")]
+
+    def _replicas(self, step: Step) -> List[Finding]:
         # on its schedule, and at once when the recorder's hash of the reduced norms differs
         # across the replicas (the same on every rank: every rank runs the check alike)
         urgent = step.replicas_differ and not self._differed and self.schedule.on
@@ -87,11 +111,14 @@ class ReplicaCheck(Check):
         kw = {} if timeout is None else {"timeout": timeout}
         layout = self.ctx.layout
         if layout is not None and layout.world > 1:
-            if not layout.safe_now(in_backward()):
-                return None  # (no collective at this boundary: inside a pipeline stage's backward pass)
-            layout.resolve()  # (once; the statistics recorder usually did it at this boundary)
-            if layout.local or layout.replica_group is None:
-                self.schedule = Schedule(None)  # peers not all watched, or no replicas (pipeline stages without dp)
+            # (decided once per boundary, usually by the statistics recorder: inside a pipeline
+            # stage's backward pass, or a peer not at this boundary, means no collective now)
+            if not layout.ready(index, in_backward()):
+                if layout.local:
+                    self.schedule = Schedule(None)  # peers not all watched, gone or out of step
+                return None
+            if layout.replica_group is None:
+                self.schedule = Schedule(None)  # no replicas (pipeline stages without dp)
                 return None
             kw["group"] = layout.group(layout.replica_group)
         first = index == 0
