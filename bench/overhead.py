@@ -15,7 +15,7 @@ shuffled order each repeat, each with its own copy of the model (same initial we
              empty_step, double_step, orphan_param, no_update, hidden_param, eval_mode,
              loss_pattern, dead_grad = None; the ledger itself is kept): watch over
              watch:nohyg is their cost
-- watch:noupd: the defaults with update_every=None (no update/weight ratio every 200 steps)
+- watch:noupd: the defaults with update_every=None (no update/weight ratio on its log cadence)
 - watch/10:  graddbg.watch(every=10, nonfinite=NonFinite(every=10)): 9 steps in 10 make no
              host synchronisation
 - item:      the usual hand-written recipe: a post-accumulate-grad hook per parameter

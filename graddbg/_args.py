@@ -25,11 +25,11 @@ import dataclasses
 import math
 import numbers
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
 
-__all__ = ["AUTO", "Schedule", "bad_type", "bad_value", "choice", "count", "duration", "flag",
+__all__ = ["AUTO", "LOG_EVERY", "Schedule", "bad_type", "bad_value", "choice", "count", "duration", "flag",
            "integer", "optional", "tolerance"]
 
 #: the sentinel of options whose default depends on the run (``ddp_check_every="auto"``,
@@ -123,22 +123,40 @@ def optional(check: Callable[..., Any]) -> Callable[..., Any]:
     return check_or_none
 
 
+#: the period of the log cadence (`Schedule.log`): after its early steps, every 200th
+LOG_EVERY = 200
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """A cadence: every ``every``-th step of a count that starts at 0, the first included
-    (``includes(0)`` is True), unless it is off (``every`` None: no step).
+    (``includes(0)`` is True), and the steps in ``first`` too, unless it is off (``every``
+    None: no step). `Schedule.log` is the log cadence (0, 1, 2, 5, 10, 20, 50, 100, 200,
+    then every 200), so a short run has early measurements and a long one costs no more.
 
     What is counted is the caller's: the watch's step index for ``every=`` and
     ``NonFinite(every=)``, recorded steps for ``histograms=`` and the CPU's absmax reads.
     A schedule says when a step is on the cadence; whether a check runs (reads the
     statistics back) at a step is the check's own decision (``Check.due``).
+
+    Examples:
+        >>> [i for i in range(500) if Schedule.log().includes(i)]
+        [0, 1, 2, 5, 10, 20, 50, 100, 200, 400]
     """
 
     every: Optional[int] = 1
+    first: Tuple[int, ...] = ()  # steps on the cadence besides every every-th (the log cadence's early steps)
+
+    @classmethod
+    def log(cls, every: int = LOG_EVERY) -> "Schedule":
+        """The log cadence: steps 1, 2, 5, 10, 20, 50, ... below ``every``, then every
+        ``every``-th (0 included)."""
+        first = tuple(m * 10 ** e for e in range(len(str(every))) for m in (1, 2, 5) if m * 10 ** e < every)
+        return cls(every, first)
 
     def includes(self, index: int) -> bool:
         """Whether step ``index`` (0-based) is on the cadence."""
-        return self.every is not None and index % self.every == 0
+        return self.every is not None and (index % self.every == 0 or index in self.first)
 
     @property
     def on(self) -> bool:
@@ -146,8 +164,9 @@ class Schedule:
         return self.every is not None
 
     def within(self, outer: "Schedule") -> "Schedule":
-        """This cadence counted in the steps of ``outer`` (every N-th of the steps that
-        ``outer`` includes), as a schedule of the steps themselves."""
+        """This cadence counted in the steps of ``outer`` (the steps that ``outer``
+        includes, counted 0, 1, 2, ...), as a schedule of the steps themselves. ``outer``
+        is a plain cadence (no ``first``)."""
         if self.every is None or outer.every is None:
             return Schedule(None)
-        return Schedule(self.every * outer.every)
+        return Schedule(self.every * outer.every, tuple(f * outer.every for f in self.first))

@@ -761,7 +761,7 @@ class Watch(_Results, _Resumable):
         self._in_policy = True  # (what a user's policy callable raises is theirs: it propagates)
         for f in found:
             self.anomalies.append(f.anomaly)
-            self._ctx.history.keep.add(f.anomaly.step)
+            self._ctx.history.mark(f.anomaly.step)
             err = apply_policy(f.anomaly, f.policy, functools.partial(_drop_grads, self._ctx.params, f.skip))
             if err is not None and to_raise is None:
                 to_raise = err

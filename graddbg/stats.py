@@ -647,8 +647,11 @@ class StepRecord:
 class History:
     """Bounded, columnar history: per-parameter statistics in preallocated numpy blocks
     of at most ``max_rows`` rows (steps x parameters) and at most ``max_steps`` step rows.
-    When full, the middle of the run is thinned evenly (every second of its steps goes):
-    the first steps, the latest steps and every ``keep``-marked step (anomalies) stay."""
+    When full, the middle of the run is thinned evenly, a share of it at once (amortised
+    O(1) per step): the first steps, the latest steps and every step marked by `mark` (the
+    steps of the kept anomalies) stay; when the marked steps alone would fill a quarter of
+    the history, the first of them stay and the later ones are thinned with the middle, so
+    the protected steps are bounded too."""
 
     def __init__(self, names: Sequence[str], numel: Sequence[int], extras: Sequence[str],
                  max_steps: int, max_rows: int) -> None:
@@ -665,7 +668,7 @@ class History:
                                          "extras": (np.float64, (P, len(self.extras)))})
         self._steps = _Columns(self.step_cap, {c: (t, ()) for c, t in _STEP_TYPES.items()})
         self._hist: List[Tuple[int, np.ndarray]] = []
-        self.keep: set = set()  # steps that thinning never drops
+        self._pending: set = set()  # steps marked before their rows were appended
         self._since = np.zeros(len(self.names), dtype=np.int64)  # first step of each parameter
         self.dropped = 0  # step rows thinned away
         #: each parameter's pipeline stage (a ``stage`` column in `stats_frame`), or None
@@ -687,17 +690,46 @@ class History:
         self._steps.append({"step": rec.step, "global_norm": rec.global_norm, "clipped_norm": rec.clipped_norm,
                             "nonfinite": 0 if rec.per_param is None else int(rec.per_param.nonfinite.sum()),
                             "overflow": rec.overflow, "scale": rec.scale, "recorded": rec.per_param is not None,
-                            "lr": rec.lr}, self.keep)
+                            "lr": rec.lr}, self._pending)
         if rec.per_param is not None:
             st = rec.per_param
             self._rows.append({"step": rec.step, "norm": st.norm, "absmax": st.absmax, "update": np.nan,
                                "nonfinite": st.nonfinite, "has_grad": st.has_grad,
-                               "extras": st.extras if st.extras is not None else np.nan}, self.keep)
+                               "extras": st.extras if st.extras is not None else np.nan}, self._pending)
+        if self._pending:  # (a marked step that never gets a row is forgotten once passed)
+            self._pending = {s for s in self._pending if s > rec.step}
         if rec.hist is not None:
             self._hist.append((rec.step, rec.hist))
             if len(self._hist) > self.cap:
                 del self._hist[1: len(self._hist) - self.cap + 1]
         self.dropped = self._steps.dropped
+
+    def mark(self, step: int) -> None:
+        """Keep ``step`` (an anomaly's) from thinning: its rows, or the rows it will have."""
+        last = self._steps.last_row()
+        if last is None or step > int(last["step"]):
+            self._pending.add(int(step))
+        self._steps.mark(step)
+        self._rows.mark(step)
+
+    @property
+    def marked(self) -> int:
+        """How many step rows are marked by `mark` (kept rows of anomalies' steps)."""
+        return self._steps.marked
+
+    def sizes(self) -> Dict[str, int]:
+        """What the history holds now, each bounded: ``rows`` (recorded steps with
+        per-parameter statistics, at most ``cap``), ``step_rows`` (at most ``step_cap``),
+        ``marked`` (step rows of marked steps), ``pending`` (steps marked ahead of their rows),
+        and ``thinnings``, how many times its tables were thinned (each thinning drops a share
+        of the rows at once: at most a few per ``cap`` steps).
+
+        Examples:
+            >>> History(["w"], [4], (), max_steps=100, max_rows=1000).sizes()
+            {'rows': 0, 'step_rows': 0, 'marked': 0, 'pending': 0, 'thinnings': 0}
+        """
+        return {"rows": self._rows.n, "step_rows": self._steps.n, "marked": self.marked,
+                "pending": len(self._pending), "thinnings": self._rows.thinnings + self._steps.thinnings}
 
     def set_scale(self, step: int, scale: float) -> None:
         """The loss scale of a step the GradScaler skipped, read back with a later step."""
@@ -728,12 +760,12 @@ class History:
         if rows.n == 0:
             return None
         i = rows.n - 1
-        out = {k: c[i].copy() for k, c in rows.cols.items() if k not in ("_seq", "extras", "step")}
+        out = {k: c[i].copy() for k, c in rows.cols.items() if k not in ("_seq", "_mark", "extras", "step")}
         step = int(rows.cols["step"][i])
         steps = self._steps
         for j in range(steps.n - 1, -1, -1):
             if int(steps.cols["step"][j]) == step:
-                out.update({k: c[j].item() for k, c in steps.cols.items() if k not in ("_seq", "nonfinite")})
+                out.update({k: c[j].item() for k, c in steps.cols.items() if k not in ("_seq", "_mark", "nonfinite")})
                 break
         out["step"] = step
         return out
@@ -832,17 +864,22 @@ _STEP_TYPES = {"step": np.int64, "global_norm": np.float64, "clipped_norm": np.f
 
 class _Columns:
     """Named numpy columns of ``cap`` rows, filled in order and thinned when full: the
-    middle of the run keeps every ``stride``-th row (the stride doubles at each thinning,
-    so what stays is evenly spaced), the first ``cap // 8`` rows, the latest ``cap // 4``
-    and the rows of ``keep``-marked steps stay."""
+    first ``cap // 8`` rows, the latest ``cap // 4`` and the marked rows (`mark`, or a step
+    in ``keep`` when appended) stay (the first ``cap // 4`` of those; later ones are thinned
+    with the middle), and the middle of the run keeps the rows whose sequence number is a
+    multiple of ``stride``, so what stays is evenly spaced. Each thinning drops at least a
+    quarter of the thinnable rows at once (the stride doubles when the middle at the current
+    stride would not give that many), so its cost, O(``cap``), is paid once per O(``cap``)
+    appends: amortised O(1) rows per append, however many steps are marked."""
 
     def __init__(self, cap: int, spec: Dict[str, Tuple[Any, Tuple[int, ...]]]) -> None:
         self.cap = cap
         self.n = 0
         self.dropped = 0
+        self.thinnings = 0  # how many times it was thinned (each drops a share of the rows at once)
         self.stride = 1
         self._seq = 0
-        spec = dict(spec, _seq=(np.int64, ()))
+        spec = dict(spec, _seq=(np.int64, ()), _mark=(np.bool_, ()))
         size = min(cap, 64)  # grown by doubling up to cap: memory follows what is recorded
         self.cols = {k: np.full((size,) + shape, _fill(dtype), dtype=dtype) for k, (dtype, shape) in spec.items()}
 
@@ -854,32 +891,49 @@ class _Columns:
 
     def append(self, row: Dict[str, Any], keep: set) -> None:
         if self.n == self.cap:
-            self._thin(keep)
+            self._thin()
         elif self.n == len(self.cols["_seq"]):
             self._grow()
         for k, v in row.items():
             self.cols[k][self.n] = v
         self.cols["_seq"][self.n] = self._seq
+        self.cols["_mark"][self.n] = bool(keep) and row["step"] in keep
         self._seq += 1
         self.n += 1
 
-    def _thin(self, keep: set) -> None:
-        n = self.n
+    def _thin(self) -> None:
+        n, cap = self.n, self.cap
         seq = self.cols["_seq"][:n]
-        protect = (seq < self.cap // 8) | (np.arange(n) >= n - self.cap // 4)
-        if keep:
-            protect |= np.isin(self.cols["step"][:n], np.fromiter(keep, dtype=np.int64))
+        protect = (seq < cap // 8) | (np.arange(n) >= n - cap // 4)
+        marked = self.cols["_mark"][:n] & ~protect
+        at = np.flatnonzero(marked)
+        marked[at[cap // 4:]] = False  # at most cap // 4 marked rows protected: the first ones
+        protect |= marked
+        free = int(n - protect.sum())
+        need = max(1, free // 4)  # drop at least a quarter of the thinnable rows at once
         mask = protect | (seq % self.stride == 0)
-        while mask.all() and self.stride < (1 << 40):
+        while n - int(mask.sum()) < need and self.stride < (1 << 40):
             self.stride *= 2
             mask = protect | (seq % self.stride == 0)
         if mask.all():  # everything is protected: drop the oldest unprotected-by-age row
-            mask[self.cap // 8] = False
+            mask[cap // 8] = False
         for col in self.cols.values():
             kept = col[:n][mask]
             col[: len(kept)] = kept
         self.n = int(mask.sum())
         self.dropped += n - self.n
+        self.thinnings += 1
+
+    def mark(self, step: int) -> None:
+        """Mark the rows of ``step`` (kept from thinning). The rows are in step order: a
+        binary search, O(log cap)."""
+        steps = self.cols["step"][: self.n]
+        lo, hi = np.searchsorted(steps, step, "left"), np.searchsorted(steps, step, "right")
+        self.cols["_mark"][lo:hi] |= steps[lo:hi] == step
+
+    @property
+    def marked(self) -> int:
+        return int(self.cols["_mark"][: self.n].sum())
 
     def widen(self, k: int) -> None:
         """``k`` more parameters in every per-parameter column (filled as missing)."""
@@ -897,10 +951,10 @@ class _Columns:
                 return
 
     def last_row(self) -> Optional[Dict[str, Any]]:
-        return {k: c[self.n - 1] for k, c in self.cols.items() if k != "_seq"} if self.n else None
+        return {k: c[self.n - 1] for k, c in self.cols.items() if k not in ("_seq", "_mark")} if self.n else None
 
     def view(self) -> Dict[str, np.ndarray]:
-        return {k: c[: self.n].copy() for k, c in self.cols.items() if k != "_seq"}
+        return {k: c[: self.n].copy() for k, c in self.cols.items() if k not in ("_seq", "_mark")}
 
 
 def _fill(dtype: Any) -> Any:

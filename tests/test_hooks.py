@@ -340,8 +340,9 @@ def test_update_ratio_every_k_recorded_steps():
     assert per_step.tolist() == [True, False, True, False]
 
 
-def test_update_ratio_default_cadence_is_every_200_steps_from_the_first():
-    # the default (documented in watch()): a copy of the weights every 200th step only
+def test_update_ratio_default_cadence_is_the_log_cadence():
+    # the default (documented in watch()): steps 0, 1, 2, 5, 10, 20, 50, 100, 200, then every
+    # 200th, so a short run has a plot and a long one copies its weights rarely
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 3)
@@ -351,8 +352,22 @@ def test_update_ratio_default_cadence_is_every_200_steps_from_the_first():
             opt.step()
             opt.zero_grad()
     measured = w.stats.groupby("step")["update_ratio"].apply(lambda s: s.notna().all())
-    assert measured[measured].index.tolist() == [0, 200, 400]
+    assert measured[measured].index.tolist() == [0, 1, 2, 5, 10, 20, 50, 100, 200, 400]
     assert w.stats.loc[w.stats.step == 200, "update_ratio"].gt(0).all()
+
+
+def test_the_log_cadence_counts_recorded_steps_and_update_every_n_keeps_its_meaning():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    for kw, expected in [({"every": 2}, [0, 2, 4, 10, 20, 40]), ({"update_every": 5}, [0, 5, 10, 15, 20, 25, 30, 35, 40, 45])]:
+        with graddbg.watch(model, opt, **kw) as w:
+            for _ in range(48):
+                model(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+        measured = w.stats.groupby("step")["update_ratio"].apply(lambda s: s.notna().all())
+        assert measured[measured].index.tolist() == expected, kw
 
 
 def test_no_memory_for_the_update_ratio_copy_warns_and_training_goes_on(monkeypatch):
@@ -705,6 +720,7 @@ BAD_OPTIONS = [
     ({"ddp_check_every": 0}, ValueError, r"^watch\(ddp_check_every=...\): got 0; accepted: None, 'auto' or an int >= 1$"),
     ({"ddp_check_every": "sometimes"}, TypeError, r"^watch\(ddp_check_every=...\): got 'sometimes' \(str\)"),
     ({"update_every": -1}, ValueError, r"^watch\(update_every=...\): got -1; accepted: an int >= 1$"),
+    ({"update_every": "often"}, ValueError, r"^watch\(update_every=...\): got 'often'; accepted: None, 'log' or an int >= 1$"),
     ({"copy_budget": 0}, ValueError, r"^watch\(copy_budget=...\): got 0; accepted: a fraction in \(0, 1\]"),
     ({"localise": 2}, TypeError, r"^watch\(localise=...\): got 2 \(int\); accepted: True or False$"),
     ({"ddp_timeout": "10s"}, TypeError,

@@ -65,6 +65,8 @@ def test_a_schedule_includes_the_first_step_and_every_nth_after():
     assert not off.on and not any(off.includes(i) for i in range(5))
     # every 10th of the steps that every=2 includes: every 20th step
     assert Schedule(10).within(Schedule(2)) == Schedule(20)
+    log = [i for i in range(1000) if Schedule.log().includes(i)]
+    assert log == [0, 1, 2, 5, 10, 20, 50, 100, 200, 400, 600, 800]
     assert Schedule(10).within(Schedule(None)) == Schedule(None) == Schedule(None).within(Schedule(2))
 
 
@@ -77,6 +79,9 @@ def test_watch_options_read_every_cadence_as_a_schedule():
     named = WatchOptions.parse("watch", {"every": 2, "stats": ("norm", "absmax")})
     assert named.absmax_cpu_schedule == Schedule(2)       # asked for by name: every recorded step
     assert WatchOptions.parse("watch", {"update_every": None}).update_schedule == Schedule(None)
+    # the default: the log cadence, counted in recorded steps
+    assert WatchOptions().update_schedule == Schedule.log() == Schedule(200, (1, 2, 5, 10, 20, 50, 100))
+    assert WatchOptions(every=2).update_schedule == Schedule(400, (2, 4, 10, 20, 40, 100, 200))
     assert WatchOptions().histogram_schedule == Schedule(None)
 
 
