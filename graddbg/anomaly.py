@@ -10,7 +10,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Literal, Optional, Sequence, Tuple, Union, get_args
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union, get_args
 
 from graddbg._args import Schedule, bad_type, bad_value, count
 from graddbg._errors import (CoverageWarning, GradientAnomalyError, GraddbgTypeError, GraddbgValueError,
@@ -19,6 +19,8 @@ from graddbg._errors import (CoverageWarning, GradientAnomalyError, GraddbgTypeE
 __all__ = [
     "Anomaly",
     "AnomalyKind",
+    "AnomalyList",
+    "MAX_KEPT_PER_KIND",
     "KINDS",
     "HYGIENE_KINDS",
     "Blame",
@@ -123,6 +125,109 @@ class Anomaly:
         verdict = ("reproduced by a replay of the step (a deterministic bug)" if self.reproduced else
                    "NOT reproduced by a replay of the step: suspect nondeterminism or faulty hardware")
         return f"{self.message} [{verdict}]"
+
+
+#: how many findings of each kind `AnomalyList` (``Watch.anomalies``) keeps: the first ones;
+#: later findings of that kind are counted by kind and parameter, not kept (a NaN every
+#: step of a long run would otherwise hold one record per step). Per kind, so that a flood
+#: of one kind never hides the first finding of another.
+MAX_KEPT_PER_KIND = 1000
+
+
+class AnomalyList(list):
+    """``Watch.anomalies``: a list of `Anomaly` that keeps the first ``limit`` findings of
+    each kind (`MAX_KEPT_PER_KIND`) and counts the later ones in `not_kept`, by kind and
+    parameter, so that its size is bounded however often anomalies happen.
+
+    Examples:
+        >>> found = AnomalyList(limit=2)
+        >>> for step in range(5):
+        ...     found.append(Anomaly(step=step, kind="nonfinite", name="fc.weight", module="fc",
+        ...                          op=None, value=math.nan, threshold=None, source=None, message="NaN"))
+        >>> [a.step for a in found], found.not_kept
+        ([0, 1], {('nonfinite', 'fc.weight'): 3})
+        >>> found.not_kept_text()
+        ['3 more nonfinite findings on fc.weight not kept']
+    """
+
+    def __init__(self, items: Sequence[Anomaly] = (), limit: Optional[int] = None) -> None:
+        super().__init__()
+        self.limit = MAX_KEPT_PER_KIND if limit is None else limit
+        #: the findings not kept: (kind, parameter name or None) -> how many
+        self.not_kept: Dict[Tuple[str, Optional[str]], int] = {}
+        self._kept: Dict[str, int] = {}
+        self._told: set = set()  # kinds past the limit whose "warn" policy has warned once
+        for a in items:
+            self.append(a)
+
+    def append(self, anomaly: Anomaly) -> None:  # type: ignore[override]
+        """Keep ``anomaly`` if fewer than ``limit`` of its kind are kept, else count it."""
+        self.add(anomaly)
+
+    def add(self, anomaly: Anomaly) -> bool:
+        """`append`, and whether ``anomaly`` was kept (False: only counted in `not_kept`)."""
+        n = self._kept.get(anomaly.kind, 0)
+        if n < self.limit:
+            self._kept[anomaly.kind] = n + 1
+            super().append(anomaly)
+            return True
+        key = (anomaly.kind, anomaly.name)
+        self.not_kept[key] = self.not_kept.get(key, 0) + 1
+        return False
+
+    def policy_past_limit(self, anomaly: Anomaly, policy: Any) -> Any:
+        """The policy of a finding that was not kept: ``"warn"`` warns once per kind, saying
+        that later findings are only counted, then records; other policies are unchanged
+        (``"skip"`` still skips, ``"raise"`` still raises)."""
+        if policy != "warn":
+            return policy
+        if anomaly.kind not in self._told:
+            self._told.add(anomaly.kind)
+            warn_at_user(f"{anomaly} [graddbg keeps the first {self.limit:,} {anomaly.kind} findings; later "
+                         f"ones are counted in w.anomalies.not_kept, without a warning each]",
+                         CoverageWarning if anomaly.kind == "unused_param" else AnomalyWarning)
+        return "record"
+
+    def extend(self, anomalies: Any) -> None:  # type: ignore[override]
+        for a in anomalies:
+            self.add(a)
+
+    def __iadd__(self, anomalies: Any) -> "AnomalyList":  # type: ignore[override]
+        self.extend(anomalies)
+        return self
+
+    def __reduce__(self) -> Any:  # (copied and pickled with its counts, each finding once)
+        return _anomaly_list, (list(self), self.limit, dict(self.not_kept))
+
+    def not_kept_records(self) -> List[Dict[str, Any]]:
+        """`not_kept` as JSON-able records ``{"kind", "name", "count"}``, most first (a run's
+        ``meta["anomalies_not_kept"]``)."""
+        return [{"kind": k, "name": n, "count": c} for (k, n), c in
+                sorted(self.not_kept.items(), key=lambda kv: (-kv[1], kv[0][0], str(kv[0][1])))]
+
+    def not_kept_text(self) -> List[str]:
+        """One line per (kind, parameter) of `not_kept`, most first."""
+        return not_kept_text(self.not_kept_records())
+
+
+def _anomaly_list(items: Sequence[Anomaly], limit: int, not_kept: Dict[Tuple[str, Optional[str]], int]) -> AnomalyList:
+    out = AnomalyList(items, limit)
+    out.not_kept = dict(not_kept)
+    return out
+
+
+def not_kept_text(records: Sequence[Dict[str, Any]]) -> List[str]:
+    """The lines of `AnomalyList.not_kept_records` (or of a loaded run's
+    ``meta["anomalies_not_kept"]``): "12,345 more nonfinite findings on fc.weight not kept"."""
+    out = []
+    for r in records:
+        if not isinstance(r, dict):
+            continue
+        c, kind, name = r.get("count"), r.get("kind"), r.get("name")
+        n = int(c) if isinstance(c, (int, float)) and not isinstance(c, bool) else 0
+        out.append(f"{n:,} more {kind} finding{'' if n == 1 else 's'}"
+                   + (f" on {name}" if name else "") + " not kept")
+    return out
 
 
 def anomalies_frame(anomalies: Sequence[Anomaly]):

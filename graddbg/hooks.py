@@ -28,7 +28,7 @@ from graddbg._errors import CoverageWarning, GradientAnomalyError, GraddbgTypeEr
 from graddbg._deepspeed import find as find_deepspeed
 from graddbg._groups import Layout
 from graddbg._model import check_model, in_backward, module_of, named_trainable_parameters, tensors_in, unwrap
-from graddbg.anomaly import apply_policy
+from graddbg.anomaly import AnomalyList, apply_policy
 from graddbg.blame import Capture
 from graddbg.checks.hygiene import unused_anomaly
 from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, Ledger, LedgerKeeper, LossGraph,
@@ -436,6 +436,8 @@ class _Results:
 
         meta = dict(self.meta, uncovered=self._part(StatsRecorder).uncovered(),
                     steps_dropped=self._ctx.history.dropped)
+        if self.anomalies.not_kept:  # findings past MAX_KEPT_PER_KIND of a kind, counted
+            meta["anomalies_not_kept"] = self.anomalies.not_kept_records()
         return Run(self.stats, self.steps, list(self.anomalies), histograms=self.histograms,
                    activations=self.activations, meta=meta, ledger=self.ledger)
 
@@ -525,7 +527,9 @@ class Watch(_Results, _Resumable):
         self._clock = StepClock()
         self._checks: List[Check] = []
         self._on: Dict[str, List[Callable[..., Any]]] = _handlers([])
-        self.anomalies: list = []
+        #: the findings: the first `graddbg.anomaly.MAX_KEPT_PER_KIND` of each kind; later
+        #: ones are counted in ``anomalies.not_kept`` (by kind and parameter)
+        self.anomalies: AnomalyList = AnomalyList()
         self._in_policy = False
         model = check_model(model, "watch")
         self.options = opts = WatchOptions.parse("watch", options)
@@ -760,9 +764,11 @@ class Watch(_Results, _Resumable):
         to_raise: Optional[BaseException] = None
         self._in_policy = True  # (what a user's policy callable raises is theirs: it propagates)
         for f in found:
-            self.anomalies.append(f.anomaly)
-            self._ctx.history.mark(f.anomaly.step)
-            err = apply_policy(f.anomaly, f.policy, functools.partial(_drop_grads, self._ctx.params, f.skip))
+            kept = self.anomalies.add(f.anomaly)  # (past MAX_KEPT_PER_KIND of its kind: only counted)
+            if kept:
+                self._ctx.history.mark(f.anomaly.step)
+            policy = f.policy if kept else self.anomalies.policy_past_limit(f.anomaly, f.policy)
+            err = apply_policy(f.anomaly, policy, functools.partial(_drop_grads, self._ctx.params, f.skip))
             if err is not None and to_raise is None:
                 to_raise = err
         if to_raise is not None:
@@ -861,7 +867,9 @@ class Watch(_Results, _Resumable):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         n = len(self._ctx.names) if hasattr(self, "_ctx") else 0
-        return f"<graddbg.Watch {state}: {n} parameters, {self._clock.index} steps, {len(self.anomalies)} anomalies>"
+        more = sum(self.anomalies.not_kept.values()) if isinstance(self.anomalies, AnomalyList) else 0
+        return (f"<graddbg.Watch {state}: {n} parameters, {self._clock.index} steps, {len(self.anomalies)} anomalies"
+                + (f" (and {more:,} more counted, not kept)" if more else "") + ">")
 
     def __del__(self) -> None:
         try:

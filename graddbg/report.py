@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 
 from graddbg._errors import DotNotFoundError, GraddbgTypeError, GraddbgValueError
 from graddbg._model import module_of
+from graddbg.anomaly import MAX_KEPT_PER_KIND, not_kept_text
 from graddbg._io import file_target, write_atomic
 from graddbg.stats import rollup_norms
 
@@ -163,7 +164,7 @@ def render_report(run: Any, *, graph: Any = None, title: Optional[str] = None) -
     view = _View.of(run, stats)
     sections: List[Tuple[str, str, str]] = [  # (id, heading, body html)
         ("summary", "Run summary", _summary_html(view, steps, anomalies, meta)),
-        ("anomalies", f"Anomalies ({len(anomalies)})", _anomalies_html(anomalies)),
+        ("anomalies", f"Anomalies ({len(anomalies)})", _anomalies_html(anomalies, meta.get("anomalies_not_kept"))),
         ("hygiene", "Training hygiene", _hygiene_html(anomalies, meta)),
         ("plots", "Plots", _plots_html(view, steps, anomalies, histograms)),
         ("parameters", "Per-parameter summary", _summary_table_html(view, "param")),
@@ -332,6 +333,9 @@ def _summary_html(view: "_View", steps: "pandas.DataFrame",
     for key, value in meta.items():
         if key == "uncovered":
             continue
+        if key == "anomalies_not_kept" and isinstance(value, list):  # past MAX_KEPT_PER_KIND of a kind
+            facts.append(("findings counted, not kept", "; ".join(not_kept_text(value))))
+            continue
         facts.append((str(key), value if isinstance(value, (int, float, str, bool))
                       or value is None else json.dumps(value, default=str)))
     out.append(_table([[k, v] for k, v in facts], ["fact", "value"], cls="facts"))
@@ -431,7 +435,7 @@ def _measured(d: Dict[str, Any], key: str) -> Any:
     return v
 
 
-def _anomalies_html(anomalies: Sequence[Any]) -> str:
+def _anomalies_html(anomalies: Sequence[Any], not_kept: Any = None) -> str:
     if not anomalies:
         return '<p class="note">No anomaly was detected.</p>'
     rows = []
@@ -450,6 +454,10 @@ def _anomalies_html(anomalies: Sequence[Any]) -> str:
     if len(dicts) > MAX_ANOMALY_ROWS:
         text += (f'<p class="note">{len(dicts) - MAX_ANOMALY_ROWS} more anomalies not shown '
                  f"(of {len(dicts)}); all of them are in w.anomalies.</p>")
+    if isinstance(not_kept, list) and not_kept:
+        text += ('<p class="note">Counted, not kept (w.anomalies keeps the first '
+                 f"{MAX_KEPT_PER_KIND:,} findings of each kind): "
+                 + html.escape("; ".join(not_kept_text(not_kept))) + ".</p>")
     return text
 
 

@@ -400,3 +400,100 @@ def test_a_nan_weight_written_between_steps_under_step_closure_is_still_its_own_
     first = run()[0]
     assert first.step == 1 and "non-finite parameter 0.weight" in first.message
     assert "entered from outside the autograd graph" in first.message
+
+
+# --------------------------------------------------------------------------- bounded under frequent anomalies
+def _nan_every_other_step(w, model, opt, steps, times=None):
+    """SGD on nn.Linear(4, 1); a NaN planted into the weight's gradient on every odd step."""
+    import time
+
+    x = torch.ones(8, 4)
+    for i in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        if i % 2:
+            model.weight.grad[0, 0] = float("nan")
+        opt.step()
+        if times is not None:
+            times[i] = time.perf_counter() - t0
+
+
+def test_findings_past_the_limit_are_counted_by_kind_and_parameter_not_kept(monkeypatch, tmp_path):
+    import graddbg.anomaly
+
+    monkeypatch.setattr(graddbg.anomaly, "MAX_KEPT_PER_KIND", 20)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddbg.watch(model, opt, nonfinite="skip", explode=None, history=50) as w:
+        _nan_every_other_step(w, model, opt, 200)
+    assert [a.step for a in w.anomalies] == list(range(1, 40, 2))  # the first 20 kept
+    assert w.anomalies.not_kept == {("nonfinite", "weight"): 80}  # the other 80 counted
+    assert torch.isfinite(model.weight).all()  # "skip" still skipped the steps not kept
+    assert "80 more counted, not kept" in repr(w)
+    # the first kept anomalies' steps stay in the thinned history, with its first and last steps
+    steps = set(w.steps["step"])
+    assert {0, 199, 1, 3, 5, 7, 9} <= steps and len(steps) <= 50
+    run = graddbg.load(w.save(tmp_path / "run.parquet"))
+    assert len(run.anomalies) == 20
+    assert run.meta["anomalies_not_kept"] == [{"kind": "nonfinite", "name": "weight", "count": 80}]
+    html = w.report(tmp_path / "report.html").read_text()
+    assert "80 more nonfinite findings on weight not kept" in html
+    assert graddbg.anomaly.not_kept_text(run.meta["anomalies_not_kept"]) == \
+        ["80 more nonfinite findings on weight not kept"]
+
+
+def test_warn_policy_past_the_limit_warns_once_more_then_counts(monkeypatch):
+    import graddbg.anomaly
+
+    monkeypatch.setattr(graddbg.anomaly, "MAX_KEPT_PER_KIND", 3)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with graddbg.watch(model, opt, nonfinite="warn", explode=None) as w:
+            _nan_every_other_step(w, model, opt, 20)
+    texts = [str(g.message) for g in got if issubclass(g.category, AnomalyWarning)]
+    assert len(texts) == 4 and "keeps the first 3 nonfinite findings" in texts[-1]
+    # (not skipped, the NaN reaches the weight: every step from step 1 on is non-finite)
+    assert [a.step for a in w.anomalies] == [1, 2, 3] and w.anomalies.not_kept == {("nonfinite", "weight"): 16}
+
+
+@pytest.mark.slow
+def test_step_time_and_memory_stay_flat_under_a_nan_every_other_step(monkeypatch):
+    """A NaN gradient every other step with nonfinite="skip" and a small history: once the
+    history and w.anomalies are full, a step costs what it cost at the start and nothing
+    grows (bench/anomaly_heavy.py measures 50,000 steps)."""
+    import gc
+
+    import graddbg.anomaly
+
+    monkeypatch.setattr(graddbg.anomaly, "MAX_KEPT_PER_KIND", 100)
+    steps = 8_000
+    times = np.zeros(steps)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sizes = []
+
+    def size(w):
+        h = w._ctx.history
+        gc.collect()
+        return (len(w.anomalies), len(w.anomalies.not_kept), h.sizes(), len(gc.get_objects()))
+
+    with graddbg.watch(model, opt, nonfinite="skip", explode=None, history=200, localise=False) as w:
+        _nan_every_other_step(w, model, opt, steps // 2, times[: steps // 2])
+        sizes.append(size(w))
+        _nan_every_other_step(w, model, opt, steps // 2, times[steps // 2:])
+        sizes.append(size(w))
+    # each block's time: the least of the medians of its quarters (a quarter slowed by the
+    # other processes of a shared machine does not count; a cost that grew slows them all)
+    early = min(np.median(q) for q in np.split(times[1000:2000], 4))
+    late = min(np.median(q) for q in np.split(times[-2000:], 4))
+    assert late / early < 1.5, (early, late)
+    (kept0, keys0, hist0, objects0), (kept1, keys1, hist1, objects1) = sizes
+    assert kept0 == kept1 == 100 and keys0 == keys1 == 1
+    assert hist1["rows"] <= 200 and hist1["marked"] <= hist0["marked"] and hist1["pending"] == 0
+    assert objects1 - objects0 < 200, (objects0, objects1)
+    assert sum(w.anomalies.not_kept.values()) == steps // 2 - 100
