@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import json
 import os
 import sys
 import time
@@ -52,6 +53,9 @@ __all__ = ["CHECKIN_SECONDS", "CheckIn", "Layout", "StageReport", "find_stages"]
 #: how long a watch waits at its first step boundary for every peer to check in (seconds);
 #: ``GRADDBG_CHECKIN_SECONDS`` in the environment changes it
 CHECKIN_SECONDS = 10.0
+#: how long a stage that a non-finite value reached waits to hear where the stage that made it
+#: found it started (that stage replays its step meanwhile)
+ORIGIN_SECONDS = 60.0
 
 
 def checkin_seconds() -> float:
@@ -280,6 +284,9 @@ class StageReport:
     arrived: np.ndarray
     ranks: List[int]          #: a global rank holding each slot
     me: List[int]             #: this rank's slots
+    #: per slot: 1 + the step its replicas were found to differ at (0: they agree), so that
+    #: every stage stops with it
+    differ: Optional[np.ndarray] = None
 
     def elsewhere(self) -> List[int]:
         """Slots other than this rank's with a non-finite gradient."""
@@ -329,6 +336,7 @@ class Layout:
         self._tap_stages()
         self._checkin = CheckIn(self.rank, self.world, bound) if self.world > 1 else None
         self._ready_at, self._ready, self._found = -1, False, False  # (this boundary's decision; groups found)
+        self._drift_next: Optional[int] = None  # (a drift of this stage's replicas, for the next summary)
         #: ``(step, what)`` when the ranks were found to step differently (the replica check reports it)
         self.desync: Optional[tuple] = None
         self._stepped = stepped  # (an optimizer steps the model: its boundaries are outside backward passes)
@@ -686,9 +694,12 @@ class Layout:
     def _last_stage(self) -> bool:
         return bool(self.stages) and self.stages[-1].stage_index == self.stages[-1].num_stages - 1
 
-    def exchange(self, norms: np.ndarray, has: np.ndarray, bad: np.ndarray) -> Optional[StageReport]:
+    def exchange(self, norms: np.ndarray, has: np.ndarray, bad: np.ndarray,
+                 differ: Optional[int] = None) -> Optional[StageReport]:
         """The per-step summary over the pipeline group (or the world): every rank learns
-        each slot's squared norm and non-finite flag. None when there is no summary."""
+        each slot's squared norm and non-finite flag, and whether its replicas differ
+        (``differ``: the step this rank's replicas' hash differed at, or None). None when there
+        is no summary."""
         arrived, self._arrived = self._arrived, {}
         self._last_captures, self._captures = self._captures, {}
         if self.local or self.summary_group is None:
@@ -696,7 +707,7 @@ class Layout:
         dist = _dist()
         n = len(self._summary_ranks)
         dev = self._device()
-        table = torch.zeros(n, 3, dtype=torch.float64, device=dev)
+        table = torch.zeros(n, 4, dtype=torch.float64, device=dev)
         sq = np.where(has & np.isfinite(norms), norms, 0.0) ** 2
         if self.param_slot is not None and len(self.slots) > 1:
             slot_sq = np.bincount(self.param_slot.numpy(), weights=sq, minlength=n)
@@ -709,13 +720,37 @@ class Layout:
         for s in self.slots:
             table[s, 0] = float(slot_sq[s])
             table[s, 1] = float(slot_bad[s])
+            found = differ if differ is not None else self._drift_next
+            table[s, 3] = 0.0 if found is None else float(found + 1)
+        self._drift_next = None
         for s, flag in arrived.items():
             if s < n:
                 table[s, 2] = flag.to(dev).double()
         run_collective(dist.all_reduce, table, group=_group_arg(self.summary_group))
         got = table.cpu().numpy()
         return StageReport("stage" if self.pipeline else "rank", got[:, 0], got[:, 1] > 0, got[:, 2] > 0,
-                           self._summary_ranks, list(self.slots))
+                           self._summary_ranks, list(self.slots), got[:, 3])
+
+    def tell_origin(self, step: int, found: Dict[str, Any]) -> None:
+        """Where this stage found a non-finite value it made at ``step`` started, for the
+        stages it reached (`origin_of`), through the store."""
+        peers = self._checkin.peers if self._checkin is not None else None
+        if peers is not None and not self.local:
+            peers.tell(f"origin/{step}", json.dumps(found))
+
+    def origin_of(self, step: int) -> Optional[Dict[str, Any]]:
+        """What the stage that made the non-finite value of ``step`` found (`tell_origin`):
+        waited for at most the bound (it localises at this same step), None if not told."""
+        peers = self._checkin.peers if self._checkin is not None else None
+        if peers is None or self.local:
+            return None
+        got = peers.hear(f"origin/{step}", min(peers.seconds, ORIGIN_SECONDS))
+        return json.loads(got) if got else None
+
+    def flag_drift(self, step: int) -> None:
+        """This stage's replicas differ (found at ``step``, after its summary): said in the
+        next step's summary, so that every stage learns it at the same step."""
+        self._drift_next = step
 
     def global_norm(self, report: StageReport) -> float:
         """The whole model's norm: every stage once (one rank of each signature class when

@@ -152,6 +152,27 @@ class Peers:
         except Exception:
             return None
 
+    def tell(self, key: str, value: str) -> None:
+        """A fact for the peers under ``key`` (`hear`)."""
+        try:
+            self.store.set(self.prefix + key, value)
+        except Exception:
+            pass
+
+    def hear(self, key: str, seconds: float) -> Optional[str]:
+        """The fact a peer told under ``key``, waited for at most ``seconds`` (and not past
+        the stop key, or a dead store): None when it did not come."""
+        end, delay = time.monotonic() + seconds, 1e-4
+        try:
+            while not self.store.check([self.prefix + key]):
+                if time.monotonic() > end or self.store.get(self._stop_key):
+                    return None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.02)
+            return self.store.get(self.prefix + key).decode()
+        except Exception:
+            return None
+
     def stop(self, why: str) -> str:
         """Tell every peer to go on without collectives (the first reason written wins);
         returns the reason in force."""

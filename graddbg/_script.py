@@ -364,8 +364,11 @@ class ScriptWatcher:
             warnings._filters_mutated()  # type: ignore[attr-defined]  (as warnings.filterwarnings does)
         self._filter = None
         self._deferred.clear()
+        from graddbg.run import stop_reason
+
         for w in self.watches:
             w.close()
+            w.meta.setdefault("stopped", stop_reason(exc[1] if len(exc) > 1 else None))
         if self._free is not None and self._free[0].current_step == 0 and not self._free[0].anomalies:
             self.watches.remove(self._free[0])  # forward passes only, never a backward: nothing to show
         self._free = None

@@ -593,12 +593,18 @@ def check_state(model: torch.nn.Module, step: int = 0) -> None:
         raise NonFiniteError(a.message, anomaly=a)
 
 
-def state_anomaly(found: List[Tuple[str, str, torch.Tensor]], step: int, rank: Optional[int] = None) -> Anomaly:
+def state_anomaly(found: List[Tuple[str, str, torch.Tensor]], step: int, rank: Optional[int] = None,
+                  shard_ranks: Optional[Sequence[int]] = None) -> Anomaly:
+    """The finding for non-finite weights or buffers ``found``; ``shard_ranks``: the ranks
+    whose shards of the first one hold the NaN/Inf (a sharded parameter, as every rank of
+    its group learned)."""
     kind, name, t = found[0]
     bad = int((~torch.isfinite(local_values(t))).sum())
     others = ", ".join(n for _, n, _ in found[1:6]) + (" and more" if len(found) > 6 else "")
+    held = (f"its shard(s) on rank(s) {', '.join(map(str, shard_ranks))} hold NaN/Inf"
+            + (f" ({bad} entries here)" if bad else "") if shard_ranks else f"{bad} NaN/Inf entries")
     msg = (f"graddbg: non-finite {kind} {name} {tuple(t.shape)} {t.dtype} at step {step}"
-           + (f" on rank {rank}" if rank is not None else "") + f": {bad} NaN/Inf entries. "
+           + (f" on rank {rank}" if rank is not None else "") + f": {held}. "
            f"It entered from outside the autograd graph (a checkpoint, an optimizer step, an in-place write), "
            f"so every gradient computed from it is a victim, not a producer."
            + (f" Also non-finite: {others}." if others else ""))

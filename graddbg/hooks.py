@@ -860,6 +860,9 @@ class Watch(_Results, _Resumable):
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close()
+        from graddbg.run import stop_reason
+
+        self.meta.setdefault("stopped", stop_reason(exc))  # (why the run ended, saved with it)
         unused = [a for a in self.anomalies if a.kind == "unused_param"]
         if exc_type is None and unused:
             apply_policy(unused[0], self.options.unused_param, lambda: None)

@@ -155,6 +155,72 @@ def dp2pp2(rank: int) -> dict:
     return out
 
 
+class Poison(nn.Module):
+    """Identity forward; with ``on``, a NaN made in the forward pass (the log of a negative)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.log(-1.0 - x.abs()) if self.on else x
+
+
+def _dp2pp2_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    return mesh, mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+
+
+def dp2pp2_forward_nan(rank: int) -> dict:
+    """dp 2 x pp 2 (1F1B, DDP per stage): a NaN made in stage 1's forward pass at step 1:
+    every rank must name stage 1, none its own module."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    mesh, dp, pp = _dp2pp2_mesh()
+    full = full_model()
+    full[7] = Poison()
+    stage, mod, _ = _stage(full, 2, pp, mesh["pp"].get_group(), mesh["dp"].get_group())
+    out = _run(stage, Schedule1F1B, mod, dp, boom=full[7])
+    out["dp"], out["pp"] = dp, pp
+    return out
+
+
+def dp2pp2_drift_raise(rank: int) -> dict:
+    """dp 2 x pp 2 (1F1B, DDP per stage), under the default policy ("raise") with the replica
+    check every step: rank 2 (stage 0, replica 1) edits a weight after step 1: every rank of
+    both stages must stop at step 2 (stage 1's ranks would otherwise go on into step 3 and
+    wait forever in the schedule's receive)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B
+
+    import graddbg
+
+    mesh, dp, pp = _dp2pp2_mesh()
+    out = {"dp": dp, "pp": pp}
+    full = full_model()
+    stage, mod, part = _stage(full, 2, pp, mesh["pp"].get_group(), mesh["dp"].get_group())
+    sched = Schedule1F1B(stage, n_microbatches=N_MB, loss_fn=lambda o, t: nn.functional.mse_loss(o, t))
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05)
+    stopped = None
+    try:
+        with graddbg.watch(mod, opt, ddp_check_every=1):
+            for step in range(STEPS + 1):
+                x, y = data(dp, step)
+                opt.zero_grad()
+                schedule_step(sched, [stage], x, y)
+                opt.step()
+                if step == 1 and rank == 2:
+                    with torch.no_grad():
+                        next(part.parameters()).view(-1)[0] += 1e-3
+    except graddbg.GradientAnomalyError as err:
+        stopped = (err.anomaly.step, err.anomaly.kind, err.anomaly.message)
+    dist.barrier()  # (every rank is here: none is left inside a collective or a receive)
+    out["stopped"] = stopped
+    return out
+
+
 def fsdp_pp(rank: int) -> dict:
     """dp 2 x pp 2 with FSDP2 over the dp dimension; at step 1 a NaN is written into one
     rank's shard of 0.weight's gradient after the schedule's backward, before the step."""
@@ -416,7 +482,7 @@ def unwatched(rank: int) -> dict:
 def body(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = {}
-    for fn in (pp4, dp2pp2, fsdp_pp, interleaved, nan, nan_raise, mixed_meshes, stepless, uneven, handmade, unwatched) \
+    for fn in (pp4, dp2pp2, dp2pp2_forward_nan, dp2pp2_drift_raise, fsdp_pp, interleaved, nan, nan_raise, mixed_meshes, stepless, uneven, handmade, unwatched) \
             if world == 4 \
             else (dp_tp_pp, hsdp_pp):
         out[fn.__name__] = fn(rank)

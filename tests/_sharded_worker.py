@@ -98,17 +98,21 @@ def run(case: str, rank: int) -> dict:
     record["warnings"] = [str(c.message) for c in caught]
     if case in ("fsdp", "tp"):
         record["edited"] = _hand_edited_nan(case, rank)
+    if case == "fsdp":
+        record["weight_edited"] = _hand_edited_nan(case, rank, weight=True)
     return record
 
 
-def _hand_edited_nan(case: str, rank: int, at: int = 1) -> dict:
+def _hand_edited_nan(case: str, rank: int, at: int = 1, weight: bool = False) -> dict:
     """A NaN written by hand into rank 1's gradient shard between backward and step (a
-    faulty clip, a hand edit): every rank must raise at the same step, naming rank 1."""
+    faulty clip, a hand edit): every rank must raise at the same step, naming rank 1.
+    ``weight``: into rank 1's shard of the weight itself (every rank's next gradients are
+    spoilt by the all-gathered weight: each must name the weight and rank 1)."""
     import graddbg
 
     m = _shard(case, model().to(_DEVICE))
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    weight = dict(m.named_parameters())["2.weight"]
+    weight, weight_nan = dict(m.named_parameters())["2.weight"], weight
     try:
         with graddbg.watch(m, opt, localise=False):
             for step in range(3):
@@ -116,7 +120,8 @@ def _hand_edited_nan(case: str, rank: int, at: int = 1) -> dict:
                 opt.zero_grad()
                 nn.functional.mse_loss(m(x), y).backward()
                 if rank == 1 and step == at:
-                    weight.grad.to_local().view(-1)[0] = float("nan")
+                    with torch.no_grad():
+                        (weight if weight_nan else weight.grad).to_local().view(-1)[0] = float("nan")
                 opt.step()
     except graddbg.NonFiniteError as e:
         dist.barrier()  # (every rank gets here: none is left waiting in a collective)

@@ -66,7 +66,7 @@ LAZY = {
     "pytest_plugin": {"gradcheck", "stats", "hooks", "anomaly"},
     "plots": {"stats"},  # (rollup_norms: the one roll-up rule)
     "_demo_model": {"__init__"},  # (graddbg.watch, as a user's script calls it)
-    "_script": {"_model", "__init__"},
+    "_script": {"_model", "__init__", "run"},
 }
 
 

@@ -257,3 +257,32 @@ def test_hsdp_x_pp_replicas_are_compared_within_each_stage_only(runs3d):
         else:
             assert kinds == [], got["anomalies"]
         assert len(got["warnings"]) == 1 and "per-step hash" in got["warnings"][0], got["warnings"]
+
+
+@pytest.mark.timeout(300)
+def test_a_nan_made_in_stage_1s_forward_is_blamed_on_stage_1_by_every_rank(runs):
+    """dp 2 x pp 2, 1F1B: a log of a negative in stage 1's forward at step 1. Stage 1's ranks
+    find it by a replay; stage 0's ranks, which it reached through the gradient of their
+    output, name the same module, op and line (told through the store), never their own."""
+    for r in range(4):
+        got = runs[r]["dp2pp2_forward_nan"]
+        first = [a for a in got["anomalies"] if a[0] == 1]
+        assert [(a[0], a[1]) for a in first] == [(1, "nonfinite")], got["anomalies"]
+        text = first[0][3]
+        assert "module '7'" in text and "aten.log" in text and "_pipeline_worker.py" in text, text
+        if got["pp"] == 0:
+            assert "arrived non-finite from stage 1" in text and "it started there in module '7'" in text, text
+            assert first[0][2] in got["names"]  # (the parameter it reached here: this stage's own)
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_drift_under_raise_stops_every_stage_at_the_same_step(runs):
+    """dp 2 x pp 2, the replica check every step, the default policy: rank 2 (stage 0) edits a
+    weight after step 1. Stage 0's ranks find it at step 2; stage 1's learn it through the
+    stage summary; every rank raises at the same boundary (none is left in a receive)."""
+    for r in range(4):
+        got = runs[r]["dp2pp2_drift_raise"]
+        step, kind, text = got["stopped"]
+        assert (step, kind) == (2, "ddp_mismatch"), (r, got["stopped"])
+        if got["pp"] == 1:
+            assert "replicas differ in pipeline stage(s) [0] at step 2" in text, text

@@ -312,3 +312,21 @@ def test_run_report_refuses_the_file_it_was_loaded_from(tmp_path):
     with pytest.raises(GraddbgValueError, match=r"path: '.*run.parquet' is the run file this Run was loaded from"):
         run.report(path)
     _unchanged(path, before)
+
+
+def test_a_with_block_records_why_the_run_ended_and_the_file_says_it(tmp_path):
+    import torch
+    from torch import nn
+
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddbg.watch(model, opt) as ok:
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    assert ok.meta["stopped"] == {"how": "completed"}
+    with pytest.raises(ValueError, match="bad batch"):
+        with graddbg.watch(model, opt) as w:
+            model(torch.randn(2, 3)).sum().backward()
+            raise ValueError("bad batch")
+    path = w.save(tmp_path / "run.parquet")
+    assert graddbg.load(path).stopped == {"how": "exception", "type": "ValueError", "message": "bad batch"}

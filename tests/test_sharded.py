@@ -43,6 +43,10 @@ def test_fsdp2_two_ranks_full_norms_and_a_nan_shard_named_with_its_rank(tmp_path
         switched_off = [m for m in rec["warnings"] if "ddp_check_every is switched off" in m]
         assert len(switched_off) == 1 and "no replicas" in switched_off[0]
     _check_hand_edit(results)
+    for r, rec in results.items():  # a NaN written into rank 1's shard of the weight: named so on every rank
+        got = rec["weight_edited"]
+        assert got["step"] == 2 and got["name"] == "2.weight", (r, got)
+        assert "non-finite parameter 2.weight" in got["message"] and "on rank(s) 1 hold NaN/Inf" in got["message"]
 
 
 def _check_hand_edit(results: dict) -> None:

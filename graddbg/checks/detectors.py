@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import math
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from graddbg._model import unwrap
+from graddbg._collective import run_collective
+from graddbg._model import is_dtensor, unwrap
 from graddbg.anomaly import Anomaly, Blame, Explode, Vanish, nonfinite_anomaly
 from graddbg.blame import nonfinite_state, replay, state_anomaly
+from graddbg.stats import local_values
 from graddbg.checks.base import Check, Finding, Step, Watched
 
 __all__ = ["NonFiniteCheck", "ExplodeCheck", "VanishCheck"]
@@ -34,10 +37,11 @@ class NonFiniteCheck(Check):
         ctx = self.ctx
         names = [ctx.names[i] for i in idx]
         state = nonfinite_state(unwrap(ctx.model)) if ctx.model is not None else []
+        state, held = self._state_of_shards(state)
         applied = bool(state) and self._applied_here(step, state)
         self._seen = True
         if state and not applied:  # a NaN/Inf weight or buffer: it is the producer
-            return state_anomaly(state, step.first_bad, ctx.rank)
+            return state_anomaly(state, step.first_bad, ctx.rank, held.get(state[0][1]))
         where = self._localise(step, names, idx, replay_ok=not applied)
         if applied:
             where.how += (", read after step(closure) had applied them: the weights it made non-finite "
@@ -50,10 +54,75 @@ class NonFiniteCheck(Check):
         if st.shard_ranks:
             where.ranks = sorted({r for i in idx for r in st.shard_ranks.get(int(i), ())})
         where.origin = step.origin
-        return nonfinite_anomaly(step.first_bad, names, [tuple(ctx.params[i].shape) for i in idx], total,
-                                 where, ctx.rank)
+        made = self._relay(step, where)
+        a = nonfinite_anomaly(step.first_bad, names, [tuple(ctx.params[i].shape) for i in idx], total, where,
+                              ctx.rank)
+        if made is not None:  # (blamed on the stage that made it, by every rank)
+            a = dataclasses.replace(a, module=made.get("module"), op=made.get("op"), source=made.get("source"))
+        return a
+
+    def _relay(self, step: Step, where: Blame) -> Optional[Dict[str, Any]]:
+        """In a pipeline, the stage that made a non-finite value names it (module, op, line)
+        for the others through the store; a stage it arrived at from the next stage reads that
+        (a bounded wait: every stage localises at this same step) and says where it started.
+        Returns what the stage that made it found, on the others; None there and elsewhere."""
+        layout = self.ctx.layout
+        if layout is None or not layout.pipeline or step.stages is None:
+            return None
+        if step.origin is None:
+            layout.tell_origin(step.first_bad, {"module": where.module, "op": where.op, "source": where.source,
+                                                "rank": self.ctx.rank})
+            return None
+        made = layout.origin_of(step.first_bad)
+        if made is not None and made.get("module") is not None:
+            said = f"module '{made['module']}'" + (f", op {made['op']}" if made.get("op") else "") \
+                + (f", created at {made['source']}" if made.get("source") else "")
+            ranks, how = where.origin
+            where.origin = (ranks, f"{how}; it started there in {said}, as rank {made.get('rank')} found")
+        return made
+
 
     _seen = False  # a non-finite gradient or weight was found at an earlier step
+
+    def _nearest(self, module: str, idx: np.ndarray) -> str:
+        """The affected parameter whose module comes nearest ``module`` in the model's module
+        order (the loss, ``<loss>``, comes after every module); the first of a module's."""
+        order = {m: k for k, (m, _) in enumerate(unwrap(self.ctx.model).named_modules())} \
+            if self.ctx.model is not None else {}
+        at = order.get(module, len(order))
+        mods = self.ctx.modules
+        best = min(idx, key=lambda i: (abs(order.get(mods[i], -1) - at), order.get(mods[i], -1) < at))
+        return self.ctx.names[best]
+
+    def _state_of_shards(self, state: list) -> Tuple[list, Dict[str, List[int]]]:
+        """With sharded parameters (FSDP2, HSDP, tensor parallel), a NaN/Inf weight lies in one
+        rank's shard: the others see only the gradients it spoilt. Which ranks hold non-finite
+        shards of which parameter is agreed by one small all-reduce over the shard group (every
+        rank of it found the non-finite gradient at this step: the flags were agreed), so that
+        every rank names the weight and the rank that holds it. ``(state, {name: ranks})``."""
+        ctx, layout = self.ctx, self.ctx.layout
+        sharded = [i for i, p in enumerate(ctx.params) if is_dtensor(p)]
+        group = layout.shards_over() if layout is not None and sharded and layout.world > 1 else False
+        if group is False:
+            return state, {}
+        import torch
+        import torch.distributed as dist
+
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        with torch.no_grad():
+            local = [local_values(ctx.params[i]) for i in sharded]
+            flags = torch.stack([~torch.isfinite(t).all() if t.numel() else torch.zeros((), dtype=torch.bool,
+                                 device=t.device) for t in local]).long() * (1 << me if size <= 62 else 1)
+            run_collective(dist.all_reduce, flags, group=group)
+        bits = flags.cpu().tolist()
+        held = {ctx.names[i]: [dist.get_global_rank(group, r) if group is not None else r
+                               for r in range(min(size, 62)) if (b >> r) & 1] or [-1]
+                for i, b in zip(sharded, bits) if b}
+        named = {n for _, n, _ in state}
+        extra = [("parameter", ctx.names[i], ctx.params[i]) for i in sharded
+                 if ctx.names[i] in held and ctx.names[i] not in named]
+        return extra + state if extra and not state else state + extra, held
+
 
     def _applied_here(self, step: Step, state: list) -> bool:
         """Whether the non-finite weights were made by this very step's update: under

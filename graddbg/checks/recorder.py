@@ -373,7 +373,7 @@ class StatsRecorder(Check):
         the whole model's global norm, and where a non-finite gradient that arrived at this
         stage from the next one came from (no replay then: it started elsewhere)."""
         layout = self.ctx.layout
-        report = layout.exchange(st.norm, st.has_grad, bad)
+        report = layout.exchange(st.norm, st.has_grad, bad, differ=step.index if step.replicas_differ else None)
         if report is None:
             return
         st.__dict__["global_norm"] = layout.global_norm(report)  # (the whole model's, on every rank)

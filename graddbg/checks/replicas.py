@@ -13,6 +13,8 @@ from __future__ import annotations
 import warnings
 from typing import List, Optional
 
+import numpy as np
+
 from graddbg._args import AUTO, Schedule
 from graddbg._errors import DDPInconsistencyError, GraddbgValueError, GraddbgWarning
 from graddbg._model import in_backward, is_dtensor, module_of
@@ -44,6 +46,8 @@ class ReplicaCheck(Check):
         self._differed = False
         self._said = False  # (the per-step hash stands in for ddp_verify: said once)
         self._desync_said = False
+        self._held: Optional[Anomaly] = None  # (a drift ddp_verify found, told to every stage next step)
+        self._stages_told = False
 
     def due(self, index: int) -> bool:
         return self.schedule.includes(index)
@@ -79,17 +83,51 @@ class ReplicaCheck(Check):
         if not (self.due(step.index) or urgent) or step.closure:
             return []
         layout = self.ctx.layout
-        if self._stage_of_shards():
-            # ddp_verify compares sharded models across the whole world, and a pipeline's stages
-            # hold different models: the recorder's per-step hash, within each stage, is the check
-            a = _hash_mismatch(step.index, layout.meta.get("stage"), layout.shard_replicas,
-                               self.ctx.rank) if urgent else None
-        else:
-            a = self._check(step.index)
-        if a is None:
-            return []
+        a, hashed = None, False
+        if (self.due(step.index) or urgent) and not step.closure:
+            if self._stage_of_shards():
+                # ddp_verify compares sharded models across the whole world, and a pipeline's stages
+                # hold different models: the recorder's per-step hash, within each stage, is the check
+                hashed = True
+                a = _hash_mismatch(step.index, layout.meta.get("stage"), layout.shard_replicas,
+                                   self.ctx.rank) if urgent else None
+            else:
+                a = self._check(step.index)
         nf = self.ctx.options.nonfinite
-        return [Finding(a, nf.policy if nf is not None else "raise")]
+        policy = nf.policy if nf is not None else "raise"
+        report = step.stages
+        if policy == "raise" and report is not None and report.what == "stage" and report.differ is not None:
+            return self._with_every_stage(step.index, report, a, hashed, policy)
+        return [] if a is None else [Finding(a, policy)]
+
+    def _with_every_stage(self, index: int, report: object, a: Optional[Anomaly], hashed: bool,
+                          policy: object) -> List[Finding]:
+        """In a pipeline, under the raise policy, a replica drift stops every stage at the same
+        step, not only the stage whose replicas differ (the others would go on into the next step and wait in
+        the schedule's receive for ever). The per-step hash's verdict rides this step's stage
+        summary; ddp_verify's, found after that summary, rides the next step's, and is
+        reported then on every rank (dated the step it was found)."""
+        differs = [int(s) for s in np.nonzero(report.differ)[0]]  # type: ignore[attr-defined]
+        if self._stages_told:
+            return []
+        if not differs:
+            if a is not None and not hashed:
+                self._held = self._held or a
+                self.ctx.layout.flag_drift(index)
+                return []
+            return [] if a is None else [Finding(a, policy)]
+        self._stages_told = True
+        mine, self._held = self._held or a, None
+        if mine is None:
+            where = ", ".join(report.slot_text(s) for s in differs)  # type: ignore[attr-defined]
+            at = min(int(report.differ[s]) - 1 for s in differs)  # type: ignore[attr-defined]
+            mine = Anomaly(step=at, kind="ddp_mismatch", name=None, module=None, op=None, value=float("nan"),
+                           threshold=0.0, source=None, rank=self.ctx.rank,
+                           message=f"graddbg: replicas differ in pipeline stage(s) {differs} at step {at} (found "
+                                   f"by {where}; told to every stage at step {index}); this stage stops with them "
+                                   f"at the same step, so that no stage is left waiting in the schedule for "
+                                   f"another.")
+        return [Finding(mine, policy)]
 
     def _stage_of_shards(self) -> bool:
         """A pipeline stage whose parameters are DTensors (FSDP2, HSDP, tensor parallel)."""
