@@ -32,10 +32,14 @@ What each callback does:
 - The optimizer's step is the step boundary: one record per optimizer step under gradient
   accumulation; the pre-clip norm in ``steps.global_norm`` and the post-clip one in
   ``steps.clipped_norm`` when the trainer clips.
-- It logs ``graddbg/global_norm`` (the latest recorded step's) and ``graddbg/anomalies``
-  (how many so far) through the trainer: Lightning's ``LightningModule.log`` after each
-  optimizer step; transformers' ``logs`` at each logging step (``on_log``; they also go
-  into ``trainer.state.log_history``). In transformers, logging integrations
+- It logs what ``watch(log_to=...)`` logs (see `graddbg.trackers`: ``graddbg/global_norm``,
+  ``graddbg/loss``, ``graddbg/lr``, the norms per top-level module, or per parameter with
+  ``log_detail="param"``, the update ratios when measured, ``graddbg/anomalies``: how many
+  findings so far; the latest recorded step's values) through the trainer, to its own
+  loggers: Lightning's ``LightningModule.log_dict`` after each optimizer step;
+  transformers' ``logs`` at each logging step (``on_log``; they also go into
+  ``trainer.state.log_history``). A ``log_to=`` given to the callback is fed as well
+  (with the findings' text). In transformers, logging integrations
   (``report_to``) that come before this callback in the trainer's list, as they do by
   default, have already written that step's logs when ``on_log`` reaches it.
 - It closes the watch when training ends, and in Lightning also when training raises
@@ -64,11 +68,11 @@ from graddbg import hooks
 from graddbg._errors import GraddbgTypeError, GraddbgValueError, GraddbgWarning
 from graddbg._io import write_atomic
 from graddbg.options import WatchOptions
+from graddbg.trackers import ANOMALIES_KEY, targets  # noqa: F401  (ANOMALIES_KEY: read as callbacks.ANOMALIES_KEY too)
 
 __all__ = ["LightningCallback", "TransformersCallback"]
 
 NORM_KEY = "graddbg/global_norm"
-ANOMALIES_KEY = "graddbg/anomalies"
 REPORT_NAME = "report.html"
 
 ReportArg = Union[bool, str, "os.PathLike[str]"]
@@ -106,6 +110,22 @@ def _enabled(scaler: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- shared core
+class _Collected:
+    """``log_to``'s callable for the trainer's own loggers: the scalars of the recorded steps
+    since the last `take` (a later step's value of a key wins; the findings' text is left to
+    the trackers given as ``log_to=``)."""
+
+    def __init__(self) -> None:
+        self.values: Dict[str, float] = {}
+
+    def __call__(self, metrics: Dict[str, Any], step: int) -> None:
+        self.values.update({k: float(v) for k, v in metrics.items() if not isinstance(v, str)})
+
+    def take(self) -> Dict[str, float]:
+        values, self.values = self.values, {}
+        return values
+
+
 class _Adapter:
     """What both callbacks share: options checked at construction; starting, logging
     from and closing the watch; writing the report."""
@@ -116,7 +136,7 @@ class _Adapter:
         self._watch_kwargs = _check_watch_kwargs(owner, watch_kwargs)
         self.watch: Optional[hooks.Watch] = None
         self._folder = pathlib.Path.cwd()
-        self._logged_step = 0
+        self._collected = _Collected()
         self._running = False
         self._resumed: Optional[Dict[str, Any]] = None  # a watch state to restore when training starts
         super().__init__()
@@ -128,30 +148,23 @@ class _Adapter:
         if kwargs.get("scaler") is None and _enabled(scaler):
             kwargs["scaler"] = scaler
         self._folder = pathlib.Path(folder) if folder else pathlib.Path.cwd()
-        self._logged_step = 0
+        self._collected = _Collected()
+        kwargs["log_to"] = (*targets(kwargs.get("log_to")), self._collected)  # (and the trackers given)
         self.watch = hooks.watch(model, optimizer, **kwargs)
         self._running = True
         if self._resumed is not None:  # (a run resumed from a checkpoint: graddbg goes on where it stopped)
             self.watch.load_state_dict(self._resumed)
             self._resumed = None
-            self._logged_step = self.watch.current_step
 
     def _watch_state(self) -> Optional[Dict[str, Any]]:
         return self.watch.state_dict() if self.watch is not None else self._resumed
 
     def _new_values(self) -> Dict[str, float]:
-        """The values to log when a step boundary passed since the last call, else ``{}``:
-        the number of anomalies so far and the latest recorded global norm (NaN or inf when
-        the gradients were; absent before the first recorded step, with ``every=`` > 1)."""
-        w = self.watch
-        if w is None or w.current_step == self._logged_step:
-            return {}
-        self._logged_step = w.current_step
-        values = {ANOMALIES_KEY: float(len(w.anomalies))}
-        last = w.history.last_recorded()  # (the last rows only: no frame of the whole run per batch)
-        if last is not None and "global_norm" in last:
-            values[NORM_KEY] = float(last["global_norm"])
-        return values
+        """The values to log when a step was recorded since the last call, else ``{}``: what
+        ``log_to`` logs (`graddbg.trackers.step_metrics`), the latest recorded step's values:
+        the global norm (NaN or inf when the gradients were), the loss, the lr, the norms,
+        the update ratios read back since, and ``graddbg/anomalies``, the findings so far."""
+        return self._collected.take()
 
     def report_path(self) -> Optional[pathlib.Path]:
         """Where the report is written at the end (``None`` when not asked for)."""
@@ -186,8 +199,10 @@ class _LightningHooks(_Adapter):
 
     ``LightningCallback(report=False, **watch_kwargs)`` (see `graddbg.callbacks`). With one
     optimizer, its step is the step boundary; with several (manual optimisation), each
-    backward pass is one. It logs ``graddbg/global_norm`` and ``graddbg/anomalies`` through
-    ``LightningModule.log`` and closes the watch when training ends or raises.
+    backward pass is one. It logs what ``watch(log_to=...)`` logs (``graddbg/global_norm``,
+    ``graddbg/loss``, ``graddbg/lr``, the norms per module, ``graddbg/anomalies``, ...) through
+    ``LightningModule.log_dict`` to the trainer's loggers, and closes the watch when training
+    ends or raises.
 
     Reading ``graddbg.callbacks.LightningCallback`` raises ``ImportError`` when Lightning
     (``lightning`` or ``pytorch-lightning``) is not installed. The watch is the callback's ``.watch`` once training has started (None
@@ -218,8 +233,9 @@ class _LightningHooks(_Adapter):
                     getattr(plugin, "scaler", None), folder)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        for key, value in self._new_values().items():
-            pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
+        values = self._new_values()
+        if values:
+            pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._finish(write=trainer.is_global_zero)
@@ -273,9 +289,10 @@ class _TransformersHooks(_Adapter):
     """A ``transformers.TrainerCallback`` that watches the trainer's model during ``train()``.
 
     ``TransformersCallback(report=False, **watch_kwargs)`` (see `graddbg.callbacks`). The
-    optimizer's step is the step boundary. It adds ``graddbg/global_norm`` and
-    ``graddbg/anomalies`` to the trainer's logs at each logging step and closes the watch
-    when training ends.
+    optimizer's step is the step boundary. It adds what ``watch(log_to=...)`` logs
+    (``graddbg/global_norm``, ``graddbg/loss``, ``graddbg/lr``, the norms per module,
+    ``graddbg/anomalies``, ...) to the trainer's logs at each logging step and closes the
+    watch when training ends.
 
     Reading ``graddbg.callbacks.TransformersCallback`` raises ``ImportError`` when
     transformers is not installed. The watch is the callback's ``.watch`` once training has started (None

@@ -71,7 +71,7 @@ _KINDS = {
               "update_ratio": _NUMBER, "has_grad": ("bool",)},
     "steps": {"step": ("int",), "global_norm": _NUMBER, "clipped_norm": _NUMBER,
               "nonfinite": ("int",), "overflow": ("bool",), "scale": _NUMBER,
-              "recorded": ("bool",), "lr": _NUMBER},
+              "recorded": ("bool",), "lr": _NUMBER, "loss": _NUMBER},
     "histograms": {"step": ("int",), "name": ("text",), "lo": _NUMBER, "hi": _NUMBER,
                    "count": ("int",)},
     "activations": {"step": ("int",), "module": ("text",), "grad_norm": _NUMBER,
@@ -194,7 +194,8 @@ class Run:
         """A matplotlib figure of this run.
 
         Args:
-            kind: ``"flow"``, ``"norms"``, ``"heatmap"``, ``"update"`` or ``"hist"``.
+            kind: ``"flow"``, ``"norms"``, ``"heatmap"``, ``"update"``, ``"hist"`` or
+                ``"loss"`` (the loss and the learning rate over steps).
             **kw: passed on to the function of `graddbg.plots`.
 
         Returns:
@@ -768,7 +769,7 @@ def _write_tensorboard(run: Run, writer: Any, prefix: str) -> None:
     import numpy as np
 
     steps = run.steps
-    for col in ("global_norm", "clipped_norm", "scale", "lr"):
+    for col in ("global_norm", "clipped_norm", "loss", "scale", "lr"):
         if col in steps.columns:
             for s, v in zip(steps["step"], steps[col]):
                 if _finite(v):

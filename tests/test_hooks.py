@@ -727,6 +727,8 @@ BAD_OPTIONS = [
      r"^watch\(ddp_timeout=...\): got '10s' \(str\); accepted: a datetime.timedelta or a number of seconds > 0$"),
     ({"ddp_timeout": -5}, ValueError, r"^watch\(ddp_timeout=...\): got -5; accepted: a positive duration"),
     ({"ddp_timeout": float("nan")}, ValueError, r"^watch\(ddp_timeout=...\): got nan; accepted: a positive duration"),
+    ({"log_to": "neptune"}, ValueError, r"^watch\(log_to=...\): got 'neptune'; accepted: None, a torch.utils"),
+    ({"log_detail": "layer"}, ValueError, r"^watch\(log_detail=...\): got 'layer'; accepted: 'module'"),
 ]
 
 

@@ -19,7 +19,7 @@ from test_docs import python_blocks  # noqa: E402  (tests/ is on sys.path)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-MAX_LINES = 165
+MAX_LINES = 180
 
 
 def test_readme_has_the_two_commands():

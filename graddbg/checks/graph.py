@@ -25,7 +25,7 @@ from graddbg._model import in_backward, is_dtensor, tensors_in, unwrap
 from graddbg.checks.base import Check, Finding, Step, Watched, finding
 from graddbg.checks.ledger import LedgerKeeper
 
-__all__ = ["LossGraph", "loss_patterns", "graph_roots", "walk", "CutOff"]
+__all__ = ["LossGraph", "loss_patterns", "graph_roots", "handed_loss", "UNKNOWN_LOSS", "LossSum", "walk", "CutOff"]
 
 #: nodes that only move values around: looked through when asking what fed a loss
 _PASS = {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "PermuteBackward0", "TransposeBackward0",
@@ -105,6 +105,87 @@ def graph_roots(thread: int) -> List[Any]:
         return []
     outs = frame.f_locals.get("t_outputs", ())
     return [t.grad_fn for t in outs if isinstance(t, Tensor) and t.grad_fn is not None]
+
+
+#: what `handed_loss` returns for a backward pass whose loss cannot be summed
+UNKNOWN_LOSS = object()
+
+
+def handed_loss(threads: Sequence[int]) -> Any:
+    """The loss handed to the running ``backward()`` call, found in the frames of the first of
+    ``threads`` that runs one (the caller of the backward pass): that scalar tensor, detached
+    (a DTensor's local value), no device work; None when the running pass accumulates no
+    gradient (``torch.autograd.grad``: nothing to sum); `UNKNOWN_LOSS` when it cannot be
+    summed: a non-scalar, several tensors, an explicit ``gradient=`` / ``grad_tensors=``, a
+    call that did not come through ``torch.autograd.backward``, or no such call found.
+
+    >>> handed_loss([threading.get_ident()]) is UNKNOWN_LOSS   # (outside a backward pass)
+    True
+    """
+    frame = next((f for f in map(_backward_frame, threads) if f is not None), None)
+    if frame is None:
+        return UNKNOWN_LOSS
+    local = frame.f_locals
+    if not (local.get("kwargs") or {}).get("accumulate_grad", True):
+        return None
+    caller = frame.f_back
+    outs = local.get("t_outputs", ())
+    if caller is None or caller.f_code.co_name != "backward" or "grad_tensors" not in caller.f_locals \
+            or caller.f_locals["grad_tensors"] is not None or len(outs) != 1:
+        return UNKNOWN_LOSS
+    t = outs[0]
+    if not isinstance(t, Tensor) or t.numel() != 1:
+        return UNKNOWN_LOSS
+    return t.detach().to_local() if is_dtensor(t) else t.detach()
+
+
+class LossSum:
+    """The sum of the losses handed to ``backward()`` in one step, kept on their device (no
+    host synchronisation; it rides the step's read-back), unscaled by the GradScaler's scale
+    in force; unknown for the whole step when one of its passes' loss is (see `handed_loss`).
+
+    >>> s = LossSum(); s.take() is None       # (no backward pass: no loss)
+    True
+    """
+
+    def __init__(self) -> None:
+        self._sum: Optional[Tensor] = None  # the unscaled losses
+        self._raw: Optional[Tensor] = None  # losses handed while no loss scale was known
+        self._unknown = False
+
+    def add(self, scale: Optional[Tensor]) -> None:
+        """At the end of a backward pass: its loss, divided by ``scale`` (the GradScaler's
+        scale in force, a device tensor) when there is one."""
+        t = handed_loss((threading.get_ident(), threading.main_thread().ident))
+        if t is None:
+            return
+        if t is UNKNOWN_LOSS:
+            self._unknown = True
+            return
+        v = t.reshape(()).to(torch.float32 if t.device.type == "mps" else torch.float64)
+        if scale is not None:
+            self._sum = _plus(self._sum, v / scale.to(v.device, v.dtype))
+        else:
+            self._raw = _plus(self._raw, v)
+
+    def adopt_scale(self, scale: Tensor) -> None:
+        """A GradScaler found after this step's first passes: their losses were scaled by it."""
+        if self._raw is not None:
+            self._sum, self._raw = _plus(self._sum, self._raw / scale.to(self._raw.device, self._raw.dtype)), None
+
+    def take(self) -> Optional[Tensor]:
+        """This step's sum (a device scalar; None when unknown or without a loss), and a new
+        sum begins for the next step."""
+        total = None if self._unknown else _plus(self._sum, self._raw)
+        self._sum = self._raw = None
+        self._unknown = False
+        return total
+
+
+def _plus(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
+    if a is None or b is None:
+        return b if a is None else a
+    return a + b.to(a.device, non_blocking=True)
 
 
 def scaler_of_backward(thread: int) -> Any:
