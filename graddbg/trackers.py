@@ -70,8 +70,9 @@ def kind_of(target: Any) -> Optional[str]:
     """``"tensorboard"``, ``"wandb"``, ``"mlflow"`` or ``"callable"`` for a ``log_to`` target,
     None for anything else (no package is imported to tell).
 
-    >>> kind_of("wandb"), kind_of(print), kind_of(3)
-    ('wandb', 'callable', None)
+    Examples:
+        >>> kind_of("wandb"), kind_of(print), kind_of(3)
+        ('wandb', 'callable', None)
     """
     if isinstance(target, str):
         return target if target in ("wandb", "mlflow") else None
@@ -99,10 +100,11 @@ def check_log_to(where: str, name: str, value: Any) -> Any:
     every target is of a kind `kind_of` knows. Whether ``"wandb"`` / ``"mlflow"`` have an
     active run is asked when the watch starts (`Sink`), not here.
 
-    >>> check_log_to("watch", "log_to", "tensorboard")
-    Traceback (most recent call last):
-    ...
-    graddbg._errors.GraddbgValueError: watch(log_to=...): got 'tensorboard'; accepted: None, a torch.utils.tensorboard.SummaryWriter, ...
+    Examples:
+        >>> check_log_to("watch", "log_to", "tensorboard")
+        Traceback (most recent call last):
+        ...
+        graddbg._errors.GraddbgValueError: watch(log_to=...): got 'tensorboard'; accepted: None, a torch.utils.tensorboard.SummaryWriter, ...
     """
     for target in targets(value):
         if kind_of(target) is None:
@@ -126,11 +128,12 @@ class Groups:
     """Where each parameter's norm and update ratio go: its top-level module
     (``"module"``; parameters of the root module under ``(root)``) or itself (``"param"``).
 
-    >>> g = Groups(["enc.0.weight", "enc.1.bias", "head.weight", "scale"], "module")
-    >>> g.labels
-    ['enc', 'head', '(root)']
-    >>> g.norms(np.array([3.0, 4.0, 1.0, np.nan]), np.array([True, True, True, False]))
-    {'graddbg/norm/enc': 5.0, 'graddbg/norm/head': 1.0}
+    Examples:
+        >>> g = Groups(["enc.0.weight", "enc.1.bias", "head.weight", "scale"], "module")
+        >>> g.labels
+        ['enc', 'head', '(root)']
+        >>> g.norms(np.array([3.0, 4.0, 1.0, np.nan]), np.array([True, True, True, False]))
+        {'graddbg/norm/enc': 5.0, 'graddbg/norm/head': 1.0}
     """
 
     def __init__(self, names: Sequence[str], detail: str = "module") -> None:
@@ -164,10 +167,11 @@ def step_metrics(last: Mapping[str, Any], groups: Groups, anomalies: int) -> Dic
     the global norm, the post-clip norm, the loss and the lr when known, the norms per
     group, and the number of findings so far.
 
-    >>> row = {"global_norm": 5.0, "clipped_norm": math.nan, "loss": 0.25, "lr": math.nan,
-    ...        "norm": np.array([3.0, 4.0]), "has_grad": np.array([True, True])}
-    >>> step_metrics(row, Groups(["a.w", "b.w"]), 0)
-    {'graddbg/global_norm': 5.0, 'graddbg/loss': 0.25, 'graddbg/norm/a': 3.0, 'graddbg/norm/b': 4.0, 'graddbg/anomalies': 0.0}
+    Examples:
+        >>> row = {"global_norm": 5.0, "clipped_norm": math.nan, "loss": 0.25, "lr": math.nan,
+        ...        "norm": np.array([3.0, 4.0]), "has_grad": np.array([True, True])}
+        >>> step_metrics(row, Groups(["a.w", "b.w"]), 0)
+        {'graddbg/global_norm': 5.0, 'graddbg/loss': 0.25, 'graddbg/norm/a': 3.0, 'graddbg/norm/b': 4.0, 'graddbg/anomalies': 0.0}
     """
     out = {f"{PREFIX}/global_norm": float(last["global_norm"])}
     for key in ("clipped_norm", "loss", "lr"):

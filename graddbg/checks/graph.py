@@ -119,8 +119,9 @@ def handed_loss(threads: Sequence[int]) -> Any:
     summed: a non-scalar, several tensors, an explicit ``gradient=`` / ``grad_tensors=``, a
     call that did not come through ``torch.autograd.backward``, or no such call found.
 
-    >>> handed_loss([threading.get_ident()]) is UNKNOWN_LOSS   # (outside a backward pass)
-    True
+    Examples:
+        >>> handed_loss([threading.get_ident()]) is UNKNOWN_LOSS   # (outside a backward pass)
+        True
     """
     frame = next((f for f in map(_backward_frame, threads) if f is not None), None)
     if frame is None:
@@ -144,8 +145,9 @@ class LossSum:
     host synchronisation; it rides the step's read-back), unscaled by the GradScaler's scale
     in force; unknown for the whole step when one of its passes' loss is (see `handed_loss`).
 
-    >>> s = LossSum(); s.take() is None       # (no backward pass: no loss)
-    True
+    Examples:
+        >>> s = LossSum(); s.take() is None       # (no backward pass: no loss)
+        True
     """
 
     def __init__(self) -> None:
