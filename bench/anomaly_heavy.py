@@ -1,6 +1,6 @@
 """Cost of a watch under frequent anomalies: a NaN gradient every other step for 50,000 steps.
 
-A tiny model (``nn.Linear(4, 1)``, SGD) is trained under
+A tiny model (``nn.Linear(4, 1)``, SGD, 64 batches in turn) is trained under
 ``graddbg.watch(model, opt, nonfinite="skip", history=200)``; on every odd step a NaN is
 planted into the weight's gradient after ``backward()`` (``--plant input`` puts it into the
 input instead). The history is full after a few hundred steps, ``w.anomalies`` after
@@ -8,7 +8,9 @@ input instead). The history is full after a few hundred steps, ``w.anomalies`` a
 should stay flat. The bench prints, at steps 1k, 10k, 25k and 50k (the median step time of
 the 1,000 steps before each point):
 
-- the step time and its ratio to the first block (measured side by side in one run),
+- the step time and its ratio to the first block (measured side by side in one run), in
+  wall time (``time.perf_counter``) and in this thread's CPU time (``time.thread_time``:
+  not counting the time the process waited for a core, on a machine shared with others),
 - the process's resident memory (current, not peak) and, with ``--trace``, the memory
   traced by ``tracemalloc`` (on from the first step, so every block pays its overhead
   alike: the step times are then about 3x longer), each with its growth since 1k,
@@ -44,27 +46,30 @@ def run(steps: int, history: int, plant: str, trace: bool, block: int = 1000) ->
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(8, 4)
-    bad = x.clone()
-    bad[0, 0] = float("nan")
+    xs = torch.randn(64, 8, 4)  # (batches in turn: the gradient never settles to exactly zero)
+    y = torch.randn(64, 8, 1)
+    bad = xs.clone()
+    bad[:, 0, 0] = float("nan")
     points = sorted({p for p in (1000, 10_000, 25_000, 50_000, steps) if p <= steps})
-    times = np.zeros(steps)
+    times, cpu = np.zeros(steps), np.zeros(steps)
     rows = []
     if trace:
         tracemalloc.start()
     with graddbg.watch(model, opt, nonfinite="skip", explode=None, history=history) as w:
         for i in range(steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             opt.zero_grad()
-            model(bad if plant == "input" and i % 2 else x).pow(2).mean().backward()
+            x = (bad if plant == "input" and i % 2 else xs)[i % 64]
+            (model(x) - y[i % 64]).pow(2).mean().backward()
             if plant == "grad" and i % 2:
                 model.weight.grad[0, 0] = float("nan")
             opt.step()
-            times[i] = time.perf_counter() - t0
+            times[i], cpu[i] = time.perf_counter() - t0, time.thread_time() - c0
             if i + 1 in points:
                 traced = tracemalloc.get_traced_memory()[0] / 2**20 if tracemalloc.is_tracing() else float("nan")
                 kept = w.steps["step"]
                 rows.append({"step": i + 1, "ms": 1e3 * float(np.median(times[i + 1 - block: i + 1])),
+                             "cpu": 1e3 * float(np.median(cpu[i + 1 - block: i + 1])),
                              "rss": _rss_mb(), "traced": traced, "kept": len(w.anomalies),
                              "counted": sum(getattr(w.anomalies, "not_kept", {}).values()),  # (0 before the limit existed)
                              "protected": int(kept.isin([a.step for a in w.anomalies]).sum()),
@@ -86,10 +91,11 @@ def main(argv: list = None) -> None:
           f"other step, nonfinite='skip', history={a.history}, {a.steps:,} steps in "
           f"{time.perf_counter() - t0:.0f} s")
     first = rows[0]
-    print(f"{'step':>7} {'ms/step':>8} {'ratio':>6} {'RSS MiB':>8} {'(+)':>6} {'traced MiB':>10} {'(+)':>6} "
+    print(f"{'step':>7} {'ms/step':>8} {'ratio':>6} {'cpu ms':>7} {'ratio':>6} {'RSS MiB':>8} {'(+)':>6} {'traced MiB':>10} {'(+)':>6} "
           f"{'anomalies':>9} {'counted':>8} {'anom.steps':>10} {'stats':>5} {'steps':>5}")
     for r in rows:
-        print(f"{r['step']:>7,} {r['ms']:>8.3f} {r['ms'] / first['ms']:>6.2f} {r['rss']:>8.1f} "
+        print(f"{r['step']:>7,} {r['ms']:>8.3f} {r['ms'] / first['ms']:>6.2f} {r['cpu']:>7.3f} "
+              f"{r['cpu'] / first['cpu']:>6.2f} {r['rss']:>8.1f} "
               f"{r['rss'] - first['rss']:>+6.1f} {r['traced']:>10.2f} {r['traced'] - first['traced']:>+6.2f} "
               f"{r['kept']:>9,} {r['counted']:>8,} {r['protected']:>10,} {r['rows']:>5} {r['step_rows']:>5}")
 

@@ -404,14 +404,16 @@ def test_a_nan_weight_written_between_steps_under_step_closure_is_still_its_own_
 
 # --------------------------------------------------------------------------- bounded under frequent anomalies
 def _nan_every_other_step(w, model, opt, steps, times=None):
-    """SGD on nn.Linear(4, 1); a NaN planted into the weight's gradient on every odd step."""
+    """SGD on nn.Linear(4, 1) over 4 batches in turn (the gradient never settles to exactly
+    zero); a NaN planted into the weight's gradient on every odd step."""
     import time
 
-    x = torch.ones(8, 4)
+    gen = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(4, 8, 4, generator=gen), torch.randn(4, 8, 1, generator=gen)
     for i in range(steps):
         t0 = time.perf_counter()
         opt.zero_grad()
-        model(x).pow(2).mean().backward()
+        (model(xs[i % 4]) - ys[i % 4]).pow(2).mean().backward()
         if i % 2:
             model.weight.grad[0, 0] = float("nan")
         opt.step()
