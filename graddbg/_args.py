@@ -22,6 +22,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 from datetime import timedelta
@@ -29,8 +30,8 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
 
-__all__ = ["AUTO", "LOG_EVERY", "Schedule", "bad_type", "bad_value", "choice", "count", "duration", "flag",
-           "integer", "optional", "tolerance"]
+__all__ = ["AUTO", "LOG_EVERY", "Schedule", "bad_type", "bad_value", "choice", "count", "did_you_mean",
+           "duration", "flag", "integer", "optional", "tolerance"]
 
 #: the sentinel of options whose default depends on the run (``ddp_check_every="auto"``,
 #: ``set_fingerprint_kernel("auto")``)
@@ -113,6 +114,18 @@ def duration(where: str, name: str, value: Any) -> timedelta:
     shown = str(value) if isinstance(value, timedelta) else repr(value)
     raise GraddbgValueError(_message(where, name, shown, "a positive duration (a datetime.timedelta "
                                      "or a finite number of seconds > 0)"))
+
+
+def did_you_mean(given: str, accepted: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` naming the accepted spelling closest to ``given``, or ""
+    where none is close: the one hint of every unknown keyword, option and subcommand.
+
+    Examples:
+        >>> did_you_mean("evry", ["every", "stats"]), did_you_mean("zzz", ["every"])
+        (" (did you mean 'every'?)", '')
+    """
+    close = difflib.get_close_matches(given, list(accepted), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def optional(check: Callable[..., Any]) -> Callable[..., Any]:

@@ -31,13 +31,19 @@ _COMPILE_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global
 
 class _ParamHolder(nn.Module):
     """Stands for a model graddbg never saw: the optimizer's parameters, by group (when no
-    module owning them was called, as with bare tensors trained directly)."""
+    module owning them was called, as with bare tensors trained directly). ``label`` says
+    what the user passed, in their names where the calling frames hold the tensors
+    ("tensor w", "tensors w, b"): the run's summary and report show it, not this class."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__()
         # kept aside, not registered: an optimizer may hold plain tensors, not Parameters
         self.held = [(f"group{gi}_param{pi}", p) for gi, group in enumerate(optimizer.param_groups)
                      for pi, p in enumerate(group["params"])]
+        n = len(self.held)
+        names = _frame_names({id(p) for _, p in self.held})
+        self.label = (f"tensor{'s' if n > 1 else ''} {', '.join(names)}" if names and len(names) == n <= 4
+                      else f"{n} tensor{'s' if n > 1 else ''} of {type(optimizer).__name__} (no module)")
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -75,6 +81,28 @@ def _frame_modules(limit: int = 256, kind: type = nn.Module) -> List[Any]:
     finally:
         del frame
     return found
+
+
+def _frame_names(ids: Set[int], limit: int = 256) -> List[str]:
+    """The names that the calling frames (and the script's globals) give the objects
+    ``ids``, one each, innermost frame first."""
+    found: Dict[int, str] = {}
+    frame: Any = sys._getframe(1)
+    try:
+        for _ in range(limit):
+            if frame is None or len(found) == len(ids):
+                break
+            spaces = [frame.f_locals]
+            if frame.f_globals is not frame.f_locals and frame.f_globals.get("__name__") == "__main__":
+                spaces.append(frame.f_globals)
+            for names in spaces:
+                for name, value in list(names.items()):
+                    if id(value) in ids and id(value) not in found and not name.startswith("_"):
+                        found[id(value)] = name
+            frame = frame.f_back
+    finally:
+        del frame
+    return list(found.values())
 
 
 def choose_model(candidates: Iterable[nn.Module], held: Set[int]) -> Optional[nn.Module]:
@@ -306,6 +334,8 @@ class ScriptWatcher:
             scalers = [s for s in _frame_modules(kind=torch.amp.GradScaler) if s.is_enabled()]
             kwargs["scaler"] = scalers[0] if scalers else None
         w = graddbg.watch(model, optimizer, **kwargs)
+        if isinstance(model, _ParamHolder):
+            w.meta["model"] = model.label  # (what the user passed, not graddbg's stand-in)
         self.watches.append(w)
         if self.on_watch is not None:
             self.on_watch(w)

@@ -7,6 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extra=""
 [ "${1:-}" = "--dev" ] && extra="[dev,docs]"
+# every stage says what it does (on stderr): the install is silent for minutes otherwise
+say() { echo "setup: $*" >&2; }
+torch_pin="$(sed -n 's/^torch==//p' constraints.txt)"
+say "checking for Graphviz's dot${extra:+, g++} and a Python 3.11 virtual environment in .venv"
 
 if ! command -v dot >/dev/null 2>&1; then
   echo "setup: 'dot' not found; installing Debian's graphviz" >&2
@@ -28,6 +32,7 @@ fi
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then
+  say "creating the virtual environment .venv ($PY)"
   if ! "$PY" -m venv .venv >/dev/null 2>&1; then
     # Debian's python3 ships venv separately
     echo "setup: installing Debian's python3-venv" >&2
@@ -38,5 +43,12 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
   fi
 fi
+say "upgrading pip in .venv"
 .venv/bin/python -m pip install -q --upgrade pip </dev/null >/dev/null 2>&1 || true
+if [ -n "$extra" ]; then
+  say "installing torch ${torch_pin} and graddbg with the test and docs tools into .venv (about 3 minutes)"
+else
+  say "installing torch ${torch_pin} and graddbg into .venv (about 2 minutes)"
+fi
 .venv/bin/python -m pip install -q -c constraints.txt -e ".${extra}" </dev/null
+say "done: .venv/bin/graddbg is ready (try .venv/bin/graddbg demo)"

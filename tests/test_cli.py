@@ -160,7 +160,13 @@ def test_run_usage_shows_the_scripts_arguments_as_optional(capsys):
      "graddbg run: error: --save-every must be a number of seconds >= 0"),
     (["report", "nope.parquet"], "graddbg report: error: run: 'nope.parquet' does not exist"),
     (["demo", "--steps", "0"], "graddbg demo: error: --steps must be >= 1, got 0"),
-    (["frobnicate"], "graddbg: error: argument {demo,run,report}: invalid choice: 'frobnicate'"),
+    (["frobnicate"], "graddbg: error: unknown command 'frobnicate'; accepted: demo, run, report"),
+    (["rn", "x.py"], "graddbg: error: unknown command 'rn' (did you mean 'run'?); accepted: demo, run, report"),
+    (["run", "--evry", "2", "x.py"], "graddbg run: error: unknown option '--evry' (did you mean '--every'?)"),
+    (["report", "--ot=r.html", "x"], "graddbg report: error: unknown option '--ot' (did you mean '--out'?)"),
+    (["--verison"], "graddbg: error: unknown option '--verison' (did you mean '--version'?)"),
+    (["run", "-m"], "graddbg run: error: argument -m: expected a module name"),
+    (["run", "-m", "graddbg_no_such_module_x"], "graddbg run: error: -m: no module named 'graddbg_no_such_module_x'"),
     ([], "usage: graddbg"),
 ])
 def test_usage_errors_exit_2_with_one_line(args, message, capsys):
@@ -240,7 +246,7 @@ def test_a_script_that_raises_shows_its_own_traceback(tmp_path, capsys):
     script.write_text("def f():\n    raise KeyError('missing key')\nf()\n")
     assert cli.main(["run", "--out", str(tmp_path / "o"), str(script)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("graddbg run: the script raised:\nTraceback (most recent call last):\n"
+    assert err.startswith("Traceback (most recent call last):\n"  # nothing watched: python's own traceback
                           f'  File "{script}", line 3, in <module>')
     assert "KeyError: 'missing key'" in err and "runpy" not in err and "cli.py" not in err
     assert not (tmp_path / "o").exists()  # nothing watched: the folder made for it is gone
@@ -435,7 +441,8 @@ def test_run_lbfgs_on_a_bare_tensor_records_every_step(tmp_path, capsys):
     script = tmp_path / "bare.py"
     script.write_text(_BARE_LBFGS)
     assert cli.run_script(str(script), [], out=str(tmp_path / "out")) == 0
-    assert "watched _ParamHolder with LBFGS for 3 steps" in capsys.readouterr().out
+    assert "watched tensor w with LBFGS for 3 steps" in capsys.readouterr().out  # the user's name, not graddbg's class
+    assert "_ParamHolder" not in (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
     run = graddbg.load(tmp_path / "out" / "stats.parquet")
     assert run.stats["name"].unique().tolist() == ["group0_param0"]
     assert run.stats["norm"].iloc[0] == pytest.approx(2 * 5 ** 0.5)  # |2 (w - [0, 1, 2])| at w = 0
@@ -597,3 +604,117 @@ def test_run_summary_counts_in_words(tmp_path, capsys):
 
     assert [counted(n, w) for n, w in ((1, "step"), (2, "step"), (1, "anomaly"), (2, "anomaly"), (0, "key"))] \
         == ["1 step", "2 steps", "1 anomaly", "2 anomalies", "0 keys"]
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith(f"graddbg {graddbg.__version__} (torch {torch.__version__}, Python ")
+
+
+@pytest.mark.parametrize("source", ["x = (\n", "import json\nimport graddbg_no_such_module_y\n"])
+def test_a_script_failing_before_its_first_step_shows_python_s_traceback_alone(source, tmp_path, capsys):
+    """A SyntaxError or an exception at import: what python prints, no graddbg frame, no hint."""
+    script = tmp_path / "broken.py"
+    script.write_text(source)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert cli.main(["run", "--out", str(tmp_path / "o"), str(script)]) == plain.returncode == 1
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", plain.stderr)
+    assert not (tmp_path / "o").exists()
+
+
+_MODULE = """import json, sys
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+for _ in range(int(sys.argv[1])):
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+with open(sys.argv[2], "w") as f:
+    json.dump({"name": __name__, "argv0": sys.argv[0], "file": __file__}, f)
+"""
+
+
+@pytest.mark.parametrize("name", ["gdbg_mpkg.train", "gdbg_mpkg"])
+def test_run_m_runs_a_module_as_python_m_with_its_model_watched(name, tmp_path, monkeypatch, capsys):
+    pkg = tmp_path / "gdbg_mpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(_MODULE)
+    (pkg / "__main__.py").write_text(_MODULE)
+    monkeypatch.chdir(tmp_path)  # found from the current folder, as python -m finds it
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    seen = tmp_path / "seen.json"
+    try:
+        assert cli.main(["run", "--out", str(tmp_path / "o"), "-m", name, "3", str(seen)]) == 0
+    finally:
+        for module in [m for m in sys.modules if m.split(".")[0] == "gdbg_mpkg"]:
+            del sys.modules[module]
+    assert "watched Sequential with SGD for 3 steps" in capsys.readouterr().out
+    facts = __import__("json").loads(seen.read_text())
+    module_file = str(pkg / ("train.py" if name.endswith("train") else "__main__.py"))
+    assert facts == {"name": "__main__", "argv0": module_file, "file": module_file}
+    run = graddbg.load(tmp_path / "o" / "stats.parquet")
+    assert sorted(run.stats["step"].unique()) == [0, 1, 2]
+    assert run.stats["name"].unique().tolist() == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_a_run_s_report_names_its_run_file_not_w_and_report_reads_the_folder(tmp_path, capsys):
+    import html
+
+    out = tmp_path / "o"
+    assert cli.main(["run", "--out", str(out), str(SCRIPTS / "healthy_train.py")]) == 0
+    for report, run_file in ((out / "report.html", out / "stats.parquet"), (None, out / "stats.parquet")):
+        if report is None:  # graddbg report DIR: the folder graddbg run wrote
+            assert cli.main(["report", str(out)]) == 0
+            report = out / "stats.html"
+        text = html.unescape(re.sub(r"<[^>]+>", "", report.read_text(encoding="utf-8")))
+        assert "w.ledger" not in text and "w.anomalies" not in text
+        assert f"graddbg.load({str(run_file)!r}).ledger has them all" in text
+
+
+_GRID = """import torch
+from torch import nn
+
+class MLP(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+for i, hidden in enumerate((2, 4)):  # a grid search: a fit per setting
+    model = MLP(hidden) if i == 0 else nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(2 + i):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        if i == 1:
+            opt.zero_grad()  # (the first fit forgets it: a stale_grad finding)
+"""
+
+
+def test_several_models_watched_get_a_report_each_and_an_index(tmp_path, capsys):
+    script = tmp_path / "grid.py"
+    script.write_text(_GRID)
+    out = tmp_path / "o"
+    assert cli.main(["run", "--out", str(out), "--stale-grad", "record", "--fail-on", "never", str(script)]) == 0
+    printed = capsys.readouterr().out
+    assert f"graddbg run: 2 models watched, a report each; index of the reports: {out / 'index.html'}" in printed
+    lines = _parse(out / "index.html").text
+    items = re.findall(r'<li[^>]*><a href="([^"]+)">([^<]+)</a>([^<]+)</li>', (out / "index.html").read_text())
+    assert [(href, text + facts) for href, text, facts in items] == [
+        ("report.html", "1. MLP with SGD — 2 steps, 1 finding"),
+        ("report-2.html", "2. Linear with SGD — 3 steps, 0 findings")], lines
+    assert all((out / href).is_file() for href, _, _ in items)
+
+
+def test_demo_help_says_how_long_it_takes():
+    """'a few seconds' it was not: the help gives the time measured (graddbg demo prints it)."""
+    _, commands = _subparsers()
+    text = " ".join(commands["demo"].description.split())
+    assert "a few seconds" not in text and re.search(r"about \d+ seconds on two CPU cores", text), text

@@ -2,6 +2,7 @@
 broken invariants of a healthy step. Every finding has a buggy loop and a healthy twin."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -72,6 +73,10 @@ def test_ledger_records_accumulation_clip_lr_and_moved_parameters():
     assert set(led["mode"]) == {"train"} and set(led["grad_mode"]) == {"on"}
     text = w.what_happened(1)
     assert "backward 1: the gradient held before it kept" in text and "learning rates: group 0: 0.1" in text
+    for bad in ("1", 1.0, True):  # (a str was looked up and "not in the ledger")
+        with pytest.raises(TypeError, match=rf"^what_happened\(step=...\): got {re.escape(repr(bad))} "
+                                            rf"\({type(bad).__name__}\); accepted: an int$"):
+            w.what_happened(bad)
 
 
 def test_ledger_sees_autocast_and_eval_mode():

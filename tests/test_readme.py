@@ -77,3 +77,14 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
         plt.close("all")
     assert ran == len([b for b in blocks if b.norun is None])
     assert (tmp_path / "report.html").exists() and (tmp_path / "run.parquet").exists()
+
+
+def test_readme_says_what_each_example_needs():
+    """A reader copies one block: "hist" works only with histograms= recorded, and a pytest
+    example needs pytest, which the README's install lines do not bring."""
+    text = README.read_text()
+    for line in text.splitlines():
+        if '"hist"' in line:
+            assert "histograms=" in line, line
+    if "def test_" in text:
+        assert "pip install pytest" in text
