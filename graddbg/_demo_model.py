@@ -7,7 +7,7 @@ would be named in the user's file. Nothing else in graddbg imports it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -35,10 +35,13 @@ def demo_loss(model: nn.Module, x: torch.Tensor, true_w: torch.Tensor) -> torch.
 
 
 def train(model: nn.Module, true_w: torch.Tensor, gen: torch.Generator, steps: int, nan_step: int,
-          jump_step: int, on_step: Optional[Callable[[int, float, Any], None]] = None) -> Any:
+          jump_step: int, on_step: Optional[Callable[[int, float, Any], None]] = None,
+          kept: Optional[Dict[str, Any]] = None) -> Any:
     """Train ``model`` under `graddbg.watch` with the two planted faults; the closed Watch.
 
     ``on_step(i, loss, watch)`` is called after each step (the command line's progress bar).
+    ``kept``, when given, receives the NaN step's batch (``"nan_x"``) and the weights it
+    ran with (``"nan_state"``), to draw that step's graph afterwards.
     """
     import graddbg
 
@@ -49,6 +52,9 @@ def train(model: nn.Module, true_w: torch.Tensor, gen: torch.Generator, steps: i
             x = torch.randn(32, 16, generator=gen)
             if i == nan_step:
                 x[3] = 0.0  # fault 1: an all-zero row
+                if kept is not None:
+                    kept["nan_x"] = x.clone()
+                    kept["nan_state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             if i in (jump_step, jump_step + 1):
                 for g in opt.param_groups:  # fault 2: a one-step learning-rate spike
                     g["lr"] = g["lr"] * 1000.0 if i == jump_step else g["lr"] / 1000.0

@@ -23,9 +23,12 @@ import contextlib
 import dataclasses
 import math
 import sys
+import threading
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graddbg._errors import GraddbgTypeError, GraddbgValueError, NonFiniteError
@@ -33,7 +36,7 @@ from graddbg._model import local_values, module_of, tensors_in, unwrap
 from graddbg._source import is_internal, user_source_from_stack
 from graddbg.anomaly import Anomaly
 
-__all__ = ["find_nonfinite", "NonFiniteScan"]
+__all__ = ["find_nonfinite", "NonFiniteScan", "LossTape"]
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -265,6 +268,9 @@ class NonFiniteScan(TorchDispatchMode):
         self._pending: List[Tuple[Any, tuple]] = []  # forward outputs awaiting grad_fn
         self._passes = 0  # backward passes seen (graph tasks)
         self._task = -1
+        #: (file, line) every op is blamed on while set: the line of the user's loss code
+        #: that a replay of the recorded loss code (`LossTape`) re-runs
+        self.source_at: Optional[Tuple[str, int]] = None
 
     # -- module stack (fed by the hooks track_modules registers) ----------------------
     def track_modules(self, model: torch.nn.Module, hooks: contextlib.ExitStack) -> None:
@@ -301,6 +307,8 @@ class NonFiniteScan(TorchDispatchMode):
     # -- the check --------------------------------------------------------------------
     def _user_frame(self) -> Optional[Tuple[str, int]]:
         """(file, line) of the innermost frame outside torch and graddbg."""
+        if self.source_at is not None:
+            return self.source_at
         cache = _INTERNAL
         f = sys._getframe(1)
         while f is not None:
@@ -626,6 +634,271 @@ class Capture:
     #: several on one rank), and its name in the watched model
     module: Optional[torch.nn.Module] = None
     prefix: str = ""
+    #: the loss code that ran on the output before the backward pass (`LossTape`), or None
+    tape: Optional["LossTape"] = None
+
+
+# --------------------------------------------------------------------------- the loss code
+# A NaN made between the model's output and the backward pass (``-torch.log(p)`` written
+# after ``model(x)``) is in no module: the replay of the model alone cannot name it, and by
+# the time the gradient reaches the output its autograd nodes have freed what they saved.
+# The loss tape records that code as it runs: a torch-function mode, on the watching thread
+# from the end of the model's forward pass until the step, notes each torch call that made a
+# tensor requiring grad (the function, its arguments with tensors as references, the user's
+# line) and the tensors handed to backward. A replay runs those calls again on the replayed
+# output under `find_nonfinite`, each blamed on its recorded line, then their backward pass
+# down to the output: the op and the line that made the NaN/Inf.
+
+class _Made:
+    """A tensor that an earlier recorded call made (``op``: its index, ``pos``: the position
+    in its output when that was a tuple)."""
+
+    __slots__ = ("op", "pos")
+
+    def __init__(self, op: int, pos: Optional[int]) -> None:
+        self.op, self.pos = op, pos
+
+
+class _Out:
+    """The ``i``-th tensor of the model's output."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+class _Const:
+    """Any other tensor (a target, a mask, a weight): its value, copied before a replay
+    uses it."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _TapeFull(Exception):
+    pass
+
+
+#: the calls that start a backward pass
+_BACKWARD_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+
+#: bounds of one tape: calls recorded, bytes of the constants it holds
+MAX_TAPE_OPS = 1_000
+MAX_TAPE_BYTES = 256 << 20
+
+
+def _pass_through(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Any:
+    return func(*args, **(kwargs or {}))
+
+
+class LossTape(TorchFunctionMode):
+    """The loss code of one forward pass, recorded for a replay (see above): ``ops`` are
+    ``(func, args, kwargs, (file, line), in place)`` with tensors as references (in place:
+    the call returned nothing and changed its first argument), ``loss`` the
+    references of the last backward's roots and gradients. Bounded (`MAX_TAPE_OPS`,
+    `MAX_TAPE_BYTES`: past them the tape is dropped); it never raises in the user's code.
+
+    Made by `LossTape.begin` on the watching thread, and taken off it by `end` (or, when it
+    is not on top of the mode stack then, by a later `reap`).
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> out = x * 2
+        >>> tape = LossTape.begin([out])
+        >>> loss = -torch.log(out - 2).sum()   # log(0): -inf in the loss code
+        >>> tape.end()
+        >>> [getattr(f, "__name__", "?") for f, _, _, _, _ in tape.ops]
+        ['sub', 'log', 'sum', 'neg']
+    """
+
+    def __init__(self, outputs: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.ops: List[Tuple[Any, Any, Any, Optional[Tuple[str, int]], bool]] = []
+        self.loss: Optional[Tuple[Any, Any]] = None
+        self.recording = True
+        self.ended = False
+        self._made: Dict[int, Tuple[Any, int, Optional[int]]] = {}
+        self._outs = {id(t): (weakref.ref(t), i) for i, t in enumerate(outputs)}
+        self._bytes = 0
+        self._thread = threading.get_ident()
+
+    # -- on and off the mode stack -------------------------------------------------------
+    @classmethod
+    def begin(cls, outputs: Sequence[torch.Tensor]) -> Optional["LossTape"]:
+        """A tape of the code that runs on ``outputs`` from now on (None when a tape cannot
+        be started: inside a compiled region)."""
+        if torch.compiler.is_compiling():
+            return None
+        reap()
+        tape = cls(outputs)
+        torch._C._push_on_torch_function_stack(tape)
+        return tape
+
+    def end(self) -> None:
+        """Stop recording and leave the mode stack (now, when on top of it on this thread;
+        otherwise at a later `reap`)."""
+        self.recording = False
+        self.ended = True
+        reap()
+
+    def ended_here(self) -> bool:
+        """Whether it ended and was begun on this thread (whose mode stack holds it)."""
+        return self.ended and self._thread == threading.get_ident()
+
+    def stop(self) -> None:
+        """Stop recording (a replay is about to run the recorded calls)."""
+        self.recording = False
+
+    def _drop(self) -> None:
+        """Over a bound, or a call it could not record: nothing is replayed."""
+        self.recording = False
+        self.ops.clear()
+        self._made.clear()
+        self.loss = None
+
+    # -- recording ------------------------------------------------------------------------
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        if not self.recording or torch.compiler.is_compiling():
+            return _pass_through(func, args, kwargs)
+        if any(func is b for b in _BACKWARD_CALLS):
+            try:
+                self._note_backward(func, args, kwargs or {})
+            except Exception:  # (never raise in the user's code)
+                self.loss = None
+            return _pass_through(func, args, kwargs)
+        out = _pass_through(func, args, kwargs)
+        try:
+            self._record(func, args, kwargs or {}, out)
+        except Exception:
+            self._drop()
+        return out
+
+    def _record(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> None:
+        inplace = out is None and bool(args) and isinstance(args[0], torch.Tensor)  # (t[i] = v: it changed t)
+        if inplace:
+            out = args[0]
+        single = isinstance(out, torch.Tensor)
+        outs = (out,) if single else out if isinstance(out, (tuple, list)) else ()
+        made = [(j, t) for j, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not made:
+            return
+        if len(self.ops) >= MAX_TAPE_OPS:
+            raise _TapeFull
+        refs = (self._refs(args), self._refs(kwargs))
+        index = len(self.ops)
+        self.ops.append((func, refs[0], refs[1], _user_line(), inplace))
+        for j, t in made:
+            self._made[id(t)] = (weakref.ref(t), index, None if single else j)
+
+    def _note_backward(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
+        if func is torch.Tensor.backward:
+            roots: Any = args[0]
+            grads = kwargs.get("gradient", args[1] if len(args) > 1 else None)
+        elif func is torch.autograd.backward:
+            roots = kwargs.get("tensors", args[0] if args else None)
+            grads = kwargs.get("grad_tensors", args[1] if len(args) > 1 else None)
+        else:  # torch.autograd.grad(outputs, inputs, grad_outputs)
+            roots = kwargs.get("outputs", args[0] if args else None)
+            grads = kwargs.get("grad_outputs", args[2] if len(args) > 2 else None)
+        roots = [roots] if isinstance(roots, torch.Tensor) else list(roots or ())
+        if grads is not None:
+            grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
+        self.loss = (self._refs(roots), None if grads is None else self._refs(grads))
+
+    def _refs(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._ref(obj)
+        if type(obj) in (list, tuple):
+            return type(obj)(self._refs(x) for x in obj)
+        if type(obj) is dict:
+            return {k: self._refs(v) for k, v in obj.items()}
+        return obj
+
+    def _ref(self, t: torch.Tensor) -> Any:
+        made = self._made.get(id(t))
+        if made is not None and made[0]() is t:
+            return _Made(made[1], made[2])
+        out = self._outs.get(id(t))
+        if out is not None and out[0]() is t:
+            return _Out(out[1])
+        if t.layout is _STRIDED:
+            self._bytes += t.numel() * t.element_size()
+        if self._bytes > MAX_TAPE_BYTES:
+            raise _TapeFull
+        return _Const(t.detach())
+
+
+def reap() -> None:
+    """Take the ended tapes off the top of this thread's torch-function mode stack (a tape
+    that ended while it was not on top, as inside the backward pass it saw start)."""
+    while True:
+        n = torch._C._len_torch_function_stack()
+        if not n:
+            return
+        top = torch._C._get_function_stack_at(n - 1)
+        if not (isinstance(top, LossTape) and top.ended_here()):
+            return
+        torch._C._pop_torch_function_stack()
+
+
+def _user_line() -> Optional[Tuple[str, int]]:
+    """(file, line) of the innermost frame outside torch and graddbg."""
+    cache = _INTERNAL
+    f: Any = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        internal = cache.get(fn)
+        if internal is None:
+            internal = cache[fn] = is_internal(fn)
+        if not internal:
+            return fn, f.f_lineno
+        f = f.f_back
+    return None
+
+
+def _replay_loss(tape: LossTape, outs: List[torch.Tensor], scan: NonFiniteScan) -> None:
+    """Run the recorded loss code again on the replayed output ``outs``, each call blamed on
+    its own line, then its backward pass down to the output, all under ``scan``: raises
+    `NonFiniteError` at the op that makes the NaN/Inf (nothing when none is made)."""
+    tape.stop()
+    if tape.loss is None or not tape.ops:
+        return
+    values: Dict[int, Any] = {}
+
+    def value(ref: Any) -> Any:
+        if isinstance(ref, _Made):
+            v = values[ref.op]
+            return v if ref.pos is None else v[ref.pos]
+        if isinstance(ref, _Out):
+            return outs[ref.i]
+        if isinstance(ref, _Const):
+            return ref.t.clone()
+        if type(ref) in (list, tuple):
+            return type(ref)(value(x) for x in ref)
+        if type(ref) is dict:
+            return {k: value(v) for k, v in ref.items()}
+        return ref
+
+    for i, (func, args, kwargs, line, inplace) in enumerate(tape.ops):
+        scan.source_at = line
+        try:
+            args = value(args)
+            out = func(*args, **value(kwargs))
+            values[i] = args[0] if inplace else out
+        finally:
+            scan.source_at = None
+    roots, grads = value(tape.loss[0]), None if tape.loss[1] is None else value(tape.loss[1])
+    keep = [i for i, r in enumerate(roots) if isinstance(r, torch.Tensor) and r.requires_grad]
+    wrt = [o for o in outs if o.requires_grad]
+    if not keep or not wrt:
+        return
+    torch.autograd.grad([roots[i] for i in keep], wrt, allow_unused=True,
+                        grad_outputs=None if grads is None else [grads[i] for i in keep])
 
 
 def replay(model: torch.nn.Module, cap: Capture, step: int) -> Tuple[bool, Optional[Anomaly]]:
@@ -641,8 +914,8 @@ def replay(model: torch.nn.Module, cap: Capture, step: int) -> Tuple[bool, Optio
     try:
         if cap.rng is not None:
             torch.set_rng_state(cap.rng)
-        with find_nonfinite(model), torch.enable_grad():
-            return True, _replay_passes(model, cap, step)
+        with find_nonfinite(model) as scan, torch.enable_grad():
+            return True, _replay_passes(model, cap, step, scan)
     except NonFiniteError as e:
         return True, getattr(e, "anomaly", None)
     except Exception:  # a replay that cannot run (a model with side effects) blames nothing
@@ -656,10 +929,19 @@ def replay(model: torch.nn.Module, cap: Capture, step: int) -> Tuple[bool, Optio
             p.grad = g
 
 
-def _replay_passes(model: torch.nn.Module, cap: Capture, step: int) -> Optional[Anomaly]:
+def _replay_passes(model: torch.nn.Module, cap: Capture, step: int, scan: NonFiniteScan) -> Optional[Anomaly]:
     outs = tensors_in(model(*cap.args, **cap.kwargs))
     if cap.grad is not None and not bool(torch.isfinite(cap.grad).all()):
-        # the forward pass is finite (find_nonfinite would have raised), its output gradient is not
+        # the forward pass is finite (find_nonfinite would have raised), its output gradient is
+        # not: the loss code made it; its tape, replayed, names the op and the line
+        if cap.tape is not None:
+            try:
+                _replay_loss(cap.tape, outs, scan)
+            except NonFiniteError as e:
+                a = e.anomaly
+                if a is not None and a.module is None:  # (outside every module: the loss code)
+                    a = dataclasses.replace(a, module="<loss>")
+                raise NonFiniteError(str(e), anomaly=a) from None
         return Anomaly(step=step, kind="nonfinite", name=None, module="<loss>", op=None, value=math.nan,
                        threshold=None, source=None,
                        message="the model's forward pass is finite but the gradient arriving at its "

@@ -69,6 +69,7 @@ __all__ = [
     "trace_modules",
     "extract",
     "collapse",
+    "mark_producer",
     "to_dot",
     "render_source",
     "escape",
@@ -154,6 +155,7 @@ class AutogradGraph:
     has_grads: bool = False
     shown_nodes: int = 0
     walk_stopped: bool = False
+    caption: str = ""  #: a line drawn above the graph (what it shows: which step, which batch)
 
     @property
     def truncated(self) -> bool:
@@ -908,6 +910,57 @@ def _frame_latest(watch: Any) -> Optional[Tuple[int, Dict[str, Dict[str, Any]]]]
     return step, rows
 
 
+#: the outline of the node that made a NaN/Inf (`mark_producer`)
+_MARK_COLOR = "#ff9800"
+
+
+def _op_key(name: str) -> str:
+    """``aten.linalg_vector_norm`` and ``LinalgVectorNormBackward0`` alike: ``linalgvectornorm``."""
+    if name.startswith("aten."):
+        name = name[5:].split(".")[0]
+    elif "Backward" in name:
+        name = name[:name.index("Backward")]
+    return name.replace("_", "").lower()
+
+
+def mark_producer(g: AutogradGraph, finding: Any) -> List[GraphNode]:
+    """Outline (orange, thick) and label the op nodes of ``g`` that ``finding`` (a
+    non-finite `graddbg.Anomaly`, or anything with ``op``, ``module``, ``step`` and
+    ``source``) names as the producer: the autograd node of its op (``aten.div`` is drawn as
+    ``DivBackward0``) in its module's cluster (``<loss>``: outside every module). Returns the
+    nodes marked (none when the graph has no such node).
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> x = torch.zeros(2, requires_grad=True)
+        >>> g = extract((x / x.abs()).sum())
+        >>> nan = SimpleNamespace(op="aten.div", module="<loss>", step=3, source="train.py:12", value=float("nan"))
+        >>> [n.name for n in mark_producer(g, nan)]
+        ['DivBackward0']
+        >>> 'penwidth="4"' in to_dot(g) and "made the NaN at step 3" in to_dot(g)
+        True
+    """
+    op = getattr(finding, "op", None)
+    if not op:
+        return []
+    module = getattr(finding, "module", None)
+    path: ModulePath = () if module in (None, "", "<loss>", "<root>") else tuple(module.split("."))
+    key = _op_key(op)
+    found = [n for n in g.nodes if n.kind == "op" and n.module == path and _op_key(n.name) == key]
+    value = getattr(finding, "value", math.nan)
+    what = "Inf" if isinstance(value, float) and math.isinf(value) else "NaN"
+    source = getattr(finding, "source", None)
+    where = f" ({os.path.basename(source.rsplit(':', 1)[0])}:{source.rsplit(':', 1)[1]})" \
+        if source and ":" in source else ""
+    for n in found:
+        n.attrs["color"], n.attrs["penwidth"] = _MARK_COLOR, "4"
+        n.detail.append(f"made the {what} at step {getattr(finding, 'step', '?')}{where}")
+    if found and op.startswith("aten."):  # made in the forward pass: the backward nodes that first read
+        for n in g.nodes:                 # it (the loss's, typically) are not where it started
+            n.nonfinite_origin = False
+    return found
+
+
 # --------------------------------------------------------------------------- collapse
 
 
@@ -1127,6 +1180,9 @@ def _node_line(n: GraphNode, style: str, scale: Optional[Tuple[float, float]], h
     attrs["fillcolor"] = n.attrs.get("fillcolor", fill)
     if "fontcolor" in n.attrs:
         attrs["fontcolor"] = n.attrs["fontcolor"]
+    for key in ("color", "penwidth"):  # (the outline of a marked node: see `mark_producer`)
+        if key in n.attrs:
+            attrs[key] = n.attrs[key]
     rest = "".join(f' {k}="{v}"' for k, v in attrs.items())
     return f'\t{n.id} [label="{_label(lines)}"{rest}]\n'
 
@@ -1229,6 +1285,8 @@ def to_dot(g: AutogradGraph, *, cluster: bool = True) -> str:
             body.append(_truncation_note(g))
         if scale is not None or (g.has_grads and any(n.nonfinite for n in g.nodes)):
             body += _legend(scale)
+        if g.caption:  # (after the clusters, which would otherwise inherit it as their label)
+            body.append(f'\tgraph [label="{escape(g.caption)}" labelloc=t labeljust=l fontsize=12]\n')
         return "digraph {\n" + "".join(body) + "}\n"
 
 
@@ -1373,6 +1431,8 @@ def graph(
     max_nodes: Optional[int] = 2000,
     watch: Any = None,
     style: str = "graddbg",
+    mark: Any = None,
+    caption: Optional[str] = None,
 ) -> Graph:
     """Draw the autograd graph behind ``roots``, grouped by the modules that created it.
 
@@ -1401,6 +1461,10 @@ def graph(
         watch: a `Watch` whose latest statistics are added to the parameter nodes.
         style: ``"graddbg"`` (default) or ``"torchviz"``, which draws what
             ``torchviz.make_dot`` draws (it calls it).
+        mark: a non-finite `graddbg.Anomaly` (from ``w.anomalies``): the node of its op in
+            its module is outlined and labelled as the one that made the NaN/Inf (see
+            `mark_producer`); draw the graph of that step's batch to see it.
+        caption: a line drawn above the graph (say which step it shows).
 
     Returns:
         Graph: ``.source`` (DOT text), ``.digraph`` (a ``graphviz.Digraph``),
@@ -1424,7 +1488,7 @@ def graph(
         >>> g.render("graph.svg")  # doctest: +SKIP
     """
     extras = [a for a, given in (("grads=True", grads), (f"depth={depth!r}", depth is not None),
-                                 ("watch=", watch is not None)) if given]
+                                 ("watch=", watch is not None), ("mark=", mark is not None)) if given]
     _check_options(style, max_nodes, depth, extras)
     _resolve_model(model)  # before running a callable roots
     roots, model = _run_roots(roots, model)
@@ -1432,6 +1496,10 @@ def graph(
                 max_nodes=max_nodes, style=style)
     if watch is not None:
         annotate_watch(g, watch)
+    if mark is not None:
+        mark_producer(g, mark)
+    g.caption = caption or ""
     if depth is not None:
         g = collapse(g, depth)
+        g.caption = caption or ""
     return Graph(g, cluster=cluster and style == "graddbg")

@@ -17,7 +17,7 @@ from graddbg.blame import nonfinite_state, replay, state_anomaly
 from graddbg.stats import local_values
 from graddbg.checks.base import Check, Finding, Step, Watched
 
-__all__ = ["NonFiniteCheck", "ExplodeCheck", "VanishCheck"]
+__all__ = ["NonFiniteCheck", "ExplodeCheck", "VanishCheck", "lr_rise_text"]
 
 
 class NonFiniteCheck(Check):
@@ -46,9 +46,9 @@ class NonFiniteCheck(Check):
         if applied:
             where.how += (", read after step(closure) had applied them: the weights it made non-finite "
                           "are victims, and no replay could run on them")
-        if where.module:  # name a parameter of the module blamed, when it has one among the affected
+        if where.module:  # name a parameter of the module blamed, else the affected one nearest to it
             own = [n for n in names if n.startswith(where.module + ".")]
-            where.name = own[0] if own else where.name
+            where.name = own[0] if own else self._nearest(where.module, idx)
         st = step.stats
         total = int(st.nonfinite[idx].sum()) or None
         if st.shard_ranks:
@@ -80,7 +80,6 @@ class NonFiniteCheck(Check):
             ranks, how = where.origin
             where.origin = (ranks, f"{how}; it started there in {said}, as rank {made.get('rank')} found")
         return made
-
 
     _seen = False  # a non-finite gradient or weight was found at an earlier step
 
@@ -123,7 +122,6 @@ class NonFiniteCheck(Check):
                  if ctx.names[i] in held and ctx.names[i] not in named]
         return extra + state if extra and not state else state + extra, held
 
-
     def _applied_here(self, step: Step, state: list) -> bool:
         """Whether the non-finite weights were made by this very step's update: under
         ``step(closure)`` the gradients are read after the optimizer applied them. Said only
@@ -154,7 +152,9 @@ class NonFiniteCheck(Check):
                 if m is not None and cap.prefix and m != "<loss>":  # (a stage's replay: names within it)
                     m = cap.prefix + ("" if m in ("", "<root>") else "." + m)
                 where.module = m if m is not None else where.module
-                where.op, where.source, where.how = got.op, got.source, "a replay of the forward and backward pass"
+                where.op, where.source, where.how = got.op, got.source, (
+                    "a replay of the forward pass and of the loss code after it" if m == "<loss>" and got.op
+                    else "a replay of the forward and backward pass")
         return where
 
     @contextlib.contextmanager
@@ -166,13 +166,28 @@ class NonFiniteCheck(Check):
             self.ctx.replaying = False
 
 
+#: a param group's lr that rose at least this many times over in one step is a host fact an
+#: explosion that follows is blamed on
+LR_RISE = 2.0
+#: how many steps before an explosion's first step above the threshold such a rise is looked for
+LR_LOOKBACK = 5
+
+
 class ExplodeCheck(Check):
     """A global gradient norm far above its robust running level (see `graddbg.Explode`,
     its configuration): the level is the median of the last ``window`` healthy recorded
     steps, kept sorted (no sort per step); consecutive exploded steps are one episode and
-    one finding, and do not enter the level."""
+    one finding, and do not enter the level.
 
-    STATE = ("level", "_sorted", "in_episode", "above")
+    The cause, from the ledger's host facts: an explosion that follows a one-step rise of a
+    param group's learning rate (`LR_RISE` times or more, at most `LR_LOOKBACK` steps before
+    it) to a level that group never had is blamed on that rise, in one finding that names it
+    (not the parameters); a rise back to a level the group had before (a warm restart, a
+    cyclic schedule: the program's own schedule) makes the explosion that follows expected,
+    and no finding. Later episodes with no new rise, until ``window`` healthy recorded steps
+    have passed, are the same cause's aftermath: no new finding."""
+
+    STATE = ("level", "_sorted", "in_episode", "above", "_lrs", "_peak", "_after", "_since")
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
@@ -182,15 +197,52 @@ class ExplodeCheck(Check):
         self.prev_norms: Any = None
         self.in_episode = False
         self.above = 0  # recorded steps in a row above the relative threshold
+        self._since = -1  # the step the current run above the relative threshold began
+        #: [step, each group's lr, each group's highest lr before that step] of the last steps
+        self._lrs: List[list] = []
+        self._peak: List[float] = []  # each group's highest lr so far
+        #: healthy recorded steps since the last episode blamed on an lr rise (None: not after one)
+        self._after: Optional[int] = None
 
     def read(self, step: Step) -> List[Finding]:
-        if self.det is None or not step.due_stats or step.stats is None or step.any_bad:
+        if self.det is None:
+            return []
+        self._note_lrs(step)
+        if not step.due_stats or step.stats is None or step.any_bad:
             return []
         st = step.stats
         gn = st.global_norm
         clipped = step.clipped_norm == step.clipped_norm and step.clipped_norm < gn * (1 - 1e-6)
-        a = self.judge(step.index, gn, st.norm, clipped=clipped)
+        a = self.judge(step.index, gn, st.norm, clipped=clipped, has_grad=st.has_grad)
         return [] if a is None else [Finding(a, self.det.policy)]
+
+    def _note_lrs(self, step: Step) -> None:
+        """Each param group's lr at this step (the ledger's host fact), and its peak before."""
+        lrs = list(step.entry.lrs) if step.entry is not None else []
+        if not lrs:
+            return
+        peak = self._peak + [0.0] * (len(lrs) - len(self._peak))
+        self._lrs.append([step.index, lrs, peak[:len(lrs)]])
+        del self._lrs[:-4 * LR_LOOKBACK]
+        self._peak = [max(p, x) if math.isfinite(x) else p for p, x in zip(peak, lrs + peak[len(lrs):])]
+
+    def lr_rise(self, first: int) -> Optional[Tuple[int, int, float, float, bool]]:
+        """The one-step lr rise an explosion whose first step above the threshold is
+        ``first`` follows: ``(group, step, lr before, lr after, scheduled)``, where
+        ``scheduled`` says the lr came back to a level the group had before; a rise to a new
+        level first, then the largest; None when there is none."""
+        best: Optional[Tuple[int, int, float, float, bool]] = None
+        for (s0, lrs0, _), (s, lrs, peaks) in zip(self._lrs, self._lrs[1:]):
+            if s0 != s - 1 or not first - LR_LOOKBACK <= s < first:
+                continue
+            for g, (before, lr) in enumerate(zip(lrs0, lrs)):
+                if not (math.isfinite(before) and math.isfinite(lr)) or before < 0 or lr < before * LR_RISE or lr <= 0:
+                    continue
+                cand = (g, s, before, lr, g < len(peaks) and lr <= peaks[g] * (1 + 1e-6))
+                key = (not cand[4], lr / before if before > 0 else math.inf)
+                if best is None or key > (not best[4], best[3] / best[2] if best[2] > 0 else math.inf):
+                    best = cand
+        return best
 
     def _threshold(self) -> Tuple[float, float]:
         """(relative threshold, hard threshold): factor x and factor**2 x the median."""
@@ -204,15 +256,19 @@ class ExplodeCheck(Check):
             return math.inf, det.factor ** 3 * med
         return det.factor * med, det.factor ** 2 * med
 
-    def judge(self, step: int, global_norm: float, norms: Any, clipped: bool = False) -> Optional[Anomaly]:
-        """The finding of one recorded step (None: healthy, or inside an episode already
-        reported); a healthy step enters the running level."""
+    def judge(self, step: int, global_norm: float, norms: Any, clipped: bool = False,
+              has_grad: Any = None) -> Optional[Anomaly]:
+        """The finding of one recorded step (None: healthy, inside an episode already
+        reported, or after an lr rise that explains it); a healthy step enters the running
+        level."""
         det = self.det
         prev, self.prev_norms = self.prev_norms, norms
         if not math.isfinite(global_norm) or global_norm == 0:
             return None  # the non-finite detector's business; a step without gradients
         rel, hard = self._threshold()
         self.above = self.above + 1 if global_norm > rel else 0
+        if self.above == 1 or not self.above:
+            self._since = step
         threshold = min(rel, det.absolute if det.absolute is not None else math.inf)
         exploded = (det.absolute is not None and global_norm > det.absolute) or \
             (not clipped and (global_norm > hard or self.above >= det.persist))
@@ -220,9 +276,16 @@ class ExplodeCheck(Check):
             if not exploded or self.in_episode:  # one anomaly per episode of consecutive exploded steps
                 return None
             self.in_episode = True
-            return self._anomaly(step, global_norm, threshold, _jumped(prev, norms, self.ctx.names))
+            rise = self.lr_rise(self._since)
+            if rise is None and self._after is not None or rise is not None and rise[4]:
+                self._after = 0  # the aftermath of an lr rise already named, or the program's own schedule
+                return None
+            self._after = None if rise is None else 0
+            return self._anomaly(step, global_norm, threshold, _jumped(prev, norms, self.ctx.names, has_grad), rise)
         self.in_episode = False
         self.above = 0
+        if self._after is not None:
+            self._after = None if self._after + 1 >= det.window else self._after + 1
         self.level.append(global_norm)
         bisect.insort(self._sorted, global_norm)
         if len(self.level) > det.window:
@@ -230,34 +293,58 @@ class ExplodeCheck(Check):
             del self.level[0]
         return None
 
-    def _anomaly(self, step: int, global_norm: float, threshold: float, jumped: List[str]) -> Anomaly:
+    def _anomaly(self, step: int, global_norm: float, threshold: float, jumped: List[str],
+                 rise: Optional[Tuple[int, int, float, float, bool]] = None) -> Anomaly:
         det, names = self.det, self.ctx.names
-        top = jumped[0] if jumped else None
+        top = jumped[0] if jumped and rise is None else None
         relative = (det.factor is not None and len(self.level) >= det.warmup
                     and threshold < (det.absolute or math.inf) and global_norm <= (det.absolute or math.inf))
-        msg = (f"graddbg: gradient explosion at step {step}: global gradient norm "
-               f"{global_norm:.4g} > threshold {threshold:.4g}"
-               + (f" ({det.factor:g}x the median of the last {len(self.level)} steps)" if relative
-                  else " (absolute bound)")
-               + (f"; parameters that jumped most: {', '.join(jumped)}" if jumped else "")
-               + ". Try a lower learning rate, warm-up, or gradient clipping.")
+        measured = (f"global gradient norm {global_norm:.4g} > threshold {threshold:.4g}"
+                    + (f" ({det.factor:g}x the median of the last {len(self.level)} steps)" if relative
+                       else " (absolute bound)"))
+        if rise is not None:
+            g, at, before, lr, _ = rise
+            msg = (f"graddbg: gradient explosion at step {step}, after a learning-rate change: {lr_rise_text(rise, step)}"
+                   f", and then the {measured}. That update moved the weights far from where their gradients were "
+                   f"measured" + (f" (the parameters whose gradients jumped most: {', '.join(jumped)})" if jumped else "")
+                   + f". Fix: find what set param group {g}'s lr at step {at} (a hand edit of "
+                   f"optimizer.param_groups, a scheduler's formula or its step count) and keep it at the level "
+                   f"training had, or raise it gradually (warm-up).")
+        else:
+            msg = (f"graddbg: gradient explosion at step {step}: {measured}"
+                   + (f"; parameters that jumped most: {', '.join(jumped)}" if jumped else "")
+                   + ". Try a lower learning rate, warm-up, or gradient clipping.")
         return Anomaly(step=step, kind="explode", name=top,
                        module=self.ctx.modules[names.index(top)] if top else None, op=None,
                        value=float(global_norm), threshold=float(threshold), source=None,
                        message=msg, params=tuple(jumped))
 
 
-def _jumped(prev: Any, norms: Any, names: Sequence[str]) -> List[str]:
+def lr_rise_text(rise: Tuple[int, int, float, float, bool], step: int) -> str:
+    """"the lr of group 0 rose 1000x at step 80, the step before (0.05 -> 50)"."""
+    g, at, before, lr, _ = rise
+    ratio = lr / before if before > 0 else math.inf
+    times = "from 0" if not math.isfinite(ratio) else f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.2g}x"
+    when = "the step before" if at == step - 1 else f"{step - at} steps before"
+    return f"the lr of group {g} rose {times} at step {at}, {when} ({before:.4g} -> {lr:.4g})"
+
+
+def _jumped(prev: Any, norms: Any, names: Sequence[str], has_grad: Any = None) -> List[str]:
     """The parameters whose norm jumped most relative to their previous recorded norm (at
-    most 5; without a previous record, the largest norms)."""
-    if prev is not None and norms is not None:
+    most 5; without a previous record, the largest norms); a parameter without a gradient
+    now or then (a NaN norm) never ranks."""
+    if norms is None:
+        return []
+    ok = np.isfinite(norms) & (norms > 0)
+    if has_grad is not None and len(has_grad) == len(norms):
+        ok &= np.asarray(has_grad, dtype=bool)
+    if prev is not None and len(prev) == len(norms):
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(prev > 0, norms / prev, np.inf)
-        ratio = np.nan_to_num(ratio, nan=-1.0)
-        return [names[i] for i in np.argsort(-ratio)[:5] if ratio[i] > 1]
-    if norms is not None:
-        return [names[i] for i in np.argsort(-np.nan_to_num(norms, nan=-1.0))[:5]]
-    return []
+        ratio = np.where(ok & ~np.isnan(prev), np.nan_to_num(ratio, nan=-1.0), -1.0)
+        return [names[i] for i in np.argsort(-ratio, kind="stable")[:5] if ratio[i] > 1]
+    size = np.where(ok, norms, -1.0)
+    return [names[i] for i in np.argsort(-size, kind="stable")[:5] if size[i] > 0]
 
 
 class VanishCheck(Check):

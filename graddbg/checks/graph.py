@@ -194,7 +194,7 @@ def scaler_of_backward(thread: int) -> Any:
     """An enabled ``torch.amp.GradScaler`` held by a caller of the running backward pass (the
     user's loop, whose ``scaler.scale(loss).backward()`` this is), or None."""
     frame = _backward_frame(thread)
-    for _ in range(6):
+    for _ in range(10):  # (torch's backward calls, graddbg.blame.LossTape's if it saw the call, the user's)
         if frame is None:
             return None
         for v in list(frame.f_locals.values()):

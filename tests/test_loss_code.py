@@ -1,0 +1,150 @@
+"""A NaN or Inf made in the loss code, between the model's output and backward(), is named
+by watch() itself with its op and its line (issue "Where users already look", point 3), as
+graddbg.find_nonfinite names it, and the recording of that code leaves nothing behind."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import graddbg
+
+THIS_FILE = __file__
+
+
+def _line(fn, text: str) -> str:
+    src, start = inspect.getsourcelines(fn)
+    return f"{THIS_FILE}:{start + next(i for i, line in enumerate(src) if text in line)}"
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1), nn.Sigmoid())
+
+
+def _log_loss(model, x, healthy):
+    p = model(x).squeeze(1) * (x[:, 0] > 0)  # p = 0 on about half the batch
+    if healthy:
+        p = p.clamp_min(1e-6)
+    return -torch.log(p).mean()
+
+
+def _inverse_loss(model, x, healthy):
+    d = model(x).squeeze(1) * (x[:, 1] > 0)
+    return (1 / (d + 1e-3 if healthy else d)).mean()
+
+
+def _sqrt_loss(model, x, healthy):
+    r = model(x).squeeze(1) * (x[:, 2] > 0)  # sqrt(0) is finite, its derivative is not
+    return torch.sqrt(r + 1e-6 if healthy else r).mean()
+
+
+def _train(loss_fn, healthy, steps=3, bad_step=2):
+    """A loop whose loss code makes a NaN/Inf at ``bad_step`` (never when ``healthy``)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    with graddbg.watch(model, opt, nonfinite="record") as w:
+        for step in range(steps):
+            x = torch.randn(16, 4, generator=gen).abs()
+            if step == bad_step:
+                x[:, :3] *= torch.where(torch.arange(16) % 2 == 0, -1.0, 1.0)[:, None]
+            loss = loss_fn(model, x, healthy)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert torch._C._len_torch_function_stack() == 0  # the recording ended with the step
+    return w
+
+
+@pytest.mark.parametrize("loss_fn, op, text", [
+    (_log_loss, "aten.log", "-torch.log(p)"),          # -log(0) = inf, in the forward pass
+    (_inverse_loss, "aten.reciprocal", "(1 / (d"),      # 1/0 = inf, in the forward pass
+    (_sqrt_loss, "SqrtBackward0", "torch.sqrt(r"),      # d sqrt(r)/dr at 0 = inf, in the backward pass
+])
+def test_nonfinite_made_in_loss_code_is_named_with_op_and_line(loss_fn, op, text):
+    w = _train(loss_fn, healthy=False)
+    assert [a.kind for a in w.anomalies] == ["nonfinite"]
+    a = w.anomalies[0]
+    assert a.step == 2 and a.module == "<loss>"
+    assert (a.op, a.source) == (op, _line(loss_fn, text))
+    assert f"op {op}, created at {a.source}" in a.message and "loss code" in a.message
+    assert a.name == "2.weight" and "2.weight is the one nearest it" in a.message  # nearest the loss
+    assert a.reproduced is True
+
+    # find_nonfinite names the same op and line on the same step
+    model = _model()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 4, generator=gen).abs()
+    x[:, :3] *= torch.where(torch.arange(16) % 2 == 0, -1.0, 1.0)[:, None]
+    with pytest.raises(graddbg.NonFiniteError) as info:
+        with graddbg.find_nonfinite(model):
+            loss_fn(model, x, False).backward()
+    assert (info.value.anomaly.op, info.value.anomaly.source) == (op, a.source)
+
+    # the healthy twin: no finding
+    assert _train(loss_fn, healthy=True).anomalies == []
+
+
+def test_loss_code_nan_raises_with_op_and_line_by_default():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(graddbg.NonFiniteError) as info:
+        with graddbg.watch(model, opt):
+            out = model(torch.randn(8, 4))
+            p = out * 0.0
+            loss = -torch.log(p).mean()  # log(0)
+            loss.backward()
+            opt.step()
+    a = info.value.anomaly
+    assert (a.module, a.op) == ("<loss>", "aten.log")
+    assert a.source == _line(test_loss_code_nan_raises_with_op_and_line_by_default, "# log(0)")
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_loss_code_recording_without_optimizer_and_with_accumulation_leaves_no_mode():
+    # no optimizer: each backward pass is a step (ended inside the backward pass); the
+    # recording leaves the mode stack at the next forward pass, and at close
+    model = _model()
+    with graddbg.watch(model, nonfinite="record") as w:
+        for step in range(3):
+            out = model(torch.randn(8, 4))
+            p = out if step != 1 else out * 0.0
+            (-torch.log(p)).mean().backward()
+            model.zero_grad()
+    assert torch._C._len_torch_function_stack() == 0
+    assert [(a.step, a.module, a.op) for a in w.anomalies] == [(1, "<loss>", "aten.log")]
+
+    # two micro-batches per step: the NaN of the second is named
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddbg.watch(model, opt, nonfinite="record") as w:
+        for step in range(2):
+            for micro in range(2):
+                out = model(torch.randn(8, 4))
+                bad = step == 1 and micro == 1
+                (1 / (out * 0.0 if bad else out)).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert torch._C._len_torch_function_stack() == 0
+    assert [(a.step, a.module, a.op) for a in w.anomalies] == [(1, "<loss>", "aten.reciprocal")]
+
+
+def test_nan_in_forward_is_still_named_in_its_module():
+    class Norm(nn.Module):
+        def forward(self, x):
+            return x / x.norm(dim=1, keepdim=True)  # 0/0 on an all-zero row
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8, bias=False), Norm(), nn.Linear(8, 1))
+    x = torch.randn(8, 4)
+    x[2] = 0.0
+    with pytest.raises(graddbg.NonFiniteError) as info:
+        with graddbg.watch(model):
+            model(x).pow(2).mean().backward()
+    a = info.value.anomaly
+    assert (a.module, a.op) == ("1", "aten.div")
+    assert a.source == _line(Norm.forward, "x / x.norm")
+    assert a.name == "2.weight" and "2.weight is the one nearest it" in a.message  # the module holds none
