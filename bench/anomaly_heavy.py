@@ -53,6 +53,8 @@ def run(steps: int, history: int, plant: str, trace: bool, block: int = 1000) ->
     points = sorted({p for p in (1000, 10_000, 25_000, 50_000, steps) if p <= steps})
     times, cpu = np.zeros(steps), np.zeros(steps)
     rows = []
+    import pandas  # noqa: F401  (imported now: w.steps at the first point would count its import)
+
     if trace:
         tracemalloc.start()
     with graddbg.watch(model, opt, nonfinite="skip", explode=None, history=history) as w:
@@ -66,14 +68,15 @@ def run(steps: int, history: int, plant: str, trace: bool, block: int = 1000) ->
             opt.step()
             times[i], cpu[i] = time.perf_counter() - t0, time.thread_time() - c0
             if i + 1 in points:
-                traced = tracemalloc.get_traced_memory()[0] / 2**20 if tracemalloc.is_tracing() else float("nan")
                 kept = w.steps["step"]
+                recorded = int(w.stats["step"].nunique())
+                traced = tracemalloc.get_traced_memory()[0] / 2**20 if tracemalloc.is_tracing() else float("nan")
                 rows.append({"step": i + 1, "ms": 1e3 * float(np.median(times[i + 1 - block: i + 1])),
                              "cpu": 1e3 * float(np.median(cpu[i + 1 - block: i + 1])),
                              "rss": _rss_mb(), "traced": traced, "kept": len(w.anomalies),
                              "counted": sum(getattr(w.anomalies, "not_kept", {}).values()),  # (0 before the limit existed)
                              "protected": int(kept.isin([a.step for a in w.anomalies]).sum()),
-                             "rows": int(w.stats["step"].nunique()), "step_rows": len(kept)})
+                             "rows": recorded, "step_rows": len(kept)})
     tracemalloc.stop()
     return rows
 
