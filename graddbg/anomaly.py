@@ -310,7 +310,10 @@ class Explode:
     sustained jump or a hundredfold spike is. A spike that the training loop clipped at
     that step (``clip_grad_norm_`` between backward and step) is left to the clip.
     Consecutive exploded steps are one episode and one anomaly; they do not enter the
-    running level.
+    running level. An explosion that follows a one-step rise of a param group's learning
+    rate to a level the group never had is blamed on that rise (one anomaly naming it, with
+    no parameter; its aftermath gives no other), and one that follows a rise back to a level
+    the group had before (a warm restart: the program's own schedule) gives none.
 
     Args:
         factor: flag a norm above ``factor`` times the running level (> 1; None: only
@@ -479,6 +482,8 @@ def nonfinite_anomaly(step: int, names: Sequence[str], shapes: Sequence[tuple], 
               f"On this rank it reached module '{module or '<root>'}' first")
            + (f", op {op}" if op else "") + (f", created at {source}" if source else "")
            + f" (found from {where.how}). "
+           + (f"'{module}' holds none of these parameters: {where.name} is the one nearest it. "
+              if where.name and module and not where.name.startswith(f"{module}.") else "")
            + "Next: wrap one step in graddbg.find_nonfinite(model) to see every op's inputs, "
              "or check the loss for log(0), sqrt(0), division by zero or overflow.")
     return Anomaly(step=step, kind="nonfinite", name=where.name, module=module, op=op,

@@ -9,9 +9,12 @@ traceback); ``graddbg run`` stopped by a signal exits 128 + its number (130 for 
 from __future__ import annotations
 
 import argparse
+import html
+import importlib.util
 import math
 import os
 import pathlib
+import platform
 import runpy
 import signal
 import sys
@@ -23,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from graddbg._args import did_you_mean
 from graddbg._launch import Children, child_records, follow_children, rank_folder, record_folder
 from graddbg._demo_model import demo_loss, demo_model, train as train_demo
 from graddbg._errors import GraddbgError, GraddbgValueError, GradientAnomalyError
@@ -50,10 +54,32 @@ class UsageError(GraddbgValueError):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its errors as one line (no usage dump)."""
+    """argparse with its errors as one line (no usage dump), and an unknown command or
+    option named with the closest one accepted (as ``watch()`` names an unknown keyword)."""
 
     def error(self, message: str) -> Any:  # type: ignore[override]
         raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self._commands().get(getattr(parsed, "command", None) or "", self)
+            unknown = next((a for a in extras if a.startswith("-")), None)
+            if unknown is None:
+                command.error(f"unrecognized arguments: {' '.join(extras)}")
+            name = unknown.split("=", 1)[0]
+            accepted = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
+            command.error(f"unknown option {name!r}{did_you_mean(name, accepted)}")
+        return parsed
+
+    def _commands(self) -> Dict[str, argparse.ArgumentParser]:
+        return next((dict(a.choices) for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if isinstance(action, argparse._SubParsersAction) and value not in action.choices:
+            raise argparse.ArgumentError(None, f"unknown command {value!r}{did_you_mean(value, list(action.choices))}; "
+                                               f"accepted: {', '.join(action.choices)}")
+        super()._check_value(action, value)  # type: ignore[misc]
 
 
 def _policy(value: str) -> Optional[str]:
@@ -150,6 +176,9 @@ def _anomaly_lines(anomalies: Sequence[Any]) -> str:
     for a in shown:
         where = f"module {a.module or '<root>'}" + (f", op {a.op}" if a.op else "") + \
                 (f", {a.source}" if a.source else "")
+        if a.kind == "explode" and a.module is None:  # (named by its cause, not by a module)
+            first = a.message.split(", and then")[0].split(". ")[0].replace("graddbg: ", "", 1)
+            where = first if len(first) <= 150 else first[:146] + " ..."
         rank = f"  rank {a.rank}" if getattr(a, "rank", None) is not None else ""
         out.append(f"  step {a.step:>4}{rank}  {a.kind:<12} {a.name or '-':<16} {where}")
         if a.kind in HYGIENE_KINDS:
@@ -170,7 +199,8 @@ def demo(out: str = "graddbg-out", steps: int = 120, *, nan_step: int = 30, jump
     - at step ``jump_step`` the learning rate jumps 1000x for one step: the next gradient
       norm explodes and is caught as ``explode``.
 
-    Writes ``report.html``, ``graph.svg`` (the annotated autograd graph; ``graph.dot``,
+    Writes ``report.html``, ``graph.svg`` (the annotated autograd graph of the NaN's step,
+    the node that made it outlined; ``graph.dot``,
     with a note on ``stream``, when Graphviz's ``dot`` is not installed) and
     ``stats.parquet`` to ``out``, and prints a progress bar (on stderr), the per-parameter
     summary and the anomalies caught (on ``stream``). ``graddbg demo`` calls it.
@@ -186,9 +216,10 @@ def demo(out: str = "graddbg-out", steps: int = 120, *, nan_step: int = 30, jump
         seed: the seed of the model's initialisation and of the data.
 
     Returns:
-        dict: ``"watch"``, the closed `graddbg.Watch` of the run, and ``"files"``, a dict
+        dict: ``"watch"``, the closed `graddbg.Watch` of the run, ``"files"``, a dict
             of the paths written (``"report"``, ``"graph"``, ``"stats"``, each a
-            ``pathlib.Path``).
+            ``pathlib.Path``), and ``"graph"``, the `graddbg.graphviz.Graph` drawn (the
+            NaN's step, its producer outlined).
 
     Raises:
         UsageError: ``steps``, ``nan_step`` or ``jump_step`` is not an int (or is a bool),
@@ -210,33 +241,47 @@ def demo(out: str = "graddbg-out", steps: int = 120, *, nan_step: int = 30, jump
     print(f"graddbg demo: training {sum(p.numel() for p in model.parameters())} parameters for {steps} "
           f"steps, faults planted at step {nan_step} (0/0 in a normalisation) and step {jump_step} "
           f"(learning rate x1000 for one step)", file=stream)
-    w = _demo_train(model, true_w, gen, steps, nan_step, jump_step)
+    kept: Dict[str, Any] = {}  # (the NaN step's batch and weights: its graph is drawn)
+    w = _demo_train(model, true_w, gen, steps, nan_step, jump_step, kept)
     print("\nper-parameter summary:", file=stream)
     print(_table(w.summary(), ["name", "numel", "norm_mean", "norm_max", "nonfinite_steps",
                                "update_ratio_mean"]), file=stream)
     print("\nanomalies caught:", file=stream)
     print(_anomaly_lines(w.anomalies), file=stream)
-    files = _demo_files(w, model, true_w, gen, outdir, stream)
+    files = _demo_files(w, model, true_w, gen, outdir, stream, kept)
     print(f"\nwrote {files['report']}\n      {files['graph']}\n      {files['stats']}", file=stream)
     print(f"done in {time.perf_counter() - t0:.1f} s", file=stream)
-    return {"watch": w, "files": files}
+    return {"watch": w, "files": files, "graph": kept["graph"]}
 
 
 def _demo_train(model: nn.Module, true_w: torch.Tensor, gen: torch.Generator, steps: int,
-                nan_step: int, jump_step: int) -> Any:
+                nan_step: int, jump_step: int, kept: Optional[Dict[str, Any]] = None) -> Any:
     bar = Progress(steps)
     return train_demo(model, true_w, gen, steps, nan_step, jump_step, on_step=lambda i, loss, w: bar.update(
-        i + 1, f"loss {loss:.4g}  anomalies {len(w.anomalies)}"))
+        i + 1, f"loss {loss:.4g}  anomalies {len(w.anomalies)}"), kept=kept)
 
 
 def _demo_files(w: Any, model: nn.Module, true_w: torch.Tensor, gen: torch.Generator,
-                outdir: pathlib.Path, stream: Any) -> Dict[str, pathlib.Path]:
-    """The annotated autograd graph of one more (healthy) step, the report and the run."""
+                outdir: pathlib.Path, stream: Any, kept: Optional[Dict[str, Any]] = None) -> Dict[str, pathlib.Path]:
+    """The annotated autograd graph of the NaN's step (its batch and weights, the node that
+    made the NaN outlined; of one more, healthy, step when no NaN was caught), the report and
+    the run."""
     import graddbg
 
-    x = torch.randn(8, 16, generator=gen)
-    graph = graddbg.graph(lambda: demo_loss(model, x, true_w),
-                          model=model, grads=True, watch=w)
+    nan = next((a for a in w.anomalies if a.kind == "nonfinite"), None)
+    if nan is not None and kept and "nan_x" in kept:
+        at = demo_model()
+        at.load_state_dict(kept["nan_state"])
+        x, where = kept["nan_x"], f"{nan.op} in module '{nan.module}'" if nan.op else f"module '{nan.module}'"
+        graph = graddbg.graph(lambda: demo_loss(at, x, true_w), model=at, grads=True, mark=nan,
+                              caption=f"The autograd graph of step {nan.step}, the step of the NaN: its batch and "
+                                      f"weights. Outlined in orange: the node that made it ({where}).")
+    else:
+        x = torch.randn(8, 16, generator=gen)
+        graph = graddbg.graph(lambda: demo_loss(model, x, true_w), model=model, grads=True, watch=w,
+                              caption="The autograd graph of one more step after training, on a new batch.")
+    kept = kept if kept is not None else {}
+    kept["graph"] = graph
     files = {"report": outdir / "report.html", "graph": outdir / "graph.svg", "stats": outdir / "stats.parquet"}
     try:
         graph.render(files["graph"], format="svg")
@@ -255,18 +300,45 @@ def _demo_files(w: Any, model: nn.Module, true_w: torch.Tensor, gen: torch.Gener
 POLICY_OPTIONS = ("nonfinite", "explode", "vanish") + HYGIENE_KINDS
 
 
-def _check_run_args(script: Any, fail_on: Any, save_every: Any) -> pathlib.Path:
+def _check_run_args(script: Any, fail_on: Any, save_every: Any, module: bool = False) -> pathlib.Path:
     """The arguments of run_script that are its own, checked before anything runs
-    (UsageError: exit 2)."""
-    if not isinstance(script, (str, os.PathLike)) or not pathlib.Path(script).is_file():
+    (UsageError: exit 2); the file of the script (or of the module) to run."""
+    if module:
+        path = _module_file(script)
+    elif not isinstance(script, (str, os.PathLike)) or not pathlib.Path(script).is_file():
         raise UsageError(f"script: {script!r} does not exist or is not a file")
+    else:
+        path = pathlib.Path(script)
     if fail_on not in FAIL_ON:
         raise UsageError(f"--fail-on: got {fail_on!r}; accepted: {', '.join(FAIL_ON)}")
     if isinstance(save_every, bool) or not isinstance(save_every, (int, float)) \
             or not math.isfinite(save_every) or save_every < 0:
         raise UsageError(f"--save-every must be a number of seconds >= 0 (0: only at exit), "
                          f"got {save_every!r}")
-    return pathlib.Path(script)
+    return path
+
+
+def _module_file(name: Any) -> pathlib.Path:
+    """The file ``python -m name`` runs (a package's ``__main__``), found as python finds
+    it, from the current folder first (its parent packages are imported, as python does)."""
+    if not isinstance(name, str) or not name or name.startswith("."):
+        raise UsageError(f"-m: expected a module name such as 'package.train', got {name!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__
+            spec = importlib.util.find_spec(name + ".__main__")
+            if spec is None:
+                raise UsageError(f"-m: {name!r} is a package and cannot be run (it has no __main__ module)")
+    except (ImportError, ValueError) as e:
+        raise UsageError(f"-m: error while finding the module {name!r} ({type(e).__name__}: {e})") from None
+    finally:
+        sys.path.remove(os.getcwd())
+    if spec is None:
+        raise UsageError(f"-m: no module named {name!r} (from the current folder {os.getcwd()!r} or sys.path)")
+    if not spec.origin or not os.path.isfile(spec.origin):
+        raise UsageError(f"-m: the module {name!r} has no Python source file to run ({spec.origin})")
+    return pathlib.Path(spec.origin)
 
 
 def _watch_options(given: Dict[str, Any]) -> Dict[str, Any]:
@@ -291,7 +363,8 @@ def _watch_options(given: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fail_on: str = "any",
-               save_every: float = SAVE_EVERY, stream: Any = None, **watch_options: Any) -> int:
+               save_every: float = SAVE_EVERY, stream: Any = None, module: bool = False,
+               **watch_options: Any) -> int:
     """Run ``script`` unchanged with what it trains watched; ``graddbg run`` calls it.
 
     What is watched: every optimizer the script steps, with its model; without an
@@ -300,11 +373,16 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fa
     are written to ``out`` at exit, also when the script crashes, is interrupted (Ctrl-C)
     or is stopped by SIGTERM / SIGHUP, and the statistics every ``save_every`` seconds on
     the way. Every argument and the ``out`` folder are checked before the script starts.
+    Several watches (a grid search trains a model per fit) give a report each and
+    ``index.html``, which links them in order. A script that fails before anything was
+    watched (a SyntaxError, an exception at import) shows its own traceback alone, as
+    python would.
     The script's own exceptions are not raised: they are printed on stderr and make the
     exit code (see the module docstring).
 
     Args:
-        script: the path of the Python script, run as ``__main__``.
+        script: the path of the Python script, run as ``__main__`` (with ``module``: the
+            name of a module, run as ``python -m script`` runs it).
         args: the script's command-line arguments (its ``sys.argv[1:]``).
         out: the output folder, created if needed (removed again when it was created here
             and nothing was watched).
@@ -313,6 +391,8 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fa
         save_every: seconds between the statistics snapshots written while the script
             runs (0: only at exit).
         stream: where the summary lines are printed (None: ``sys.stdout``).
+        module: ``script`` is a module's name (``graddbg run -m``), found from the current
+            folder first, as python finds it.
         **watch_options: `graddbg.watch`'s keyword options; a policy may be spelled
             ``"none"`` (for None).
 
@@ -329,7 +409,7 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fa
             `GraddbgValueError` (a ``ValueError``).
     """
     stream = stream or sys.stdout
-    path = _check_run_args(script, fail_on, save_every)
+    path = _check_run_args(script, fail_on, save_every, module)
     kwargs = _watch_options(watch_options)
     outdir, created = _out_folder(out)
     outdir = rank_folder(outdir)  # (under torchrun: each rank's own folder)
@@ -339,8 +419,10 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fa
     watcher.after_step = Snapshots(outdir, float(save_every), watcher.watches)
     with Signals() as signals:  # (from the script's end on, a signal waits for the record to be written)
         with follow_children(outdir, kwargs) as children:  # (processes the script starts are watched too)
-            status, failure = _execute(path, args, watcher, signals)
-        if failure:
+            status, failure = _execute(path, args, watcher, signals, script if module else None)
+        if failure and failure.startswith(_RAISED) and not watcher.watches:  # (as python shows it)
+            print(failure[len(_RAISED):], file=sys.stderr, end="")
+        elif failure:
             print(f"graddbg run: {failure}", file=sys.stderr)
         status = _finish(watcher.watches, outdir, created, status, fail_on, stream, since=started,
                          children=children, stop=lambda: bool(signals.deferred))
@@ -353,16 +435,23 @@ def run_script(script: str, args: Sequence[str], *, out: str = "graddbg-out", fa
     return status
 
 
+_RAISED = "the script raised:\n"
+
+
 def _execute(path: pathlib.Path, args: Sequence[str], watcher: ScriptWatcher,
-             signals: Signals) -> Tuple[int, Optional[str]]:
-    """Run the script as ``__main__``: (exit status, what went wrong or None)."""
-    old_argv, folder = sys.argv[:], str(path.resolve().parent)
-    sys.argv = [str(path), *args]
+             signals: Signals, module: Optional[str] = None) -> Tuple[int, Optional[str]]:
+    """Run the script (or the module ``module``, whose file is ``path``) as ``__main__``:
+    (exit status, what went wrong or None)."""
+    old_argv, folder = sys.argv[:], os.getcwd() if module else str(path.resolve().parent)
+    sys.argv = [module or str(path), *args]  # (run_module puts the module's file in argv[0])
     sys.path.insert(0, folder)
     try:
         with watcher:
             try:
-                runpy.run_path(str(path.resolve()), run_name="__main__")  # (__file__ absolute, as python gives it)
+                if module:
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(str(path.resolve()), run_name="__main__")  # (__file__ absolute, as python gives it)
             finally:
                 signals.disarm()
     except Terminated as e:
@@ -374,7 +463,7 @@ def _execute(path: pathlib.Path, args: Sequence[str], watcher: ScriptWatcher,
     except GradientAnomalyError as e:
         return 1, f"stopped by graddbg: {e}"
     except BaseException as e:
-        return 1, "the script raised:\n" + _script_traceback(e, path)
+        return 1, _RAISED + _script_traceback(e, path)
     finally:
         sys.argv = old_argv
         if sys.path and sys.path[0] == folder:
@@ -394,11 +483,14 @@ def _exit_status(code: Any) -> int:
 
 
 def _script_traceback(exc: BaseException, script: pathlib.Path) -> str:
-    """The traceback from the script's own frames on (graddbg's and runpy's left out)."""
+    """The traceback from the script's own frames on (graddbg's and runpy's left out); a
+    SyntaxError in the script (no frame of its own ran) as python shows it, alone."""
     target = os.path.realpath(script)
     tb = exc.__traceback__
     while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != target:
         tb = tb.tb_next
+    if tb is None and isinstance(exc, SyntaxError):
+        return "".join(traceback.format_exception_only(type(exc), exc))
     return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
 
 
@@ -413,17 +505,20 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
             children.wait(stop=stop)  # (ranks a framework started and does not wait for: Lightning's ddp)
         children.close()
     workers = child_records(outdir, since)
+    if not watches and not workers and status != 0:  # (the script failed or stopped: it says why)
+        _remove_empty(outdir, created)
+        return status
     if not watches and not workers:
         print("graddbg run: the script stepped no optimizer and ran no backward pass through a module "
               "in this process; nothing was watched (a script that trains in spawned worker processes "
               "is not followed: call graddbg.watch(model, optimizer) inside the worker)", file=stream)
-        if created:
-            try:
-                outdir.rmdir()  # leave no empty folder behind
-            except OSError:
-                pass
+        _remove_empty(outdir, created)
         return status
-    written = all(_write(w, outdir, i, stream) for i, w in enumerate(watches))
+    reports = [_write(w, outdir, i, stream) for i, w in enumerate(watches)]
+    written = all(r is not None for r in reports)
+    if len(watches) > 1:
+        print(f"graddbg run: {len(watches)} models watched, a report each; index of the reports: "
+              f"{_write_index(watches, reports, outdir)}", file=stream)
     anomalies = [a for w in watches for a in w.anomalies]
     for path in workers:
         import graddbg
@@ -443,20 +538,56 @@ def _finish(watches: List[Any], outdir: pathlib.Path, created: bool, status: int
     return status
 
 
-def _write(w: Any, outdir: pathlib.Path, i: int, stream: Any) -> bool:
-    """One watch's record and its line on the console; False when it could not be written."""
+def _remove_empty(outdir: pathlib.Path, created: bool) -> None:
+    """The output folder made by this run, removed when nothing was written in it."""
+    if created:
+        try:
+            outdir.rmdir()  # leave no empty folder behind
+        except OSError:
+            pass
+
+
+def _write(w: Any, outdir: pathlib.Path, i: int, stream: Any) -> Optional[pathlib.Path]:
+    """One watch's record and its line on the console; its report, or None when it could not
+    be written. The report names the run file (``graddbg.load(...)``), not ``w``."""
     stats_path, report_path = outputs(record_folder(outdir, w.meta), i)  # (each rank its own)
     try:
-        w.save(stats_path)  # the data first: it is what a report can be made from again
-        rep = w.report(report_path)
+        run = w.to_run()
+        run.save(stats_path)  # the data first: it is what a report can be made from again
+        run.source = stats_path
+        rep = run.report(report_path)
     except GraddbgError as e:
         print(f"graddbg run: error: {e}", file=sys.stderr)
-        return False
+        return None
     how = (f"with {w.meta['optimizer']}" if w.meta["optimizer"]
            else "without an optimizer (a step per backward pass)")
     print(f"graddbg run: watched {w.meta['model']} {how} for {counted(w.current_step, 'step')}; "
           f"{counted(len(w.anomalies), 'anomaly')}; report: {rep}", file=stream)
-    return True
+    return rep
+
+
+_INDEX_CSS = ("body{font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:24px;"
+              "color:#222} h1{font-size:20px} p{color:#555;font-size:13px} ol{list-style:none;padding:0}"
+              "li{margin:6px 0} a{color:#1f4e79} li.bad a{color:#c62828}")
+
+
+def _write_index(watches: List[Any], reports: List[Optional[pathlib.Path]], outdir: pathlib.Path) -> pathlib.Path:
+    """``index.html``: every watch of the run in order, each line its model, optimizer, steps
+    and findings, linking its report ("1. MLP with Adam — 48 steps, 3 findings")."""
+    items = []
+    for i, (w, rep) in enumerate(zip(watches, reports), 1):
+        how = f" with {w.meta['optimizer']}" if w.meta.get("optimizer") else ""
+        text = html.escape(f"{i}. {w.meta['model']}{how}")
+        facts = html.escape(f" — {counted(w.current_step, 'step')}, {counted(len(w.anomalies), 'finding')}")
+        link = f'<a href="{html.escape(os.path.relpath(rep, outdir))}">{text}</a>' if rep else f"{text} (not written)"
+        bad = ' class="bad"' if w.anomalies else ""
+        items.append(f"<li{bad}>{link}{facts}</li>")
+    title = f"graddbg run: {len(watches)} models watched"
+    page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+            f'<link rel="icon" href="data:,"><style>{_INDEX_CSS}</style></head><body><h1>{title}</h1>'
+            f"<p>a report for each model, in the order they were trained</p>"
+            f'<ol>{"".join(items)}</ol></body></html>\n')
+    return write_atomic(outdir / "index.html", page)
 
 
 # --------------------------------------------------------------------------- report
@@ -543,6 +674,10 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
     shown as the optional tail they are (``script [args ...]``)."""
 
     def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if action.dest == "module":
+            return "MODULE [ARGS ...]"
+        if action.dest == "script":
+            return "script"  # (required, unless -m names a module)
         if action.nargs == argparse.REMAINDER:
             return "[%s ...]" % self._metavar_formatter(action, default_metavar)(1)
         return super()._format_args(action, default_metavar)
@@ -553,19 +688,22 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
         return super()._get_help_string(action)
 
 
-_DEMO = """Train a small regression model (1,601 parameters, 120 steps on the CPU, a few
-seconds) with two planted faults, and watch graddbg catch both: a 0/0 in a row
-normalisation at step 30 (a NaN, named at its source line and skipped) and a learning
-rate 1000x too large for one step at step 80 (an exploding gradient norm). Writes
-report.html, graph.svg (the annotated autograd graph) and stats.parquet to --out."""
-_RUN = """Run a training script unchanged (as `python script.py args ...` would), with what it
-trains watched: every optimizer it steps, with its model (or, without an optimizer, the
+_DEMO = """Train a small regression model (1,601 parameters, 120 steps on the CPU) with two
+planted faults, and watch graddbg catch both: a 0/0 in a row normalisation at step 30 (a
+NaN, named at its source line and skipped) and a learning rate 1000x too large for one
+step at step 80 (an exploding gradient norm). Writes report.html, graph.svg (the
+annotated autograd graph) and stats.parquet to --out. Takes about 25 seconds on two CPU
+cores, the report and the graph included."""
+_RUN = """Run a training script unchanged (as `python script.py args ...` would), or a
+module with -m (as `python -m module args ...` would), with what it trains watched: every optimizer it steps, with its model (or, without an optimizer, the
 model it runs backward through). At exit (also on a crash, Ctrl-C or SIGTERM) writes
 stats.parquet and report.html to --out, and prints the anomalies found.
 
 Exit code: 0 healthy, 1 anomalies counted by --fail-on or a script that failed, 2 a
 usage error, 128 + N when stopped by signal N; a script's own sys.exit(code) is kept.
-Everything after the script's name goes to the script.
+Everything after the script's name (or -m's module) goes to the script.
+Several models trained in one run (a grid search's fits) get a report each, and
+index.html links them in order.
 
 A POLICY is what to do on a finding: raise (stop the script with an error), warn,
 skip (drop the affected gradients this step), record (only in the report), none (off)."""
@@ -579,6 +717,10 @@ a run in the folder given or any parquet file is refused (exit code 2)."""
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="graddbg", description="Find out what is wrong with the gradients of a PyTorch "
                 "program, and where.", formatter_class=_Help)
+    from graddbg import __version__
+
+    p.add_argument("--version", action="version", help="print graddbg's version (and torch's, Python's) and exit",
+                   version=f"graddbg {__version__} (torch {torch.__version__}, Python {platform.python_version()})")
     sub = p.add_subparsers(dest="command", metavar="{demo,run,report}")
     d = sub.add_parser("demo", help="train a small model with planted faults and show watch catch them",
                        description=_DEMO, formatter_class=_Help)
@@ -605,7 +747,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--save-every", type=float, default=SAVE_EVERY, metavar="SECONDS",
                    help="write the statistics every SECONDS while the script runs, so that a "
                         "hard kill loses at most that much (0: only at exit)")
-    r.add_argument("script", help="the training script (a .py file), run as __main__")
+    r.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None,
+                   help="run the module MODULE as __main__, as python -m does (found from the current "
+                        "folder), instead of a script; what follows goes to the module (default: none, "
+                        "a script is run)")
+    r.add_argument("script", nargs="?", help="the training script (a .py file), run as __main__")
     r.add_argument("args", nargs=argparse.REMAINDER, default=[],
                    help="the script's own arguments (its sys.argv[1:])").required = False
     rep = sub.add_parser("report", help="render a saved run (stats.parquet) as an HTML report",
@@ -625,7 +771,12 @@ def _command(args: argparse.Namespace) -> int:
                    jump_step=min(80, args.steps - 1))
         return 0 if res["files"]["report"].exists() else 1
     if args.command == "run":
-        return run_script(args.script, args.args, out=args.out, every=args.every,
+        if args.module is not None and not args.module:
+            raise UsageError("argument -m: expected a module name (graddbg run -m MODULE [ARGS ...])")
+        if args.module is None and args.script is None:
+            raise UsageError("the following arguments are required: script (or -m MODULE)")
+        script, script_args = (args.module[0], args.module[1:]) if args.module else (args.script, args.args)
+        return run_script(script, script_args, module=bool(args.module), out=args.out, every=args.every,
                           fail_on=args.fail_on, save_every=args.save_every,
                           **{k: getattr(args, k) for k in POLICY_OPTIONS})
     path = report(args.run, args.out)

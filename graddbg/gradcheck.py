@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-import difflib
 import inspect
 import itertools
 import math
@@ -90,7 +89,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.utils import _pytree as pytree
 
-from graddbg._args import bad_type, bad_value, choice, flag, integer, tolerance
+from graddbg._args import bad_type, bad_value, choice, did_you_mean, flag, integer, tolerance
 from graddbg._errors import (GraddbgTypeError, GraddbgValueError, GradientMismatchError,
                              PrecisionWarning)
 from graddbg._model import check_model, is_dtensor, named_tensors, unwrap
@@ -325,9 +324,8 @@ class _Options:
         unknown = sorted(set(kw) - set(checks))
         if unknown:
             accepted = sorted([*checks, *_ALIASES, *extra])
-            close = difflib.get_close_matches(unknown[0], accepted, n=1)
             raise GraddbgTypeError(f"{where}: unknown keyword(s) {unknown}; accepted: {accepted}"
-                                   + (f" (did you mean {close[0]!r}?)" if close else ""))
+                                   + did_you_mean(unknown[0], accepted))
         opts = cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
         if not opts.check_backward_ad and not opts.forward_ad:
             raise GraddbgValueError(f"{where}: check_backward_ad=False needs check_forward_ad=True "
@@ -2115,12 +2113,39 @@ def gradcheck(fn: Callable[..., Any], *inputs: Any, **options: Any) -> Gradcheck
     Args:
         fn: the function (or ``nn.Module``) to check.
         *inputs: its arguments (graddbg's form), or one tuple of them (torch's form).
-        **options: graddbg's options (``mode``, ``eps``, ``atol``, ``rtol``, ``dtype``,
-            ``forward_ad``, ``second_order``, ``nondet_tol``, ``kinks``, ``seed``,
-            ``probes``, ``max_entries``, ``localise_entries``, ``compress``) and torch's
-            (``fast_mode``, ``raise_exception``, ``check_undefined_grad``,
-            ``check_grad_dtypes``, ``check_batched_grad``, ``check_batched_forward_grad``,
-            ``check_forward_ad``, ``check_backward_ad``, ``masked``, ``check_sparse_nnz``).
+        **options: the keyword options below, graddbg's and torch's.
+
+    Keyword Args:
+        mode (str): ``"full"`` (the default: every Jacobian entry) or ``"fast"``
+            (``probes`` random projections per input).
+        eps (Optional[float]): the finite-difference step; None: from ``TOLERANCES`` for
+            the dtype of the check.
+        atol (Optional[float]): the absolute tolerance; None: from ``TOLERANCES``.
+        rtol (Optional[float]): the relative tolerance; None: from ``TOLERANCES``.
+        dtype (Optional[torch.dtype]): the dtype inputs are checked in (float64); None
+            keeps theirs (below float64: a ``PrecisionWarning``).
+        forward_ad (bool): also check forward-mode AD (False; torch: ``check_forward_ad``).
+        second_order (bool): also check gradients of gradients (False).
+        nondet_tol (Optional[float]): the difference between two backward passes reported
+            as nondeterminism; None: the comparison tolerance.
+        kinks (str): ``"allow"`` (graddbg's default) lets non-differentiable points pass;
+            ``"fail"`` (torch's form) fails them.
+        seed (int): seeds the probes and the RNG the function sees (0).
+        probes (int): random projections per input in fast mode (2).
+        max_entries (int): the largest Jacobian full mode checks (2**27 entries).
+        localise_entries (int): on a fast-mode failure, re-run full mode on inputs with at
+            most this many Jacobian entries (1,000,000).
+        compress (bool): check a sparse Jacobian colour group by colour group (True).
+        check_backward_ad (bool): check backward mode (True); False checks forward mode only.
+        check_undefined_grad (bool): also run backward with undefined output gradients (True).
+        check_grad_dtypes (bool): check the gradients' dtypes (False).
+        check_batched_grad (bool): check vmap over backward against one at a time (False).
+        check_batched_forward_grad (bool): the same for forward mode (False).
+        masked (Optional[bool]): sparse inputs: perturb only the specified elements (True)
+            or every element (False, the default; torch < 2.1: ``check_sparse_nnz``).
+        fast_mode (bool): torch's spelling of ``mode="fast"``.
+        raise_exception (Optional[bool]): raise `GradientMismatchError` when the check
+            fails; None: raise in torch's form, return the result in graddbg's.
 
     Returns:
         GradcheckResult: ``ok``, a table of the mismatching entries, the errors; truthy

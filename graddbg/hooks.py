@@ -8,17 +8,20 @@ optimizer's step, and close. Each event goes to an ordered list of small checks
 (`graddbg.checks`): the statistics recorder reads the gradients once per step; the
 detectors, the update ratio, activations, the replica check and the hygiene checks read
 what it measured or cheap host-side facts. The findings of a step are handled by their
-policies once, here (`Watch._apply`).
+policies once, by the watch.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import os
+import pathlib
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -28,13 +31,20 @@ from graddbg._errors import CoverageWarning, GradientAnomalyError, GraddbgTypeEr
 from graddbg._deepspeed import find as find_deepspeed
 from graddbg._groups import Layout
 from graddbg._model import check_model, in_backward, module_of, named_trainable_parameters, tensors_in, unwrap
-from graddbg.anomaly import AnomalyList, apply_policy
-from graddbg.blame import Capture
+from graddbg.anomaly import Anomaly, AnomalyList, Explode, NonFinite, Vanish, apply_policy
+from graddbg.blame import Capture, LossTape, reap
 from graddbg.checks.hygiene import unused_anomaly
 from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, Ledger, LedgerKeeper, LossGraph,
                             StatsRecorder, Step, Watched, ZeroRecorder, default_checks)
 from graddbg.options import COPY_BUDGET, UPDATE_EVERY, WatchOptions, options_in_signature
 from graddbg.stats import DEFAULT_STATS, History
+from graddbg.trackers import Sink
+
+if TYPE_CHECKING:  # pragma: no cover - type names only
+    import pandas
+    from matplotlib.figure import Figure
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 __all__ = ["HookSet", "Watch", "watch", "MAX_ROWS"]
 
@@ -186,8 +196,10 @@ class _OutputTap:
         self.capture: Optional[Capture] = None
         self._rng: Optional[Tensor] = None
         self._backward_since = True
+        self._tape: Optional[LossTape] = None  # the loss code of the last forward pass, being recorded
 
     def before(self, rng_state: Optional[Tensor] = None) -> None:
+        self.end_tape()
         if not self._backward_since:
             self.clear()  # (the previous forward pass's output never got a gradient)
         self._backward_since = False
@@ -203,6 +215,8 @@ class _OutputTap:
                     self.handles.add(fn.register_prehook(self._hook(cap, t.output_nr)))
                 else:
                     self.handles.add(t.register_hook(self._hook(cap, None)))
+                if cap is not None:  # (the code between the output and backward: a NaN made there is named)
+                    cap.tape = self._tape = LossTape.begin(tensors_in(output))
                 return
 
     def _hook(self, cap: Optional[Capture], output_nr: Optional[int]) -> Callable[[Any], None]:
@@ -241,9 +255,18 @@ class _OutputTap:
 
     def clear(self) -> None:
         """The step ended (or the watch closed): its hooks and capture go."""
+        self.end_tape()
         self.capture = None
         self._backward_since = True
         self.handles.remove_all()
+
+    def end_tape(self) -> None:
+        """The loss code's recording stops (at the step, at the next forward pass)."""
+        tape, self._tape = self._tape, None
+        if tape is not None:
+            tape.end()
+        else:
+            reap()
 
 
 def _check_optimizer(ctx: Watched) -> None:
@@ -381,7 +404,11 @@ class _Results:
 
     @property
     def steps(self):
-        """DataFrame: one row per step boundary (global norm, post-clip norm, overflow, ...)."""
+        """DataFrame: one row per step boundary (global norm, post-clip norm, loss, overflow,
+        lr, ...). ``loss`` is the sum of the values handed to ``backward()`` since the previous
+        step (the mean of the micro-batches' losses under ``loss / k`` accumulation), read back
+        with the step's statistics: NaN on steps not recorded, and where a ``backward()`` got
+        a non-scalar or explicit gradients."""
         return self._ctx.history.steps_frame()
 
     @property
@@ -396,9 +423,11 @@ class _Results:
         return self._ctx.ledger.frame(self._ctx.names)
 
     def what_happened(self, step: int) -> str:
-        """What the ledger holds of step ``step``, in words (also in the report)."""
+        """What the ledger holds of step ``step`` (an int), in words (also in the report)."""
+        from graddbg._args import integer
         from graddbg.checks.ledger import describe
 
+        step = integer("what_happened", "step", step)
         return describe(self._ctx.ledger.find(step), self._ctx.names, step)
 
     @property
@@ -412,8 +441,25 @@ class _Results:
         acts = self._part(Activations)
         return acts.frame() if acts is not None else None
 
-    def summary(self, by: str = "param"):
-        """One row per parameter (``by="param"``) or module (``by="module"``) over all recorded steps."""
+    def summary(self, by: str = "param") -> pandas.DataFrame:
+        """The statistics rolled up over all recorded steps (`graddbg.stats.summarize`).
+
+        Args:
+            by: ``"param"`` (one row per parameter, the default) or ``"module"`` (one row
+                per module).
+
+        Returns:
+            pandas.DataFrame: one row per parameter or module: its name, the steps
+                recorded, the mean and largest norm, non-finite counts, ...
+
+        Examples:
+            >>> import torch, graddbg
+            >>> model = torch.nn.Linear(3, 1)
+            >>> with graddbg.watch(model) as w:
+            ...     model(torch.ones(2, 3)).sum().backward()
+            >>> list(w.summary()["name"])
+            ['weight', 'bias']
+        """
         from graddbg.stats import summarize
 
         return summarize(self.stats, by=by)
@@ -441,20 +487,92 @@ class _Results:
         return Run(self.stats, self.steps, list(self.anomalies), histograms=self.histograms,
                    activations=self.activations, meta=meta, ledger=self.ledger)
 
-    def save(self, path: Any) -> Any:
-        """Write the run (statistics, steps, anomalies) to ``path`` (parquet + JSON, no pickle)."""
+    def save(self, path: PathLike) -> pathlib.Path:
+        """Write what was recorded (statistics, steps, anomalies, ledger) to one parquet
+        file, no pickle, that `graddbg.run.load` reads back (`graddbg.run.Run.save`).
+
+        Args:
+            path: the file to write (conventionally ``*.parquet``).
+
+        Returns:
+            pathlib.Path: ``path``.
+
+        Examples:
+            >>> import tempfile, pathlib, torch, graddbg
+            >>> model = torch.nn.Linear(3, 1)
+            >>> with graddbg.watch(model) as w:
+            ...     model(torch.ones(2, 3)).sum().backward()
+            >>> path = w.save(pathlib.Path(tempfile.mkdtemp()) / "run.parquet")
+            >>> len(graddbg.load(path).stats)
+            2
+        """
         return self.to_run().save(path)
 
-    def plot(self, kind: str = "flow", **kwargs: Any):
-        """A matplotlib Figure: ``kind`` is "flow", "norms", "hist" or "update"."""
+    def plot(self, kind: str = "flow", **kwargs: Any) -> Figure:
+        """A matplotlib figure of what was recorded (`graddbg.run.Run.plot`).
+
+        Args:
+            kind: ``"flow"`` (the default), ``"norms"``, ``"heatmap"``, ``"hist"``
+                (with ``histograms=``), ``"update"`` or ``"loss"``.
+            **kwargs: passed on to the function of `graddbg.plots` that draws ``kind``
+                (`graddbg.plots.flow`, `graddbg.plots.norms`, ...).
+
+        Returns:
+            matplotlib.figure.Figure: the figure.
+
+        Examples:
+            >>> import torch, graddbg
+            >>> model = torch.nn.Linear(3, 1)
+            >>> with graddbg.watch(model) as w:
+            ...     model(torch.ones(2, 3)).sum().backward()
+            >>> import matplotlib.figure
+            >>> isinstance(w.plot("norms"), matplotlib.figure.Figure)
+            True
+        """
         return self.to_run().plot(kind, **kwargs)
 
-    def report(self, path: Any, **kwargs: Any):
-        """Write a self-contained HTML report; returns its path."""
+    def report(self, path: PathLike, **kwargs: Any) -> pathlib.Path:
+        """Write one self-contained HTML report: no network, no script (`graddbg.run.Run.report`).
+
+        Args:
+            path: where to write it (``*.html``).
+            **kwargs: passed on to `graddbg.run.Run.report`: ``graph=`` (a graph to
+                include: a `graddbg.graphviz.Graph`, SVG or DOT text, or a root tensor) and
+                ``title=`` (the page title).
+
+        Returns:
+            pathlib.Path: ``path``.
+
+        Examples:
+            >>> import tempfile, pathlib, torch, graddbg
+            >>> model = torch.nn.Linear(3, 1)
+            >>> with graddbg.watch(model) as w:
+            ...     model(torch.ones(2, 3)).sum().backward()
+            >>> w.report(pathlib.Path(tempfile.mkdtemp()) / "run.html", title="run 1").suffix
+            '.html'
+        """
         return self.to_run().report(path, **kwargs)
 
     def to_tensorboard(self, writer: Any) -> None:
-        """Write the recorded scalars and histograms to a tensorboard SummaryWriter."""
+        """Write what was recorded to TensorBoard after the run (`graddbg.run.Run.to_tensorboard`);
+        ``log_to=`` of `watch` streams it while the run goes on.
+
+        Args:
+            writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with
+                ``add_scalar``) or a log directory.
+
+        Returns:
+            None: per-step and per-parameter scalars, the ``|grad|`` histograms and the
+                anomalies as text are written to ``writer``.
+
+        Examples:
+            >>> import tempfile, torch, graddbg
+            >>> model = torch.nn.Linear(3, 1)
+            >>> with graddbg.watch(model) as w:
+            ...     model(torch.ones(2, 3)).sum().backward()
+            >>> with tempfile.TemporaryDirectory() as logdir:
+            ...     w.to_tensorboard(logdir)
+        """
         self.to_run().to_tensorboard(writer)
 
     @property
@@ -531,6 +649,7 @@ class Watch(_Results, _Resumable):
         #: ones are counted in ``anomalies.not_kept`` (by kind and parameter)
         self.anomalies: AnomalyList = AnomalyList()
         self._in_policy = False
+        self._sink: Optional[Sink] = None  # (log_to=: the trackers fed on every recorded step)
         model = check_model(model, "watch")
         self.options = opts = WatchOptions.parse("watch", options)
         self._zero = zero = find_deepspeed(model, optimizer)  # DeepSpeed: the engine's module and optimizer
@@ -559,6 +678,8 @@ class Watch(_Results, _Resumable):
         if zero is None:  # (ZeRO replaced the optimizer's param groups with its flat partitions)
             _check_optimizer(ctx)
         self.meta = _meta(opts, ctx)
+        if opts.log_to is not None:  # ("wandb" / "mlflow" without an active run: an error now)
+            self._sink = Sink(opts.log_to, ctx.names, opts.log_detail)
         if zero is not None:
             self.meta["deepspeed"] = zero.describe()
         # (pipeline stages, groups, the check-in)
@@ -738,6 +859,7 @@ class Watch(_Results, _Resumable):
         read-back, each check reads its part and returns findings, the step ends, the
         policies are applied."""
         index, opts = self._clock.index, self.options
+        self._tap.end_tape()  # (the loss code ended with the backward pass: the step's own work is not recorded)
         self._adopt_unfrozen()
         due_nf = opts.nonfinite is not None and opts.nonfinite.schedule.includes(index)
         due_stats = opts.record_schedule.includes(index)
@@ -756,6 +878,8 @@ class Watch(_Results, _Resumable):
             found += handle(step)
         step.entry.kinds = [f.anomaly.kind for f in found]
         self._finish_step()
+        if self._sink is not None:  # (host values of this step's read-back: no synchronisation)
+            self._sink.step(self._ctx.history, index, len(self.anomalies) + len(found))
         self._apply(found)
 
     def _apply(self, found: List[Finding]) -> None:
@@ -767,6 +891,8 @@ class Watch(_Results, _Resumable):
             kept = self.anomalies.add(f.anomaly)  # (past MAX_KEPT_PER_KIND of its kind: only counted)
             if kept:
                 self._ctx.history.mark(f.anomaly.step)
+                if self._sink is not None:
+                    self._sink.finding(f.anomaly)
             policy = f.policy if kept else self.anomalies.policy_past_limit(f.anomaly, f.policy)
             err = apply_policy(f.anomaly, policy, functools.partial(_drop_grads, self._ctx.params, f.skip))
             if err is not None and to_raise is None:
@@ -840,6 +966,10 @@ class Watch(_Results, _Resumable):
             names = [n for n in self._part(StatsRecorder).uncovered() if n not in named]
             if self._clock.index > 0 and names and self.options.unused_param is not None:
                 self.anomalies.append(unused_anomaly(names, self._ctx, self._clock.index - 1))
+                if self._sink is not None:
+                    self._sink.finding(self.anomalies[-1])
+            if self._sink is not None:
+                self._sink.close(self._ctx.history)
         finally:
             self._detach()
             # keep only what the tables need; no tensors of the user's past the watch
@@ -882,16 +1012,42 @@ class Watch(_Results, _Resumable):
             pass
 
 
+Policy = Union[str, Callable[[Anomaly], None], None]
+"""A finding's policy: "raise", "warn", "skip", "record", a callable receiving the `Anomaly`, or None (off)."""
+
+
+def _accepts_localize(fn: Callable[..., Watch]) -> Callable[..., Watch]:
+    """``fn`` also accepts ``localize=``, the old spelling of ``localise=`` (kept out of its
+    documented signature)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Watch:
+        if "localize" in kwargs:
+            if "localise" in kwargs:
+                raise GraddbgTypeError("watch(): pass localise= or its old spelling localize=, not both")
+            kwargs["localise"] = kwargs.pop("localize")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_accepts_localize
 def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, every: int = 1,
-          stats: Sequence[str] = DEFAULT_STATS, nonfinite: Any = "raise", explode: Any = "warn",
-          vanish: Any = None, stale_grad: Any = "warn", empty_step: Any = "warn", double_step: Any = "warn",
-          scaled_grad: Any = "warn", orphan_param: Any = "warn", no_update: Any = "warn",
-          foreign_update: Any = "warn", lr_schedule: Any = "warn", hidden_param: Any = "warn", eval_mode: Any = "warn",
-          loss_pattern: Any = "warn", dead_grad: Any = "warn", unused_param: Any = "warn", activations: bool = False,
-          histograms: Union[None, bool, int] = None, scaler: Any = None, history: int = 10_000,
-          ddp_check_every: Union[None, str, int] = "auto", update_every: Optional[int] = UPDATE_EVERY,
-          copy_budget: float = COPY_BUDGET, localise: bool = True, ddp_timeout: Any = None,
-          **old_spellings: Any) -> Watch:
+          stats: Sequence[str] = DEFAULT_STATS,
+          nonfinite: Union[str, Callable[[Anomaly], None], NonFinite, None] = "raise",
+          explode: Union[str, Callable[[Anomaly], None], Explode, None] = "warn",
+          vanish: Union[str, Callable[[Anomaly], None], Vanish, None] = None,
+          stale_grad: Policy = "warn", empty_step: Policy = "warn", double_step: Policy = "warn",
+          scaled_grad: Policy = "warn", orphan_param: Policy = "warn", no_update: Policy = "warn",
+          foreign_update: Policy = "warn", lr_schedule: Policy = "warn", hidden_param: Policy = "warn",
+          eval_mode: Policy = "warn", loss_pattern: Policy = "warn", dead_grad: Policy = "warn",
+          unused_param: Policy = "warn", activations: bool = False,
+          histograms: Union[None, bool, int] = None, scaler: Optional[torch.amp.GradScaler] = None,
+          history: int = 10_000, ddp_check_every: Union[None, str, int] = "auto",
+          update_every: Union[None, str, int] = UPDATE_EVERY, copy_budget: float = COPY_BUDGET,
+          localise: bool = True, ddp_timeout: Union[float, timedelta, None] = None,
+          log_to: Union[str, Callable[[Dict[str, float], int], None], Sequence[Any], Any, None] = None,
+          log_detail: str = "module") -> Watch:
     """Watch a model's gradients while it trains; use as a context manager.
 
     Step boundaries: the optimizer's step when ``optimizer`` is given (statistics of the
@@ -975,9 +1131,11 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
         ddp_check_every: under distribution, compare gradients across replicas every N
             steps (an int), "auto" (the default: as chosen for a process group of more
             than one rank, off otherwise) or None (off).
-        update_every: measure the update/weight ratio ||Δw||/||w|| on every N-th recorded
-            step, the first included (200; None: off). It copies the weights before the
-            step; without memory for the copy it warns and switches itself off.
+        update_every: measure the update/weight ratio ||Δw||/||w|| on the log cadence
+            ("log", the default: recorded steps 0, 1, 2, 5, 10, 20, 50, 100, 200, then every
+            200), on every N-th step, the first included (an int), or never (None). It
+            copies the weights before the step; without memory for the copy it warns and
+            switches itself off.
         copy_budget: the share of the weights' bytes that may be copied before one
             optimizer step (0.1; a fraction in (0, 1]; weights under 1 MiB are copied whole).
             Each measured step copies the parameters measured longest ago that fit (one
@@ -988,7 +1146,17 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             The old spelling ``localize=`` is accepted.
         ddp_timeout: the timeout of the replica checks (a ``datetime.timedelta`` or a
             number of seconds > 0; None: 60 s).
-        **old_spellings: ``localize=`` for ``localise=``.
+        log_to: stream each recorded step, while training runs, to the tracker you already
+            watch: a ``torch.utils.tensorboard.SummaryWriter``, a wandb ``Run`` or
+            ``"wandb"`` (the active run), ``"mlflow"`` (the active MLflow run), a callable
+            ``fn(metrics: dict, step: int)``, or a list of these (None: off). It logs
+            ``graddbg/global_norm``, ``graddbg/loss``, ``graddbg/lr``, the norms per
+            top-level module, the update ratios when measured and ``graddbg/anomalies`` (the
+            findings so far), and each finding's message as a text event, from the values
+            the step's read-back brought to the host (no synchronisation of its own); see
+            `graddbg.trackers`. ``"wandb"`` / ``"mlflow"`` with no active run is an error here.
+        log_detail: ``"module"`` (the default: norms and update ratios in ``log_to`` per
+            top-level module) or ``"param"`` (per parameter).
 
     Returns:
         The `Watch`, recording until it is closed (at the end of the ``with``).
@@ -1011,10 +1179,8 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
         >>> len(w.stats), list(w.summary()["name"])
         (16, ['0.weight', '0.bias', '2.weight', '2.bias'])
     """
-    options = {k: v for k, v in locals().items() if k not in ("model", "optimizer", "old_spellings")}
-    if "localize" in old_spellings and localise is True:  # (the default: the old spelling decides)
-        del options["localise"]
-    return Watch(model, optimizer, **options, **old_spellings)
+    options = {k: v for k, v in locals().items() if k not in ("model", "optimizer")}
+    return Watch(model, optimizer, **options)
 
 
 options_in_signature(Watch.__init__)

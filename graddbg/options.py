@@ -21,22 +21,23 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from graddbg._args import AUTO, Schedule, bad_type, bad_value, count, duration, flag, optional
+from graddbg._args import AUTO, Schedule, bad_type, bad_value, count, did_you_mean, duration, flag, integer, optional
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
 from graddbg.anomaly import HYGIENE_KINDS, Explode, NonFinite, Vanish, as_detector, check_policy
 from graddbg.stats import CPU_ABSMAX_EVERY, DEFAULT_STATS, validate_stats
+from graddbg.trackers import check_detail, check_log_to
 
 __all__ = ["WatchOptions", "UPDATE_EVERY", "COPY_BUDGET", "AUTO"]
 
-#: the default of ``update_every=``: the update/weight ratio needs a copy of every weight,
-#: which is slow to reach again when taken rarely
-UPDATE_EVERY = 200
+#: the default of ``update_every=``: the log cadence, recorded steps 0, 1, 2, 5, 10, 20, 50,
+#: 100, 200, then every 200 (`graddbg._args.Schedule.log`), so a short run has its early
+#: ratios and a long one pays for the copy of the weights it needs rarely
+UPDATE_EVERY = "log"
 #: the default of ``copy_budget=``: the share of the weights' bytes that may be copied before
 #: one optimizer step (`graddbg.checks.budget.WeightBudget`)
 COPY_BUDGET = 0.1
@@ -86,6 +87,15 @@ def _replica_every(where: str, name: str, value: Any) -> Any:
     return value
 
 
+def _update_every(where: str, name: str, value: Any) -> Any:
+    """``update_every=``: None (off), "log" (the log cadence) or every N steps."""
+    if value is None or value == "log":
+        return value
+    if isinstance(value, str):
+        raise bad_value(where, name, value, "None, 'log' or an int >= 1")
+    return integer(where, name, value, minimum=1)
+
+
 def _fraction(where: str, name: str, value: Any) -> float:
     """A fraction in (0, 1], as a float."""
     accepted = "a fraction in (0, 1] of the weights' bytes"
@@ -131,10 +141,12 @@ class WatchOptions:
     scaler: Any = _option(None, _scaler, "the torch.amp.GradScaler in use")
     history: int = _option(10_000, count, "steps kept in the history")
     ddp_check_every: Any = _option(AUTO, _replica_every, "replica check cadence under distribution")
-    update_every: Optional[int] = _option(UPDATE_EVERY, optional(count), "update/weight ratio cadence")
+    update_every: Any = _option(UPDATE_EVERY, _update_every, "update/weight ratio cadence ('log', N or None)")
     copy_budget: float = _option(COPY_BUDGET, _fraction, "weights copied before a step, a fraction of their bytes")
     localise: bool = _option(True, flag, "replay a non-finite step to name its op and line")
     ddp_timeout: Any = _option(None, optional(duration), "timeout of the replica checks (None: 60 s)")
+    log_to: Any = _option(None, check_log_to, "trackers fed on every recorded step (graddbg.trackers)")
+    log_detail: str = _option("module", check_detail, "log_to's norms per top-level module or per parameter")
 
     @classmethod
     def parse(cls, where: str, kw: Dict[str, Any]) -> "WatchOptions":
@@ -148,9 +160,7 @@ class WatchOptions:
         checks = {f.name: f.metadata["check"] for f in fields(cls) if f.init}
         unknown = sorted(set(kw) - set(checks))
         if unknown:
-            close = difflib.get_close_matches(unknown[0], list(checks), n=1)
-            raise GraddbgTypeError(f"{where}(): unknown keyword(s) {unknown}"
-                                   + (f" (did you mean {close[0]!r}?)" if close else "")
+            raise GraddbgTypeError(f"{where}(): unknown keyword(s) {unknown}" + did_you_mean(unknown[0], list(checks))
                                    + f"; accepted: {', '.join(checks)}")
         return cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
 
@@ -176,7 +186,10 @@ class WatchOptions:
     @property
     def update_schedule(self) -> Schedule:
         """The steps whose update/weight ratio is measured (``update_every=``; only
-        recorded steps have it)."""
+        recorded steps have it): N, every N-th step; "log", the log cadence counted in
+        recorded steps."""
+        if self.update_every == "log":
+            return Schedule.log().within(self.record_schedule)
         return Schedule(self.update_every)
 
     @property

@@ -15,7 +15,8 @@ figures follow the rows' order, never the categories'.
 - `norms`: gradient norms over steps (lines, or a parameter x step heatmap).
 - `update_ratio`: ``||dw|| / ||w||`` over steps with a guide line at 1e-3.
 - `hist`: histograms of ``|grad|`` per parameter at chosen steps.
-- `plot`: dispatches on ``kind`` ("flow", "norms", "heatmap", "update", "hist").
+- `loss`: the loss handed to ``backward()`` over steps, with the learning rate below it.
+- `plot`: dispatches on ``kind`` ("flow", "norms", "heatmap", "update", "hist", "loss").
 
 matplotlib, numpy and pandas are imported inside the functions.
 """
@@ -34,9 +35,9 @@ if TYPE_CHECKING:  # pragma: no cover - type names only, nothing imported at run
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["flow", "norms", "update_ratio", "hist", "plot", "KINDS"]
+__all__ = ["flow", "norms", "update_ratio", "hist", "loss", "plot", "KINDS"]
 
-KINDS = ("flow", "norms", "heatmap", "update", "hist")
+KINDS = ("flow", "norms", "heatmap", "update", "hist", "loss")
 
 # colours and markers shared by every plot (and by the report's legend)
 NONFINITE_COLOR = "#d62728"
@@ -52,6 +53,7 @@ ANOMALY_COLORS = {
 _STATS_COLUMNS = ("step", "name", "norm")
 _MAX_LINES = 10
 _MAX_TICKLABELS = 60
+_LABEL_CHARS = 40  # longer parameter names are shortened on the axes (`_short_labels`)
 _STEP_COLORS = ("#08519c", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
 
 
@@ -330,6 +332,52 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else f"{n} {noun}s"
 
 
+def _short_labels(names: Sequence[str], most: int = _LABEL_CHARS) -> Tuple[List[str], str]:
+    """Axis labels for parameter names, and a note of what they leave out ("" for none).
+
+    Names longer than ``most`` characters (a PEFT model's
+    ``base_model.model.layers.0.q_proj.lora_A.default.weight``) keep their distinguishing
+    part: the dotted prefix that all of them share and a trailing ``.weight`` are dropped,
+    then, while a label is still too long, its longest part other than its last and its
+    numbers (layer indices) becomes "…". Short names are kept whole.
+
+    Examples:
+        >>> _short_labels(["base_model.model.layers.0.q_proj.lora_A.default.weight",
+        ...                "base_model.model.layers.1.q_proj.lora_B.default.weight"])
+        (['0.q_proj.lora_A.default', '1.q_proj.lora_B.default'], "names without 'base_model.model.layers.' and '.weight'")
+    """
+    labels = [str(n) for n in names]
+    if not labels or max(map(len, labels)) <= most:
+        return labels, ""
+    parts = [n.split(".") for n in labels]
+    head = 0
+    if len(parts) > 1:  # (never the whole of a name: its last part stays)
+        while all(len(p) > head + 1 for p in parts) and len({p[head] for p in parts}) == 1:
+            head += 1
+    cut = [p[head:] for p in parts]
+    weight = any(len(p) > 1 and p[-1] == "weight" for p in cut)
+    cut = [p[:-1] if len(p) > 1 and p[-1] == "weight" else p for p in cut]
+    short = [_elide(p, most) for p in cut]
+    prefix = _elide(parts[0][:head], most) + "."
+    dropped = ([f"'{prefix}'"] if head else []) + (["'.weight'"] if weight else [])
+    return short, "names without " + " and ".join(dropped) if dropped else "long names shortened (…)"
+
+
+def _elide(parts: Sequence[str], most: int) -> str:
+    """Dotted ``parts`` in at most ``most`` characters: the longest part other than the last
+    and the numbers made "…" until it fits, then the middle characters if it must."""
+    parts = list(parts)
+    while len(".".join(parts)) > most:
+        candidates = [i for i, p in enumerate(parts[:-1]) if p != "…" and not p.isdigit()]
+        if not candidates:
+            break
+        parts[max(candidates, key=lambda i: len(parts[i]))] = "…"
+        parts = [p for j, p in enumerate(parts) if not (p == "…" and j and parts[j - 1] == "…")]
+    text = ".".join(parts)
+    keep = most // 3
+    return text if len(text) <= most else text[:keep] + "…" + text[len(text) - (most - keep - 1):]
+
+
 def _title_count(shown: int, total: int, what: str) -> str:
     return "" if shown == total else f" ({shown} of {total} {what})"
 
@@ -493,13 +541,14 @@ def _flow_axes(ax: "Axes", r: _FlowRows, title: str) -> None:
     ax.set_xlim(-0.6, n - 0.4)
     shown = np.arange(n)[::max(1, math.ceil(n / _MAX_TICKLABELS))]
     ax.set_xticks(shown)
-    ax.set_xticklabels([r.labels[i] for i in shown], rotation=90, fontsize=7)
+    labels, dropped = _short_labels([r.labels[i] for i in shown])
+    ax.set_xticklabels(labels, rotation=90, fontsize=7)
     for tick, i in zip(ax.get_xticklabels(), shown):
         if r.bad[i]:
             tick.set_color(NONFINITE_COLOR)
         elif not r.has[i]:
             tick.set_color(NOGRAD_COLOR)
-    ax.set_xlabel("parameter (forward order)")
+    ax.set_xlabel("parameter (forward order)" + (f"\n{dropped}" if dropped else ""), fontsize=8 if dropped else None)
     ax.set_ylabel("|grad|")
     ax.set_title(title)
     ax.grid(True, axis="y", which="major", alpha=0.3)
@@ -795,8 +844,10 @@ def _heatmap_axes(ax: "Axes", chosen: Sequence[str], cat: "numpy.ndarray", anoma
                Patch(color=ZERO_COLOR, label=f"all zero ({int((cat == 2).sum())} cells)"),
                Patch(color="#e6e6e6", label=f"no gradient ({int((cat == 3).sum())} cells)")]
     _mark_anomalies(ax, anomalies, steps)
-    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7,
-              loc="upper left", bbox_to_anchor=(0.0, -0.12), ncol=3, borderaxespad=0)
+    # below everything, in the figure's own margin (constrained layout makes room for it):
+    # under the axes it would cover the x label, whose distance depends on the figure's height
+    ax.figure.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7,
+                     loc="outside lower left", ncol=3)
     ax.set_xlabel("step")
     ax.set_ylabel("parameter (forward order)")
 
@@ -933,6 +984,64 @@ def _ratio_marks(ax: "Axes", frame: "pandas.DataFrame", chosen: Sequence[str]) -
                   label=f"non-finite ({counted(len(bad_steps), 'step')})", gid="nonfinite")
     _edge_markers(ax, still_steps, "bottom", color=ZERO_COLOR, marker="v",
                   label=f"no update ({counted(len(still_steps), 'step')})", gid="zero")
+
+
+# --------------------------------------------------------------------------- loss and lr
+
+def loss(steps: "pandas.DataFrame", anomalies: Any = None, *, max_points: int = 1000) -> "Figure":
+    """The loss over steps, with the learning rate below it on the same step axis.
+
+    The loss of a step is what ``w.steps`` records: the sum of the values handed to
+    ``backward()`` since the previous step (the mean of the micro-batches' losses under
+    ``loss / k`` gradient accumulation). Steps without one (not recorded, or unknown: NaN)
+    leave gaps; an infinite loss is a red marker at the top. The learning rate is the first
+    param group's, NaN (not drawn) without an optimizer.
+
+    Args:
+        steps: the per-step frame (``w.steps``): ``step`` and ``loss``, and ``lr`` when known.
+        anomalies: a list of `Anomaly` or an anomalies DataFrame, drawn as vertical lines.
+        max_points: the most points drawn per line.
+
+    Returns:
+        matplotlib.figure.Figure: two axes, the loss (``axes[0]``) and the learning rate
+            (``axes[1]``); an axis without data says so.
+
+    Examples:
+        >>> import pandas as pd
+        >>> steps = pd.DataFrame({"step": [0, 1, 2], "loss": [2.0, 1.5, 1.2], "lr": [0.1, 0.1, 0.05]})
+        >>> fig = loss(steps)
+        >>> [ax.get_title() for ax in fig.axes], fig.axes[0].get_lines()[0].get_ydata().tolist()
+        (['Loss', 'Learning rate'], [2.0, 1.5, 1.2])
+    """
+    import numpy as np
+
+    steps = _frame(steps, "steps", ("step",)).sort_values("step")
+    x = steps["step"].to_numpy(dtype=float)
+    fig = _new_figure(9.0, 5.0)
+    ax_loss, ax_lr = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    for ax, col, title in ((ax_loss, "loss", "Loss"), (ax_lr, "lr", "Learning rate")):
+        ax.set_title(title)
+        ax.set_ylabel(col)
+        y = steps[col].to_numpy(dtype=float) if col in steps.columns else np.full(len(x), np.nan)
+        if not np.isfinite(y).any():
+            ax.text(0.5, 0.5, f"no {title.lower()} recorded" + ("\n(backward() called on a non-scalar or "
+                                                                 "with explicit gradients: see w.steps)"
+                                                                 if col == "loss" else "\n(watch() needs the optimizer)"),
+                    transform=ax.transAxes, ha="center", va="center", color="#555555")
+            continue
+        shown = np.where(np.isfinite(y), y, np.nan)
+        xs, ys = _downsample(x, shown, max_points)
+        ax.plot(xs, ys, color="#08519c" if col == "loss" else "#2ca02c", linewidth=1.2,
+                marker="o" if len(xs) <= 50 else None, markersize=2,
+                drawstyle="default" if col == "loss" else "steps-post", label=col)[0].set_gid(f"series:{col}")
+        ax.grid(True, alpha=0.3)
+    inf = x[np.isinf(steps["loss"].to_numpy(dtype=float))] if "loss" in steps.columns else []
+    _edge_markers(ax_loss, inf, "top", color=NONFINITE_COLOR, marker="X",
+                  label=f"infinite loss ({counted(len(inf), 'step')})", gid="nonfinite")
+    _mark_anomalies(ax_loss, anomalies, steps)
+    _legend(ax_loss, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
+    ax_lr.set_xlabel("step")
+    return fig
 
 
 # --------------------------------------------------------------------------- histograms
@@ -1101,7 +1210,8 @@ def plot(kind: str, stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame
 
     Args:
         kind: ``"flow"`` (`flow`), ``"norms"`` (`norms`), ``"heatmap"`` (`norms` with
-            ``heatmap=True``), ``"update"`` (`update_ratio`) or ``"hist"`` (`hist`).
+            ``heatmap=True``), ``"update"`` (`update_ratio`), ``"hist"`` (`hist`) or
+            ``"loss"`` (`loss`, from ``steps``).
         stats: the statistics frame.
         steps: the per-step frame.
         anomalies: a list of `Anomaly` or an anomalies DataFrame.
@@ -1112,7 +1222,8 @@ def plot(kind: str, stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame
         matplotlib.figure.Figure: the figure.
 
     Raises:
-        GraddbgValueError: an unknown ``kind``, or ``"hist"`` without histograms.
+        GraddbgValueError: an unknown ``kind``, ``"hist"`` without histograms, or
+            ``"loss"`` without the steps frame.
 
     Examples:
         >>> import pandas as pd
@@ -1131,4 +1242,8 @@ def plot(kind: str, stats: "pandas.DataFrame", steps: Optional["pandas.DataFrame
         return update_ratio(stats, anomalies=anomalies, **kw)
     if kind == "hist":
         return hist(histograms, stats=stats, **kw)
+    if kind == "loss":
+        if steps is None:
+            raise GraddbgValueError("plot('loss') needs the steps frame (steps=w.steps): the loss is a column of it")
+        return loss(steps, anomalies=anomalies, **kw)
     raise GraddbgValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")

@@ -67,7 +67,8 @@ main{padding:8px 24px 40px}
 section{background:#fff;border:1px solid #e1e4e8;border-radius:6px;margin:16px 0;padding:8px 16px}
 h2{font-size:17px;margin:8px 0} h3{font-size:14px;margin:14px 0 6px}
 table{border-collapse:collapse;font-size:12px;margin:6px 0}
-th,td{border:1px solid #e1e4e8;padding:3px 7px;text-align:left;vertical-align:top}
+th,td{border:1px solid #e1e4e8;padding:3px 7px;text-align:left;vertical-align:top;
+ overflow-wrap:normal;word-break:normal;hyphens:none}
 th{background:#f3f5f7;position:sticky;top:0} td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.bad td{background:#fff1f0} .bad{color:#c62828;font-weight:600} .muted{color:#777}
 .note{color:#555;font-size:13px} .error{color:#c62828;font-size:13px}
@@ -164,14 +165,16 @@ def render_report(run: Any, *, graph: Any = None, title: Optional[str] = None) -
     view = _View.of(run, stats)
     sections: List[Tuple[str, str, str]] = [  # (id, heading, body html)
         ("summary", "Run summary", _summary_html(view, steps, anomalies, meta)),
-        ("anomalies", f"Anomalies ({len(anomalies)})", _anomalies_html(anomalies, meta.get("anomalies_not_kept"))),
+        ("anomalies", f"Anomalies ({len(anomalies)})", _anomalies_html(anomalies, meta.get("anomalies_not_kept"),
+                                                                      where=_read_as(run, "anomalies"))),
         ("hygiene", "Training hygiene", _hygiene_html(anomalies, meta)),
         ("plots", "Plots", _plots_html(view, steps, anomalies, histograms)),
         ("parameters", "Per-parameter summary", _summary_table_html(view, "param")),
         ("modules", "Per-module summary", _summary_table_html(view, "module"))]
     ledger = getattr(run, "ledger", None)
     if ledger is not None and len(ledger):
-        sections.insert(3, ("ledger", "What happened in the steps of the findings", _ledger_html(ledger, anomalies)))
+        sections.insert(3, ("ledger", "What happened in the steps of the findings", _ledger_html(
+            ledger, anomalies, where=_read_as(run, "ledger"))))
     if activations is not None and len(activations):
         sections.append(("activations", "Activation gradients (per module)",
                          _activations_html(activations)))
@@ -328,6 +331,7 @@ def _summary_html(view: "_View", steps: "pandas.DataFrame",
         if fin.size:
             facts += [("global norm, median", float(np.median(fin))),
                       ("global norm, max (finite)", float(fin.max()))]
+    facts += _loss_facts(steps)
     if kinds:
         facts.append(("anomalies by kind", ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items()))))
     for key, value in meta.items():
@@ -351,13 +355,38 @@ LEDGER_COLUMNS = ("step", "path", "forwards", "mode", "backwards", "held_before"
                   "moved", "unmoved_with_grad", "skipped", "global_norm", "clipped_norm", "scale", "findings")
 
 
-def _ledger_html(ledger: Any, anomalies: Sequence[Any], most: int = 5, before: int = 2) -> str:
+def _loss_facts(steps: "pandas.DataFrame") -> List[Tuple[str, Any]]:
+    """The loss of the last step that has one (the sum of the losses handed to backward()
+    in that step), next to the learning rate then."""
+    import numpy as np
+
+    losses = steps["loss"].to_numpy(dtype=float) if "loss" in steps.columns else np.zeros(0)
+    if not np.isfinite(losses).any():
+        return []
+    at = int(np.flatnonzero(np.isfinite(losses))[-1])
+    facts: List[Tuple[str, Any]] = [(f"loss, last step with one ({int(steps['step'].iloc[at])})", float(losses[at]))]
+    if "lr" in steps.columns and np.isfinite(float(steps["lr"].iloc[at])):
+        facts.append(("learning rate at that step", float(steps["lr"].iloc[at])))
+    return facts
+
+
+def _read_as(run: Any, what: str) -> str:
+    """How a reader gets ``what`` (``ledger``, ``anomalies``, ``summary()``) of the run: from
+    its run file when it has one (a report of ``graddbg run`` or ``graddbg report``, where
+    there is no ``w``: ``graddbg.load('out/stats.parquet').ledger``), else from the Watch."""
+    source = getattr(run, "source", None)
+    return f"graddbg.load({os.fspath(source)!r}).{what}" if isinstance(source, (str, os.PathLike)) else f"w.{what}"
+
+
+def _ledger_html(ledger: Any, anomalies: Sequence[Any], most: int = 5, before: int = 2,
+                 where: str = "w.ledger") -> str:
     """The ledger's rows of the first ``most`` steps with a finding, each with the ``before``
-    steps before it: what fed each step and what the step did (`Watch.ledger`)."""
+    steps before it: what fed each step and what the step did (`Watch.ledger`; ``where``:
+    how the reader gets all of it)."""
     steps = sorted({int(d["step"]) for d in _anomaly_dicts(anomalies) if d.get("step") is not None})[:most]
     if not steps:
         return (f'<p class="note">No finding: the ledger kept {len(ledger)} step(s); '
-                f"<code>w.ledger</code> has them all.</p>")
+                f"<code>{html.escape(where)}</code> has them all.</p>")
     cols = [c for c in LEDGER_COLUMNS if c in ledger.columns]
     parts = []
     for s in steps:
@@ -435,7 +464,7 @@ def _measured(d: Dict[str, Any], key: str) -> Any:
     return v
 
 
-def _anomalies_html(anomalies: Sequence[Any], not_kept: Any = None) -> str:
+def _anomalies_html(anomalies: Sequence[Any], not_kept: Any = None, where: str = "w.anomalies") -> str:
     if not anomalies:
         return '<p class="note">No anomaly was detected.</p>'
     rows = []
@@ -453,9 +482,9 @@ def _anomalies_html(anomalies: Sequence[Any], not_kept: Any = None) -> str:
     text = _table(rows, header, bad_rows=[True] * len(rows), cls="anomalies")
     if len(dicts) > MAX_ANOMALY_ROWS:
         text += (f'<p class="note">{len(dicts) - MAX_ANOMALY_ROWS} more anomalies not shown '
-                 f"(of {len(dicts)}); all of them are in w.anomalies.</p>")
+                 f"(of {len(dicts)}); all of them are in <code>{html.escape(where)}</code>.</p>")
     if isinstance(not_kept, list) and not_kept:
-        text += ('<p class="note">Counted, not kept (w.anomalies keeps the first '
+        text += (f'<p class="note">Counted, not kept (<code>{html.escape(where)}</code> keeps the first '
                  f"{MAX_KEPT_PER_KIND:,} findings of each kind): "
                  + html.escape("; ".join(not_kept_text(not_kept))) + ".</p>")
     return text
@@ -523,6 +552,9 @@ def _plot_jobs(view: "_View", steps: "pandas.DataFrame", anomalies: Sequence[Any
     jobs.append(("heatmap", f"Gradient norm per {'module group' if per else 'parameter'} and step",
                  lambda: plots.norms(stats, steps, anomalies=anomalies, heatmap=True,
                                      max_points=MAX_PLOT_POINTS)))
+    if any(c in steps.columns and np.isfinite(steps[c].to_numpy(float)).any() for c in ("loss", "lr")):
+        jobs.append(("loss", "Loss handed to backward() and learning rate over steps",
+                     lambda: plots.loss(steps, anomalies=anomalies, max_points=MAX_PLOT_POINTS)))
     ratios = view.stats["update_ratio"] if "update_ratio" in view.stats.columns else None
     caption = "Update / weight ratio" + (f" ({view.sample_note})" if per else "")
     if ratios is not None and np.isfinite(ratios.to_numpy(float)).any():
@@ -739,10 +771,10 @@ class _View:
         if by == "param":
             return (f"{len(self.shown)} of {len(self.names):,} parameters: every one with "
                     f"NaN/Inf, then the largest and the smallest gradient norms, in forward "
-                    f"order. Run.summary() (w.summary()) has all of them.")
+                    f"order. {_read_as(self.run, 'summary()')} has all of them.")
         return (f"{len(self.group_sizes)} groups of the {self.n_modules:,} modules, in forward "
                 f"order (a run of consecutive modules is labelled 'first … last'); "
-                f"Run.summary(by='module') has every module.")
+                f"{_read_as(self.run, 'summary(by=' + repr('module') + ')')} has every module.")
 
     def rows(self, codes: Sequence[int]) -> "pandas.DataFrame":
         """The rows of the parameters ``codes``, unused categories dropped."""

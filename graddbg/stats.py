@@ -59,7 +59,7 @@ DEFAULT_STATS = ("norm", "absmax", "nonfinite")
 #: columns of the tidy per-parameter table, in order (optional ones appended when asked)
 STATS_COLUMNS = ("step", "name", "module", "numel", "norm", "absmax", "nonfinite",
                  "update_ratio", "has_grad")
-STEPS_COLUMNS = ("step", "global_norm", "clipped_norm", "nonfinite", "overflow", "scale",
+STEPS_COLUMNS = ("step", "global_norm", "clipped_norm", "loss", "nonfinite", "overflow", "scale",
                  "recorded", "lr")
 _EXTRAS = ("mean", "std", "zero_frac")
 
@@ -641,6 +641,8 @@ class StepRecord:
     overflow: bool = False
     scale: float = math.nan
     lr: float = math.nan
+    #: the sum of the losses handed to ``backward()`` since the previous step (NaN: unknown)
+    loss: float = math.nan
     hist: Any = None  # numpy [P, bins] counts or None
 
 
@@ -690,7 +692,7 @@ class History:
         self._steps.append({"step": rec.step, "global_norm": rec.global_norm, "clipped_norm": rec.clipped_norm,
                             "nonfinite": 0 if rec.per_param is None else int(rec.per_param.nonfinite.sum()),
                             "overflow": rec.overflow, "scale": rec.scale, "recorded": rec.per_param is not None,
-                            "lr": rec.lr}, self._pending)
+                            "lr": rec.lr, "loss": rec.loss}, self._pending)
         if rec.per_param is not None:
             st = rec.per_param
             self._rows.append({"step": rec.step, "norm": st.norm, "absmax": st.absmax, "update": np.nan,
@@ -738,6 +740,17 @@ class History:
     def set_update(self, step: int, ratios: np.ndarray) -> None:
         """The update ratios measured after ``step``'s optimizer step."""
         self._rows.set_last("update", step, ratios)
+
+    def update_of(self, step: int) -> Optional[np.ndarray]:
+        """The update ratios of recorded step ``step`` (a copy, NaN where not measured) when
+        it is among the last few recorded steps and has any, else None (what a tracker logs
+        once the ratios measured after that step were read back)."""
+        rows = self._rows
+        for i in range(rows.n - 1, max(rows.n - 5, -1), -1):
+            if int(rows.cols["step"][i]) == step:
+                ratios = rows.cols["update"][i]
+                return ratios.copy() if np.isfinite(ratios).any() else None
+        return None
 
     @property
     def last(self) -> Optional[Dict[str, Any]]:
@@ -859,7 +872,8 @@ class History:
 
 
 _STEP_TYPES = {"step": np.int64, "global_norm": np.float64, "clipped_norm": np.float64, "nonfinite": np.int64,
-               "overflow": np.bool_, "scale": np.float64, "recorded": np.bool_, "lr": np.float64}
+               "overflow": np.bool_, "scale": np.float64, "recorded": np.bool_, "lr": np.float64,
+               "loss": np.float64}
 
 
 class _Columns:

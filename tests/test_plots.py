@@ -300,6 +300,33 @@ def test_flow_legend_is_outside_the_axes():
     assert "non-finite (1)" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
+def test_flow_of_a_peft_model_shows_the_distinguishing_part_of_each_name_without_warnings():
+    """PEFT names (base_model.model.layers.0.q_proj.lora_A.default.weight) were cut to
+    'weight' and collapsed the layout, which matplotlib warned about."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    names = [f"base_model.model.model.layers.{i}.self_attn.{p}_proj.lora_{ab}.default.weight"
+             for i in range(4) for p in "qv" for ab in "AB"] + ["base_model.model.lm_head.weight"]
+    stats = pd.DataFrame({"step": 1, "name": names, "module": [n.rsplit(".", 1)[0] for n in names], "numel": 64,
+                          "norm": np.linspace(0.1, 1.0, len(names)), "absmax": 0.5, "nonfinite": 0, "has_grad": True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = plots.flow(stats)
+        render(fig)
+        FigureCanvasAgg(fig).draw()  # (last: the boxes below are of this layout)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels[:3] == ["model.layers.0.….q_proj.lora_A.default", "model.layers.0.….q_proj.lora_B.default",
+                          "model.layers.0.….v_proj.lora_A.default"]
+    assert labels[-1] == "lm_head" and len(set(labels)) == len(names)
+    assert "names without 'base_model.model.' and '.weight'" in ax.get_xlabel()
+    renderer = fig.canvas.get_renderer()
+    inside = fig.bbox
+    for text in ax.get_xticklabels() + [ax.xaxis.label]:
+        box = text.get_window_extent(renderer)
+        assert box.x0 >= inside.x0 - 1 and box.x1 <= inside.x1 + 1 and box.y0 >= inside.y0 - 1, text.get_text()
+
+
 def test_flow_without_nonfinite_column_reads_norm_and_infinite_absmax():
     f = make_frames(2)
     stats = f["stats"].drop(columns="nonfinite")
@@ -418,11 +445,30 @@ def test_norms_heatmap_cells(frames):
     assert cats[names.index("head.bias"), 5] == 1        # Inf at step 6
     assert (cats[names.index("layers.0.bias")] == 2).all()
     assert (cats[names.index("scale")] == 3).all()
-    leg = labels_of(ax) + [t.get_text() for t in ax.get_legend().get_texts()]
+    leg = labels_of(ax) + [t.get_text() for t in fig.legends[0].get_texts()]
     assert "non-finite (2 cells)" in leg and "all zero (8 cells)" in leg
     assert fig.axes[1].get_ylabel() == "gradient L2 norm (log scale)"  # the colour bar
     assert [t.get_text() for t in ax.get_yticklabels()] == names
     render(fig)
+
+
+@pytest.mark.parametrize("n_params", [2, len(PARAMS)])
+def test_norms_heatmap_legend_and_colour_bar_leave_the_x_label_and_ticks_clear(n_params):
+    """A short heatmap (two parameters) had its legend across the x label."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    f = make_frames(8, PARAMS[:n_params], nan=[(3, PARAMS[0][0])])
+    fig = plots.norms(f["stats"], f["steps"], anomalies=f["anomalies"], heatmap=True)
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    ax, colour_bar = fig.axes[0], fig.axes[1]
+    label = ax.xaxis.label.get_window_extent(renderer)
+    ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+    legends = [leg.get_window_extent(renderer) for leg in fig.legends + [ax.get_legend()] if leg is not None]
+    assert len(legends) == 1
+    for other in legends + [colour_bar.get_tightbbox(renderer)]:
+        assert not other.overlaps(label), (other, label)
+        assert not any(other.overlaps(t) for t in ticks), other
 
 
 def test_norms_heatmap_buckets_long_runs():
@@ -594,7 +640,7 @@ def test_plot_dispatcher_and_no_pyplot_state(frames):
     assert titles["heatmap"].startswith("Gradient norm per parameter")
     assert titles["update"] == "Update / weight ratio"
     assert plt.get_fignums() == before
-    with pytest.raises(ValueError, match=r"kind must be one of \['flow', 'norms', 'heatmap', 'update', 'hist'\]; got 'pie'"):
+    with pytest.raises(ValueError, match=r"kind must be one of \['flow', 'norms', 'heatmap', 'update', 'hist', 'loss'\]; got 'pie'"):
         plots.plot("pie", frames["stats"])
 
 

@@ -145,8 +145,8 @@ def test_report_holds_every_section_table_and_plot(synthetic):
     assert t["rows"][0][0] == "head" and t["rows"][0][t["header"].index("out_nonfinite_total")] == "4"
     # the plots: flow (last and first non-finite step), norms, heatmap, update ratio, hists
     figures = re.findall(r'<h3 id="fig-([a-z-]+)">', text)
-    assert figures == ["flow", "flow-first-nonfinite", "norms", "heatmap", "update", "hist"]
-    assert page.tags["svg"] == 6
+    assert figures == ["flow", "flow-first-nonfinite", "norms", "heatmap", "loss", "update", "hist"]
+    assert page.tags["svg"] == 7
     assert "Gradient flow at step 5" in text or "first step with NaN/Inf (5)" in text
     # the run facts
     facts = {r[0]: r[1] for r in page.table("facts")["rows"]}
@@ -196,6 +196,19 @@ def test_report_survives_nonfinite_data(variant, tmp_path):
     assert page.tags["svg"] == len(figures) - 1  # no update ratio: a note instead of a plot
     assert "watch() needs the optimizer" in page.sections["plots"]
     assert len(page.table("param-summary")["rows"]) == len(PARAMS)
+
+
+def test_table_cells_never_break_a_name_mid_word():
+    """stale_gra|d: a table cell wraps at spaces only (a wide table scrolls), whatever page
+    or notebook the report's text is shown in."""
+    style = re.search(r"<style>(.*?)</style>", render_report(make_run()), re.S).group(1)
+    rules: dict = {}
+    for selectors, body in re.findall(r"([^{}]+)\{([^}]*)\}", style):
+        for sel in selectors.split(","):
+            rules[sel.strip()] = rules.get(sel.strip(), "") + ";" + body
+    for cell in ("td", "th"):
+        assert "overflow-wrap:normal" in rules[cell] and "word-break:normal" in rules[cell], rules[cell]
+    assert "break-all" not in style and "anywhere" not in style
 
 
 def test_report_of_an_empty_run(tmp_path):
@@ -266,7 +279,7 @@ def test_report_of_1000_steps_by_100_params_is_under_5_mb(tmp_path):
     page = Page(text)
     check_self_contained(text, page)
     assert page.errors == []
-    assert page.tags["svg"] == 6
+    assert page.tags["svg"] == 7
     assert len(page.table("param-summary")["rows"]) == 100
     assert len(page.table("anomalies")["rows"]) == 11
     print(f"report of 1000 steps x 100 params: {size / 1e6:.2f} MB in {elapsed:.1f} s")
@@ -290,7 +303,7 @@ def test_report_of_a_real_recorded_run(tmp_path):
              "head.weight", "head.bias", "unused.weight", "unused.bias"]
     assert [r[0] for r in page.table("param-summary")["rows"]] == names
     assert "unused.weight, unused.bias" in page.sections["summary"]
-    assert page.tags["svg"] == 6  # flow x2, norms, heatmap, update, hist
+    assert page.tags["svg"] == 7  # flow x2, norms, heatmap, loss and lr, update, hist
 
 
 def tiny_run(n_steps=3):
@@ -349,7 +362,7 @@ def test_a_large_run_is_shown_as_module_groups_and_notable_parameters(monkeypatc
     text = write_report(run, tmp_path / "big.html").read_text()
     page = Page(text)
     check_self_contained(text, page)
-    assert page.errors == [] and page.tags["svg"] == 6
+    assert page.errors == [] and page.tags["svg"] == 7
     assert "This run has 8 parameters in 5 modules" in page.sections["plots"]
     # the parameters worth a look: the NaN one, then the largest and the smallest norms
     rows = page.table("param-summary")["rows"]
@@ -366,7 +379,7 @@ def test_a_large_run_is_shown_as_module_groups_and_notable_parameters(monkeypatc
     assert got == pytest.approx(want, rel=1e-3)
     assert t["rows"][1][t["header"].index("nonfinite_total")] == "64"  # the NaN step of layers.1.weight
     assert re.findall(r'<h3 id="fig-([a-z-]+)">', text) == \
-        ["flow", "flow-first-nonfinite", "norms", "heatmap", "update", "hist"]
+        ["flow", "flow-first-nonfinite", "norms", "heatmap", "loss", "update", "hist"]
 
 
 def test_module_groups_keep_huge_norms_finite_and_nonfinite_ones_marked():
@@ -410,7 +423,7 @@ def test_report_of_5000_params_by_1000_steps_renders_in_seconds(tmp_path):
     text = path.read_text()
     page = Page(text)
     check_self_contained(text, page)
-    assert page.errors == [] and page.tags["svg"] == 6
+    assert page.errors == [] and page.tags["svg"] == 7
     names = [r[0] for r in page.table("param-summary")["rows"]]
     assert len(names) == 200 and {"blocks.3.bias", "blocks.10.weight", "blocks.25.weight"} <= set(names)
     assert len(page.table("module-summary")["rows"]) == 48

@@ -22,6 +22,7 @@ from graddbg._args import AUTO, Schedule
 from graddbg._collective import run_collective
 from graddbg._model import in_backward
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
+from graddbg.checks.graph import LossSum
 from graddbg.checks.ledger import LedgerKeeper
 from graddbg.stats import HIST_EDGES, Readback, Slot, StepReader, StepRecord, StepStats, histogram_counts, \
     local_values
@@ -54,6 +55,7 @@ class _Queued:
     flags: Optional[List[Tuple[Slot, Slot]]] = None
     rank_bad: Optional[Tuple[Slot, Optional[Slot]]] = None
     skipped: List[Tuple[int, Slot]] = dataclasses.field(default_factory=list)  #: scales of skipped steps
+    loss: Optional[Slot] = None  #: the sum of the step's losses handed to backward()
     collect: bool = False  #: this step's read exchanges statistics with other ranks
 
 
@@ -234,6 +236,7 @@ class StatsRecorder(Check):
         self._hist_edges: Optional[Tensor] = None
         self.ever_grad = np.zeros(0, dtype=bool)  #: parameters that ever had a gradient
         self._skipped_scales: List[Tuple[int, Tensor]] = []  # (step, scale) of skipped steps, read later
+        self._losses = LossSum()  # the losses handed to backward() since the last step, on their device
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
@@ -255,6 +258,7 @@ class StatsRecorder(Check):
 
     # ------------------------------------------------------------------ events
     def on_backward_end(self, bw: BackwardEnd) -> None:
+        self._losses.add(bw.scale)
         layout = self.ctx.layout
         if layout is not None and layout.pipeline and self.ctx.optimizer is not None:
             # a pipeline stage: read at the step, after the schedule divided the gradients by
@@ -272,6 +276,7 @@ class StatsRecorder(Check):
         step, whose scaled, non-finite gradients were thrown away by design. Its scale is
         not read (no host read of the scale on a step that is not recorded)."""
         pending, self._pending = self._pending, None
+        self._losses.take()  # (not read: a skipped step's loss is not recorded)
         if pending is not None:
             self.ever_grad |= np.array([g is not None for g in pending.grads], dtype=bool)
             if pending.scale is not None:
@@ -299,6 +304,7 @@ class StatsRecorder(Check):
     def queue(self, step: Step) -> Optional[_Queued]:
         collect = self._exchanges(step.index)
         launch, scale, unscale, changed = self._take(step)
+        loss = self._losses.take()
         if not step.read:
             # no read this step: flags stay on the device (of the gradients as the optimizer
             # will use them, when they changed since the backward pass)
@@ -307,7 +313,7 @@ class StatsRecorder(Check):
         rb = step.readback
         q = _Queued(launch, rb.add("scale", scale.reshape(1)) if scale is not None else None, unscale,
                     self._reader.add_to(rb, launch))
-        q.collect = collect
+        q.collect, q.loss = collect, rb.add("loss", loss) if loss is not None else None
         q.skipped = [(i, rb.add("skipped_scale", t.reshape(1))) for i, t in self._skipped_scales]
         self._skipped_scales = []
         if changed:  # changed in place since the backward pass (a clip, unscale_, a hand edit)
@@ -339,6 +345,7 @@ class StatsRecorder(Check):
         for i, slot in q.skipped:
             self.history.set_scale(i, float(slot.value[0]))
         scale = float(q.scale.value[0]) if q.scale is not None else math.nan
+        loss = float(q.loss.value[0]) if q.loss is not None else math.nan
         div = scale if q.unscale and scale == scale and scale > 0 else 1.0
         st = self._stats(q.launch, q.stats, step.grads, div, changed=q.live is not None)
         bad, first = st.bad, step.index
@@ -356,12 +363,13 @@ class StatsRecorder(Check):
         if bad.any() and self.ctx.optimizer is None and self.ctx.options.scaler is not None:
             # each backward pass is a step and a GradScaler is in use: scaled gradients that
             # overflowed are the scaler's to skip, an overflow step, never an anomaly
-            self.history.append(StepRecord(step.index, overflow=True, scale=scale, lr=self._lr()))
+            self.history.append(StepRecord(step.index, overflow=True, scale=scale, lr=self._lr(), loss=loss))
             return []
         P = len(self.ctx)
         counts = q.hist.value.reshape(P, -1).astype(np.int64) if q.hist is not None else None
         self.history.append(StepRecord(step.index, per_param=st if step.due_stats else None, global_norm=st.global_norm,
-                                       clipped_norm=clip_norm, scale=scale, lr=self._lr(), hist=counts))
+                                       clipped_norm=clip_norm, scale=scale, lr=self._lr(), hist=counts,
+                                       loss=loss))
         step.stats, step.bad, step.first_bad, step.clipped_norm, step.scale = st, bad, first, clip_norm, scale
         if step.entry is not None:
             step.entry.global_norm, step.entry.clipped_norm, step.entry.scale = st.global_norm, clip_norm, scale
@@ -478,6 +486,7 @@ class StatsRecorder(Check):
         skipped (it never calls the optimizer on those), not of the run."""
         if self._pending is not None and self._pending.scale is None:
             self._pending.scale = scale
+        self._losses.adopt_scale(scale)
         self._flags.groups.clear()
 
     def waiting(self) -> bool:
