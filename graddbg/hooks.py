@@ -879,7 +879,8 @@ class Watch(_Results, _Resumable):
         step.entry.kinds = [f.anomaly.kind for f in found]
         self._finish_step()
         if self._sink is not None:  # (host values of this step's read-back: no synchronisation)
-            self._sink.step(self._ctx.history, index, len(self.anomalies) + len(found))
+            seen = len(self.anomalies) + sum(self.anomalies.not_kept.values())  # (those past the limit too)
+            self._sink.step(self._ctx.history, index, seen + len(found))
         self._apply(found)
 
     def _apply(self, found: List[Finding]) -> None:
