@@ -309,17 +309,7 @@ class NonFiniteScan(TorchDispatchMode):
         """(file, line) of the innermost frame outside torch and graddbg."""
         if self.source_at is not None:
             return self.source_at
-        cache = _INTERNAL
-        f = sys._getframe(1)
-        while f is not None:
-            fn = f.f_code.co_filename
-            internal = cache.get(fn)
-            if internal is None:
-                internal = cache[fn] = is_internal(fn)
-            if not internal:
-                return fn, f.f_lineno
-            f = f.f_back
-        return None
+        return _user_line(2)
 
     def _flush(self) -> None:
         """Store forward facts in the nodes that autograd attached after each op."""
@@ -846,10 +836,11 @@ def reap() -> None:
         torch._C._pop_torch_function_stack()
 
 
-def _user_line() -> Optional[Tuple[str, int]]:
-    """(file, line) of the innermost frame outside torch and graddbg."""
+def _user_line(depth: int = 2) -> Optional[Tuple[str, int]]:
+    """(file, line) of the innermost frame outside torch and graddbg, from ``depth`` frames
+    up (2: the caller's caller)."""
     cache = _INTERNAL
-    f: Any = sys._getframe(2)
+    f: Any = sys._getframe(depth)
     while f is not None:
         fn = f.f_code.co_filename
         internal = cache.get(fn)
