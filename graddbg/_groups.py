@@ -299,7 +299,7 @@ class StageReport:
 # --------------------------------------------------------------------------- the layout
 class Layout:
     """Which ranks a watch exchanges what with (see the module's docstring). Built when the
-    watch starts (the check-in key is written then); `resolve` runs at the first step
+    watch starts (the check-in key is written then); `ready` runs at each step
     boundary where a collective is safe, before any other collective of graddbg's."""
 
     def __init__(self, model: nn.Module, names: Sequence[str], params: Sequence[Tensor], meta: Dict[str, Any],
@@ -479,10 +479,6 @@ class Layout:
             self._groups(self._gather_signatures())
         self._ready = True
         return True
-
-    def resolve(self, steps: int = 0) -> None:
-        """Check in, agree on sizes, find the groups (at a boundary where every rank is)."""
-        self.ready(steps, False)
 
     def backward_ended(self) -> None:
         """A backward pass of this rank ended (its position, for the peers)."""

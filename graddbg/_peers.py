@@ -244,19 +244,6 @@ class Peers:
             time.sleep(delay)
             delay = min(delay * 2, 2e-3)
 
-    def watch_wait(self, started: float, steps: int) -> Optional[str]:
-        """For a wait of another kind (the check-in): a reason to stop waiting now, or None:
-        the stop key, a dead store, or the bound passed."""
-        try:
-            stop = self.store.get(self._stop_key).decode()
-        except Exception as err:
-            return self._gone_store(err).why
-        if stop:
-            return stop
-        if time.monotonic() - started > self.seconds:
-            return f"a peer did not reach step {steps} within {self.seconds:g} s"
-        return None
-
     def _beats(self) -> List[int]:
         return [int(v) for v in self.store.multi_get(self._beat)]
 
