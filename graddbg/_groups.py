@@ -56,6 +56,9 @@ CHECKIN_SECONDS = 10.0
 #: how long a stage that a non-finite value reached waits to hear where the stage that made it
 #: found it started (that stage replays its step meanwhile)
 ORIGIN_SECONDS = 60.0
+#: how long a closing watch, after the ranks stepped differently, waits for its peers' watches
+#: to close, so that the totals it states are final (bounded by the user's timeout too)
+CLOSE_SECONDS = 10.0
 
 
 def checkin_seconds() -> float:
@@ -495,7 +498,7 @@ class Layout:
         finding's last words when the watch closes), or None."""
         if self.desync is None:
             return None
-        pos = self._checkin.peers.positions()
+        pos = self._checkin.peers.closing(min(self._checkin.peers.seconds, CLOSE_SECONDS))
         if pos is None:
             return None
         most = max(p.steps for p in pos)

@@ -173,6 +173,35 @@ class Peers:
         except Exception:
             return None
 
+    def closing(self, seconds: float) -> Optional[Tuple[Position, ...]]:
+        """This rank's watch closes: say so, then wait (at most ``seconds``, and not for a
+        peer whose pulse stood still) until every peer's watch closed too, so that the
+        positions read are final ones. Returns every rank's position as last written."""
+        if not self._published.at and self._published.backward != self.backward:
+            self._publish(Position(self.backward, self._published.steps, False))
+        try:
+            self.store.set(f"{self.prefix}closed/{self.rank}", "1")
+            keys = [f"{self.prefix}closed/{r}" for r in range(self.world)]
+            start = time.monotonic()
+            beats, moved, next_beat = self._beats(), [start] * self.world, start + BEAT_SECONDS
+            delay = 1e-3
+            while time.monotonic() - start < seconds:
+                waiting = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                if not waiting:
+                    break
+                now = time.monotonic()
+                if now >= next_beat:
+                    now_beats = self._beats()
+                    moved = [now if a != b else t for a, b, t in zip(beats, now_beats, moved)]
+                    beats, next_beat = now_beats, now + BEAT_SECONDS
+                    if all(now - moved[r] >= SILENT_SECONDS for r in waiting):
+                        break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        except Exception:
+            pass
+        return self.positions()
+
     def stop(self, why: str) -> str:
         """Tell every peer to go on without collectives (the first reason written wins);
         returns the reason in force."""

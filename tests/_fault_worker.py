@@ -55,6 +55,8 @@ def main(rank: int, world: int, port: int, out: str, watched: bool, fault: str, 
                     _die(path, rank)
                 if fault == "skip" and rank == 1 and step in skips:
                     continue  # (this rank's loss "looked bad": no update)
+                if fault in ("skip", "repeat") and rank == 0 and step == steps - 1:
+                    time.sleep(1.0)  # (rank 0 ends last: rank 1's watch closes first)
                 opt.step()
                 if fault == "repeat" and rank == 1 and step in skips:
                     opt.step()  # (a second update from the same gradients)
