@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 import numbers
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
 
-__all__ = ["AUTO", "LOG_EVERY", "Schedule", "bad_type", "bad_value", "choice", "count", "did_you_mean",
-           "duration", "flag", "integer", "optional", "tolerance"]
+__all__ = ["AUTO", "LOG_EVERY", "Options", "Schedule", "bad_type", "bad_value", "choice", "count", "did_you_mean",
+           "duration", "flag", "integer", "option", "optional", "tolerance"]
 
 #: the sentinel of options whose default depends on the run (``ddp_check_every="auto"``,
 #: ``set_fingerprint_kernel("auto")``)
@@ -183,3 +184,82 @@ class Schedule:
         if self.every is None or outer.every is None:
             return Schedule(None)
         return Schedule(self.every * outer.every, tuple(f * outer.every for f in self.first))
+
+
+# --------------------------------------------------------------------------- options
+_O = TypeVar("_O", bound="Options")
+
+
+def option(default: Any, check: Callable[[str, str, Any], Any], doc: str = "") -> Any:
+    """A field of an `Options` class: its default (the public signature's), the validator
+    a value given for it goes through, and a line saying what it is."""
+    return dataclasses.field(default=default, metadata={"check": check, "doc": doc})
+
+
+class Options:
+    """The base of every options object (``watch()``'s `graddbg.options.WatchOptions`,
+    gradcheck's, the cross-rank checks'): a frozen dataclass whose fields are declared
+    once with `option`, parsed from a call's keywords by `parse` (each value validated,
+    an unknown keyword named with the closest accepted one) and shown in the public
+    functions' signatures by `in_signature`.
+
+    A subclass may set ``ALIASES`` (another spelling -> the option; `translate` turns
+    them into the option's words) and override `validate` for rules across options.
+
+    Examples:
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Demo(Options):
+        ...     every: int = option(1, count)
+        >>> Demo.parse("demo", {"every": 3}).every
+        3
+        >>> Demo.parse("demo", {"evry": 3})
+        Traceback (most recent call last):
+        ...
+        graddbg._errors.GraddbgTypeError: demo(): unknown keyword(s) ['evry'] (did you mean 'every'?); accepted: ['every']
+    """
+
+    #: other spellings accepted for an option (``{"fast_mode": "mode"}``), read by `translate`
+    ALIASES: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def declared(cls) -> Tuple[dataclasses.Field, ...]:
+        """The options (the dataclass's init fields), in declaration order."""
+        return tuple(f for f in dataclasses.fields(cls) if f.init)  # type: ignore[arg-type]
+
+    @classmethod
+    def translate(cls, where: str, kw: Dict[str, Any]) -> Dict[str, Any]:
+        """``kw`` with the `ALIASES` spelled as the options they stand for (a subclass
+        converts their values)."""
+        return kw
+
+    @classmethod
+    def parse(cls: "type[_O]", where: str, kw: Mapping[str, Any], extra: Sequence[str] = ()) -> _O:
+        """The options of a call to ``where`` from its keywords ``kw``, each validated;
+        ``extra``: the call's own other keywords, listed in the error for an unknown one."""
+        checks = {f.name: f.metadata["check"] for f in cls.declared()}
+        kw = cls.translate(where, dict(kw))
+        unknown = sorted(set(kw) - set(checks))
+        if unknown:
+            accepted = sorted([*checks, *cls.ALIASES, *extra])
+            raise GraddbgTypeError(f"{where}(): unknown keyword(s) {unknown}" + did_you_mean(unknown[0], accepted)
+                                   + f"; accepted: {accepted}")
+        opts = cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
+        opts.validate(where)
+        return opts
+
+    def validate(self, where: str) -> None:
+        """Rules across options, checked after each was validated (none by default)."""
+
+    @classmethod
+    def in_signature(cls, fn: Callable[..., Any], skip: Sequence[str] = (),
+                     extra: Sequence[inspect.Parameter] = ()) -> Callable[..., Any]:
+        """Show the options (but ``skip``), then ``extra``, as keyword-only parameters in
+        ``fn``'s signature (``help()``, ``inspect.signature``, IDEs, notebooks) in place of
+        its ``**options``."""
+        sig = inspect.signature(fn)
+        own = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+        taken = {p.name for p in own} | set(skip)
+        opts = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                for f in cls.declared() if f.name not in taken]
+        fn.__signature__ = sig.replace(parameters=own + opts + list(extra))  # type: ignore[attr-defined]
+        return fn

@@ -83,13 +83,14 @@ import math
 import numbers
 import time
 import warnings
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils import _pytree as pytree
 
-from graddbg._args import bad_type, bad_value, choice, did_you_mean, flag, integer, tolerance
+from graddbg._args import Options, bad_type, bad_value, choice, flag, integer, tolerance
+from graddbg._args import option as _option
 from graddbg._errors import (GraddbgTypeError, GraddbgValueError, GradientMismatchError,
                              PrecisionWarning)
 from graddbg._model import check_model, is_dtensor, named_tensors, unwrap
@@ -282,12 +283,8 @@ def _dtype(where: str, name: str, value: Any) -> Optional[torch.dtype]:
     return value
 
 
-def _option(default: Any, check: Callable[[str, str, Any], Any]) -> Any:
-    return field(default=default, metadata={"check": check})
-
-
 @dataclass(frozen=True)
-class _Options:
+class _Options(Options):
     """The options of ``gradcheck``, ``check_module`` and ``assert_gradients_close``,
     written once. `parse` builds them from a call's keywords, validating each;
     ``eps``/``atol``/``rtol`` left None are filled from ``TOLERANCES`` by `resolve`
@@ -315,27 +312,34 @@ class _Options:
     check_batched_forward_grad: bool = _option(False, flag)
     masked: Optional[bool] = _option(None, _optional_flag)
 
+    #: torch.autograd.gradcheck's keywords spelled differently here -> graddbg's option
+    ALIASES = {"fast_mode": "mode", "check_forward_ad": "forward_ad", "check_sparse_nnz": "masked"}
+
     @classmethod
-    def parse(cls, where: str, kw: Dict[str, Any], extra: Sequence[str] = ()) -> "_Options":
-        """The options of a call to ``where`` (``extra``: its own other keywords, listed
-        in the error for an unknown keyword)."""
-        checks = {f.name: f.metadata["check"] for f in fields(cls)}
-        kw = _translate_aliases(where, kw)
-        unknown = sorted(set(kw) - set(checks))
-        if unknown:
-            accepted = sorted([*checks, *_ALIASES, *extra])
-            raise GraddbgTypeError(f"{where}: unknown keyword(s) {unknown}; accepted: {accepted}"
-                                   + did_you_mean(unknown[0], accepted))
-        opts = cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
-        if not opts.check_backward_ad and not opts.forward_ad:
+    def translate(cls, where: str, kw: Dict[str, Any]) -> Dict[str, Any]:
+        """torch's spellings (``fast_mode=True`` -> ``mode="fast"``, ``check_forward_ad`` ->
+        ``forward_ad``, torch < 2.1's ``check_sparse_nnz`` -> ``masked``) in graddbg's words; a
+        torch keyword that contradicts graddbg's own given alongside is an error."""
+        for old, new in cls.ALIASES.items():
+            if old not in kw:
+                continue
+            value = flag(where, old, kw.pop(old))
+            if old == "fast_mode":
+                value = "fast" if value else "full"
+            if new in kw and kw[new] != value:
+                raise GraddbgValueError(f"{where}: {old}= and {new}={kw[new]!r} disagree; pass one of them")
+            kw[new] = value
+        return kw
+
+    def validate(self, where: str) -> None:
+        if not self.check_backward_ad and not self.forward_ad:
             raise GraddbgValueError(f"{where}: check_backward_ad=False needs check_forward_ad=True "
                                     f"(forward_ad=True): at least one kind of AD must be checked")
-        if opts.check_batched_grad and not opts.check_backward_ad:
+        if self.check_batched_grad and not self.check_backward_ad:
             raise GraddbgValueError(f"{where}: check_batched_grad=True needs check_backward_ad=True")
-        if opts.check_batched_forward_grad and not opts.forward_ad:
+        if self.check_batched_forward_grad and not self.forward_ad:
             raise GraddbgValueError(f"{where}: check_batched_forward_grad=True needs "
                                     f"check_forward_ad=True (forward_ad=True)")
-        return opts
 
     def resolve(self, dtype: torch.dtype) -> "_Options":
         """These options with the tolerances left None taken from ``TOLERANCES[dtype]``."""
@@ -345,43 +349,14 @@ class _Options:
                        rtol=rtol if self.rtol is None else self.rtol)
 
 
-#: torch.autograd.gradcheck's keywords spelled differently here -> graddbg's option
-_ALIASES = {"fast_mode": "mode", "check_forward_ad": "forward_ad", "check_sparse_nnz": "masked"}
-
-
-def _translate_aliases(where: str, kw: Dict[str, Any]) -> Dict[str, Any]:
-    """torch's spellings (``fast_mode=True`` -> ``mode="fast"``, ``check_forward_ad`` ->
-    ``forward_ad``, torch < 2.1's ``check_sparse_nnz`` -> ``masked``) in graddbg's words; a
-    torch keyword that contradicts graddbg's own given alongside is an error."""
-    kw = dict(kw)
-    for old, new in _ALIASES.items():
-        if old not in kw:
-            continue
-        value = flag(where, old, kw.pop(old))
-        if old == "fast_mode":
-            value = "fast" if value else "full"
-        if new in kw and kw[new] != value:
-            raise GraddbgValueError(f"{where}: {old}= and {new}={kw[new]!r} disagree; pass one of them")
-        kw[new] = value
-    return kw
-
-
 def _options_in_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Show the options as keyword-only parameters in ``fn``'s signature (``help()``,
-    ``inspect.signature``, IDEs) in place of its ``**options`` (gradgradcheck: without the
-    first-order AD switches it replaces by its own)."""
-    sig = inspect.signature(fn)
-    own = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
-    skip = {p.name for p in own}
-    if fn.__name__ == "gradgradcheck":
-        skip |= {"forward_ad", "second_order", "check_backward_ad"}
-    opts = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                              annotation=f.type) for f in fields(_Options) if f.name not in skip]
-    if fn.__name__ in ("gradcheck", "gradgradcheck"):
-        opts.append(inspect.Parameter("raise_exception", inspect.Parameter.KEYWORD_ONLY,
-                                      default=None, annotation=Optional[bool]))
-    fn.__signature__ = sig.replace(parameters=own + opts)  # type: ignore[attr-defined]
-    return fn
+    """Show the options as keyword-only parameters in ``fn``'s signature in place of its
+    ``**options`` (gradgradcheck: without the first-order AD switches it replaces by its
+    own; gradcheck and gradgradcheck: with torch's ``raise_exception``)."""
+    skip = ("forward_ad", "second_order", "check_backward_ad") if fn.__name__ == "gradgradcheck" else ()
+    extra = [inspect.Parameter("raise_exception", inspect.Parameter.KEYWORD_ONLY, default=None,
+                               annotation=Optional[bool])] if fn.__name__ in ("gradcheck", "gradgradcheck") else []
+    return _Options.in_signature(fn, skip=skip, extra=extra)
 
 
 # --------------------------------------------------------------------------- target

@@ -16,17 +16,17 @@ Examples:
     >>> WatchOptions.parse("watch", {"evry": 2})
     Traceback (most recent call last):
     ...
-    graddbg._errors.GraddbgTypeError: watch(): unknown keyword(s) ['evry'] (did you mean 'every'?); accepted: ...
+    graddbg._errors.GraddbgTypeError: watch(): unknown keyword(s) ['evry'] (did you mean 'every'?); accepted: [...]
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from graddbg._args import AUTO, Schedule, bad_type, bad_value, count, did_you_mean, duration, flag, integer, optional
+from graddbg._args import AUTO, Options, Schedule, bad_type, bad_value, count, duration, flag, integer, optional
+from graddbg._args import option as _option
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
 from graddbg.anomaly import HYGIENE_KINDS, Explode, NonFinite, Vanish, as_detector, check_policy
 from graddbg.stats import CPU_ABSMAX_EVERY, DEFAULT_STATS, validate_stats
@@ -106,13 +106,9 @@ def _fraction(where: str, name: str, value: Any) -> float:
     return float(value)
 
 
-def _option(default: Any, check: Callable[[str, str, Any], Any], doc: str) -> Any:
-    return field(default=default, metadata={"check": check, "doc": doc})
-
-
 # --------------------------------------------------------------------------- the options
 @dataclass(frozen=True)
-class WatchOptions:
+class WatchOptions(Options):
     """The keyword options of `graddbg.watch`, validated once; see its docstring
     for what each means. ``stats`` is kept as given (its canonical form is
     `quantities`). The cadences are read as `graddbg._args.Schedule` objects
@@ -148,21 +144,16 @@ class WatchOptions:
     log_to: Any = _option(None, check_log_to, "trackers fed on every recorded step (graddbg.trackers)")
     log_detail: str = _option("module", check_detail, "log_to's norms per top-level module or per parameter")
 
+    ALIASES = {"localize": "localise"}
+
     @classmethod
-    def parse(cls, where: str, kw: Dict[str, Any]) -> "WatchOptions":
-        """The options of a call to ``where`` from its keywords, each validated. The old
-        spelling ``localize=`` is accepted for ``localise=``."""
-        kw = dict(kw)
+    def translate(cls, where: str, kw: Dict[str, Any]) -> Dict[str, Any]:
+        """The old spelling ``localize=`` is accepted for ``localise=``."""
         if "localize" in kw:
             if "localise" in kw:
                 raise GraddbgTypeError(f"{where}(): pass localise= or its old spelling localize=, not both")
             kw["localise"] = kw.pop("localize")
-        checks = {f.name: f.metadata["check"] for f in fields(cls) if f.init}
-        unknown = sorted(set(kw) - set(checks))
-        if unknown:
-            raise GraddbgTypeError(f"{where}(): unknown keyword(s) {unknown}" + did_you_mean(unknown[0], list(checks))
-                                   + f"; accepted: {', '.join(checks)}")
-        return cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
+        return kw
 
     def __post_init__(self) -> None:
         for f in fields(self):  # defaults go through the same checks (detectors from strings)
@@ -209,14 +200,9 @@ class WatchOptions:
 
 
 def options_in_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Show the options as keyword-only parameters in ``fn``'s signature (``help()``,
-    ``inspect.signature``, notebooks) in place of its ``**options``."""
-    sig = inspect.signature(fn)
-    own = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
-    opts = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
-            for f in fields(WatchOptions) if f.init]
-    fn.__signature__ = sig.replace(parameters=own + opts)  # type: ignore[attr-defined]
-    return fn
+    """Show the options as keyword-only parameters in ``fn``'s signature in place of its
+    ``**options`` (`graddbg._args.Options.in_signature`)."""
+    return WatchOptions.in_signature(fn)
 
 
 assert set(HYGIENE_KINDS) <= {f.name for f in fields(WatchOptions)}

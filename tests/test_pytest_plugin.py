@@ -130,5 +130,5 @@ def test_helpers_pass_bad_arguments_on_as_value_or_type_errors():
         helpers.gradcheck(torch.sin, x, mode="slow")
     with pytest.raises(TypeError, match=r"^check_module\(module=...\): got the class Linear"):
         helpers.check_module(torch.nn.Linear, x)
-    with pytest.raises(TypeError, match=r"^assert_gradients_close: unknown keyword\(s\) \['atoll'\]"):
+    with pytest.raises(TypeError, match=r"^assert_gradients_close\(\): unknown keyword\(s\) \['atoll'\]"):
         helpers.assert_gradients_close(torch.sin, x, atoll=1.0)
