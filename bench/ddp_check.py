@@ -110,7 +110,8 @@ class _Bench:
     def __init__(self, rank: int, world: int) -> None:
         from _models import mlp8m
         from torch.nn.parallel import DistributedDataParallel as DDP
-        from graddbg import _rendezvous, ddp_verify
+        from graddbg import ddp_verify
+        from graddbg._dist import rendezvous as _rendezvous
 
         self.v, self.rank, self.world = ddp_verify, rank, world
         torch.manual_seed(0)
@@ -303,7 +304,7 @@ def _worker(rank: int, world: int, port: int, repeats: int, steps: int, threads:
     with _ByteCounter() as c:
         b.between("bitwise")
     with _ByteCounter() as a:
-        # kept past the process's end, as graddbg/_collective.py explains: a gloo worker
+        # kept past the process's end, as graddbg/_dist/collective.py explains: a gloo worker
         # thread left to free these tensors at interpreter shutdown aborts the process
         _KEPT.extend(dist.all_reduce(g.clone(), async_op=True) for g in b.grads())
         for work in _KEPT:

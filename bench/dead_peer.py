@@ -6,7 +6,7 @@ dies, the step, and where: before the forward pass, or between the backward pass
 ``optimizer.step()``), the plain job and the watched job run at the same time, and the script
 prints the seconds from the death to the survivor's end (torch's own error in its next
 collective), and the difference. graddbg's target: a few seconds at most (its wait notices a dead
-peer when the peer's pulse has stood still for ``graddbg._peers.SILENT_SECONDS``, or at once when
+peer when the peer's pulse has stood still for ``graddbg._dist.peers.SILENT_SECONDS``, or at once when
 the store is gone).
 
     .venv/bin/python bench/dead_peer.py [--repeats 1]

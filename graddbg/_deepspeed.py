@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from graddbg._collective import run_collective
+from graddbg._dist.collective import run_collective
 from graddbg.stats import StepStats, absmax_of
 
 __all__ = ["is_engine", "find", "Zero", "Origin", "gather_stats", "local_table", "exact_table"]

@@ -118,14 +118,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import graddbg._rendezvous as _rendezvous
-import graddbg._replicas as _replicas
+import graddbg._dist.rendezvous as _rendezvous
+import graddbg._dist.replicas as _replicas
 import graddbg._verdict as _verdict
 from graddbg._args import bad_type, duration, tolerance
 from graddbg._errors import DDPInconsistencyError, GraddbgError, GraddbgTypeError, GraddbgValueError
 from graddbg._fingerprint import digest, fingerprints, set_fingerprint_kernel, tolerance_quick_table
+from graddbg._dist.replicas import KINDS, CheckOptions, is_mesh
 from graddbg._model import check_model, unwrap
-from graddbg._replicas import KINDS, CheckOptions, is_mesh
 
 __all__ = [
     "ConsistencyReport",
@@ -291,7 +291,7 @@ def _group_arg(fn: str, group: Any, sharded: Optional[bool] = None) -> None:
 def _options(fn: str, parts: Tuple[str, ...], group: Any, atol: Any, rtol: Any, timeout: Any,
              details: bool, raise_on_mismatch: bool, mesh: Any) -> CheckOptions:
     """The arguments, validated; ``mesh``: the DeviceMesh of the model's DTensors (None
-    when it holds none, see `graddbg._replicas.collect_all`)."""
+    when it holds none, see `graddbg._dist.replicas.collect_all`)."""
     options = CheckOptions(fn, parts, group, tolerance(fn, "atol", atol), tolerance(fn, "rtol", rtol),
                            duration(fn, "timeout", timeout), bool(details), bool(raise_on_mismatch))
     _group_arg(fn, group, sharded=mesh is not None)
@@ -337,7 +337,7 @@ def _local_table(options: CheckOptions, tensors: List[Optional[torch.Tensor]], m
                  device: torch.device) -> Tuple[Optional[torch.Tensor], List[int], Optional[BaseException]]:
     """This rank's fingerprint table (round one in tolerance mode) on ``device`` and its
     header: [metadata hash, tensor count, call hash, world size, digest a, digest b], then
-    on a sharded model the replica fields (`graddbg._replicas.replica_header`). A failure is told to
+    on a sharded model the replica fields (`graddbg._dist.replicas.replica_header`). A failure is told to
     the other ranks (a header of -1s), so that every rank raises."""
     try:
         if options.mode == "bitwise":
@@ -435,7 +435,7 @@ def _check(fn: str, parts: Tuple[str, ...], model: Any, group: Any, atol: Any, r
            timeout: Any, details: bool, raise_on_mismatch: bool,
            initial: bool = False) -> ConsistencyReport:
     """One check, the steps of the module docstring in order; ``parts``: what it compares
-    (of `graddbg._replicas.KINDS`)."""
+    (of `graddbg._dist.replicas.KINDS`)."""
     check_model(model, fn)
     names, tensors, meta, layout, kinds, mesh = _replicas.collect_all(unwrap(model), parts)
     options = dataclasses.replace(_options(fn, parts, group, atol, rtol, timeout, details,

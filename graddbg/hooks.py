@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from graddbg._errors import CoverageWarning, GradientAnomalyError, GraddbgTypeError, GraddbgValueError, \
     GraddbgWarning, warn_at_user
 from graddbg._deepspeed import find as find_deepspeed
-from graddbg._groups import Layout
+from graddbg._dist.layout import Layout
 from graddbg._model import check_model, in_backward, module_of, named_trainable_parameters, tensors_in, unwrap
 from graddbg.anomaly import Anomaly, AnomalyList, Explode, NonFinite, Vanish, apply_policy
 from graddbg.blame import Capture, LossTape, reap

@@ -27,7 +27,7 @@ import numpy as np  # (torch imports numpy itself)
 import torch
 from torch import Tensor
 
-from graddbg._collective import run_collective
+from graddbg._dist.collective import run_collective
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
 from graddbg._model import clean_name, is_dtensor, local_values, module_of, named_trainable_parameters
 

@@ -343,7 +343,7 @@ def architecture(rank, world, dev):
 
 
 def side_group(rank, world, dev):
-    from graddbg import _rendezvous
+    from graddbg._dist import rendezvous as _rendezvous
     from graddbg import ddp_verify
     side = _rendezvous.side_group(None, timedelta(seconds=20), force_side=True)
     again = _rendezvous.side_group(None, timedelta(seconds=20), force_side=True)
@@ -360,7 +360,7 @@ def subgroup(rank, world, dev):
     sub = dist.new_group([0, 1])
     if rank in (0, 1):
         result = _summ(v.check_parameters(_mlp(dev), group=sub))
-        from graddbg import _rendezvous
+        from graddbg._dist import rendezvous as _rendezvous
 
         result["side_groups"] = len(_rendezvous._SIDE_GROUPS)
     else:
@@ -398,7 +398,7 @@ def local_failure(rank, world, dev):
 
 def no_store(rank, world, dev):
     """Without a store to count check-ins in, the checks fall back to a monitored barrier."""
-    from graddbg import _rendezvous
+    from graddbg._dist import rendezvous as _rendezvous
 
     v = _check()
     original = _rendezvous._store

@@ -23,7 +23,7 @@ def main(rank: int, world: int, port: int, mode: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     if mode == "run":           # the helper itself, three times in a row
-        from graddbg import _collective
+        from graddbg._dist import collective as _collective
 
         for _ in range(3):
             _collective.run_collective(dist.all_reduce, torch.ones(10))

@@ -1,4 +1,4 @@
-"""Ending a process right after graddbg's collectives (graddbg/_collective.py).
+"""Ending a process right after graddbg's collectives (graddbg/_dist/collective.py).
 
 A gloo collective's tensors are freed on the process group's worker thread, which needs the
 GIL for it; if the interpreter is already shutting down, the process aborts (SIGABRT). Ended
@@ -44,7 +44,7 @@ def test_a_process_may_end_right_after_graddbgs_collectives(mode):
 def test_keep_work_keeps_cpu_works_for_a_while_and_a_bounded_number(monkeypatch):
     import torch
 
-    from graddbg import _collective
+    from graddbg._dist import collective as _collective
 
     monkeypatch.setattr(_collective, "_HELD", __import__("collections").deque())
     clock = [100.0]

@@ -19,7 +19,9 @@ import torch.distributed as dist
 import _ddp_workers as workers
 from conftest import requires_cuda
 from graddbg import DDPInconsistencyError, DDPTimeoutError, GraddbgError, ddp_verify
-from graddbg import _fingerprint, _rendezvous, _replicas, _verdict
+from graddbg import _fingerprint, _verdict
+from graddbg._dist import rendezvous as _rendezvous
+from graddbg._dist import replicas as _replicas
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
 
 # --------------------------------------------------------------------------- references

@@ -1,7 +1,7 @@
 """graddbg is never the thing that breaks a distributed job (tests/_fault_worker.py): a dead
 peer ends the survivors about as soon as it does without graddbg, and ranks that step
 differently run exactly as they do unwatched, with the drift named. The waits themselves
-(`graddbg._peers.Peers`) are tested in one process, ranks simulated over one store."""
+(`graddbg._dist.peers.Peers`) are tested in one process, ranks simulated over one store."""
 from __future__ import annotations
 
 import json
@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import _fault_worker as worker
 from _dist import free_port
-from graddbg import _peers
-from graddbg._peers import Peers, Position
+from graddbg._dist import peers as _peers
+from graddbg._dist.peers import Peers, Position
 
 
 def _job(tmp: pathlib.Path, watched: bool, world: int = 2, **kw) -> dict:

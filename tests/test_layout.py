@@ -23,21 +23,27 @@ ALLOWED = {
     "_source": set(),
     "_io": {"_errors"},
     "_compiled": set(),
-    "_collective": set(),
     "__init__": {"_errors", "gradcheck"},
     "__main__": {"cli"},
     "_model": {"_errors"},
-    "_peers": set(),
-    "_groups": {"_errors", "_model", "_collective", "_peers"},
-    "_deepspeed": {"_errors", "_model", "_collective", "stats"},
-    "stats": {"_errors", "_model", "_collective"},
+    # graddbg's distributed internals (graddbg/_dist/), above _errors and _model, under everything
+    # that exchanges with other ranks (stats, checks, hooks, ddp_verify), which none of them imports
+    "_dist": set(),
+    "_dist.collective": set(),
+    "_dist.peers": set(),
+    "_dist.layout": {"_errors", "_model", "_dist.collective", "_dist.peers"},
+    "_dist.rendezvous": {"_errors", "_dist.collective"},
+    "_dist.replicas": {"_errors", "_model", "_dist.rendezvous"},
+    "_deepspeed": {"_errors", "_model", "_dist.collective", "stats"},
+    "stats": {"_errors", "_model", "_dist.collective"},
     "anomaly": {"_errors", "_args", "_source"},
     "blame": {"_errors", "_source", "_model", "anomaly"},
     "options": {"_errors", "_args", "stats", "anomaly", "trackers"},
     # log_to's adapters (wandb, mlflow and tensorboard imported inside functions)
     "trackers": {"_errors", "_args", "_model", "stats"},
-    "checks": {"_errors", "_args", "_source", "_model", "_collective", "_groups", "stats", "anomaly", "blame", "checks"},
-    "hooks": {"_errors", "_args", "_source", "_model", "_deepspeed", "_groups", "stats", "anomaly", "blame", "options",
+    "checks": {"_errors", "_args", "_source", "_model", "_dist.collective", "_dist.layout", "stats", "anomaly", "blame",
+               "checks"},
+    "hooks": {"_errors", "_args", "_source", "_model", "_deepspeed", "_dist.layout", "stats", "anomaly", "blame", "options",
               "checks", "trackers"},
     "callbacks": {"_errors", "_io", "_model", "hooks", "options", "trackers"},
     "gradcheck": {"_errors", "_args", "_source", "_model"},
@@ -46,10 +52,8 @@ ALLOWED = {
     "plots": {"_errors"},
     # ddp_verify (the public API) over its parts: hashing, the rendezvous, replica groups, the verdict
     "_fingerprint": {"_errors", "_compiled"},
-    "_rendezvous": {"_errors", "_collective"},
-    "_replicas": {"_errors", "_model", "_rendezvous"},
-    "_verdict": {"_errors", "_fingerprint", "_rendezvous", "_replicas"},
-    "ddp_verify": {"_errors", "_args", "_model", "_fingerprint", "_rendezvous", "_replicas", "_verdict"},
+    "_verdict": {"_errors", "_fingerprint", "_dist.rendezvous", "_dist.replicas"},
+    "ddp_verify": {"_errors", "_args", "_model", "_fingerprint", "_dist.rendezvous", "_dist.replicas", "_verdict"},
     "run": {"_errors", "_model", "stats", "anomaly", "_io"},
     "report": {"_errors", "_source", "_model", "_io", "stats", "anomaly", "plots", "graphviz"},
     "_demo_model": set(),  # the demo's model and loop: user-level code (graddbg demo)
@@ -72,19 +76,34 @@ LAZY = {
 }
 
 
+#: subpackages whose modules are layers of their own, named "_dist.peers" (checks/ is one unit)
+SPLIT = ("_dist",)
+
+
+def _layer(dotted: str) -> str:
+    """The layout's name of the graddbg module ``dotted`` (``graddbg.stats``: "stats";
+    ``graddbg._dist.peers``: "_dist.peers"; ``graddbg.checks.base``: "checks")."""
+    parts = dotted.split(".")[1:]
+    return ".".join(parts[:2]) if parts[0] in SPLIT and len(parts) > 1 else parts[0]
+
+
 def _graddbg_imports(node: ast.AST) -> set:
     names = set()
     if isinstance(node, ast.Import):
         for a in node.names:
             if a.name.startswith("graddbg."):
-                names.add(a.name.split(".")[1])
+                names.add(_layer(a.name))
             elif a.name == "graddbg":
                 names.add("__init__")
     elif isinstance(node, ast.ImportFrom) and node.module:
-        if node.level == 0 and node.module.startswith("graddbg."):
-            names.add(node.module.split(".")[1])
+        if node.level == 0 and node.module in tuple(f"graddbg.{s}" for s in SPLIT):
+            here = PKG / node.module.split(".")[1]
+            names.update(_layer(f"{node.module}.{a.name}") if (here / f"{a.name}.py").exists()
+                         else _layer(node.module) for a in node.names)
+        elif node.level == 0 and node.module.startswith("graddbg."):
+            names.add(_layer(node.module))
         elif node.level == 0 and node.module == "graddbg":
-            subs = {p.stem for p in PKG.glob("*.py")}
+            subs = {p.stem for p in PKG.glob("*.py")} | {p.parent.name for p in PKG.glob("*/__init__.py")}
             names.update(a.name if a.name in subs else "__init__" for a in node.names)
         elif node.level == 1:
             names.add(node.module.split(".")[0])
@@ -106,11 +125,17 @@ def _split_imports(path: pathlib.Path):
     return top, nested
 
 
-MODULES = sorted(p.stem for p in PKG.glob("*.py")) + ["checks"]
+MODULES = sorted(p.stem for p in PKG.glob("*.py")) + ["checks"] + sorted(
+    f"{s}.{p.stem}" if p.stem != "__init__" else s for s in SPLIT for p in (PKG / s).glob("*.py"))
 
 
 def _files(module: str):
-    """The files of a module (a package: every file in it)."""
+    """The files of a module (a package: every file in it; a subpackage in SPLIT: its
+    ``__init__.py``, its modules being layers of their own)."""
+    if module in SPLIT:
+        return [PKG / module / "__init__.py"]
+    if "." in module:
+        return [PKG / (module.replace(".", "/") + ".py")]
     return sorted((PKG / module).glob("*.py")) if (PKG / module).is_dir() else [PKG / f"{module}.py"]
 
 
@@ -141,6 +166,16 @@ def test_imports_point_down(module):
         return
     bad = nested - allowed - lazy
     assert not bad, f"graddbg.{module} imports {sorted(bad)} inside functions"
+
+
+def test_the_distributed_internals_sit_under_everything_that_uses_them():
+    """graddbg/_dist/ imports only the bottom (_errors, _model, _hookset) and itself, at any
+    depth: never stats, checks, hooks or ddp_verify, which use it."""
+    below = {"_errors", "_model", "_hookset"}
+    for module in (m for m in MODULES if m.split(".")[0] in SPLIT):
+        top, nested = _split_imports(_files(module)[0])
+        outside = {m for m in top | nested if m.split(".")[0] not in SPLIT} - below
+        assert not outside, f"graddbg.{module} imports {sorted(outside)}"
 
 
 def _graph():
@@ -318,6 +353,6 @@ def test_the_reach_in_check_sees_a_reach_in(tmp_path):
 
 
 # --------------------------------------------------------------------------- module sizes
-@pytest.mark.parametrize("module", ["ddp_verify", "_fingerprint", "_rendezvous", "_replicas", "_verdict"])
+@pytest.mark.parametrize("module", ["ddp_verify", "_fingerprint", "_dist.rendezvous", "_dist.replicas", "_verdict"])
 def test_ddp_verify_and_its_parts_stay_under_about_800_lines(module):
-    assert len((PKG / f"{module}.py").read_text().splitlines()) <= 820
+    assert len(_files(module)[0].read_text().splitlines()) <= 820

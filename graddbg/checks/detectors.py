@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from graddbg._collective import run_collective
+from graddbg._dist.collective import run_collective
 from graddbg._model import is_dtensor, unwrap
 from graddbg.anomaly import Anomaly, Blame, Explode, Vanish, nonfinite_anomaly
 from graddbg.blame import nonfinite_state, replay, state_anomaly

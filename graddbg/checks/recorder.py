@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from graddbg._args import AUTO, Schedule
-from graddbg._collective import run_collective
+from graddbg._dist.collective import run_collective
 from graddbg._model import in_backward
 from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
 from graddbg.checks.graph import LossSum

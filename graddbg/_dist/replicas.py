@@ -18,7 +18,7 @@ from torch import nn
 
 from graddbg._errors import GraddbgValueError
 from graddbg._model import clean_name, is_dtensor, local_values
-from graddbg._rendezvous import all_gather
+from graddbg._dist.rendezvous import all_gather
 
 __all__ = ["CheckOptions", "KINDS", "all_layouts", "collect_all", "gather_tables", "hash64", "is_mesh",
            "local_shapes", "no_replicas", "placement_text", "replica_header", "replica_sets",

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graddbg._collective import keep_work, run_collective
+from graddbg._dist.collective import keep_work, run_collective
 from graddbg._errors import DDPTimeoutError
 
 __all__ = ["all_gather", "comm_device", "exchange", "raise_if_late", "side_group"]

@@ -25,7 +25,7 @@ the pipeline group (one rank per stage, as torchtitan's clip sums the norm), or 
 world when ranks hold different parameters without a pipeline stage. No collective inside
 a backward pass of a pipeline stage (a peer stage may be waiting for that backward's result).
 
-This module imports only `graddbg._errors`, `graddbg._model` and `graddbg._collective`.
+This module imports only `graddbg._errors`, `graddbg._model`, `graddbg._dist.collective` and `graddbg._dist.peers`.
 """
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from graddbg._collective import run_collective
+from graddbg._dist.collective import run_collective
 from graddbg._errors import GraddbgWarning, warn_at_user
 from graddbg._model import is_dtensor, unwrap
-from graddbg._peers import Peers, Verdict
+from graddbg._dist.peers import Peers, Verdict
 
 __all__ = ["CHECKIN_SECONDS", "CheckIn", "Layout", "StageReport", "find_stages"]
 
@@ -84,7 +84,7 @@ def _group_arg(group: Any) -> Any:
 # --------------------------------------------------------------------------- the check-in
 class CheckIn:
     """Every watched rank writes ``graddbg/<n>/in/<rank>`` in the default store when its
-    watch starts (after its position and pulse: `graddbg._peers.Peers`); `wait` (at the first
+    watch starts (after its position and pulse: `graddbg._dist.peers.Peers`); `wait` (at the first
     step boundary) returns whether every rank of the world is watched.
 
     A rank waits up to ``seconds`` for every check-in key; one that does not see them all
