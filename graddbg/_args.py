@@ -160,6 +160,7 @@ class Schedule:
 
     every: Optional[int] = 1
     first: Tuple[int, ...] = ()  # steps on the cadence besides every every-th (the log cadence's early steps)
+    tens: bool = False  # the powers of ten (10, 100, 1000, ...) besides ``first`` (`Schedule.decades`)
 
     @classmethod
     def log(cls, every: int = LOG_EVERY) -> "Schedule":
@@ -168,22 +169,54 @@ class Schedule:
         first = tuple(m * 10 ** e for e in range(len(str(every))) for m in (1, 2, 5) if m * 10 ** e < every)
         return cls(every, first)
 
+    @classmethod
+    def decades(cls, first: int = 3) -> "Schedule":
+        """The first ``first`` steps, then 10, 100, 1000, ...: a cadence whose cost over a
+        run grows with the log of its length."""
+        return cls(None, tuple(range(first)), tens=True)
+
     def includes(self, index: int) -> bool:
         """Whether step ``index`` (0-based) is on the cadence."""
+        if self.tens:
+            if index in self.first:
+                return True
+            if index < 10:
+                return False
+            while index % 10 == 0:
+                index //= 10
+            return index == 1
         return self.every is not None and (index % self.every == 0 or index in self.first)
 
     @property
     def on(self) -> bool:
         """Whether any step is on it."""
-        return self.every is not None
+        return self.every is not None or self.tens
 
     def within(self, outer: "Schedule") -> "Schedule":
         """This cadence counted in the steps of ``outer`` (the steps that ``outer``
         includes, counted 0, 1, 2, ...), as a schedule of the steps themselves. ``outer``
-        is a plain cadence (no ``first``)."""
+        is a plain cadence (no ``first``); this one is not `decades`."""
+        if self.tens:
+            raise ValueError("Schedule.within: a decades cadence cannot be counted within another")
         if self.every is None or outer.every is None:
             return Schedule(None)
         return Schedule(self.every * outer.every, tuple(f * outer.every for f in self.first))
+
+
+# --------------------------------------------------------------------------- the default cadences
+# Every cadence graddbg sets by itself, in one place. Each counts what its user counts.
+#: update/weight ratios (``update_every="log"``), in recorded steps
+UPDATE_RATIOS = Schedule.log()
+#: the largest gradient magnitudes read on the CPU with the default ``stats=``, in recorded
+#: steps (a CPU reduction costs about as much as the norm's)
+CPU_ABSMAX = Schedule(10)
+#: the full replica fingerprint under distribution (``ddp_check_every="auto"``), in steps
+REPLICA_CHECK = Schedule(100)
+#: the weights' norms compared on the device around a fused optimizer's step (whose kernels
+#: move no version counter): the first 5 steps, then every 10th
+FUSED_WEIGHTS = Schedule(10, (1, 2, 3, 4))
+#: the backward passes whose loss graph is read (0, 1, 2, then 10, 100, 1000, ...)
+LOSS_GRAPH = Schedule.decades(3)
 
 
 # --------------------------------------------------------------------------- options

@@ -25,17 +25,18 @@ import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from graddbg._args import AUTO, Options, Schedule, bad_type, bad_value, count, duration, flag, integer, optional
+from graddbg._args import (AUTO, CPU_ABSMAX, UPDATE_RATIOS, Options, Schedule, bad_type, bad_value, count, duration,
+                           flag, integer, optional)
 from graddbg._args import option as _option
 from graddbg._errors import GraddbgTypeError, GraddbgValueError
 from graddbg.anomaly import HYGIENE_KINDS, Explode, NonFinite, Vanish, as_detector, check_policy
-from graddbg.stats import CPU_ABSMAX_EVERY, DEFAULT_STATS, validate_stats
+from graddbg.stats import DEFAULT_STATS, validate_stats
 from graddbg.trackers import check_detail, check_log_to
 
 __all__ = ["WatchOptions", "UPDATE_EVERY", "COPY_BUDGET", "AUTO"]
 
 #: the default of ``update_every=``: the log cadence, recorded steps 0, 1, 2, 5, 10, 20, 50,
-#: 100, 200, then every 200 (`graddbg._args.Schedule.log`), so a short run has its early
+#: 100, 200, then every 200 (`graddbg._args.UPDATE_RATIOS`), so a short run has its early
 #: ratios and a long one pays for the copy of the weights it needs rarely
 UPDATE_EVERY = "log"
 #: the default of ``copy_budget=``: the share of the weights' bytes that may be copied before
@@ -180,15 +181,14 @@ class WatchOptions(Options):
         recorded steps have it): N, every N-th step; "log", the log cadence counted in
         recorded steps."""
         if self.update_every == "log":
-            return Schedule.log().within(self.record_schedule)
+            return UPDATE_RATIOS.within(self.record_schedule)
         return Schedule(self.update_every)
 
     @property
     def absmax_cpu_schedule(self) -> Schedule:
         """The recorded steps whose largest magnitudes are read on the CPU: every 10th
         recorded step with the default ``stats=``, every one when it is asked for by name."""
-        return Schedule(CPU_ABSMAX_EVERY if tuple(self.stats) == DEFAULT_STATS else 1).within(
-            self.record_schedule)
+        return (CPU_ABSMAX if tuple(self.stats) == DEFAULT_STATS else Schedule(1)).within(self.record_schedule)
 
     def policy(self, kind: str) -> Any:
         """The policy of findings of ``kind`` (None: the check is off)."""

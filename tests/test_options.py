@@ -125,3 +125,16 @@ def test_ddp_timeout_is_checked_when_watch_is_called_not_at_the_replica_check():
         graddbg.watch(torch.nn.Linear(2, 2), ddp_timeout=[60])
     assert WatchOptions.parse("watch", {"ddp_timeout": 30}).ddp_timeout == timedelta(seconds=30)
     assert WatchOptions().ddp_timeout is None
+
+
+def test_every_default_cadence_is_a_schedule_in_one_place():
+    from graddbg import _args
+
+    # the loss graph: backward passes 0, 1, 2, then the powers of ten
+    assert [i for i in range(20_001) if _args.LOSS_GRAPH.includes(i)] == [0, 1, 2, 10, 100, 1000, 10_000]
+    assert [i for i in range(120) if Schedule.decades(1).includes(i)] == [0, 10, 100]
+    # a fused optimizer's weights: the first 5 steps, then every 10th
+    assert [i for i in range(31) if _args.FUSED_WEIGHTS.includes(i)] == [0, 1, 2, 3, 4, 10, 20, 30]
+    assert WatchOptions().update_schedule == _args.UPDATE_RATIOS.within(Schedule(1))
+    with pytest.raises(ValueError, match="decades"):
+        _args.LOSS_GRAPH.within(Schedule(2))

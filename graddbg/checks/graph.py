@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from graddbg._args import LOSS_GRAPH
 from graddbg._model import in_backward, is_dtensor, tensors_in, unwrap
 from graddbg.checks.base import Check, Finding, Step, Watched, finding
 from graddbg.checks.ledger import LedgerKeeper
@@ -280,15 +281,6 @@ def _elementwise(node: Any, loss: str) -> List[Tuple[str, str, str]]:
     return out
 
 
-def _due(n: int) -> bool:
-    """Backward passes whose graph is read: 0, 1, 2, then 10, 100, 1000, ..."""
-    if n < 3:
-        return True
-    while n % 10 == 0:
-        n //= 10
-    return n == 1
-
-
 class LossGraph(Check):
     """Reads the loss's autograd graph on scheduled backward passes; its findings are made
     at the next step boundary."""
@@ -319,7 +311,7 @@ class LossGraph(Check):
         """A backward pass reached the model's output (inside the backward pass)."""
         n, self._passes = self._passes, self._passes + 1
         waiting = self._cut is not None and self._cut.waiting()
-        if not (self._on or waiting) or not (_due(n) or waiting) or self.ctx.replaying:
+        if not (self._on or waiting) or not (LOSS_GRAPH.includes(n) or waiting) or self.ctx.replaying:
             return
         roots = graph_roots(self._thread)
         if not roots:

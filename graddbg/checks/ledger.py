@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from graddbg._args import FUSED_WEIGHTS
 from graddbg._model import unwrap
 from graddbg.checks.base import BackwardEnd, Check, Step, Watched
 
@@ -271,7 +272,7 @@ class LedgerKeeper(Check):
     def _blind_check(self, e: StepEntry) -> None:
         """After a step: an optimizer whose step moved no version counter although it had
         gradients and a learning rate (fused kernels do not count their writes) makes the
-        counters blind for this run; then the weights' norms tell (on `_weighed` steps), and
+        counters blind for this run; then the weights' norms tell (on the steps of `graddbg._args.FUSED_WEIGHTS`), and
         steps not weighed have ``moved`` unknown (None)."""
         if not self._blind and not e.moved.any() and e.present is not None and e.present.any() and \
                 any(lr != 0 for lr in e.lrs):
@@ -397,19 +398,14 @@ class LedgerKeeper(Check):
 
     def before_step(self, index: int, closure: bool) -> None:
         """The optimizer's step begins: the parameters' version counters (and, for an
-        optimizer that moves none, their norms on the device on `_weighed` steps)."""
+        optimizer that moves none, their norms on the device on the steps of `graddbg._args.FUSED_WEIGHTS`)."""
         self._before = param_versions(self.ctx.params)
         self._norms_before = None
         self.entry.scaled = self._scaled_step()
-        if self._blind and self._weighed(index):
+        if self._blind and FUSED_WEIGHTS.includes(index):
             with torch.no_grad():
                 self._norms_before = (index, torch.stack(torch._foreach_norm(
                     [getattr(p, "_local_tensor", p).detach() for p in self.ctx.params])).double())
-
-    def _weighed(self, index: int) -> bool:
-        """Steps whose weights are compared on the device (a fused optimizer, whose kernels
-        move no version counter): the first 5, then every 10th."""
-        return index < 5 or index % 10 == 0
 
     def queue(self, step: Step) -> Any:
         moved, self._moved_dev = self._moved_dev, None
