@@ -63,11 +63,6 @@ STEPS_COLUMNS = ("step", "global_norm", "clipped_norm", "loss", "nonfinite", "ov
                  "recorded", "lr")
 _EXTRAS = ("mean", "std", "zero_frac")
 
-#: on the CPU the largest magnitude costs a second pass over every gradient (about as
-#: much as the norm's): it is read on every ``CPU_ABSMAX_EVERY``-th recorded step there,
-#: and on every recorded step on accelerators, where it is one more fused launch
-CPU_ABSMAX_EVERY = 10
-
 #: fixed log-spaced bin edges of |grad| for histograms: [0, 1e-12), [1e-12, ...), ..., [1e4, inf)
 HIST_EDGES = tuple(10.0 ** (e / 2) for e in range(-24, 9))
 
