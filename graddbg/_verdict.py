@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from graddbg._errors import DDPInconsistencyError
 from graddbg._fingerprint import TOLERANCE_K, fingerprints, flat_values
-from graddbg._dist.rendezvous import all_gather, raise_if_late
+from graddbg._dist.collective import all_gather
+from graddbg._dist.rendezvous import raise_if_late
 from graddbg._dist.replicas import CheckOptions, gather_tables, no_replicas, tensor_sets
 
 __all__ = ["ABSENCE", "NO_GRADIENT", "ONLY_GRADIENT", "compare", "details", "disagreements",

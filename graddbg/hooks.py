@@ -30,6 +30,7 @@ from graddbg._errors import CoverageWarning, GradientAnomalyError, GraddbgTypeEr
     GraddbgWarning, warn_at_user
 from graddbg._deepspeed import find as find_deepspeed
 from graddbg._dist.layout import Layout
+from graddbg._hookset import HookSet
 from graddbg._model import check_model, in_backward, module_of, named_trainable_parameters, tensors_in, unwrap
 from graddbg.anomaly import Anomaly, AnomalyList, Explode, NonFinite, Vanish, apply_policy
 from graddbg.blame import Capture, LossTape, reap
@@ -53,42 +54,6 @@ MAX_ROWS = 4_000_000
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _is_compiling = torch.compiler.is_compiling
-
-
-class HookSet:
-    """Owns hook handles: every handle added here is removed by `remove_all`.
-
-    Examples:
-        >>> hs = HookSet()
-        >>> m = torch.nn.Linear(2, 2)
-        >>> _ = hs.add(m.register_forward_hook(lambda *a: None))
-        >>> len(m._forward_hooks), len(hs)
-        (1, 1)
-        >>> hs.remove_all(); len(m._forward_hooks)
-        0
-    """
-
-    def __init__(self) -> None:
-        self._handles: List[Any] = []
-
-    def add(self, handle: Any) -> Any:
-        self._handles.append(handle)
-        return handle
-
-    @property
-    def ids(self) -> set:
-        return {h.id for h in self._handles if hasattr(h, "id")}
-
-    def remove_all(self) -> None:
-        while self._handles:
-            handle = self._handles.pop()
-            try:
-                handle.remove()
-            except Exception:  # a handle whose owner is gone is already removed
-                pass
-
-    def __len__(self) -> int:
-        return len(self._handles)
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -28,12 +28,17 @@ ALLOWED = {
     "_model": {"_errors"},
     # graddbg's distributed internals (graddbg/_dist/), above _errors and _model, under everything
     # that exchanges with other ranks (stats, checks, hooks, ddp_verify), which none of them imports
+    "_hookset": set(),  # HookSet, under hooks and _dist, which both register hooks through it
     "_dist": set(),
-    "_dist.collective": set(),
-    "_dist.peers": set(),
-    "_dist.layout": {"_errors", "_model", "_dist.collective", "_dist.peers"},
-    "_dist.rendezvous": {"_errors", "_dist.collective"},
-    "_dist.replicas": {"_errors", "_model", "_dist.rendezvous"},
+    "_dist.store": set(),  # the store, the one check-in (RollCall) and the one poll
+    "_dist.collective": {"_dist.store"},
+    "_dist.peers": {"_dist.store"},
+    "_dist.groups": {"_errors", "_model", "_dist.collective"},  # which ranks hold what, found once
+    "_dist.arrival": {"_errors", "_dist.peers", "_dist.store"},  # a watch: check-in and meeting at boundaries
+    "_dist.stages": {"_model", "_hookset", "_dist.collective", "_dist.groups"},  # pipeline stages, the summary
+    "_dist.layout": {"_dist.arrival", "_dist.groups", "_dist.stages"},  # a watch's facade over the three
+    "_dist.rendezvous": {"_errors", "_dist.collective", "_dist.groups", "_dist.store"},  # ddp_verify's header
+    "_dist.replicas": {"_errors", "_model", "_dist.collective", "_dist.groups"},  # ddp_verify's replica sets
     "_deepspeed": {"_errors", "_model", "_dist.collective", "stats"},
     "stats": {"_errors", "_model", "_dist.collective"},
     "anomaly": {"_errors", "_args", "_source"},
@@ -43,7 +48,7 @@ ALLOWED = {
     "trackers": {"_errors", "_args", "_model", "stats"},
     "checks": {"_errors", "_args", "_source", "_model", "_dist.collective", "_dist.layout", "stats", "anomaly", "blame",
                "checks"},
-    "hooks": {"_errors", "_args", "_source", "_model", "_deepspeed", "_dist.layout", "stats", "anomaly", "blame", "options",
+    "hooks": {"_errors", "_args", "_source", "_model", "_deepspeed", "_dist.layout", "_hookset", "stats", "anomaly", "blame", "options",
               "checks", "trackers"},
     "callbacks": {"_errors", "_io", "_model", "hooks", "options", "trackers"},
     "gradcheck": {"_errors", "_args", "_source", "_model"},
@@ -52,7 +57,7 @@ ALLOWED = {
     "plots": {"_errors"},
     # ddp_verify (the public API) over its parts: hashing, the rendezvous, replica groups, the verdict
     "_fingerprint": {"_errors", "_compiled"},
-    "_verdict": {"_errors", "_fingerprint", "_dist.rendezvous", "_dist.replicas"},
+    "_verdict": {"_errors", "_fingerprint", "_dist.collective", "_dist.rendezvous", "_dist.replicas"},
     "ddp_verify": {"_errors", "_args", "_model", "_fingerprint", "_dist.rendezvous", "_dist.replicas", "_verdict"},
     "run": {"_errors", "_model", "stats", "anomaly", "_io"},
     "report": {"_errors", "_source", "_model", "_io", "stats", "anomaly", "plots", "graphviz"},

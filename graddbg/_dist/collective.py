@@ -15,17 +15,20 @@ held by a worker thread when the process ends right after; a test saw that once.
 tests/test_collective.py ends processes right after graddbg's collectives; without this
 (graddbg 9e4295f) a watched run ended that way aborted in 3 of 8 runs.
 
-This module imports nothing of graddbg.
+This module imports only `graddbg._dist.store` (its `poll`).
 """
 from __future__ import annotations
 
 import collections
+import math
 import time
 from typing import Any, Callable, Deque, Tuple
 
 import torch
 
-__all__ = ["run_collective", "keep_work", "wait_interruptibly"]
+from graddbg._dist.store import poll
+
+__all__ = ["all_gather", "run_collective", "keep_work", "wait_interruptibly"]
 
 KEEP_SECONDS = 1.0     # a work is freed by the main thread no sooner than this after it was issued
 KEEP_MOST = 1024       # ... unless more works than this were issued since (bounds the memory)
@@ -66,7 +69,12 @@ def run_collective(collective: Callable[..., Any], out: Any, *args: Any, **kwarg
 def wait_interruptibly(work: Any, first_sleep: float = 2e-5, longest_sleep: float = 1e-3) -> None:
     """Wait until ``work.is_completed()``, sleeping between polls (from ``first_sleep``
     seconds, doubling up to ``longest_sleep``): signal handlers run between the polls."""
-    delay = first_sleep
-    while not work.is_completed():
-        time.sleep(delay)
-        delay = min(delay * 2, longest_sleep)
+    poll(work.is_completed, math.inf, first_sleep, longest_sleep)
+
+
+def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Every rank's ``tensor`` (the same shape on every rank of ``group``; None: the default
+    group), stacked in rank order."""
+    out = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    run_collective(torch.distributed.all_gather, out, tensor.contiguous(), group=group)
+    return torch.stack(out)

@@ -24,7 +24,7 @@ every peer is at the same boundary (`Peers.arrive`), through the default process
 Every wait ends within the bound given (the process group's timeout, or ``ddp_timeout`` when
 shorter). Verdicts are data (`Verdict`); the caller says them to the user.
 
-This module imports nothing of graddbg.
+This module imports only `graddbg._dist.store` (its `poll`).
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ import threading
 import time
 import weakref
 from typing import Any, List, Optional, Tuple
+
+from graddbg._dist.store import poll
 
 __all__ = ["BEAT_SECONDS", "SILENT_SECONDS", "Peers", "Position", "Verdict"]
 
@@ -162,13 +164,10 @@ class Peers:
     def hear(self, key: str, seconds: float) -> Optional[str]:
         """The fact a peer told under ``key``, waited for at most ``seconds`` (and not past
         the stop key, or a dead store): None when it did not come."""
-        end, delay = time.monotonic() + seconds, 1e-4
         try:
-            while not self.store.check([self.prefix + key]):
-                if time.monotonic() > end or self.store.get(self._stop_key):
-                    return None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.02)
+            if not poll(lambda: self.store.check([self.prefix + key]), seconds, 1e-4, 0.02,
+                        stop=lambda: self.store.get(self._stop_key)):
+                return None
             return self.store.get(self.prefix + key).decode()
         except Exception:
             return None

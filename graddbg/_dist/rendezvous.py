@@ -1,6 +1,7 @@
 """The rendezvous of a cross-rank check: which group and device its collectives use, and
 the exchange of the ranks' headers, bounded by a timeout, that names the ranks that never
-came instead of hanging (step 3 of `graddbg.ddp_verify`'s module docstring).
+came instead of hanging (step 3 of `graddbg.ddp_verify`'s module docstring). Its check-in
+and waits are a watch's too (`graddbg._dist.store`).
 """
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graddbg._dist.collective import keep_work, run_collective
+from graddbg._dist.collective import keep_work
+from graddbg._dist.groups import group_ranks
+from graddbg._dist.store import RollCall, poll
+from graddbg._dist.store import default_store as _store  # (a test makes the store unreachable here)
 from graddbg._errors import DDPTimeoutError
 
-__all__ = ["all_gather", "comm_device", "exchange", "raise_if_late", "side_group"]
+__all__ = ["comm_device", "exchange", "raise_if_late", "side_group"]
 
 
 # --------------------------------------------------------------------------- groups
@@ -52,7 +56,7 @@ def side_group(group: Any, timeout: timedelta, force_side: bool = False) -> Any:
         return group
     key = id(group if group is not None else dist.group.WORLD)
     if key not in _SIDE_GROUPS:
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        ranks = group_ranks(group)
         try:
             side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
                                   use_local_synchronization=True)
@@ -97,17 +101,12 @@ def _barrier(fn: str, group: Any, timeout: timedelta) -> None:
                              str(err)) from err
 
 
-def _store() -> Any:
-    """The default process group's store, or None where it cannot be reached."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:   # a private function: absent or failing, checks use a monitored barrier
-        return None
+def _prefix(group: Any) -> str:
+    return f"graddbg/ddp_verify/checks/{','.join(map(str, group_ranks(group)))}/"
 
 
 def _counter_key(group: Any, global_rank: int) -> str:
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    return f"graddbg/ddp_verify/checks/{','.join(map(str, ranks))}/{global_rank}"
+    return f"{_prefix(group)}{global_rank}"
 
 
 # Checks this process has entered, by default group and counter key (group and rank); the
@@ -133,10 +132,7 @@ def _settle(work: Any, store: Any, key: str, count: int, timeout: timedelta) -> 
     the ranks that never entered the check (`_behind`); a failed write is let go."""
     quiet = min(_QUIET, timeout.total_seconds() / 4)
     start = time.perf_counter()
-    pause = 0.0
-    while not work.is_completed() and time.perf_counter() - start < quiet:
-        time.sleep(pause)
-        pause = min(2 * pause or 1e-5, 1e-4)     # ends at most 0.1 ms after the exchange
+    poll(work.is_completed, quiet, 1e-5, 1e-4)     # ends at most 0.1 ms after the exchange
     if not work.is_completed() and store is not None:
         try:
             store.set(key, str(count))
@@ -149,14 +145,11 @@ def _settle(work: Any, store: Any, key: str, count: int, timeout: timedelta) -> 
 def _behind(group: Any, arrived: int) -> Optional[List[int]]:
     """The ranks of ``group`` whose counters in the store say they entered fewer than
     ``arrived`` checks; None when the store cannot be read (who is missing is unknown)."""
-    store = _store()
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    keys = [_counter_key(group, global_rank) for global_rank in ranks]
+    roll = RollCall(_store(), _prefix(group), group_ranks(group))  # (a counter per rank of the group)
     try:
-        entered = [int(store.get(key)) if store.check([key]) else 0 for key in keys]
+        return roll.behind(arrived)
     except Exception:   # no store, or its host is gone
         return None
-    return [r for r, count in enumerate(entered) if count < arrived]
 
 
 def exchange(fn: str, group: Any, timeout: timedelta, header: List[int]) -> List[List[int]]:
@@ -200,9 +193,3 @@ def raise_if_late(fn: str, starts: Sequence[int], timeout: timedelta, rank: int)
             f"DDPTimeoutError). Every rank must call {fn} at the same point of the program.")
         error.missing_ranks = late  # type: ignore[attr-defined]
         raise error
-
-
-def all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    run_collective(dist.all_gather, out, tensor.contiguous(), group=group)
-    return torch.stack(out)

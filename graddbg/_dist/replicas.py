@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graddbg._dist.collective import all_gather
+from graddbg._dist.groups import group_ranks, held_coordinates
 from graddbg._errors import GraddbgValueError
 from graddbg._model import clean_name, is_dtensor, local_values
-from graddbg._dist.rendezvous import all_gather
 
 __all__ = ["CheckOptions", "KINDS", "all_layouts", "collect_all", "gather_tables", "hash64", "is_mesh",
            "local_shapes", "no_replicas", "placement_text", "replica_header", "replica_sets",
@@ -94,8 +95,7 @@ def _layout_entry(spec: tuple, local_shape: Tuple[int, ...]) -> tuple:
     shard, so their local tensors should be equal."""
     mesh, placements, _ = spec
     names = tuple(mesh.mesh_dim_names or range(mesh.ndim))
-    coords = mesh.get_coordinate() or [None] * mesh.ndim
-    held = tuple(None if p.is_replicate() else c for p, c in zip(placements, coords))
+    held = held_coordinates(mesh, placements)
     return (names, tuple(mesh.shape), tuple(repr(p) for p in placements), held, local_shape)
 
 
@@ -165,7 +165,7 @@ def resolve(options: CheckOptions, mesh: Any) -> CheckOptions:
     elif is_mesh(group):
         ranks = group.mesh.flatten().tolist()
     else:
-        ranks = dist.get_process_group_ranks(group)
+        ranks = group_ranks(group)
     return dataclasses.replace(options, group=None, sharded=True, replicas=tuple(sorted(ranks)))
 
 
