@@ -36,7 +36,7 @@ from graddbg.anomaly import Anomaly, AnomalyList, Explode, NonFinite, Vanish, ap
 from graddbg.blame import Capture, LossTape, reap
 from graddbg.checks.hygiene import unused_anomaly
 from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, Ledger, LedgerKeeper, LossGraph,
-                            StatsRecorder, Step, Watched, ZeroRecorder, default_checks)
+                            StatsRecorder, Step, Watched, default_checks)
 from graddbg.options import COPY_BUDGET, UPDATE_EVERY, WatchOptions, options_in_signature
 from graddbg.stats import DEFAULT_STATS, History
 from graddbg.trackers import Sink
@@ -656,9 +656,7 @@ class Watch(_Results, _Resumable):
         self._scaler_looked = False
         self._errors_warned: set = set()
         try:
-            self._checks = default_checks(model, opts)
-            if zero is not None:  # ZeRO's reduced partitions, not .grad
-                self._checks[self._checks.index(self._part(StatsRecorder))] = ZeroRecorder(zero)
+            self._checks = default_checks(model, opts, zero)  # (zero: ZeRO's reduced partitions, not .grad)
             ctx.guard = self._part(CopyGuard)
             self._keeper = self._part(LedgerKeeper)
             for c in self._checks:
@@ -829,18 +827,22 @@ class Watch(_Results, _Resumable):
         due_nf = opts.nonfinite is not None and opts.nonfinite.schedule.includes(index)
         due_stats = opts.record_schedule.includes(index)
         step = Step(index, self._ctx.grads(), due_stats, read=due_stats or due_nf or
-                    any(due(index) for due in self._on["due"]), capture=self._tap.capture, closure=closure)
+                    any(due(index) for due in self._on["due"]), tapped=self._tap.capture, closure=closure)
         step.entry = self._keeper.begin(index, _path(self._zero, self._ctx.optimizer, opts.scaler, closure, manual),
                                         step.grads)
         for check in self._checks:
             if check.queue in self._on["queue"]:
                 step.tokens[id(check)] = check.queue(step)
+        step.reduce.run()  # (the one small all-reduce the checks packed, before the read-back)
         if step.read:
             step.readback.fetch()
             self._ctx.host_syncs += 1  # (counted on the CPU too: the same code path as on a GPU)
         found: List[Finding] = []
-        for handle in self._on["read"]:
-            found += handle(step)
+        try:
+            for handle in self._on["read"]:
+                found += handle(step)
+        finally:
+            step.record_into(self._ctx.history)  # (its row, from what the checks measured)
         step.entry.kinds = [f.anomaly.kind for f in found]
         self._finish_step()
         if self._sink is not None:  # (host values of this step's read-back: no synchronisation)

@@ -14,24 +14,26 @@ from graddbg._errors import CompileWarning
 from graddbg._model import is_compiled
 
 from graddbg.checks.activations import Activations
-from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched
+from graddbg.checks.base import BackwardEnd, Check, Finding, Launched, Measured, PackedSum, Step, Watched
 from graddbg.checks.copies import CopyGuard
 from graddbg.checks.detectors import ExplodeCheck, NonFiniteCheck, VanishCheck
 from graddbg.checks.applied import ForeignUpdate, LrSchedule, ScaledStep
 from graddbg.checks.graph import LossGraph
+from graddbg.checks.histograms import Histograms
 from graddbg.checks.hygiene import DeadGrad, DoubleStep, EmptyStep, EvalMode, StaleGrad, Unchanged
 from graddbg.checks.ledger import Ledger, LedgerKeeper, StepEntry
-from graddbg.checks.recorder import StatsRecorder
+from graddbg.checks.recorder import GradientSource, StatsRecorder
 from graddbg.checks.replicas import ReplicaCheck
-from graddbg.checks.stages import StageCheck
+from graddbg.checks.stages import StageCheck, StageSummary
 from graddbg.checks.update import UpdateRatio
-from graddbg.checks.zero import ZeroRecorder
+from graddbg.checks.zero import ZeroRecorder, ZeroSource
 
 __all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "default_checks",
            "CopyGuard", "StatsRecorder", "Activations", "NonFiniteCheck", "ExplodeCheck", "VanishCheck",
            "UpdateRatio", "ReplicaCheck", "StageCheck", "StaleGrad", "EmptyStep", "DoubleStep", "EvalMode",
            "Unchanged", "DeadGrad", "LossGraph", "ScaledStep", "ForeignUpdate", "LrSchedule", "Ledger", "LedgerKeeper",
-           "StepEntry", "ZeroRecorder", "ordered"]
+           "StepEntry", "ZeroRecorder", "ordered", "Launched", "Measured", "PackedSum", "GradientSource", "ZeroSource",
+           "StageSummary", "Histograms"]
 
 
 def _hookable(model: Any) -> bool:
@@ -65,15 +67,22 @@ def ordered(checks: List[Check]) -> List[Check]:
     return out
 
 
-def default_checks(model: Any, options: Any) -> List[Check]:
+def default_checks(model: Any, options: Any, zero: Any = None) -> List[Check]:
     """The watch's checks, ordered by what each declares it reads after (`ordered`): the
-    ledger keeper and the copy guard, the statistics recorder (it fills the step that the
-    others read), activations (a hint for blame), the detectors, the update ratio, the
-    replica check, the hygiene checks and the loss graph."""
-    checks: List[Check] = [LedgerKeeper(), CopyGuard(), StatsRecorder()]
+    ledger keeper and the copy guard, the statistics recorder (it measures the step that the
+    others read; ``zero``: a `graddbg._deepspeed.Zero` whose reduced partitions it reads
+    instead of ``.grad``), the histograms, activations (a hint for blame), the stage summary,
+    the detectors, the update ratio, the replica check, the hygiene checks and the loss
+    graph."""
+    checks: List[Check] = [LedgerKeeper(), CopyGuard(), StatsRecorder(ZeroSource(zero) if zero is not None else None)]
+    if zero is None and options.histogram_schedule.on:  # (ZeRO's flat partitions: no histograms)
+        checks.append(Histograms())
     if options.activations and _hookable(model):
         checks.append(Activations(model))
-    checks += [NonFiniteCheck(), StageCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(), ReplicaCheck(),
+    # (the stage summary before the detectors: they read the whole model's norm and where a
+    # non-finite gradient came from; those that do not declare it keep their place after it)
+    checks += [StageSummary(), NonFiniteCheck(), StageCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(),
+               ReplicaCheck(),
                StaleGrad(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(),
                LrSchedule(), DeadGrad(), LossGraph()]
     return ordered(checks)

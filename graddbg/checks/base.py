@@ -35,9 +35,9 @@ from torch import Tensor, nn
 from graddbg._model import module_of
 from graddbg.anomaly import Anomaly
 from graddbg.checks.budget import WeightBudget
-from graddbg.stats import Readback, StepStats
+from graddbg.stats import Readback, StepRecord, StepStats
 
-__all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "finding", "shown", "step_range"]
+__all__ = ["Check", "Watched", "Step", "Launched", "Measured", "PackedSum", "BackwardEnd", "Finding", "finding", "shown", "step_range"]
 
 
 class Watched:
@@ -93,43 +93,211 @@ class BackwardEnd:
     scale: Optional[Tensor] = None  #: the GradScaler's scale when this backward ran (a device tensor)
 
 
+class PackedSum:
+    """The step's one small all-reduce: the int64 vectors the checks add in ``queue`` are
+    summed over their group in one collective per group (in practice one: the replica
+    group), which the watch runs after every check queued and before the read-back. Each
+    part is summed in place; ``then`` runs after, on the summed part (a check's verdict
+    computed on the device, for the read-back)."""
+
+    def __init__(self) -> None:
+        self._parts: List[Tuple[Tensor, Any, Optional[Callable[[Tensor], None]]]] = []
+
+    def add(self, t: Tensor, group: Any, then: Optional[Callable[[Tensor], None]] = None) -> None:
+        """Sum ``t`` (int64, 1-D) over ``group`` (as ``torch.distributed`` takes it) in place."""
+        self._parts.append((t, group, then))
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def run(self) -> None:
+        """One all-reduce per group, then each part's ``then``."""
+        if not self._parts:
+            return
+        import torch.distributed as dist
+
+        from graddbg._dist.collective import run_collective
+
+        groups: List[Any] = []
+        for _, g, _ in self._parts:
+            if not any(g is h for h in groups):
+                groups.append(g)
+        for g in groups:
+            ts = [t for t, h, _ in self._parts if h is g]
+            flat = ts[0] if len(ts) == 1 else torch.cat(ts)  # (one part: summed in place)
+            run_collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=g)
+            if len(ts) > 1:
+                at = 0
+                for t in ts:
+                    t.copy_(flat[at: at + t.numel()])
+                    at += t.numel()
+        parts, self._parts = self._parts, []
+        for t, _, then in parts:
+            if then is not None:
+                then(t)
+
+
+@dataclasses.dataclass
+class Launched:
+    """What the statistics recorder measures this step, on the device (its ``queue`` on a
+    read step; none under a gradient source such as ZeRO's): other parts queue from it
+    without reading the gradients again."""
+
+    grads: List[Optional[Tensor]]  #: the gradients measured (the backward pass's, else the step's)
+    launch: Any  #: the launched statistics (`graddbg.stats.StepReader.launch`): ``groups``, ``norms``, ``sharded``
+    collect: bool  #: this step exchanges statistics with other ranks (the layout is ready)
+    #: the non-finite flags of every rank of the replica group (a bit per rank, summed in
+    #: ``step.reduce`` over ``group``); None: no exchange of flags this step
+    any_rank: Optional[Tensor] = None
+    group: Any = None  #: the replica group (as ``torch.distributed`` takes it)
+    current: List[int] = dataclasses.field(default_factory=list)  #: gradients changed since the backward pass ...
+    current_norms: Optional[Tensor] = None  #: ... and their norms now (local values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What the statistics recorder read back this step (its ``read``), on the host."""
+
+    lr: float = float("nan")  #: the first param group's learning rate (NaN: unknown)
+    #: the statistics, unscaled (None: not read this step); also on an overflow step
+    stats: Optional[StepStats] = None
+    bad: Optional[np.ndarray] = None  #: [P] non-finite gradients (also from skipped steps, and any rank's)
+    first_bad: int = -1  #: the first step with a non-finite gradient among those read
+    clipped_norm: float = float("nan")  #: the global norm after a clip between backward and step
+    scale: float = float("nan")  #: the loss scale recorded (NaN: none)
+    loss: float = float("nan")  #: the sum of the losses handed to backward() since the last step
+    #: an overflow step (scaled gradients the scaler or DeepSpeed skips by design): recorded
+    #: as such; the checks see no statistics
+    overflow: bool = False
+    #: under DeepSpeed ZeRO, where a non-finite gradient started: (global ranks, the evidence)
+    origin: Optional[Tuple[Tuple[int, ...], str]] = None
+    in_ledger: bool = True  #: the ledger entry shows the norms and the scale (not under ZeRO)
+
+
 @dataclasses.dataclass
 class Step:
-    """One step boundary as it is read: filled by the statistics recorder first (``grads``,
-    ``stats``, ``bad``), then read by the other checks. Host-side, except the gradients."""
+    """One step boundary as it is read. Each field has one writer, named in its comment;
+    the properties below (``stats``, ``bad``, ``origin``, ``capture``, ...) are read-only
+    views of them. Host-side, except the gradients and the device handles."""
 
+    # -- the watch, when it makes the step
     index: int
-    grads: List[Optional[Tensor]]
+    grads: List[Optional[Tensor]]  #: the gradients at the boundary
     due_stats: bool  #: per-parameter statistics are recorded this step
     read: bool = True  #: whether the statistics are read back this step
-    scale: Optional[float] = None  #: the GradScaler's scale now (None without one)
-    capture: Any = None  #: the last forward's inputs, for a replay (``graddbg.blame.Capture``)
-    hint: Optional[tuple] = None  #: (module, how it was found) of a non-finite producer
-    readback: Readback = dataclasses.field(default_factory=Readback)
+    tapped: Any = None  #: the last forward's inputs, from the watch's output tap (``graddbg.blame.Capture``)
+    closure: bool = False  #: inside ``optimizer.step(closure)``
+    readback: Readback = dataclasses.field(default_factory=Readback)  #: the one read-back (checks add slots)
+    reduce: PackedSum = dataclasses.field(default_factory=PackedSum)  #: the one small all-reduce (checks add parts)
     #: this step's ledger entry (`graddbg.checks.ledger.StepEntry`): its host facts
     entry: Any = None
     tokens: Dict[int, Any] = dataclasses.field(default_factory=dict)  #: what each check's queue() returned
-    stats: Optional[StepStats] = None  #: this step's statistics (unscaled)
-    bad: Optional[np.ndarray] = None  #: [P] non-finite gradients (also from skipped steps)
-    first_bad: int = -1  #: the first step with a non-finite gradient among those read
-    clipped_norm: float = float("nan")  #: the global norm after a clip between backward and step
-    closure: bool = False  #: inside ``optimizer.step(closure)``
-    #: under DeepSpeed ZeRO, where a non-finite gradient started: (global ranks, the evidence);
-    #: no ranks when the evidence names none
-    origin: Optional[Tuple[Tuple[int, ...], str]] = None
+    # -- the statistics recorder (`graddbg.checks.recorder.StatsRecorder`)
+    launched: Optional[Launched] = None  #: its ``queue``: what it measures, on the device
+    measured: Optional[Measured] = None  #: its ``read``: what it read back
+    # -- the replica check (`graddbg.checks.replicas.ReplicaCheck`), its ``queue``: its
+    #: verdict's slot (the replicas' hash of their norms differs; see ``replicas_differ``)
+    replica_hash: Any = None
+    # -- the stage summary (`graddbg.checks.stages.StageSummary`), its ``read``
     #: under pipeline parallelism (or ranks holding different parameters): every stage's
-    #: squared norm and non-finite flag this step (`graddbg._groups.StageReport`)
+    #: squared norm and non-finite flag this step (`graddbg._dist.layout.StageReport`)
     stages: Any = None
-    #: the replicas' gradients differ this step (a hash of their norms, compared by the recorder)
-    replicas_differ: bool = False
+    #: the recorder's statistics with the whole model's global norm (every stage's)
+    whole: Optional[StepStats] = None
+    #: a non-finite gradient arrived at this rank's stage from the next one: (ranks, how)
+    arrival: Optional[Tuple[Tuple[int, ...], str]] = None
+    stage_capture: Any = None  #: the last forward pass of this rank's stage that made it (several stages here)
+    # -- the histograms (`graddbg.checks.histograms.Histograms`), its ``read``
+    hist: Optional[np.ndarray] = None  #: [P, bins] counts of |grad|
+    # -- the activations (`graddbg.checks.activations.Activations`), its ``read``
+    hint: Optional[tuple] = None  #: (module, how it was found) of a non-finite producer
 
     def token(self, check: "Check") -> Any:
         """What ``check.queue(step)`` returned for this step (None when it queued nothing)."""
         return self.tokens.get(id(check))
 
     @property
+    def stats(self) -> Optional[StepStats]:
+        """This step's statistics (unscaled; the whole model's global norm under a stage
+        summary); None when not read, or on an overflow step."""
+        m = self.measured
+        if m is None or m.overflow:
+            return None
+        return self.whole if self.whole is not None else m.stats
+
+    @property
+    def bad(self) -> Optional[np.ndarray]:
+        """[P] non-finite gradients (also from skipped steps); None when not read."""
+        m = self.measured
+        return None if m is None or m.overflow else m.bad
+
+    @property
+    def first_bad(self) -> int:
+        """The first step with a non-finite gradient among those read (-1: none read)."""
+        m = self.measured
+        return -1 if m is None or m.overflow or m.stats is None else m.first_bad
+
+    @property
+    def clipped_norm(self) -> float:
+        """The global norm after a clip between backward and step (NaN: none)."""
+        m = self.measured
+        return float("nan") if m is None or m.overflow else m.clipped_norm
+
+    @property
+    def scale(self) -> Optional[float]:
+        """The loss scale recorded this step (NaN: none; None: not read)."""
+        m = self.measured
+        return None if m is None or m.overflow or m.stats is None else m.scale
+
+    @property
+    def origin(self) -> Optional[Tuple[Tuple[int, ...], str]]:
+        """Where a non-finite gradient started, when it started on another rank: (global
+        ranks, the evidence); no ranks when the evidence names none."""
+        if self.arrival is not None:
+            return self.arrival
+        return None if self.measured is None else self.measured.origin
+
+    @property
+    def capture(self) -> Any:
+        """The forward pass a replay of this step runs (None: none; a non-finite gradient
+        that arrived from another stage is not replayed here)."""
+        if self.arrival is not None:
+            return None
+        return self.stage_capture or self.tapped
+
+    @property
+    def replicas_differ(self) -> bool:
+        """The replicas' gradients differ this step (the replica check's hash of their
+        norms, summed in ``reduce``; False when a rank holds a non-finite gradient: that is
+        the non-finite check's finding)."""
+        slot = self.replica_hash
+        return slot is not None and slot.value is not None and bool(slot.value[0] != 0)
+
+    @property
     def any_bad(self) -> bool:
-        return self.bad is not None and bool(self.bad.any())
+        bad = self.bad
+        return bad is not None and bool(bad.any())
+
+    def record_into(self, history: Any) -> None:
+        """The step's row of ``w.steps`` (and of ``w.stats`` when due) into ``history``
+        (`graddbg.stats.History`), and the measured values into its ledger entry: by the
+        watch, once every check has read."""
+        m = self.measured
+        if m is None:
+            return
+        if m.stats is None:
+            history.append(StepRecord(self.index, scale=float("nan"), lr=m.lr))
+            return
+        if m.overflow:
+            history.append(StepRecord(self.index, overflow=True, scale=m.scale, lr=m.lr, loss=m.loss))
+            return
+        st = self.stats
+        assert st is not None
+        history.append(StepRecord(self.index, per_param=st if self.due_stats else None, global_norm=st.global_norm,
+                                  clipped_norm=m.clipped_norm, scale=m.scale, lr=m.lr, hist=self.hist,
+                                  loss=m.loss))
+        if self.entry is not None and m.in_ledger:
+            self.entry.global_norm, self.entry.clipped_norm, self.entry.scale = st.global_norm, m.clipped_norm, m.scale
 
 
 @dataclasses.dataclass(frozen=True)
