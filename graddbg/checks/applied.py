@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched, finding as _finding, shown as _shown, \
+from graddbg.checks.base import BackwardEnd, Finding, PolicyCheck, Step, Watched, finding as _finding, shown as _shown, \
     step_range as _steps
 from graddbg.checks.ledger import LedgerKeeper, StepEntry, param_versions
 from graddbg.checks.recorder import StatsRecorder
@@ -22,7 +22,7 @@ COLLAPSE = 1e-3
 COLLAPSE_SHARE = 0.25
 
 
-class ScaledStep(Check):
+class ScaledStep(PolicyCheck):
     """The optimizer stepped on gradients that a GradScaler scaled and never unscaled: the
     step is the loss scale times too large (or Inf). Reported at its first occurrence."""
 
@@ -30,10 +30,8 @@ class ScaledStep(Check):
 
     after = (LedgerKeeper, StatsRecorder)
 
-    def attach(self, ctx: Watched) -> None:
-        super().attach(ctx)
-        self._policy = ctx.options.scaled_grad
-        self._reported = False
+    KIND = "scaled_grad"
+    NEEDS_OPTIMIZER = False
 
     def read(self, step: Step) -> List[Finding]:
         e: StepEntry = step.entry
@@ -51,7 +49,7 @@ class ScaledStep(Check):
                          self._policy, self.ctx.rank, value=step.scale)]
 
 
-class ForeignUpdate(Check):
+class ForeignUpdate(PolicyCheck):
     """Parameters changed between backward passes while the watched optimizer does not step
     (their version counters moved after it last stepped): another optimizer steps them (one
     re-created every epoch or batch), or code writes the weights. Found at a backward pass:
@@ -61,13 +59,12 @@ class ForeignUpdate(Check):
 
     after = (LedgerKeeper,)
 
+    KIND = "foreign_update"
+
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        self._policy = ctx.options.foreign_update
-        self._on = self._policy is not None and ctx.optimizer is not None
         self._prev: Optional[np.ndarray] = None
         self._changes: List[int] = []  # backward passes (since the last watched step) after a change
-        self._reported = False
 
     def params_added(self, k: int) -> None:
         self._prev = None
@@ -106,7 +103,7 @@ class ForeignUpdate(Check):
                          self.ctx.rank)]
 
 
-class LrSchedule(Check):
+class LrSchedule(PolicyCheck):
     """The learning rate follows a schedule stepped once per optimizer step: it does not
     change between the backward passes of one step (a scheduler stepped per micro-batch
     runs accumulation-times too fast; two steps in a row), and it does not collapse to under
@@ -117,14 +114,13 @@ class LrSchedule(Check):
 
     after = (LedgerKeeper,)
 
+    KIND = "lr_schedule"
+
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        self._policy = ctx.options.lr_schedule
-        self._on = self._policy is not None and ctx.optimizer is not None
         self._micro: List[int] = []
         self._peak: List[tuple] = []  # per group: (peak lr, its step)
         self._low: List[Optional[int]] = []  # per group: the first step of the current collapse
-        self._reported = False
 
     def read(self, step: Step) -> List[Finding]:
         e: StepEntry = step.entry

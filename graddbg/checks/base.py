@@ -13,9 +13,12 @@ and never reaches into another check or into the watch. The events:
 - ``queue(step)`` then ``read(step)``: the step boundary (the optimizer's step, or the end of
   a backward pass without an optimizer, or ``w.step()``): each check queues what it needs
   read from the device into ``step.readback`` (``Readback.add`` returns a `Slot`) and
-  returns what it wants handed back (a token: its slots, the facts it took); the watch reads
-  everything back at once, then each check reads its part (``step.token(self)``: what its
-  ``queue`` returned) and the step's ledger entry (``step.entry``) and returns findings;
+  returns what it wants handed back (a token: its slots, the facts it took); a check that
+  exchanges a few numbers with other ranks adds them to ``step.reduce`` (`PackedSum`: one
+  small all-reduce for all of them); the watch runs that collective, reads everything back
+  at once, then each check reads its part (``step.token(self)``: what its ``queue``
+  returned) and the step's ledger entry (``step.entry``) and returns findings; the step's
+  row goes into the history when every check has read (`Step.record_into`);
 - ``before_step(index, closure)``: the optimizer's step begins (``closure``: it was given
   one, so the boundary comes after it);
 - ``after_step(index)``: the optimizer's step ran;
@@ -37,7 +40,7 @@ from graddbg.anomaly import Anomaly
 from graddbg.checks.budget import WeightBudget
 from graddbg.stats import Readback, StepRecord, StepStats
 
-__all__ = ["Check", "Watched", "Step", "Launched", "Measured", "PackedSum", "BackwardEnd", "Finding", "finding", "shown", "step_range"]
+__all__ = ["Check", "PolicyCheck", "Watched", "Step", "Launched", "Measured", "PackedSum", "BackwardEnd", "Finding", "finding", "shown", "step_range"]
 
 
 class Watched:
@@ -376,6 +379,22 @@ class Check:
 
     def close(self) -> None:
         pass
+
+
+class PolicyCheck(Check):
+    """A check of one kind of finding with its own policy (``watch(<KIND>=...)``). After
+    `attach`: ``_policy`` (None: off), ``_on`` (the policy is set, and an optimizer is
+    watched where the check needs one: ``NEEDS_OPTIMIZER``) and ``_reported`` (False: a
+    check reports its finding once)."""
+
+    KIND: str = ""
+    NEEDS_OPTIMIZER = True
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        self._policy = getattr(ctx.options, self.KIND)
+        self._on = self._policy is not None and (ctx.optimizer is not None or not self.NEEDS_OPTIMIZER)
+        self._reported: Any = False
 
 
 def shown(names: Sequence[str], limit: int = 6) -> str:

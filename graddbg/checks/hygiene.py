@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from graddbg.anomaly import Anomaly
-from graddbg.checks.base import BackwardEnd, Check, Finding, Step, Watched, finding as _finding, shown as _shown, \
+from graddbg.checks.base import BackwardEnd, Check, Finding, PolicyCheck, Step, Watched, finding as _finding, shown as _shown, \
     step_range as _steps
 from graddbg.checks.ledger import LedgerKeeper, StepEntry
 from graddbg.checks.recorder import StatsRecorder
@@ -47,7 +47,7 @@ DEAD_PATIENCE = 5
 RELATIVE_NOISE = 1e-6
 
 
-class StaleGrad(Check):
+class StaleGrad(PolicyCheck):
     """``zero_grad()`` missing: no backward pass between two optimizer steps found the
     gradients cleared. The ledger's probe tells, per backward pass, whether the gradient it
     accumulated into was None, replaced, changed in place (``zero_()``) or kept; a kept one
@@ -59,11 +59,10 @@ class StaleGrad(Check):
 
     after = (LedgerKeeper,)
 
+    KIND = "stale_grad"
+
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        self._policy = ctx.options.stale_grad
-        self._on = self._policy is not None and ctx.optimizer is not None
-        self._reported = False
         self._zero: Any = None  # a device bool: the kept gradient was all zero at some backward pass
         self._probe: Optional[int] = None
 
@@ -107,7 +106,7 @@ class StaleGrad(Check):
                          ctx.rank)]
 
 
-class EmptyStep(Check):
+class EmptyStep(PolicyCheck):
     """Optimizer steps that find no gradient (every ``.grad`` None, or every one exactly
     zero), ``PATIENCE`` in a row: one such step (a skipped batch) is harmless."""
 
@@ -115,13 +114,12 @@ class EmptyStep(Check):
 
     after = (LedgerKeeper, StatsRecorder)
 
+    KIND = "empty_step"
+
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        self._policy = ctx.options.empty_step
-        self._on = self._policy is not None and ctx.optimizer is not None
         self._run: List[StepEntry] = []
         self._ever = False
-        self._reported = False
 
     def read(self, step: Step) -> List[Finding]:
         e: StepEntry = step.entry
@@ -159,7 +157,7 @@ class EmptyStep(Check):
                          self._policy, self.ctx.rank)]
 
 
-class DoubleStep(Check):
+class DoubleStep(PolicyCheck):
     """One set of gradients applied twice: a step with no backward pass since the previous
     one finds the very gradient tensors that step applied, untouched (same identities and
     version counters). Reported on its second occurrence."""
@@ -168,12 +166,11 @@ class DoubleStep(Check):
 
     after = (LedgerKeeper,)
 
+    KIND = "double_step"
+
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        self._policy = ctx.options.double_step
-        self._on = self._policy is not None and ctx.optimizer is not None
         self._seen: List[int] = []
-        self._reported = False
 
     def read(self, step: Step) -> List[Finding]:
         e: StepEntry = step.entry
@@ -196,7 +193,7 @@ class DoubleStep(Check):
                          self.ctx.rank)]
 
 
-class EvalMode(Check):
+class EvalMode(PolicyCheck):
     """Training steps whose forward passes ran in eval mode (``model.training`` False, its
     dropout and batch-norm layers in eval mode) after earlier steps trained in training mode,
     two steps in a row: ``model.eval()`` (for a validation pass) not undone. A model without
@@ -207,12 +204,13 @@ class EvalMode(Check):
 
     after = (LedgerKeeper,)
 
+    KIND = "eval_mode"
+    NEEDS_OPTIMIZER = False
+
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        self._policy = ctx.options.eval_mode
         self._trained: Optional[int] = None  # the last step whose forward passes ran in training mode
         self._run: List[int] = []
-        self._reported = False
 
     def read(self, step: Step) -> List[Finding]:
         e: StepEntry = step.entry
@@ -353,7 +351,7 @@ class Unchanged(Check):
         return _finding("no_update", e.index, names, [self.ctx.modules[i] for i in idx], msg, policy, self.ctx.rank)
 
 
-class DeadGrad(Check):
+class DeadGrad(PolicyCheck):
     """A parameter whose gradient has been exactly zero for ``DEAD_PATIENCE`` recorded steps
     in a row: after having been non-zero (dead ReLUs, a saturated gate), or since its
     first gradient (dead from initialisation)."""
@@ -362,9 +360,11 @@ class DeadGrad(Check):
 
     after = (StatsRecorder,)
 
+    KIND = "dead_grad"
+    NEEDS_OPTIMIZER = False
+
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        self._policy = ctx.options.dead_grad
         self._alive = np.zeros(len(ctx), dtype=bool)  # had a non-zero gradient once
         self._run = np.zeros(len(ctx), dtype=np.int64)
         self._since = np.zeros(len(ctx), dtype=np.int64)
