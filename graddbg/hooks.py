@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import pathlib
 import sys
@@ -31,12 +30,11 @@ from graddbg._errors import CoverageWarning, GradientAnomalyError, GraddbgTypeEr
 from graddbg._deepspeed import find as find_deepspeed
 from graddbg._dist.layout import Layout
 from graddbg._hookset import HookSet
-from graddbg._model import check_model, in_backward, module_of, named_trainable_parameters, tensors_in, unwrap
+from graddbg._model import check_model, in_backward, named_trainable_parameters, tensors_in, unwrap
 from graddbg.anomaly import Anomaly, AnomalyList, Explode, NonFinite, Vanish, apply_policy
 from graddbg.blame import Capture, LossTape, reap
 from graddbg.checks.hygiene import unused_anomaly
-from graddbg.checks import (Activations, BackwardEnd, Check, CopyGuard, Finding, Ledger, LedgerKeeper, LossGraph,
-                            StatsRecorder, Step, Watched, default_checks)
+from graddbg.checks import BackwardEnd, Check, Finding, Ledger, Step, Watched, default_checks
 from graddbg.options import COPY_BUDGET, UPDATE_EVERY, WatchOptions, options_in_signature
 from graddbg.stats import DEFAULT_STATS, History
 from graddbg.trackers import Sink
@@ -360,7 +358,7 @@ class _Results:
     @property
     def stats(self):
         """Tidy DataFrame: one row per (recorded step, parameter)."""
-        for c in self._checks:
+        for c in self._steps._checks:
             c.flush()
         return self._ctx.history.stats_frame()
 
@@ -403,7 +401,7 @@ class _Results:
     @property
     def activations(self):
         """Gradient norm at each leaf module's output per step, or None without activations=True."""
-        acts = self._part(Activations)
+        acts = self._steps.activations
         return acts.frame() if acts is not None else None
 
     def summary(self, by: str = "param") -> pandas.DataFrame:
@@ -433,9 +431,9 @@ class _Results:
         """Parameters (and, with activations=True, leaf modules) that produced no data."""
         import pandas as pd
 
-        rec = self._part(StatsRecorder)
+        rec = self._steps.recorder
         rows = [{"kind": "param", "name": n, "covered": bool(c)} for n, c in zip(self._ctx.names, rec.ever_grad)]
-        acts = self._part(Activations)
+        acts = self._steps.activations
         if acts is not None:
             rows += [{"kind": "module", "name": n, "covered": i in acts.seen}
                      for i, n in enumerate(acts.names) if acts.leaf[i]]
@@ -445,7 +443,7 @@ class _Results:
         """A snapshot of what was recorded, as a `graddbg.run.Run`."""
         from graddbg.run import Run
 
-        meta = dict(self.meta, uncovered=self._part(StatsRecorder).uncovered(),
+        meta = dict(self.meta, uncovered=self._steps.recorder.uncovered(),
                     steps_dropped=self._ctx.history.dropped)
         if self.anomalies.not_kept:  # findings past MAX_KEPT_PER_KIND of a kind, counted
             meta["anomalies_not_kept"] = self.anomalies.not_kept_records()
@@ -561,8 +559,6 @@ class _Results:
         last = self._ctx.history.last
         return bool(last is not None and last["overflow"])
 
-    def _part(self, cls: type) -> Any:
-        return next((c for c in self._checks if isinstance(c, cls)), None)
 
 
 class _Resumable:
@@ -576,7 +572,7 @@ class _Resumable:
         their checkpoints; `load_state_dict` restores it."""
         return {"format": "graddbg.watch.state", "version": 1, "step": self._clock.index,
                 "params": list(self._ctx.names),
-                "checks": {type(c).__name__: c.state_dict() for c in self._checks if c.STATE}}
+                "checks": {type(c).__name__: c.state_dict() for c in self._steps._checks if c.STATE}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore `state_dict`'s state into this watch (a run resumed from a checkpoint);
@@ -590,28 +586,26 @@ class _Resumable:
                                     f"a dict from Watch.state_dict()")
         self._clock.index = int(state.get("step", 0))
         same = list(state.get("params") or []) == list(self._ctx.names)
-        for c in self._checks:
+        for c in self._steps._checks:
             saved = (state.get("checks") or {}).get(type(c).__name__)
             if saved:
                 c.load_state_dict(saved if same else {k: v for k, v in saved.items()
                                                        if not (isinstance(v, dict) and "__array__" in v)})
 
 
-# --------------------------------------------------------------------------- the watch
-class Watch(_Results, _Resumable):
-    """Records per-parameter gradient statistics and catches anomalies; see `watch`.
+# --------------------------------------------------------------------------- the step
+class StepPipeline:
+    """The machinery of a `Watch`: its hooks turned into step events, and each event passed
+    along the step's named parts: the clock (`StepClock`: which step this is), the ledger
+    keeper (the step's host facts), the statistics recorder (the one read of the gradients)
+    and the ordered checks (`graddbg.checks.default_checks`), whose findings get their
+    policies here, once per step. `Watch` is its public face (the read side is `_Results`)."""
 
-    ``Watch(model, optimizer, **options)`` takes the options of `watch`
-    (`graddbg.options.WatchOptions`)."""
-
-    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                 **options: Any) -> None:
-        self._closed = True  # until attached: repr() and __del__ work on a half-built watch
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], options: Dict[str, Any]) -> None:
+        self._closed = True  # until attached: close() and detach work on a half-built pipeline
         self._clock = StepClock()
         self._checks: List[Check] = []
         self._on: Dict[str, List[Callable[..., Any]]] = _handlers([])
-        #: the findings: the first `graddbg.anomaly.MAX_KEPT_PER_KIND` of each kind; later
-        #: ones are counted in ``anomalies.not_kept`` (by kind and parameter)
         self.anomalies: AnomalyList = AnomalyList()
         self._in_policy = False
         self._sink: Optional[Sink] = None  # (log_to=: the trackers fed on every recorded step)
@@ -656,9 +650,9 @@ class Watch(_Results, _Resumable):
         self._scaler_looked = False
         self._errors_warned: set = set()
         try:
-            self._checks = default_checks(model, opts, zero)  # (zero: ZeRO's reduced partitions, not .grad)
-            ctx.guard = self._part(CopyGuard)
-            self._keeper = self._part(LedgerKeeper)
+            parts = default_checks(model, opts, zero)  # (zero: ZeRO's reduced partitions, not .grad)
+            self._checks, ctx.guard, self._keeper = parts.checks, parts.guard, parts.keeper
+            self.recorder, self.graph, self.activations = parts.recorder, parts.graph, parts.activations
             for c in self._checks:
                 c.attach(ctx)
             self._on = _handlers(self._checks)
@@ -875,7 +869,7 @@ class Watch(_Results, _Resumable):
 
     def _skipped(self) -> None:
         """The GradScaler skipped a step (an overflow): recorded as such, never an anomaly."""
-        self._part(StatsRecorder).skipped(self._clock.index)
+        self.recorder.skipped(self._clock.index)
         self._keeper.skipped(self._clock.index)
         self._clock.advance()
 
@@ -889,10 +883,10 @@ class Watch(_Results, _Resumable):
         self.meta["scaler"] = "found"
         scale = scale_of(scaler)
         if scale is not None:
-            self._part(StatsRecorder).adopt_scale(scale)
+            self.recorder.adopt_scale(scale)
         self._clock.adopt(scaler_state(scaler))
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ the watch's calls
     def adopt_forward(self, args: Any, kwargs: Any, output: Any, rng_state: Optional[Tensor] = None) -> None:
         """A forward pass of the model that ran before this watch began (``graddbg run``
         starts watching after the first one): its output is tapped as if the watch had seen
@@ -910,28 +904,27 @@ class Watch(_Results, _Resumable):
         self._tap.after(args, kwargs, output)
 
     def step(self) -> None:
-        """Mark a step boundary by hand (statistics are read from the current ``.grad``)."""
+        """A step boundary marked by hand (`Watch.step`)."""
         if self._closed:
             raise RuntimeError("Watch.step() called after the watch was closed")
         self._cb_queued = False
         self._boundary(manual=True)
 
     def close(self) -> None:
-        """Remove every hook. Idempotent; the recorded data stays available."""
+        """Every hook removed, the last findings made (`Watch.close`)."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._clock.waiting(scaler_state(self.options.scaler)) and self._part(StatsRecorder).waiting():
+            if self._clock.waiting(scaler_state(self.options.scaler)) and self.recorder.waiting():
                 self._skipped()  # (the last step: the scaler updated without stepping the optimizer)
             for c in self._checks:
                 c.flush()
             self._last_words()
             # the parameters that never had a gradient (and were not named as cut off already):
             # one unused_param finding (its policy is applied by __exit__ when the body ended normally)
-            graph = self._part(LossGraph)
-            named = graph.reported_unused() if graph is not None else set()
-            names = [n for n in self._part(StatsRecorder).uncovered() if n not in named]
+            named = self.graph.reported_unused()
+            names = [n for n in self.recorder.uncovered() if n not in named]
             if self._clock.index > 0 and names and self.options.unused_param is not None:
                 self.anomalies.append(unused_anomaly(names, self._ctx, self._clock.index - 1))
                 if self._sink is not None:
@@ -953,6 +946,63 @@ class Watch(_Results, _Resumable):
                 self.anomalies[i] = dataclasses.replace(a, message=f"{a.message} {drift}")
                 break
 
+    def release(self) -> None:
+        """The watch is garbage: its hooks go if it was never closed."""
+        if not self._closed:
+            self._detach()
+
+
+# --------------------------------------------------------------------------- the watch
+class Watch(_Results, _Resumable):
+    """Records per-parameter gradient statistics and catches anomalies; see `watch`.
+
+    ``Watch(model, optimizer, **options)`` takes the options of `watch`
+    (`graddbg.options.WatchOptions`)."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 **options: Any) -> None:
+        self._steps = steps = StepPipeline(model, optimizer, options)
+        self._ctx, self._clock = steps._ctx, steps._clock
+        #: the findings: the first `graddbg.anomaly.MAX_KEPT_PER_KIND` of each kind; later
+        #: ones are counted in ``anomalies.not_kept`` (by kind and parameter)
+        self.anomalies: AnomalyList = steps.anomalies
+        #: what the run was (options, parallelism, the model's layout), saved with it
+        self.meta: Dict[str, Any] = steps.meta
+
+    @property
+    def options(self) -> WatchOptions:
+        """The options in force (`graddbg.options.WatchOptions`): those given, with a
+        GradScaler found in use."""
+        return self._steps.options
+
+    def begin_step(self, closure: Any = None) -> None:
+        """The optimizer's step begins: the step boundary, or (``closure`` given, as
+        ``step(closure)`` runs backward inside the step) its announcement, the boundary then
+        coming after the step. Called by the watch's own optimizer hook; call it yourself
+        only for a watch created inside an optimizer step that is under way."""
+        self._steps.begin_step(closure)
+
+    def adopt_forward(self, args: Any, kwargs: Any, output: Any, rng_state: Optional[Tensor] = None) -> None:
+        """A forward pass of the model that ran before this watch began (``graddbg run``
+        starts watching after the first one): its output is tapped as if the watch had seen
+        it, so that the end of its backward pass is seen and a NaN it makes is replayed.
+
+        Args:
+            args: the positional inputs of that forward pass.
+            kwargs: its keyword inputs.
+            output: what it returned.
+            rng_state: the CPU RNG state before it (``torch.get_rng_state()``), for the replay.
+        """
+        self._steps.adopt_forward(args, kwargs, output, rng_state)
+
+    def step(self) -> None:
+        """Mark a step boundary by hand (statistics are read from the current ``.grad``)."""
+        self._steps.step()
+
+    def close(self) -> None:
+        """Remove every hook. Idempotent; the recorded data stays available."""
+        self._steps.close()
+
     def __enter__(self) -> "Watch":
         return self
 
@@ -966,17 +1016,16 @@ class Watch(_Results, _Resumable):
             apply_policy(unused[0], self.options.unused_param, lambda: None)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        n = len(self._ctx.names) if hasattr(self, "_ctx") else 0
+        state = "closed" if self._steps._closed else "open"
+        n = len(self._ctx.names)
         more = sum(self.anomalies.not_kept.values()) if isinstance(self.anomalies, AnomalyList) else 0
         return (f"<graddbg.Watch {state}: {n} parameters, {self._clock.index} steps, {len(self.anomalies)} anomalies"
                 + (f" (and {more:,} more counted, not kept)" if more else "") + ">")
 
     def __del__(self) -> None:
         try:
-            if not self._closed:
-                self._detach()
-        except Exception:
+            self._steps.release()
+        except Exception:  # (a half-built watch: its pipeline raised, and removed its hooks then)
             pass
 
 

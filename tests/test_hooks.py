@@ -16,7 +16,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import graddbg
-from graddbg.checks import Activations, UpdateRatio
+from graddbg.checks import UpdateRatio
 from graddbg._errors import CompileWarning, CoverageWarning
 from problems import PROBLEMS, hook_counts, optimizer_hook_counts
 
@@ -788,7 +788,7 @@ def test_forwards_without_backward_do_not_pile_up():
     with graddbg.watch(model, opt, activations=True) as w:
         for _ in range(50):  # an evaluation loop that forgot torch.no_grad()
             model(x)
-        assert len(w._tap.handles) <= 20 and w._part(Activations).pending() <= 20
+        assert len(w._steps._tap.handles) <= 20 and w._steps.activations.pending() <= 20
         F.cross_entropy(model(x), y).backward()
         opt.step()
     assert len(w.stats) == 8 and w.activations["step"].unique().tolist() == [0]

@@ -5,8 +5,9 @@ add one line to `default_checks`. The watch never changes for it.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 
@@ -28,7 +29,7 @@ from graddbg.checks.stages import StageCheck, StageSummary
 from graddbg.checks.update import UpdateRatio
 from graddbg.checks.zero import ZeroRecorder, ZeroSource
 
-__all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "default_checks",
+__all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "default_checks", "Parts",
            "CopyGuard", "StatsRecorder", "Activations", "NonFiniteCheck", "ExplodeCheck", "VanishCheck",
            "UpdateRatio", "ReplicaCheck", "StageCheck", "StaleGrad", "EmptyStep", "DoubleStep", "EvalMode",
            "Unchanged", "DeadGrad", "LossGraph", "ScaledStep", "ForeignUpdate", "LrSchedule", "Ledger", "LedgerKeeper",
@@ -67,22 +68,39 @@ def ordered(checks: List[Check]) -> List[Check]:
     return out
 
 
-def default_checks(model: Any, options: Any, zero: Any = None) -> List[Check]:
+@dataclasses.dataclass
+class Parts:
+    """The watch's checks (``checks``, in order) and the ones the watch's step calls by name:
+    the ledger keeper (the step's host facts), the copy guard, the statistics recorder, the
+    loss graph and, with ``activations=True``, the activations."""
+
+    keeper: LedgerKeeper
+    guard: CopyGuard
+    recorder: StatsRecorder
+    graph: LossGraph
+    activations: Optional[Activations]
+    checks: List[Check]
+
+
+def default_checks(model: Any, options: Any, zero: Any = None) -> Parts:
     """The watch's checks, ordered by what each declares it reads after (`ordered`): the
     ledger keeper and the copy guard, the statistics recorder (it measures the step that the
     others read; ``zero``: a `graddbg._deepspeed.Zero` whose reduced partitions it reads
     instead of ``.grad``), the histograms, activations (a hint for blame), the stage summary,
     the detectors, the update ratio, the replica check, the hygiene checks and the loss
     graph."""
-    checks: List[Check] = [LedgerKeeper(), CopyGuard(), StatsRecorder(ZeroSource(zero) if zero is not None else None)]
+    keeper, guard, graph = LedgerKeeper(), CopyGuard(), LossGraph()
+    recorder = StatsRecorder(ZeroSource(zero) if zero is not None else None)
+    checks: List[Check] = [keeper, guard, recorder]
     if zero is None and options.histogram_schedule.on:  # (ZeRO's flat partitions: no histograms)
         checks.append(Histograms())
-    if options.activations and _hookable(model):
-        checks.append(Activations(model))
+    activations = Activations(model) if options.activations and _hookable(model) else None
+    if activations is not None:
+        checks.append(activations)
     # (the stage summary before the detectors: they read the whole model's norm and where a
     # non-finite gradient came from; those that do not declare it keep their place after it)
     checks += [StageSummary(), NonFiniteCheck(), StageCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(),
                ReplicaCheck(),
                StaleGrad(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(),
-               LrSchedule(), DeadGrad(), LossGraph()]
-    return ordered(checks)
+               LrSchedule(), DeadGrad(), graph]
+    return Parts(keeper, guard, recorder, graph, activations, ordered(checks))
