@@ -40,7 +40,8 @@ from graddbg.anomaly import Anomaly
 from graddbg.checks.budget import WeightBudget
 from graddbg.stats import Readback, StepRecord, StepStats
 
-__all__ = ["Check", "PolicyCheck", "Watched", "Step", "Launched", "Measured", "PackedSum", "BackwardEnd", "Finding", "finding", "shown", "step_range"]
+__all__ = ["Check", "PolicyCheck", "Watched", "Step", "Launched", "Measured", "PackedSum", "BackwardEnd", "Finding",
+           "finding", "shown", "step_range"]
 
 
 class Watched:

@@ -175,7 +175,8 @@ class _AnyRank:
                 local.index_copy_(0, device_index(self._index, ix, dev), (~torch.isfinite(norms)).long().to(dev))
             # the gradients as the optimizer will use them: all when a version counter moved;
             # DTensor shards always (an edit through to_local() moves no counter that is seen)
-            live = [i for i, g in enumerate(grads) if g is not None and g.numel() and (changed or type(g) is not Tensor)]
+            live = [i for i, g in enumerate(grads)
+                    if g is not None and g.numel() and (changed or type(g) is not Tensor)]
             now = None
             if live:  # as the optimizer will use them (local values: a DTensor's shard)
                 now = torch.stack(torch._foreach_norm([local_values(grads[i]).to(dev) for i in live]))
