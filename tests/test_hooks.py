@@ -860,3 +860,17 @@ def test_old_spelling_localize_is_accepted():
     assert w.options.localise is False
     with pytest.raises(TypeError, match="not both"):
         graddbg.Watch(model, localize=False, localise=True)
+
+
+def test_watch_is_a_small_face_over_the_step_pipeline():
+    """Watch, counted with its graddbg base classes, has at most 30 methods (properties
+    included): the step's machinery is StepPipeline's, the read side Run's."""
+    import inspect
+
+    from graddbg import hooks
+
+    own = [c for c in inspect.getmro(hooks.Watch) if c.__module__.startswith("graddbg")]
+    methods = {name for c in own for name, v in vars(c).items()
+               if inspect.isfunction(v) or isinstance(v, property)}
+    assert len(methods) <= 30, sorted(methods)
+    assert not any(hasattr(c, "_part") for c in own)
