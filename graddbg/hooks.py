@@ -852,7 +852,8 @@ class StepPipeline:
         for f in found:
             kept = self.anomalies.add(f.anomaly)  # (past MAX_KEPT_PER_KIND of its kind: only counted)
             if kept:
-                self._ctx.history.mark(f.anomaly.step)
+                self._ctx.history.mark(f.anomaly.step)  # (its rows and its ledger entry stay)
+                self._ctx.ledger.mark(f.anomaly.step)
                 if self._sink is not None:
                     self._sink.finding(f.anomaly)
             policy = f.policy if kept else self.anomalies.policy_past_limit(f.anomaly, f.policy)

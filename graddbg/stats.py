@@ -659,11 +659,11 @@ class History:
         P = max(len(self.names), 1)
         self.cap = max(4, min(max_steps, max_rows // P))  # recorded steps with statistics
         self.step_cap = max(4, max_steps)
-        self._rows = _Columns(self.cap, {"step": (np.int64, ()), "norm": (np.float64, (P,)),
+        self._rows = Retained(self.cap, {"step": (np.int64, ()), "norm": (np.float64, (P,)),
                                          "absmax": (np.float64, (P,)), "update": (np.float64, (P,)),
                                          "nonfinite": (np.int32, (P,)), "has_grad": (np.bool_, (P,)),
                                          "extras": (np.float64, (P, len(self.extras)))})
-        self._steps = _Columns(self.step_cap, {c: (t, ()) for c, t in _STEP_TYPES.items()})
+        self._steps = Retained(self.step_cap, {c: (t, ()) for c, t in _STEP_TYPES.items()})
         self._hist: List[Tuple[int, np.ndarray]] = []
         self._pending: set = set()  # steps marked before their rows were appended
         self._since = np.zeros(len(self.names), dtype=np.int64)  # first step of each parameter
@@ -871,8 +871,9 @@ _STEP_TYPES = {"step": np.int64, "global_norm": np.float64, "clipped_norm": np.f
                "loss": np.float64}
 
 
-class _Columns:
-    """Named numpy columns of ``cap`` rows, filled in order and thinned when full: the
+class Retained:
+    """The one retention rule of what a watch keeps per step (``w.stats``, ``w.steps`` and
+    the ledger, ``w.ledger``): named numpy columns of ``cap`` rows, filled in order and thinned when full: the
     first ``cap // 8`` rows, the latest ``cap // 4`` and the marked rows (`mark`, or a step
     in ``keep`` when appended) stay (the first ``cap // 4`` of those; later ones are thinned
     with the middle), and the middle of the run keeps the rows whose sequence number is a

@@ -501,3 +501,30 @@ def test_a_long_cosine_schedule_to_zero_is_not_a_collapse():
         sched.step()
 
     assert _kinds(_run(model, opt, healthy, steps=200)) == []
+
+
+def test_the_ledger_and_the_steps_table_keep_the_same_steps_under_one_retention_rule():
+    """w.ledger and w.steps are two views under one retention rule (graddbg.stats.Retained):
+    with history=40 over 300 steps both keep the first steps, the latest, the step of a
+    finding and an evenly spaced middle, the same steps in both."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with graddbg.watch(model, opt, history=40, nonfinite="skip", explode=None) as w:
+        for i in range(300):
+            x, y = _data(i)
+            loss = F.cross_entropy(model(x), y)
+            if i == 150:
+                loss = loss * float("nan")  # (a finding at step 150: its step stays in both)
+            opt.zero_grad()
+            loss.backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the skip policy's warning at step 150)
+                opt.step()
+    steps, ledger = w.steps["step"].tolist(), w.ledger["step"].tolist()
+    assert steps == ledger
+    assert len(ledger) <= 40 and ledger[:3] == [0, 1, 2] and ledger[-1] == 299 and 150 in ledger
+    assert any(k == "nonfinite" for k in w.ledger.set_index("step").loc[150, "findings"].split(","))
+    gaps = {b - a for a, b in zip(ledger, ledger[1:]) if 20 < a < 250 and a != 150 and b != 150}
+    assert len(gaps) <= 2, gaps  # (the middle evenly spaced)
+    assert w.what_happened(150).startswith("Step 150") or "150" in w.what_happened(150)

@@ -14,12 +14,11 @@ The other checks read the entry of the step (``step.entry``) and the entries bef
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import sys
 import threading
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 from graddbg._args import FUSED_WEIGHTS
 from graddbg._model import unwrap
 from graddbg.checks.base import BackwardEnd, Check, Step, Watched
+from graddbg.stats import Retained
 
 __all__ = ["Forward", "Backward", "StepEntry", "Ledger", "LedgerKeeper", "MODE_DEPENDENT", "versions", "param_versions",
            "describe"]
@@ -109,11 +109,15 @@ class StepEntry:
 
 
 class Ledger:
-    """The last ``size`` entries, oldest first, and the entry being written (``current``).
-    Written by the `LedgerKeeper` only; read by every check (``ctx.ledger``)."""
+    """The step entries kept, oldest first, and the entry being written (``current``), under
+    the history's retention rule (`graddbg.stats.Retained`, as ``w.steps``): at most
+    ``size`` entries; when full, the first steps, the latest, the steps of findings
+    (`mark`) and an evenly spaced middle stay. Written by the `LedgerKeeper` only; read by
+    every check (``ctx.ledger``)."""
 
     def __init__(self, size: int = 10_000) -> None:
-        self.entries: Deque[StepEntry] = collections.deque(maxlen=size)
+        self._kept = Retained(max(4, size), {"step": (np.int64, ()), "entry": (object, ())})
+        self._pending: set = set()  # steps marked before their entries were added
         self.current = StepEntry(index=-1)
         #: the parameter whose gradient is looked at before each backward pass accumulates
         self.probe: Optional[int] = None
@@ -121,16 +125,34 @@ class Ledger:
         self.after_step_versions: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return self._kept.n
+
+    @property
+    def entries(self) -> List[StepEntry]:
+        """Every entry kept, oldest first."""
+        return list(self._kept.cols["entry"][: self._kept.n])
+
+    def add(self, e: StepEntry) -> None:
+        """A complete entry (by the keeper)."""
+        self._kept.append({"step": e.index, "entry": e}, self._pending)
+        if self._pending:
+            self._pending = {s for s in self._pending if s > e.index}
+
+    def mark(self, index: int) -> None:
+        """Keep step ``index``'s entry (a finding's step), or the one it will have."""
+        if not self._kept.n or index > int(self._kept.cols["step"][self._kept.n - 1]):
+            self._pending.add(int(index))
+        self._kept.mark(index)
 
     def last(self, k: int) -> List[StepEntry]:
-        return list(self.entries)[-k:] if k else []
+        n = self._kept.n
+        return list(self._kept.cols["entry"][max(0, n - k): n]) if k > 0 else []
 
     def find(self, index: int) -> Optional[StepEntry]:
-        for e in reversed(self.entries):
-            if e.index == index:
-                return e
-        return None
+        n = self._kept.n
+        steps = self._kept.cols["step"][:n]
+        at = int(np.searchsorted(steps, index, "right")) - 1  # (the last entry of that step)
+        return self._kept.cols["entry"][at] if at >= 0 and steps[at] == index else None
 
     def frame(self, names: Sequence[str]):
         """One row per step (the columns of `graddbg.Watch.ledger`)."""
@@ -439,7 +461,7 @@ class LedgerKeeper(Check):
         """The step's entry is complete: into the ledger; the next step's entry starts."""
         e = self.entry
         self.ledger.current = StepEntry(index=-1)
-        self.ledger.entries.append(e)
+        self.ledger.add(e)
         return e
 
     def skipped(self, index: int) -> None:
