@@ -874,3 +874,28 @@ def test_watch_is_a_small_face_over_the_step_pipeline():
                if inspect.isfunction(v) or isinstance(v, property)}
     assert len(methods) <= 30, sorted(methods)
     assert not any(hasattr(c, "_part") for c in own)
+
+
+def test_the_checks_order_follows_from_what_each_declares_it_reads():
+    """Every check but the three that read nothing of the others (the keeper, the copy guard,
+    the recorder) declares what it reads after (`after`), and `ordered` honours every
+    declaration whatever the order the checks are listed in."""
+    import random
+
+    from graddbg.checks import CopyGuard, LedgerKeeper, StatsRecorder, default_checks, ordered
+    from graddbg.options import WatchOptions
+
+    parts = default_checks(nn.Linear(2, 2), WatchOptions(activations=True, histograms=2))
+    for c in parts.checks:
+        assert isinstance(c, (LedgerKeeper, CopyGuard, StatsRecorder)) or c.after, type(c).__name__
+    rng = random.Random(0)
+    for _ in range(20):
+        listed = list(parts.checks)
+        rng.shuffle(listed)
+        out = ordered(listed)
+        assert sorted(map(id, out)) == sorted(map(id, listed))
+        at = {id(c): i for i, c in enumerate(out)}
+        for c in out:
+            for d in out:
+                if any(isinstance(d, t) for t in c.after):
+                    assert at[id(d)] < at[id(c)], (type(d).__name__, type(c).__name__)

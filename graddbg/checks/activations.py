@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from graddbg._errors import CompileWarning
 from graddbg._model import in_backward, tensors_in, unwrap
 from graddbg.blame import backward_producer, forward_producer
+from graddbg.checks.recorder import StatsRecorder
 from graddbg.checks.base import Check, Finding, Step, Watched
 
 __all__ = ["Activations"]
@@ -32,6 +33,8 @@ def _any_nonfinite(ts: Sequence[Tensor], device: torch.device) -> Tensor:
 
 class Activations(Check):
     """Forward non-finite flags of every module and gradient norms at leaf outputs."""
+
+    after = (StatsRecorder,)
 
     def __init__(self, model: nn.Module) -> None:
         self.modules = list(unwrap(model).named_modules())

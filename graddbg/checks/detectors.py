@@ -15,6 +15,10 @@ from graddbg._model import is_dtensor, unwrap
 from graddbg.anomaly import Anomaly, Blame, Explode, Vanish, nonfinite_anomaly
 from graddbg.blame import nonfinite_state, replay, state_anomaly
 from graddbg.stats import local_values
+from graddbg.checks.activations import Activations
+from graddbg.checks.ledger import LedgerKeeper
+from graddbg.checks.recorder import StatsRecorder
+from graddbg.checks.stages import StageSummary
 from graddbg.checks.base import Check, Finding, Step, Watched
 
 __all__ = ["NonFiniteCheck", "ExplodeCheck", "VanishCheck", "lr_rise_text"]
@@ -25,6 +29,8 @@ class NonFiniteCheck(Check):
     weight or buffer is its own producer; otherwise the affected parameter nearest the
     output, refined by the activations (``step.hint``) and by a replay of the step's
     forward and backward pass under `graddbg.find_nonfinite`."""
+
+    after = (StatsRecorder, StageSummary, Activations, LedgerKeeper)
 
     def read(self, step: Step) -> List[Finding]:
         det = self.ctx.options.nonfinite
@@ -186,6 +192,8 @@ class ExplodeCheck(Check):
     cyclic schedule: the program's own schedule) makes the explosion that follows expected,
     and no finding. Later episodes with no new rise, until ``window`` healthy recorded steps
     have passed, are the same cause's aftermath: no new finding."""
+
+    after = (StatsRecorder, StageSummary, LedgerKeeper)
 
     STATE = ("level", "_sorted", "in_episode", "above", "_lrs", "_peak", "_after", "_since")
 
@@ -351,6 +359,8 @@ class VanishCheck(Check):
     """Parameters whose gradient norm stays under ``below`` for ``patience`` recorded steps
     in a row (see `graddbg.Vanish`, its configuration); reported once per parameter, until
     it recovers."""
+
+    after = (StatsRecorder, StageSummary)
 
     STATE = ("run", "flagged")
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from graddbg._args import Schedule
 from graddbg._errors import GraddbgWarning
+from graddbg.checks.recorder import StatsRecorder
 from graddbg.checks.base import Check, Finding, Step, Watched
 from graddbg.checks.budget import nbytes, oldest_first, out_of_memory
 from graddbg.stats import Slot, local_values, update_ratios
@@ -26,6 +27,8 @@ __all__ = ["UpdateRatio"]
 
 class UpdateRatio(Check):
     """Measures how much the optimizer's step moved each weight, relative to the weight."""
+
+    after = (StatsRecorder,)
 
     def __init__(self) -> None:
         self._copy: Optional[Tuple[int, List[int], List[Tensor]]] = None  # (step, indices, copies)
