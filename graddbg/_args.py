@@ -256,8 +256,9 @@ class Options:
 
     @classmethod
     def declared(cls) -> Tuple[dataclasses.Field, ...]:
-        """The options (the dataclass's init fields), in declaration order."""
-        return tuple(f for f in dataclasses.fields(cls) if f.init)  # type: ignore[arg-type]
+        """The options (the fields declared with `option`), in declaration order; other
+        fields are the call's context, given to `parse` as they are."""
+        return tuple(f for f in dataclasses.fields(cls) if f.init and "check" in f.metadata)  # type: ignore[arg-type]
 
     @classmethod
     def translate(cls, where: str, kw: Dict[str, Any]) -> Dict[str, Any]:
@@ -266,9 +267,10 @@ class Options:
         return kw
 
     @classmethod
-    def parse(cls: "type[_O]", where: str, kw: Mapping[str, Any], extra: Sequence[str] = ()) -> _O:
+    def parse(cls: "type[_O]", where: str, kw: Mapping[str, Any], extra: Sequence[str] = (), **context: Any) -> _O:
         """The options of a call to ``where`` from its keywords ``kw``, each validated;
-        ``extra``: the call's own other keywords, listed in the error for an unknown one."""
+        ``extra``: the call's own other keywords, listed in the error for an unknown one;
+        ``context``: the fields that are not options (taken as given)."""
         checks = {f.name: f.metadata["check"] for f in cls.declared()}
         kw = cls.translate(where, dict(kw))
         unknown = sorted(set(kw) - set(checks))
@@ -276,7 +278,7 @@ class Options:
             accepted = sorted([*checks, *cls.ALIASES, *extra])
             raise GraddbgTypeError(f"{where}(): unknown keyword(s) {unknown}" + did_you_mean(unknown[0], accepted)
                                    + f"; accepted: {accepted}")
-        opts = cls(**{name: checks[name](where, name, value) for name, value in kw.items()})
+        opts = cls(**context, **{name: checks[name](where, name, value) for name, value in kw.items()})
         opts.validate(where)
         return opts
 

@@ -121,7 +121,7 @@ from torch import nn
 import graddbg._dist.rendezvous as _rendezvous
 import graddbg._dist.replicas as _replicas
 import graddbg._verdict as _verdict
-from graddbg._args import bad_type, duration, tolerance
+from graddbg._args import bad_type, duration
 from graddbg._errors import DDPInconsistencyError, GraddbgError, GraddbgTypeError, GraddbgValueError
 from graddbg._fingerprint import digest, fingerprints, set_fingerprint_kernel, tolerance_quick_table
 from graddbg._dist.replicas import KINDS, CheckOptions, is_mesh
@@ -292,8 +292,8 @@ def _options(fn: str, parts: Tuple[str, ...], group: Any, atol: Any, rtol: Any, 
              details: bool, raise_on_mismatch: bool, mesh: Any) -> CheckOptions:
     """The arguments, validated; ``mesh``: the DeviceMesh of the model's DTensors (None
     when it holds none, see `graddbg._dist.replicas.collect_all`)."""
-    options = CheckOptions(fn, parts, group, tolerance(fn, "atol", atol), tolerance(fn, "rtol", rtol),
-                           duration(fn, "timeout", timeout), bool(details), bool(raise_on_mismatch))
+    options = CheckOptions.parse(fn, dict(atol=atol, rtol=rtol, timeout=timeout, details=details,
+                                          raise_on_mismatch=raise_on_mismatch), fn=fn, parts=parts, group=group)
     _group_arg(fn, group, sharded=mesh is not None)
     return _replicas.resolve(options, mesh)
 

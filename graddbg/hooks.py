@@ -62,7 +62,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(self: "Watch", *args: Any, **kwargs: Any) -> Any:
-        step = self._clock.index
+        step = self.clock.index
         try:
             return fn(self, *args, **kwargs)
         except Exception as err:
@@ -71,11 +71,11 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             # a failure inside graddbg's own hook: warn once per place, keep the step count
             # right, and go on recording
             where = fn.__name__
-            if self._clock.index == step and where in ("_boundary", "_on_opt_pre", "_on_opt_post"):
+            if self.clock.index == step and where in ("_boundary", "_on_opt_pre", "_on_opt_post"):
                 self._finish_step()
             if where not in self._errors_warned:
                 self._errors_warned.add(where)
-                names = ", ".join(self._ctx.names[:3]) + (" ..." if len(self._ctx.names) > 3 else "")
+                names = ", ".join(self.ctx.names[:3]) + (" ..." if len(self.ctx.names) > 3 else "")
                 warn_at_user(f"graddbg.watch: an internal error in {where} at step {step} (parameters {names}): "
                              f"{type(err).__name__}: {err}. Training goes on; this part of the record is "
                              f"missing for that step. Please report it.", GraddbgWarning)
@@ -358,7 +358,7 @@ class _Results:
     @property
     def stats(self):
         """Tidy DataFrame: one row per (recorded step, parameter)."""
-        for c in self._steps._checks:
+        for c in self._steps.checks:
             c.flush()
         return self._ctx.history.stats_frame()
 
@@ -572,7 +572,7 @@ class _Resumable:
         their checkpoints; `load_state_dict` restores it."""
         return {"format": "graddbg.watch.state", "version": 1, "step": self._clock.index,
                 "params": list(self._ctx.names),
-                "checks": {type(c).__name__: c.state_dict() for c in self._steps._checks if c.STATE}}
+                "checks": {type(c).__name__: c.state_dict() for c in self._steps.checks if c.STATE}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore `state_dict`'s state into this watch (a run resumed from a checkpoint);
@@ -586,7 +586,7 @@ class _Resumable:
                                     f"a dict from Watch.state_dict()")
         self._clock.index = int(state.get("step", 0))
         same = list(state.get("params") or []) == list(self._ctx.names)
-        for c in self._steps._checks:
+        for c in self._steps.checks:
             saved = (state.get("checks") or {}).get(type(c).__name__)
             if saved:
                 c.load_state_dict(saved if same else {k: v for k, v in saved.items()
@@ -602,9 +602,9 @@ class StepPipeline:
     policies here, once per step. `Watch` is its public face (the read side is `_Results`)."""
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], options: Dict[str, Any]) -> None:
-        self._closed = True  # until attached: close() and detach work on a half-built pipeline
-        self._clock = StepClock()
-        self._checks: List[Check] = []
+        self.closed = True  # until attached: close() and detach work on a half-built pipeline
+        self.clock = StepClock()
+        self.checks: List[Check] = []
         self._on: Dict[str, List[Callable[..., Any]]] = _handlers([])
         self.anomalies: AnomalyList = AnomalyList()
         self._in_policy = False
@@ -622,7 +622,7 @@ class StepPipeline:
         opts = self.options = opts.replace(scaler=opts.scaler if opts.scaler is not None
                                            and getattr(opts.scaler, "is_enabled", lambda: True)() else None)
         named = named_trainable_parameters(model)
-        self._ctx = ctx = Watched(model, _real_optimizer(optimizer), opts, named, HookSet(),
+        self.ctx = ctx = Watched(model, _real_optimizer(optimizer), opts, named, HookSet(),
                                   rank if world > 1 else None, world)
         ctx.history = History(ctx.names, ctx.numel, [q for q in opts.quantities if q in ("mean", "std", "zero_frac")],
                               opts.history, MAX_ROWS)
@@ -651,19 +651,19 @@ class StepPipeline:
         self._errors_warned: set = set()
         try:
             parts = default_checks(model, opts, zero)  # (zero: ZeRO's reduced partitions, not .grad)
-            self._checks, ctx.guard, self._keeper = parts.checks, parts.guard, parts.keeper
+            self.checks, ctx.guard, self._keeper = parts.checks, parts.guard, parts.keeper
             self.recorder, self.graph, self.activations = parts.recorder, parts.graph, parts.activations
-            for c in self._checks:
+            for c in self.checks:
                 c.attach(ctx)
-            self._on = _handlers(self._checks)
+            self._on = _handlers(self.checks)
             self._attach()
         except BaseException:
             self._detach()
             raise
-        self._closed = False
+        self.closed = False
 
     def _attach(self) -> None:
-        ctx = self._ctx
+        ctx = self.ctx
         model, opt, hooks = ctx.model, ctx.optimizer, ctx.hooks
         if not isinstance(model, torch.jit.ScriptModule):
             hooks.add(model.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
@@ -689,15 +689,15 @@ class StepPipeline:
                     lambda p: self._queue_end_of_backward() if self._alive() else None))
 
     def _alive(self) -> bool:
-        return not self._closed and not self._ctx.replaying
+        return not self.closed and not self.ctx.replaying
 
     def _detach(self) -> None:
-        self._ctx.hooks.remove_all() if hasattr(self, "_ctx") else None
-        for c in self._checks:
+        self.ctx.hooks.remove_all() if hasattr(self, "ctx") else None
+        for c in self.checks:
             c.close()
         if hasattr(self, "_tap"):
             self._tap.clear()
-        layout = getattr(getattr(self, "_ctx", None), "layout", None)
+        layout = getattr(getattr(self, "ctx", None), "layout", None)
         if layout is not None:
             layout.close()
 
@@ -708,8 +708,8 @@ class StepPipeline:
             return
         new = [(n, p) for n, p in self._frozen if p.requires_grad]
         self._frozen = [(n, p) for n, p in self._frozen if not p.requires_grad]
-        self._ctx.add(new)
-        self._ctx.history.add_params([n for n, _ in new], [p.numel() for _, p in new], self._clock.index)
+        self.ctx.add(new)
+        self.ctx.history.add_params([n for n, _ in new], [p.numel() for _, p in new], self.clock.index)
         for handle in self._on["params_added"]:
             handle(len(new))
 
@@ -719,7 +719,7 @@ class StepPipeline:
         if _is_compiling() or not self._alive() or not torch.is_grad_enabled() or in_backward():
             return None
         self._tap.before()
-        self._ctx.layout.forward_began(self._clock.index)
+        self.ctx.layout.forward_began(self.clock.index)
         fwd = self._keeper.forward_facts(module)
         for handle in self._on["on_forward"]:
             handle(fwd)
@@ -737,12 +737,12 @@ class StepPipeline:
         if self._zero is not None:
             self._zero.origin.output_grad(grad)
         else:
-            self._ctx.layout.output_grad(grad)
+            self.ctx.layout.output_grad(grad)
         for handle in self._on["on_output_grad"]:
             handle()
 
     def _queue_end_of_backward(self) -> None:
-        if self._cb_queued or self._closed:
+        if self._cb_queued or self.closed:
             return
         if not in_backward():  # (a gradient assigned outside the engine, as FSDP2 does in its own
             return             # callback: no callback can be queued there; the step reads them)
@@ -758,30 +758,30 @@ class StepPipeline:
     @_guarded
     def _end_of_backward(self) -> None:
         self._cb_queued = False
-        if self._closed:
+        if self.closed:
             return
         state = scaler_state(self.options.scaler)
-        counts, skipped = self._clock.backward_ended(state)
+        counts, skipped = self.clock.backward_ended(state)
         if not counts:
             return
         if skipped:
             self._skipped()  # the GradScaler updated without stepping the optimizer: it skipped that step
         self._adopt_unfrozen()
-        self._clock.noted(state)
-        self._ctx.layout.backward_ended()
+        self.clock.noted(state)
+        self.ctx.layout.backward_ended()
         scale = scale_of(self.options.scaler)
-        bw = BackwardEnd(self._clock.index, self._ctx.grads(), scale)
+        bw = BackwardEnd(self.clock.index, self.ctx.grads(), scale)
         found: List[Finding] = []
         for handle in self._on["on_backward_end"]:
             found += handle(bw) or ()
         if found:
             self._apply(found)
-        if self._ctx.optimizer is None:
+        if self.ctx.optimizer is None:
             self._boundary()
 
     @_guarded
     def _on_opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if self._closed:
+        if self.closed:
             return None
         self.begin_step(args[1] if len(args) > 1 else kwargs.get("closure"))  # (args[0] is the optimizer)
         return None
@@ -795,53 +795,53 @@ class StepPipeline:
             self._scaler_looked = True
             self._adopt_scaler(find_scaler())
         for handle in self._on["before_step"]:
-            handle(self._clock.index, closure is not None)
-        if self._clock.step_began(closure is not None):
+            handle(self.clock.index, closure is not None)
+        if self.clock.step_began(closure is not None):
             self._boundary()
 
     @_guarded
     def _on_opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if self._closed:
+        if self.closed:
             return
         try:
-            if self._clock.step_ended():
+            if self.clock.step_ended():
                 self._boundary(closure=True)
         finally:
             for handle in self._on["after_step"]:
-                handle(self._clock.index - 1)
+                handle(self.clock.index - 1)
 
     # ------------------------------------------------------------------ the step boundary
     def _boundary(self, closure: bool = False, manual: bool = False) -> None:
         """One step boundary: the ledger's entry begins, the checks queue their reads, one
         read-back, each check reads its part and returns findings, the step ends, the
         policies are applied."""
-        index, opts = self._clock.index, self.options
+        index, opts = self.clock.index, self.options
         self._tap.end_tape()  # (the loss code ended with the backward pass: the step's own work is not recorded)
         self._adopt_unfrozen()
         due_nf = opts.nonfinite is not None and opts.nonfinite.schedule.includes(index)
         due_stats = opts.record_schedule.includes(index)
-        step = Step(index, self._ctx.grads(), due_stats, read=due_stats or due_nf or
+        step = Step(index, self.ctx.grads(), due_stats, read=due_stats or due_nf or
                     any(due(index) for due in self._on["due"]), tapped=self._tap.capture, closure=closure)
-        step.entry = self._keeper.begin(index, _path(self._zero, self._ctx.optimizer, opts.scaler, closure, manual),
+        step.entry = self._keeper.begin(index, _path(self._zero, self.ctx.optimizer, opts.scaler, closure, manual),
                                         step.grads)
-        for check in self._checks:
+        for check in self.checks:
             if check.queue in self._on["queue"]:
                 step.tokens[id(check)] = check.queue(step)
         step.reduce.run()  # (the one small all-reduce the checks packed, before the read-back)
         if step.read:
             step.readback.fetch()
-            self._ctx.host_syncs += 1  # (counted on the CPU too: the same code path as on a GPU)
+            self.ctx.host_syncs += 1  # (counted on the CPU too: the same code path as on a GPU)
         found: List[Finding] = []
         try:
             for handle in self._on["read"]:
                 found += handle(step)
         finally:
-            step.record_into(self._ctx.history)  # (its row, from what the checks measured)
+            step.record_into(self.ctx.history)  # (its row, from what the checks measured)
         step.entry.kinds = [f.anomaly.kind for f in found]
         self._finish_step()
         if self._sink is not None:  # (host values of this step's read-back: no synchronisation)
             seen = len(self.anomalies) + sum(self.anomalies.not_kept.values())  # (those past the limit too)
-            self._sink.step(self._ctx.history, index, seen + len(found))
+            self._sink.step(self.ctx.history, index, seen + len(found))
         self._apply(found)
 
     def _apply(self, found: List[Finding]) -> None:
@@ -852,12 +852,12 @@ class StepPipeline:
         for f in found:
             kept = self.anomalies.add(f.anomaly)  # (past MAX_KEPT_PER_KIND of its kind: only counted)
             if kept:
-                self._ctx.history.mark(f.anomaly.step)  # (its rows and its ledger entry stay)
-                self._ctx.ledger.mark(f.anomaly.step)
+                self.ctx.history.mark(f.anomaly.step)  # (its rows and its ledger entry stay)
+                self.ctx.ledger.mark(f.anomaly.step)
                 if self._sink is not None:
                     self._sink.finding(f.anomaly)
             policy = f.policy if kept else self.anomalies.policy_past_limit(f.anomaly, f.policy)
-            err = apply_policy(f.anomaly, policy, functools.partial(_drop_grads, self._ctx.params, f.skip))
+            err = apply_policy(f.anomaly, policy, functools.partial(_drop_grads, self.ctx.params, f.skip))
             if err is not None and to_raise is None:
                 to_raise = err
         if to_raise is not None:
@@ -865,14 +865,14 @@ class StepPipeline:
 
     def _finish_step(self) -> None:
         self._keeper.end()
-        self._clock.advance()
+        self.clock.advance()
         self._tap.clear()
 
     def _skipped(self) -> None:
         """The GradScaler skipped a step (an overflow): recorded as such, never an anomaly."""
-        self.recorder.skipped(self._clock.index)
-        self._keeper.skipped(self._clock.index)
-        self._clock.advance()
+        self.recorder.skipped(self.clock.index)
+        self._keeper.skipped(self.clock.index)
+        self.clock.advance()
 
     def _adopt_scaler(self, scaler: Any) -> None:
         """A GradScaler that steps the optimizer but was not passed as ``scaler=``: used from
@@ -880,12 +880,12 @@ class StepPipeline:
         steps)."""
         if scaler is None or self.options.scaler is not None:
             return
-        self.options = self._ctx.options = self.options.replace(scaler=scaler)
+        self.options = self.ctx.options = self.options.replace(scaler=scaler)
         self.meta["scaler"] = "found"
         scale = scale_of(scaler)
         if scale is not None:
             self.recorder.adopt_scale(scale)
-        self._clock.adopt(scaler_state(scaler))
+        self.clock.adopt(scaler_state(scaler))
 
     # ------------------------------------------------------------------ the watch's calls
     def adopt_forward(self, args: Any, kwargs: Any, output: Any, rng_state: Optional[Tensor] = None) -> None:
@@ -899,49 +899,49 @@ class StepPipeline:
             output: what it returned.
             rng_state: the CPU RNG state before it (``torch.get_rng_state()``), for the replay.
         """
-        if self._closed or not torch.is_grad_enabled():
+        if self.closed or not torch.is_grad_enabled():
             return
         self._tap.before(rng_state)
         self._tap.after(args, kwargs, output)
 
     def step(self) -> None:
         """A step boundary marked by hand (`Watch.step`)."""
-        if self._closed:
+        if self.closed:
             raise RuntimeError("Watch.step() called after the watch was closed")
         self._cb_queued = False
         self._boundary(manual=True)
 
     def close(self) -> None:
         """Every hook removed, the last findings made (`Watch.close`)."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         try:
-            if self._clock.waiting(scaler_state(self.options.scaler)) and self.recorder.waiting():
+            if self.clock.waiting(scaler_state(self.options.scaler)) and self.recorder.waiting():
                 self._skipped()  # (the last step: the scaler updated without stepping the optimizer)
-            for c in self._checks:
+            for c in self.checks:
                 c.flush()
             self._last_words()
             # the parameters that never had a gradient (and were not named as cut off already):
             # one unused_param finding (its policy is applied by __exit__ when the body ended normally)
             named = self.graph.reported_unused()
             names = [n for n in self.recorder.uncovered() if n not in named]
-            if self._clock.index > 0 and names and self.options.unused_param is not None:
-                self.anomalies.append(unused_anomaly(names, self._ctx, self._clock.index - 1))
+            if self.clock.index > 0 and names and self.options.unused_param is not None:
+                self.anomalies.append(unused_anomaly(names, self.ctx, self.clock.index - 1))
                 if self._sink is not None:
                     self._sink.finding(self.anomalies[-1])
             if self._sink is not None:
-                self._sink.close(self._ctx.history)
+                self._sink.close(self.ctx.history)
         finally:
             self._detach()
             # keep only what the tables need; no tensors of the user's past the watch
-            ctx = self._ctx
+            ctx = self.ctx
             ctx.params, ctx.model, ctx.optimizer = [], None, None
 
     def _last_words(self) -> None:
         """A finding whose evidence grew until the end (the ranks' steps after they went out
         of step) gets its last numbers."""
-        drift = self._ctx.layout.drift() if self._ctx.layout is not None else None
+        drift = self.ctx.layout.drift() if self.ctx.layout is not None else None
         for i, a in enumerate(self.anomalies):
             if drift and a.kind == "ddp_mismatch" and "stepped differently" in a.message:
                 self.anomalies[i] = dataclasses.replace(a, message=f"{a.message} {drift}")
@@ -949,7 +949,7 @@ class StepPipeline:
 
     def release(self) -> None:
         """The watch is garbage: its hooks go if it was never closed."""
-        if not self._closed:
+        if not self.closed:
             self._detach()
 
 
@@ -963,7 +963,7 @@ class Watch(_Results, _Resumable):
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  **options: Any) -> None:
         self._steps = steps = StepPipeline(model, optimizer, options)
-        self._ctx, self._clock = steps._ctx, steps._clock
+        self._ctx, self._clock = steps.ctx, steps.clock
         #: the findings: the first `graddbg.anomaly.MAX_KEPT_PER_KIND` of each kind; later
         #: ones are counted in ``anomalies.not_kept`` (by kind and parameter)
         self.anomalies: AnomalyList = steps.anomalies
@@ -1017,7 +1017,7 @@ class Watch(_Results, _Resumable):
             apply_policy(unused[0], self.options.unused_param, lambda: None)
 
     def __repr__(self) -> str:
-        state = "closed" if self._steps._closed else "open"
+        state = "closed" if self._steps.closed else "open"
         n = len(self._ctx.names)
         more = sum(self.anomalies.not_kept.values()) if isinstance(self.anomalies, AnomalyList) else 0
         return (f"<graddbg.Watch {state}: {n} parameters, {self._clock.index} steps, {len(self.anomalies)} anomalies"

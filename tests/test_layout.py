@@ -38,7 +38,7 @@ ALLOWED = {
     "_dist.stages": {"_model", "_hookset", "_dist.collective", "_dist.groups"},  # pipeline stages, the summary
     "_dist.layout": {"_dist.arrival", "_dist.groups", "_dist.stages"},  # a watch's facade over the three
     "_dist.rendezvous": {"_errors", "_dist.collective", "_dist.groups", "_dist.store"},  # ddp_verify's header
-    "_dist.replicas": {"_errors", "_model", "_dist.collective", "_dist.groups"},  # ddp_verify's replica sets
+    "_dist.replicas": {"_errors", "_args", "_model", "_dist.collective", "_dist.groups"},  # ddp_verify's replica sets
     "_deepspeed": {"_errors", "_model", "_dist.collective", "stats"},
     "stats": {"_errors", "_model", "_dist.collective"},
     "anomaly": {"_errors", "_args", "_source"},
@@ -174,9 +174,9 @@ def test_imports_point_down(module):
 
 
 def test_the_distributed_internals_sit_under_everything_that_uses_them():
-    """graddbg/_dist/ imports only the bottom (_errors, _model, _hookset) and itself, at any
-    depth: never stats, checks, hooks or ddp_verify, which use it."""
-    below = {"_errors", "_model", "_hookset"}
+    """graddbg/_dist/ imports only the bottom (_errors, _args, _model, _hookset) and itself,
+    at any depth: never stats, checks, hooks or ddp_verify, which use it."""
+    below = {"_errors", "_args", "_model", "_hookset"}
     for module in (m for m in MODULES if m.split(".")[0] in SPLIT):
         top, nested = _split_imports(_files(module)[0])
         outside = {m for m in top | nested if m.split(".")[0] not in SPLIT} - below

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graddbg._args import Options, duration, option, tolerance
 from graddbg._dist.collective import all_gather
 from graddbg._dist.groups import group_ranks, held_coordinates
 from graddbg._errors import GraddbgValueError
@@ -32,18 +33,27 @@ HEADER = 6                          # header fields of every check (before the r
 SHARDED_HEADER = 9                  # ... and of a check of a model holding DTensors
 
 
+def _truthy(where: str, name: str, value: Any) -> bool:
+    return bool(value)
+
+
+def _tolerance(where: str, name: str, value: Any) -> float:
+    return tolerance(where, name, value)
+
+
 @dataclasses.dataclass(frozen=True)
-class CheckOptions:
-    """One check's arguments, validated once (``graddbg.ddp_verify`` builds them)."""
+class CheckOptions(Options):
+    """One check's arguments, validated once (``graddbg.ddp_verify`` builds them with
+    `graddbg._args.Options.parse`; ``fn``, ``parts`` and ``group`` are the call's context)."""
 
     fn: str
     parts: Tuple[str, ...]      # what is fingerprinted, in the order of KINDS
     group: Any                  # the group the fingerprints are exchanged over
-    atol: float
-    rtol: float
-    timeout: timedelta
-    details: bool
-    raise_on_mismatch: bool
+    atol: float = option(0.0, _tolerance, "absolute tolerance (0: bitwise)")
+    rtol: float = option(0.0, _tolerance, "relative tolerance (0: bitwise)")
+    timeout: timedelta = option(timedelta(seconds=60), duration, "how long to wait for the other ranks")
+    details: bool = option(False, _truthy, "per-tensor rows in the report")
+    raise_on_mismatch: bool = option(False, _truthy, "raise when the ranks disagree")
     sharded: bool = False       # the model holds DTensors: compare shard by shard, within replicas
     replicas: Optional[Tuple[int, ...]] = None  # sharded, group= given: this rank's replicas
     initial: bool = False       # check_replicas(initial=True): before any optimizer step
