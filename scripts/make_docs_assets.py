@@ -9,7 +9,7 @@
   (on the CPU every 10th recorded step: ``w.plot("flow", step=...)``);
 - ``graph.svg``: the autograd graph of a small model with gradients (``graddbg.graph``);
 - ``modules.svg``: graddbg's modules and their imports, parsed from the code;
-- ``events.svg``: the step events of a Watch and the ordered checks they go to;
+- ``events.svg``: the step's path in ten boxes, from the hooks to the read side;
 - ``report.png``: a screenshot of the run's HTML report, taken with headless Chromium
   (Debian's ``chromium``; when it is missing the old picture is kept and a line says so).
 
@@ -105,32 +105,22 @@ def modules_dot() -> str:
 
 
 EVENTS_DOT = """digraph {
-  graph [rankdir=LR compound=true fontname="Helvetica" nodesep=0.25 ranksep=0.5]
-  node [fontname="Helvetica" fontsize=11 shape=box style="rounded,filled" fillcolor="#eef2ff"]
+  graph [rankdir=TB fontname="Helvetica" nodesep=0.3 ranksep=0.3]
+  node [fontname="Helvetica" fontsize=11 shape=box style="rounded,filled" fillcolor="#eef2ff" width=5.2]
   edge [color="#64748b" arrowsize=0.6]
-  subgraph cluster_events { label="step events (Watch turns hooks into these)"; fontsize=12; color="#94a3b8"
-    forward [label="forward\\n(root module's forward hook)"]
-    backward [label="end of backward\\n(after DDP's reducer)"]
-    before [label="before step\\n(optimizer pre-hook)"]
-    after [label="after step\\n(optimizer post-hook)"]
-    close [label="close"]
-    forward -> backward -> before -> after -> forward [style=dashed]
-    after -> close [style=dotted]
-  }
-  subgraph cluster_checks { label="ordered checks (each handles the events it needs)"; fontsize=12; color="#94a3b8"
-    node [fillcolor="#f0fdf4"]
-    recorder [label="1. statistics recorder\\n(the only reader of gradients)"]
-    detectors [label="2. detectors\\nNonFinite, Explode, Vanish"]
-    hygiene [label="3. hygiene checks\\n(silent bugs)"]
-    update [label="4. update ratio"]
-    acts [label="5. activations"]
-    replicas [label="6. replica check\\n(ddp_check_every)"]
-    recorder -> detectors -> hygiene -> update -> acts -> replicas
-  }
-  policies [label="policies, once per step:\\nraise / warn / skip / record" shape=box fillcolor="#fff7ed"]
-  before -> recorder [ltail=cluster_events lhead=cluster_checks label="every event, to each check in order" fontsize=10]
-  replicas -> policies [label="findings (Anomaly)" fontsize=10]
+  hooks [label="1. hooks (HookSet): root forward, end of backward (after DDP's reducer),\noptimizer pre/post step  ->  StepPipeline's events"]
+  clock [label="2. StepClock: is this a step boundary? (optimizer step, backward without one, w.step())"]
+  keeper [label="3. LedgerKeeper.begin: the step's host facts (StepEntry: passes, grads touched, lrs)"]
+  queue [label="4. queue: the recorder and each check add device reads to the Readback\n(and int64 sums to the step's PackedSum)" fillcolor="#f0fdf4"]
+  reduce [label="5. one collective (PackedSum.run: non-finite flags, replica hash), all ranks arrived"]
+  fetch [label="6. one read-back (Readback.fetch): the step's only host synchronisation"]
+  read [label="7. read: each check, in the order its `after` declares, reads its slots\nand returns Findings" fillcolor="#f0fdf4"]
+  record [label="8. Step.record_into: the row of w.stats / w.steps (History) and the ledger entry,\nunder one retention rule (Retained)"]
+  policy [label="9. policies, once per step: raise / warn / skip / record -> anomalies, log_to" fillcolor="#fff7ed"]
+  run [label="10. the read side: Watch -> Run (stats, steps, ledger, plot, report, save)"]
+  hooks -> clock -> keeper -> queue -> reduce -> fetch -> read -> record -> policy -> run
 }"""
+
 
 
 def screenshot(html: Path, png: Path, size: str = "1280,900") -> bool:
