@@ -361,3 +361,44 @@ def test_the_reach_in_check_sees_a_reach_in(tmp_path):
 @pytest.mark.parametrize("module", ["ddp_verify", "_fingerprint", "_dist.rendezvous", "_dist.replicas", "_verdict"])
 def test_ddp_verify_and_its_parts_stay_under_about_800_lines(module):
     assert len(_files(module)[0].read_text().splitlines()) <= 820
+
+
+# checks/ module -> the checks/ modules it may import: the shared base at the bottom, then the
+# step's named parts (the ledger keeper, the recorder), then what reads the recorder, then the
+# checks; a check imports another only to name it in ``after`` (what it reads after)
+CHECKS_ALLOWED = {
+    "budget": set(),
+    "base": {"budget"},
+    "copies": {"base"},
+    "ledger": {"base"},
+    "graph": {"base", "ledger"},
+    "recorder": {"base", "ledger", "graph"},  # (graph: the loss handed to backward, for w.steps)
+    "histograms": {"base", "recorder"},
+    "activations": {"base", "recorder"},
+    "stages": {"base", "recorder"},
+    "zero": {"base", "recorder"},
+    "update": {"base", "budget", "recorder"},
+    "hygiene": {"base", "ledger", "recorder"},
+    "applied": {"base", "ledger", "recorder"},
+    "detectors": {"base", "ledger", "recorder", "stages", "activations"},
+    "replicas": {"base", "recorder", "stages"},
+    "__init__": None,  # (gathers them all)
+}
+
+
+def test_the_arrows_between_checks_follow_the_steps_parts():
+    found = {}
+    for path in sorted((PKG / "checks").glob("*.py")):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("graddbg.checks."):
+                deps.add(node.module.split(".")[2])
+            elif isinstance(node, ast.ImportFrom) and node.module == "graddbg.checks":
+                deps.add("__init__")
+            elif isinstance(node, ast.ImportFrom) and node.level >= 1:
+                deps.add((node.module or "__init__").split(".")[0])
+        found[path.stem] = deps
+    assert set(found) == set(CHECKS_ALLOWED), "a checks/ module without its arrows here (or one gone)"
+    for module, deps in found.items():
+        allowed = CHECKS_ALLOWED[module]
+        assert allowed is None or deps <= allowed, f"graddbg.checks.{module} imports {sorted(deps - allowed)}"
