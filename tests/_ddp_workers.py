@@ -17,11 +17,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _dist import free_port  # noqa: F401 (also used by the tests through this module)
+from _dist import context, free_port  # noqa: F401 (free_port is also used by the tests through this module)
 
 
 
@@ -32,7 +31,7 @@ def run_world(world: str, nprocs: int, out: str, timeout_s: float = 120.0,
     (this one by default; its scenarios take ``(rank, world, device)``); return
     {rank: {scenario: record}}."""
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = context()
     procs = [ctx.Process(target=_main, args=(world, r, nprocs, port, out, device, module), daemon=True)
              for r in range(nprocs)]
     for p in procs:

@@ -9,18 +9,17 @@ processes must now always exit with 0. Each mode runs several rounds, since this
 (the torch control is not run here: how often it aborts depends on the machine)."""
 from __future__ import annotations
 
-import multiprocessing
 
 import pytest
 
 import _exit_worker as worker
-from _dist import free_port
+from _dist import context, free_port
 
 ROUNDS = 6
 
 
 def _exit_codes(mode: str) -> list:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = context()
     port = free_port()
     procs = [ctx.Process(target=worker.main, args=(rank, 2, port, mode)) for rank in range(2)]
     for p in procs:

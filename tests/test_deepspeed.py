@@ -28,8 +28,9 @@ def world(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("deepspeed")
     cases = list(worker.CASES) + ["verify0", "verify1", "verify2", "verify3", "verify3p",
                                     "accelerate", "trainer"]
+    # (fresh interpreters: DeepSpeed builds and loads its ops in each rank; not measured forked)
     return spawn(worker.main, 2, lambda r, port: (r, 2, port, str(out), cases), lambda r: out / f"rank{r}.json",
-                 timeout=240)
+                 timeout=240, fresh=True)
 
 
 def _assert_tables_agree(world: dict, case: str, rel: float) -> None:
@@ -157,7 +158,7 @@ def test_fp16_zero2_on_one_gpu(tmp_path):
     unscaled norms equal to safe_get_full_grad's over the loss scale; an overflow is a
     skipped step, not an anomaly."""
     rec = spawn(worker.main_cuda, 1, lambda r, port: (r, 1, port, str(tmp_path)), lambda r: tmp_path / f"rank{r}.json",
-                timeout=240)[0]
+                timeout=240, fresh=True)[0]
     ok = rec["z2_fp16"]
     assert ok["meta"] == "ZeRO stage 2" and ok["anomalies"] == [] and not any(ok["overflow"])
     assert sorted(ok["norms"]) == [str(s) for s in range(worker.STEPS)]

@@ -5,7 +5,6 @@ differently run exactly as they do unwatched, with the drift named. The waits th
 from __future__ import annotations
 
 import json
-import multiprocessing
 import pathlib
 import threading
 import time
@@ -14,13 +13,13 @@ import pytest
 import torch.distributed as dist
 
 import _fault_worker as worker
-from _dist import free_port
+from _dist import context, free_port
 from graddbg._dist import peers as _peers
 from graddbg._dist.peers import Peers, Position
 
 
 def _job(tmp: pathlib.Path, watched: bool, world: int = 2, **kw) -> dict:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = context()
     port = free_port()
     out = tmp / ("watched" if watched else "plain")
     out.mkdir()
