@@ -16,13 +16,102 @@ import torch
 import graddbg
 from graddbg import cli
 import graddbg._script as _script
+from _together import Together, selected
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
+_HOME = pathlib.Path.cwd()  # (where pytest started: the children's folder, whatever a test's chdir)
 
 
 def _graddbg(*args, cwd=None, timeout=180):
     return subprocess.run([sys.executable, "-m", "graddbg", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _python(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=180,
+                          cwd=_HOME, stdin=subprocess.DEVNULL)
+
+
+def _saved_run(tmp):
+    """A run of three steps saved to ``tmp/run.parquet`` (in the test process)."""
+    model = torch.nn.Linear(3, 1)
+    with graddbg.watch(model) as w:
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+    w.save(tmp / "run.parquet")
+
+
+def _blocker(tmp):
+    (tmp / "file.txt").write_text("a file, not a folder")
+
+
+def _bad_parquet(tmp):
+    (tmp / "bad.parquet").write_text("not parquet at all")
+
+
+_FAILING_SOURCES = {"syntax": "x = (\n", "import": "import json\nimport graddbg_no_such_module_y\n"}
+
+# The children of this module's tests, by test (and parameter id): (what the test process
+# prepares in the child's folder first, or None; the child, given that folder). The tests
+# below each read their own: `res, tmp_path = children["name"]`.
+_CHILDREN = {
+    "test_demo_end_to_end": (None, lambda t: _graddbg("demo", "--out", str(t / "out"), cwd=_HOME)),
+    "test_run_script_with_nan_exits_1_and_report_names_module": (
+        None, lambda t: _graddbg("run", "--out", str(t), str(SCRIPTS / "nan_train.py"), "6", cwd=_HOME)),
+    "test_run_healthy_script_exits_0_and_passes_arguments": (
+        None, lambda t: _graddbg("run", "--out", str(t), "--every", "2", str(SCRIPTS / "healthy_train.py"), cwd=_HOME)),
+    "test_run_record_policy_and_fail_on_never": (
+        None, lambda t: _graddbg("run", "--out", str(t), "--nonfinite", "record", "--fail-on", "never",
+                                 str(SCRIPTS / "nan_train.py"), cwd=_HOME)),
+    "test_report_renders_a_saved_run": (
+        _saved_run, lambda t: _graddbg("report", str(t / "run.parquet"), "--out", str(t / "r.html"), cwd=_HOME)),
+    "test_out_inside_a_regular_file_exits_2_before_the_script_runs": (
+        _blocker, lambda t: [_graddbg("run", "--out", str(t / "file.txt" / "out"), str(SCRIPTS / "marker.py"),
+                                      str(t / "ran.txt"), cwd=_HOME),
+                             _graddbg("run", "--out", str(t / "file.txt"), str(SCRIPTS / "marker.py"),
+                                      str(t / "ran.txt"), cwd=_HOME)]),
+    "test_report_of_a_bad_file_prints_one_line_and_exits_2": (
+        _bad_parquet, lambda t: _graddbg("report", str(t / "bad.parquet"), "--out", str(t / "r.html"), cwd=_HOME)),
+    "test_a_forked_child_of_the_script_still_dies_by_sigterm": (
+        None, lambda t: _graddbg("run", "--out", str(t), str(SCRIPTS / "fork_child.py"), cwd=_HOME)),
+    "test_run_lightning_records_the_lightning_modules_names_per_optimizer_step": (
+        None, lambda t: _graddbg("run", "--out", str(t / "out"), str(SCRIPTS / "lightning_train.py"),
+                                 str(t / "torch.json"), str(t / "trainer"), cwd=_HOME)),
+    "test_quickstart_example_prints_the_summary_table": (
+        None, lambda t: _python(str(SCRIPTS.parent.parent / "examples" / "quickstart.py"))),
+    "test_hogwild_workers_write_their_own_records": (
+        None, lambda t: _graddbg("run", "--out", str(t / "out"), str(SCRIPTS / "hogwild_train.py"), cwd=_HOME)),
+    "test_a_nan_at_the_first_step_is_blamed_on_its_op_as_under_watch": (
+        None, lambda t: _graddbg("run", "--out", str(t / "out"), str(SCRIPTS / "sqrt_train.py"), cwd=_HOME)),
+}
+for _id, _source in _FAILING_SOURCES.items():  # (python itself, on the script the test runs under graddbg)
+    _CHILDREN[f"test_a_script_failing_before_its_first_step_shows_python_s_traceback_alone[{_id}]"] = (
+        lambda t, source=_source: (t / "broken.py").write_text(source),
+        lambda t: subprocess.run([sys.executable, str(t / "broken.py")], capture_output=True, text=True, cwd=t))
+
+
+class _Children:
+    def __init__(self, together: Together, dirs: dict) -> None:
+        self.together, self.dirs = together, dirs
+
+    def __getitem__(self, key: str):
+        return self.together.result(key), self.dirs[key]
+
+
+@pytest.fixture(scope="module")
+def children(request, tmp_path_factory):
+    """The children of the selected tests of this module, started together (tests/_together.py)."""
+    names = {key.split("[")[0] for key in _CHILDREN}
+    keys = [f"{name}[{i}]" if i else name for name, ids in selected(request, names).items() for i in ids]
+    together, dirs = Together(), {}
+    for key in keys:
+        prepare, child = _CHILDREN[key]
+        dirs[key] = tmp_path_factory.mktemp(key.split("[")[0][5:40])
+        if prepare is not None:
+            prepare(dirs[key])
+        together.start(key, child, dirs[key])
+    yield _Children(together, dirs)
+    together.close()
 
 
 class _Collector(html.parser.HTMLParser):
@@ -45,8 +134,8 @@ def _parse(path: pathlib.Path) -> _Collector:
 
 
 @pytest.mark.slow
-def test_demo_end_to_end(tmp_path):
-    res = _graddbg("demo", "--out", str(tmp_path / "out"))
+def test_demo_end_to_end(children):
+    res, tmp_path = children["test_demo_end_to_end"]
     assert res.returncode == 0, res.stderr
     out = tmp_path / "out"
     for f in ("report.html", "graph.svg", "stats.parquet"):
@@ -62,8 +151,8 @@ def test_demo_end_to_end(tmp_path):
     assert (out / "graph.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
 
 
-def test_run_script_with_nan_exits_1_and_report_names_module(tmp_path):
-    res = _graddbg("run", "--out", str(tmp_path), str(SCRIPTS / "nan_train.py"), "6")
+def test_run_script_with_nan_exits_1_and_report_names_module(children):
+    res, tmp_path = children["test_run_script_with_nan_exits_1_and_report_names_module"]
     assert res.returncode == 1, res.stdout + res.stderr
     assert "stopped by graddbg" in res.stderr and "module 'logs'" in res.stderr
     text = (tmp_path / "report.html").read_text(encoding="utf-8")
@@ -73,8 +162,8 @@ def test_run_script_with_nan_exits_1_and_report_names_module(tmp_path):
     assert sorted(run.stats["step"].unique()) == [0, 1, 2, 3]  # nothing lost before the crash
 
 
-def test_run_healthy_script_exits_0_and_passes_arguments(tmp_path):
-    res = _graddbg("run", "--out", str(tmp_path), "--every", "2", str(SCRIPTS / "healthy_train.py"))
+def test_run_healthy_script_exits_0_and_passes_arguments(children):
+    res, tmp_path = children["test_run_healthy_script_exits_0_and_passes_arguments"]
     assert res.returncode == 0, res.stderr
     assert "ok" in res.stdout and "0 anomalies" in res.stdout
     run = graddbg.load(tmp_path / "stats.parquet")
@@ -82,20 +171,14 @@ def test_run_healthy_script_exits_0_and_passes_arguments(tmp_path):
     assert run.stats["name"].unique().tolist() == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
-def test_run_record_policy_and_fail_on_never(tmp_path):
-    res = _graddbg("run", "--out", str(tmp_path), "--nonfinite", "record", "--fail-on", "never",
-                   str(SCRIPTS / "nan_train.py"))
+def test_run_record_policy_and_fail_on_never(children):
+    res, _ = children["test_run_record_policy_and_fail_on_never"]
     assert res.returncode == 0, res.stderr
     assert "trained 6" in res.stdout and "nonfinite" in res.stdout
 
 
-def test_report_renders_a_saved_run(tmp_path):
-    model = torch.nn.Linear(3, 1)
-    with graddbg.watch(model) as w:
-        for _ in range(3):
-            model(torch.randn(2, 3)).sum().backward()
-    w.save(tmp_path / "run.parquet")
-    res = _graddbg("report", str(tmp_path / "run.parquet"), "--out", str(tmp_path / "r.html"))
+def test_report_renders_a_saved_run(children):
+    res, tmp_path = children["test_report_renders_a_saved_run"]  # (_saved_run, then graddbg report)
     assert res.returncode == 0, res.stderr
     page = _parse(tmp_path / "r.html")
     assert "svg" in page.tags and "weight" in " ".join(page.text)
@@ -186,24 +269,23 @@ def test_run_script_arguments_are_checked_as_value_errors(tmp_path):
     assert not (tmp_path / "o").exists()  # nothing ran, nothing was created
 
 
-def test_out_inside_a_regular_file_exits_2_before_the_script_runs(tmp_path):
-    blocker = tmp_path / "file.txt"
-    blocker.write_text("a file, not a folder")
+def test_out_inside_a_regular_file_exits_2_before_the_script_runs(children):
+    (res, res_file), tmp_path = children["test_out_inside_a_regular_file_exits_2_before_the_script_runs"]
+    blocker = tmp_path / "file.txt"  # (a file, written before graddbg run --out blocker/out, --out blocker)
     marker = tmp_path / "ran.txt"
-    res = _graddbg("run", "--out", str(blocker / "out"), str(SCRIPTS / "marker.py"), str(marker))
+    assert blocker.read_text() == "a file, not a folder"
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr == f"graddbg run: error: --out: cannot create the folder {str(blocker / 'out')!r}: " \
                          "Not a directory\n"
     assert not marker.exists()  # the script never ran
-    res = _graddbg("run", "--out", str(blocker), str(SCRIPTS / "marker.py"), str(marker))
+    res = res_file
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "exists and is not a folder" in res.stderr
     assert not marker.exists()
 
 
-def test_report_of_a_bad_file_prints_one_line_and_exits_2(tmp_path):
-    bad = tmp_path / "bad.parquet"
-    bad.write_text("not parquet at all")
-    res = _graddbg("report", str(bad), "--out", str(tmp_path / "r.html"))
+def test_report_of_a_bad_file_prints_one_line_and_exits_2(children):
+    res, tmp_path = children["test_report_of_a_bad_file_prints_one_line_and_exits_2"]
+    bad = tmp_path / "bad.parquet"  # ("not parquet at all")
     assert res.returncode == 2, res.stderr
     assert res.stderr.startswith(f"graddbg report: error: path: {str(bad)!r} is not a parquet file")
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
@@ -273,8 +355,8 @@ def test_a_signal_inside_the_script_saves_and_restores_the_handlers(name, status
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_of_the_script_still_dies_by_sigterm(tmp_path):
-    res = _graddbg("run", "--out", str(tmp_path), str(SCRIPTS / "fork_child.py"))
+def test_a_forked_child_of_the_script_still_dies_by_sigterm(children):
+    res, _ = children["test_a_forked_child_of_the_script_still_dies_by_sigterm"]
     assert res.returncode == 0, res.stderr
     assert "child killed by signal 15" in res.stdout and "Traceback" not in res.stderr
 
@@ -449,11 +531,10 @@ def test_run_lbfgs_on_a_bare_tensor_records_every_step(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_run_lightning_records_the_lightning_modules_names_per_optimizer_step(tmp_path):
+def test_run_lightning_records_the_lightning_modules_names_per_optimizer_step(children):
     pytest.importorskip("lightning")
+    res, tmp_path = children["test_run_lightning_records_the_lightning_modules_names_per_optimizer_step"]
     seen_path = tmp_path / "torch.json"
-    res = _graddbg("run", "--out", str(tmp_path / "out"), str(SCRIPTS / "lightning_train.py"), str(seen_path),
-                   str(tmp_path / "trainer"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "watched Tiny with SGD for 4 steps" in res.stdout  # 8 batches, accumulation 2
     seen = _torch_norms(seen_path)
@@ -492,9 +573,8 @@ def test_the_model_of_an_optimizer_is_the_outermost_smallest_owner():
     assert _script.choose_model([torch.nn.Linear(2, 2)], held) is None
 
 
-def test_quickstart_example_prints_the_summary_table():
-    res = subprocess.run([sys.executable, str(SCRIPTS.parent.parent / "examples" / "quickstart.py")],
-                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+def test_quickstart_example_prints_the_summary_table(children):
+    res, _ = children["test_quickstart_example_prints_the_summary_table"]
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0].split()[:3] == ["name", "numel", "norm_mean"]
@@ -502,9 +582,9 @@ def test_quickstart_example_prints_the_summary_table():
     assert "100 steps" in res.stdout and "anomalies: 0" in res.stdout
 
 
-def test_hogwild_workers_write_their_own_records(tmp_path):
+def test_hogwild_workers_write_their_own_records(children):
+    res, tmp_path = children["test_hogwild_workers_write_their_own_records"]
     out = tmp_path / "out"
-    res = _graddbg("run", "--out", str(out), str(SCRIPTS / "hogwild_train.py"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "file True" in res.stdout  # __file__ is absolute, as under python
     records = sorted(out.glob("worker-*/stats.parquet"))
@@ -517,11 +597,11 @@ def test_hogwild_workers_write_their_own_records(tmp_path):
     assert "stepped no optimizer" not in res.stdout
 
 
-def test_a_nan_at_the_first_step_is_blamed_on_its_op_as_under_watch(tmp_path):
+def test_a_nan_at_the_first_step_is_blamed_on_its_op_as_under_watch(children):
     """graddbg run starts watching after the first forward pass; that pass is handed to the
     watch, so a sqrt(0) NaN at step 0 is named by module, op and line (not 'found from
     parameter gradients' on the module upstream)."""
-    res = _graddbg("run", "--out", str(tmp_path / "out"), str(SCRIPTS / "sqrt_train.py"))
+    res, tmp_path = children["test_a_nan_at_the_first_step_is_blamed_on_its_op_as_under_watch"]
     assert res.returncode == 1, res.stdout + res.stderr
     (a,) = graddbg.load(tmp_path / "out" / "stats.parquet").anomalies
     assert (a.kind, a.step, a.module, a.op) == ("nonfinite", 0, "1", "SqrtBackward0")
@@ -570,12 +650,13 @@ def _timed_lines(cmd, cwd):
 
 
 @pytest.mark.slow
-def test_run_with_dataloader_workers_exits_like_the_plain_script(tmp_path):
+def test_run_with_dataloader_workers_exits_like_the_plain_script(tmp_path, children):
     """The script's objects die at exit as under plain python: once the report is written,
     graddbg run exits as fast as the plain script does after its last line; and writing the
     report takes no longer with DataLoader workers than without (before: the script's
     namespace was collected while the report was written, the workers' queues first, and
     each worker's join waited out its 5 s timeout: 15 s more with 3 workers)."""
+    children.together.drain()  # (timed: nothing else of this module runs beside it)
     script = str(SCRIPTS / "loader_train.py")
     plain, plain_exit = _timed_lines([sys.executable, script, "3"], tmp_path)
     plain_tail = plain_exit - plain["script done"]
@@ -611,12 +692,12 @@ def test_version(capsys):
     assert capsys.readouterr().out.startswith(f"graddbg {graddbg.__version__} (torch {torch.__version__}, Python ")
 
 
-@pytest.mark.parametrize("source", ["x = (\n", "import json\nimport graddbg_no_such_module_y\n"])
-def test_a_script_failing_before_its_first_step_shows_python_s_traceback_alone(source, tmp_path, capsys):
+@pytest.mark.parametrize("source", list(_FAILING_SOURCES))
+def test_a_script_failing_before_its_first_step_shows_python_s_traceback_alone(source, children, capsys):
     """A SyntaxError or an exception at import: what python prints, no graddbg frame, no hint."""
-    script = tmp_path / "broken.py"
-    script.write_text(source)
-    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
+    plain, tmp_path = children[f"test_a_script_failing_before_its_first_step_shows_python_s_traceback_alone[{source}]"]
+    script = tmp_path / "broken.py"  # (_FAILING_SOURCES[source]; plain: python itself, run on it)
+    assert script.read_text() == _FAILING_SOURCES[source]
     assert cli.main(["run", "--out", str(tmp_path / "o"), str(script)]) == plain.returncode == 1
     out, err = capsys.readouterr()
     assert (out, err) == ("", plain.stderr)
