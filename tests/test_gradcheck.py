@@ -14,6 +14,7 @@ from torch import nn
 import graddbg
 from graddbg import GradientMismatchError, GraddbgError, PrecisionWarning
 from graddbg.gradcheck import GradcheckResult, assert_gradients_close, check_module, gradcheck
+from _together import Together, selected
 
 MODES = ["full", "fast"]
 
@@ -430,11 +431,34 @@ def test_gradcheck_leaves_inputs_and_global_state_alone():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_import_is_light():
-    code = ("import sys, graddbg.gradcheck, graddbg.pytest_plugin; "
-            "print(sorted(m for m in ('pandas', 'matplotlib', 'numpy.testing', 'graphviz') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+# ----------------------------------------------------------------- fresh interpreters
+
+LIGHT_IMPORT = ("import sys, graddbg.gradcheck, graddbg.pytest_plugin; "
+                "print(sorted(m for m in ('pandas', 'matplotlib', 'numpy.testing', 'graphviz') "
+                "if m in sys.modules))")
+
+
+def _fresh(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def fresh_interpreters(request):
+    """The fresh interpreters of the selected import tests below, started together
+    (tests/_together.py): {test (and import order): its CompletedProcess, once ended}."""
+    together = Together()
+    for name, ids in selected(request, ["test_import_is_light",
+                                        "test_gradcheck_is_the_function_in_every_import_order"]).items():
+        for first in ids:
+            code = LIGHT_IMPORT if not first else IMPORT_ORDERS[first] + IMPORT_ORDER_CHECK
+            together.start(f"{name}[{first}]", _fresh, code)
+    yield together
+    together.close()
+
+
+def test_import_is_light(fresh_interpreters):
+    out = fresh_interpreters.result("test_import_is_light[]")
+    out.check_returncode()
     assert out.stdout.strip() == "[]"
 
 
@@ -456,19 +480,21 @@ IMPORT_ORDERS = {
 }
 
 
+IMPORT_ORDER_CHECK = textwrap.dedent("""
+    import sys, torch, graddbg
+    assert graddbg.gradcheck(torch.sin, torch.randn(3, dtype=torch.float64, requires_grad=True)).ok
+    module = sys.modules["graddbg.gradcheck"]
+    assert type(module) is type(sys), type(module)           # a plain module: no class swap
+    assert graddbg.gradcheck is module.gradcheck, graddbg.gradcheck
+    from graddbg.gradcheck import check_module, gradcheck
+    assert gradcheck is graddbg.gradcheck and check_module is graddbg.check_module
+    print("OK")
+""")
+
+
 @pytest.mark.parametrize("first", list(IMPORT_ORDERS))
-def test_gradcheck_is_the_function_in_every_import_order(first):
-    code = IMPORT_ORDERS[first] + textwrap.dedent("""
-        import sys, torch, graddbg
-        assert graddbg.gradcheck(torch.sin, torch.randn(3, dtype=torch.float64, requires_grad=True)).ok
-        module = sys.modules["graddbg.gradcheck"]
-        assert type(module) is type(sys), type(module)           # a plain module: no class swap
-        assert graddbg.gradcheck is module.gradcheck, graddbg.gradcheck
-        from graddbg.gradcheck import check_module, gradcheck
-        assert gradcheck is graddbg.gradcheck and check_module is graddbg.check_module
-        print("OK")
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+def test_gradcheck_is_the_function_in_every_import_order(first, fresh_interpreters):
+    out = fresh_interpreters.result(f"test_gradcheck_is_the_function_in_every_import_order[{first}]")
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr
 
 

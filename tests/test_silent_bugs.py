@@ -6,6 +6,7 @@ is healthy), checked without graddbg.
 """
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 import warnings
@@ -16,6 +17,7 @@ import torch
 import graddbg
 import silent_bugs
 from silent_bugs import BUGGY, CASES, TWINS
+from _together import Together, selected
 
 # the warnings a buggy case may give: the finding itself (policy "warn") and coverage notes
 FINDING_WARNINGS = ("AnomalyWarning", "CoverageWarning")
@@ -92,14 +94,31 @@ CLI_CASES = ["stale_grad", "empty_step_zero_grad_between", "orphan_param_bn_left
              "dead_grad", "unused_param", "stale_grad_twin_accumulation", "dead_grad_twin"]
 
 
+def _graddbg_run(script, out, cwd):
+    return subprocess.run([sys.executable, "-m", "graddbg", "run", "--out", str(out), str(script)],
+                          capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def console_runs(request, tmp_path_factory):
+    """`graddbg run` of each selected case's standalone script, started together
+    (tests/_together.py): {name: (CompletedProcess, its folder)}."""
+    together, dirs = Together(), {}
+    for name in selected(request, ["test_graddbg_run_names_it_on_the_console"]).get(
+            "test_graddbg_run_names_it_on_the_console", []):
+        dirs[name] = tmp_path_factory.mktemp(name[:40])
+        script = dirs[name] / f"{name}.py"
+        script.write_text(CASES[name]().standalone(), encoding="utf-8")
+        together.start(name, _graddbg_run, script, dirs[name] / "out", pathlib.Path.cwd())
+    yield lambda name: (together.result(name), dirs[name])
+    together.close()
+
+
 @pytest.mark.parametrize("name", CLI_CASES)
-def test_graddbg_run_names_it_on_the_console(name, tmp_path):
+def test_graddbg_run_names_it_on_the_console(name, console_runs):
     case = CASES[name]()
-    script = tmp_path / f"{name}.py"
-    script.write_text(case.standalone(), encoding="utf-8")
+    res, tmp_path = console_runs(name)  # (tmp_path / f"{name}.py": case.standalone(), run with --out tmp_path / "out")
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, "-m", "graddbg", "run", "--out", str(out), str(script)],
-                         capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
     plain = [f"loss {i} {v:.8e}" for i, v in enumerate(case.train())]
     assert [line for line in res.stdout.splitlines() if line.startswith("loss ")] == plain
     run = graddbg.load(out / "stats.parquet")
