@@ -2247,13 +2247,10 @@ def check_module(module: torch.nn.Module, *inputs: Any,
             floating-point tensor in ``inputs``), ``"all"`` (both), or a list of names
             (parameter names as ``named_parameters()`` gives them, inputs as ``input0``,
             ``input1['key']``...).
-        **options: graddbg's options of `gradcheck` (``mode``, ``eps``, ``atol``,
-            ``rtol``, ``dtype``, ``forward_ad``, ``second_order``, ``nondet_tol``,
-            ``kinks``, ``seed``, ``probes``, ``max_entries``, ``localise_entries``,
-            ``compress``) and torch's check switches (``check_forward_ad``,
-            ``check_backward_ad``, ``check_undefined_grad``, ``check_grad_dtypes``,
-            ``check_batched_grad``, ``check_batched_forward_grad``, ``masked``); not
-            ``raise_exception`` or ``fast_mode``.
+        **options: the keyword options of `gradcheck`, each with its type and default in
+            its Keyword Args (the tolerances ``eps``/``atol``/``rtol``, ``mode``, ``dtype``,
+            ``forward_ad``, ``second_order``, ``kinks``, torch's ``check_*`` switches, ...),
+            except ``raise_exception`` and ``fast_mode``.
 
     Returns:
         GradcheckResult: ``ok``, a table of the mismatching entries (parameters by name),
@@ -2294,13 +2291,10 @@ def assert_gradients_close(fn_or_module: Union[Callable[..., Any], torch.nn.Modu
             w.r.t. every input that requires grad.
         wrt: for a module, what to check as in `check_module` (None: ``"all"``); must be
             None for a function.
-        **options: graddbg's options of `gradcheck` (``mode``, ``eps``, ``atol``,
-            ``rtol``, ``dtype``, ``forward_ad``, ``second_order``, ``nondet_tol``,
-            ``kinks``, ``seed``, ``probes``, ``max_entries``, ``localise_entries``,
-            ``compress``) and torch's check switches (``check_forward_ad``,
-            ``check_backward_ad``, ``check_undefined_grad``, ``check_grad_dtypes``,
-            ``check_batched_grad``, ``check_batched_forward_grad``, ``masked``); not
-            ``raise_exception`` or ``fast_mode``.
+        **options: the keyword options of `gradcheck`, each with its type and default in
+            its Keyword Args (the tolerances ``eps``/``atol``/``rtol``, ``mode``, ``dtype``,
+            ``forward_ad``, ``second_order``, ``kinks``, torch's ``check_*`` switches, ...),
+            except ``raise_exception`` and ``fast_mode``.
 
     Returns:
         None: the check passed.

@@ -66,7 +66,7 @@ class Watched:
         self.read_scale: Callable[[], Optional[Tensor]] = lambda: None
         #: a GradScaler found scaling the loss (in the frames of a backward pass's caller): used from now on
         self.adopt_scaler: Callable[[Any], None] = lambda scaler: None
-        self.layout: Any = None  #: which ranks graddbg exchanges what with (`graddbg._groups.Layout`)
+        self.layout: Any = None  #: which ranks graddbg exchanges what with (`graddbg._dist.layout.Layout`)
         #: the one memory budget of the weights copied before a step, shared by the checks that copy them
         self.budget = WeightBudget(options.copy_budget)
         self.add(named)
@@ -204,7 +204,7 @@ class Step:
     replica_hash: Any = None
     # -- the stage summary (`graddbg.checks.stages.StageSummary`), its ``read``
     #: under pipeline parallelism (or ranks holding different parameters): every stage's
-    #: squared norm and non-finite flag this step (`graddbg._dist.layout.StageReport`)
+    #: squared norm and non-finite flag this step (`graddbg._dist.stages.StageReport`)
     stages: Any = None
     #: the recorder's statistics with the whole model's global norm (every stage's)
     whole: Optional[StepStats] = None
