@@ -175,31 +175,42 @@ class Peers:
     def closing(self, seconds: float) -> Optional[Tuple[Position, ...]]:
         """This rank's watch closes: say so, then wait (at most ``seconds``, and not for a
         peer whose pulse stood still) until every peer's watch closed too, so that the
-        positions read are final ones. Returns every rank's position as last written."""
+        positions read are final ones; then until every peer has read them (a few seconds
+        at most), so that the rank hosting the store does not end first. Returns every
+        rank's position as last written (None if the store stopped answering first)."""
         if not self._published.at and self._published.backward != self.backward:
             self._publish(Position(self.backward, self._published.steps, False))
+        pos = None
         try:
             self.store.set(f"{self.prefix}closed/{self.rank}", "1")
-            keys = [f"{self.prefix}closed/{r}" for r in range(self.world)]
-            start = time.monotonic()
-            beats, moved, next_beat = self._beats(), [start] * self.world, start + BEAT_SECONDS
-            delay = 1e-3
-            while time.monotonic() - start < seconds:
-                waiting = [r for r, k in enumerate(keys) if not self.store.check([k])]
-                if not waiting:
-                    break
-                now = time.monotonic()
-                if now >= next_beat:
-                    now_beats = self._beats()
-                    moved = [now if a != b else t for a, b, t in zip(beats, now_beats, moved)]
-                    beats, next_beat = now_beats, now + BEAT_SECONDS
-                    if all(now - moved[r] >= SILENT_SECONDS for r in waiting):
-                        break
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+            self._all_say("closed", seconds)
+            pos = self.positions()
+            self.store.set(f"{self.prefix}read/{self.rank}", "1")
+            self._all_say("read", min(seconds, 5.0))
         except Exception:
             pass
-        return self.positions()
+        return pos
+
+    def _all_say(self, what: str, seconds: float) -> None:
+        """Wait until every rank wrote ``<what>/<rank>``, at most ``seconds``, and not for
+        ranks whose pulse stood still."""
+        keys = [f"{self.prefix}{what}/{r}" for r in range(self.world)]
+        start = time.monotonic()
+        beats, moved, next_beat = self._beats(), [start] * self.world, start + BEAT_SECONDS
+        delay = 1e-3
+        while time.monotonic() - start < seconds:
+            waiting = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            if not waiting:
+                return
+            now = time.monotonic()
+            if now >= next_beat:
+                now_beats = self._beats()
+                moved = [now if a != b else t for a, b, t in zip(beats, now_beats, moved)]
+                beats, next_beat = now_beats, now + BEAT_SECONDS
+                if all(now - moved[r] >= SILENT_SECONDS for r in waiting):
+                    return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def stop(self, why: str) -> str:
         """Tell every peer to go on without collectives (the first reason written wins);
