@@ -787,10 +787,7 @@ class StepPipeline:
         return None
 
     def begin_step(self, closure: Any = None) -> None:
-        """The optimizer's step begins: the step boundary, or (``closure`` given, as
-        ``step(closure)`` runs backward inside the step) its announcement, the boundary then
-        coming after the step. Called by the watch's own optimizer hook; call it yourself
-        only for a watch created inside an optimizer step that is under way."""
+        """The optimizer's step begins (`Watch.begin_step`)."""
         if not self._scaler_looked:
             self._scaler_looked = True
             self._adopt_scaler(find_scaler())
@@ -889,16 +886,7 @@ class StepPipeline:
 
     # ------------------------------------------------------------------ the watch's calls
     def adopt_forward(self, args: Any, kwargs: Any, output: Any, rng_state: Optional[Tensor] = None) -> None:
-        """A forward pass of the model that ran before this watch began (``graddbg run``
-        starts watching after the first one): its output is tapped as if the watch had seen
-        it, so that the end of its backward pass is seen and a NaN it makes is replayed.
-
-        Args:
-            args: the positional inputs of that forward pass.
-            kwargs: its keyword inputs.
-            output: what it returned.
-            rng_state: the CPU RNG state before it (``torch.get_rng_state()``), for the replay.
-        """
+        """A forward pass that ran before the watch began, tapped (`Watch.adopt_forward`)."""
         if self.closed or not torch.is_grad_enabled():
             return
         self._tap.before(rng_state)
