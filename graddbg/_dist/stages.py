@@ -36,8 +36,11 @@ __all__ = ["StageRelay", "StageReport", "Summary", "find_stages"]
 def find_stages(model: nn.Module) -> List[Any]:
     """The ``torch.distributed.pipelining`` stages (``_PipelineStageBase``) that hold
     ``model`` or a part of it, by stage index: those referring to it, else any in memory
-    whose module is ``model`` or one of its submodules. Empty when pipelining is not in use."""
-    if "torch.distributed.pipelining" not in sys.modules:
+    whose module is ``model`` or one of its submodules. Empty when pipelining is not in use,
+    and without a process group (a stage needs one): the search walks the heap, which a
+    process that only imported pipelining should not pay for at every watch."""
+    if "torch.distributed.pipelining" not in sys.modules or not torch.distributed.is_available() \
+            or not torch.distributed.is_initialized():
         return []
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
