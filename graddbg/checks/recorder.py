@@ -16,6 +16,7 @@ recorder asks it for the statistics instead of launching its own kernels.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -34,18 +35,19 @@ from graddbg.stats import Readback, Slot, StepReader, StepRecord, StepStats, loc
 __all__ = ["StatsRecorder", "GradientSource", "device_index"]
 
 
-class GradientSource:
+class GradientSource(abc.ABC):
     """Where the recorder reads gradients from when they are not the parameters' ``.grad``
     (the interface `graddbg.checks.zero.ZeroSource` implements): nothing is launched at the
     end of a backward pass; at the step, `queue` queues a read of the statistics into the
     read-back and `measure` turns it into the step's `Measured` values."""
 
+    @abc.abstractmethod
     def queue(self, rb: Readback, params: Sequence[Tensor], absmax: bool) -> Any:
-        raise NotImplementedError
+        """Queue the read of the step's statistics into ``rb``; returns the token `measure` gets."""
 
+    @abc.abstractmethod
     def measure(self, token: Any, index: int, lr: float) -> Tuple[Measured, int]:
         """(the measured values, the host synchronisations it made beyond the read-back)."""
-        raise NotImplementedError
 
     def done(self) -> None:
         """The step was read (or not): forget its evidence."""
