@@ -88,7 +88,7 @@ class ForeignUpdate(PolicyCheck):
         if len(self._changes) < 2 or n < 3:
             return None
         self._reported = True
-        last = self.ctx.ledger.entries[-1].index if len(self.ctx.ledger) else -1
+        last = self.ctx.ledger.last(1)[0].index if len(self.ctx.ledger) else -1
         base = self.ctx.ledger.after_step_versions
         moved = np.nonzero(now != base)[0] if len(base) == len(now) else np.arange(len(now))
         names = [self.ctx.names[i] for i in moved]
