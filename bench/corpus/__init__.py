@@ -7,18 +7,28 @@ separate files: dev.py holds the dev cases and the code only they use, heldout.p
 held-out ones (do not read it while writing detection code); _common.py and _shared.py hold
 data, models and loops with no bug in them. Nothing in this package imports graddbg:
 ``bench/corpus_run.py`` runs the cases under ``graddbg.watch``.
+
+The second corpus (issue 39: mined one mechanism of a step at a time, mechanisms.py) lives in
+``mech_dev/`` and ``mech_heldout/``, one module per mechanism; its split is dealt by
+``mechanisms.deal``. ``FIRST`` holds the first corpus's names, ``SECOND`` the second's.
 """
 from __future__ import annotations
 
 from typing import Dict, List
 
-from . import dev, heldout
+from . import dev, heldout, mech_dev, mech_heldout
 from ._common import Case
-from .split import SEED, SPLIT
+from .split import SEED
+from .split import SPLIT as _FIRST_SPLIT
 
-_ALL: List[Case] = [*dev.CASES, *heldout.CASES]
+_ALL: List[Case] = [*dev.CASES, *heldout.CASES, *mech_dev.CASES, *mech_heldout.CASES]
 
 CASES: Dict[str, Case] = {c.name: c for c in _ALL}
+FIRST = frozenset(c.name for c in (*dev.CASES, *heldout.CASES))
+SECOND = frozenset(c.name for c in (*mech_dev.CASES, *mech_heldout.CASES))
+#: every case's side: the first corpus's frozen split, and the second's by where its file is
+SPLIT: Dict[str, str] = {**_FIRST_SPLIT, **{c.name: "dev" for c in mech_dev.CASES},
+                         **{c.name: "heldout" for c in mech_heldout.CASES}}
 
 
 def split_of(name: str) -> str:
@@ -33,4 +43,4 @@ def names(split: str = "all") -> List[str]:
     return [n for n in CASES if split == "all" or SPLIT[n] == split]
 
 
-__all__ = ["CASES", "SEED", "SPLIT", "Case", "names", "split_of"]
+__all__ = ["CASES", "FIRST", "SECOND", "SEED", "SPLIT", "Case", "names", "split_of"]

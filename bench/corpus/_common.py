@@ -21,11 +21,20 @@ from torch.nn import functional as F
 # the finding kinds graddbg's watch may report (issue 31); expected_kinds use these names
 KINDS = ("stale_grad", "empty_step", "double_step", "scaled_grad", "orphan_param", "no_update",
          "hidden_param", "foreign_update", "eval_mode", "unused_param", "loss_pattern",
-         "dead_grad", "lr_schedule", "nonfinite", "explode", "vanish", "ddp_mismatch")
+         "dead_grad", "lr_schedule", "nonfinite", "explode", "vanish", "ddp_mismatch",
+         # the step audit's kinds (issue 39), named before any of its code was written:
+         # - applied_grad: the gradients a step applies differ from the gradients of the losses
+         #   handed to backward() since the previous step, beyond what the ledger explains
+         #   (GradScaler's unscale, a clip, the data-parallel average)
+         # - update_rule: a parameter's change differs from what the optimizer's own rule gives
+         #   from those gradients and its state (moved twice, never, by another amount, or by
+         #   something other than the step)
+         "applied_grad", "update_rule")
 
-Built = Tuple[nn.Module, torch.optim.Optimizer, Dict[str, Any]]
+# (the optimizer is None for a hand-written update loop: the case is watched as watch(model))
+Built = Tuple[nn.Module, Optional[torch.optim.Optimizer], Dict[str, Any]]
 Build = Callable[[int], Built]
-Loop = Callable[[nn.Module, torch.optim.Optimizer, Dict[str, Any], int], Dict[str, Any]]
+Loop = Callable[[nn.Module, Optional[torch.optim.Optimizer], Dict[str, Any], int], Dict[str, Any]]
 Result = Dict[str, Any]
 
 
