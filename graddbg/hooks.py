@@ -606,6 +606,8 @@ class StepPipeline:
         self.clock = StepClock()
         self.checks: List[Check] = []
         self._on: Dict[str, List[Callable[..., Any]]] = _handlers([])
+        self._queuers: List[Check] = []  # (the checks with a queue, and with a read, in order)
+        self._readers: List[Check] = []
         self.anomalies: AnomalyList = AnomalyList()
         self._in_policy = False
         self._sink: Optional[Sink] = None  # (log_to=: the trackers fed on every recorded step)
@@ -655,7 +657,10 @@ class StepPipeline:
             self.recorder, self.graph, self.activations = parts.recorder, parts.graph, parts.activations
             for c in self.checks:
                 c.attach(ctx)
+            ctx.seal()  # (read-only to the checks from now on)
             self._on = _handlers(self.checks)
+            self._queuers = [c for c in self.checks if getattr(type(c), "queue") is not Check.queue]
+            self._readers = [c for c in self.checks if getattr(type(c), "read") is not Check.read]
             self._attach()
         except BaseException:
             self._detach()
@@ -817,23 +822,22 @@ class StepPipeline:
         self._adopt_unfrozen()
         due_nf = opts.nonfinite is not None and opts.nonfinite.schedule.includes(index)
         due_stats = opts.record_schedule.includes(index)
-        step = Step(index, self.ctx.grads(), due_stats, read=due_stats or due_nf or
-                    any(due(index) for due in self._on["due"]), tapped=self._tap.capture, closure=closure)
-        step.entry = self._keeper.begin(index, _path(self._zero, self.ctx.optimizer, opts.scaler, closure, manual),
-                                        step.grads)
-        for check in self.checks:
-            if check.queue in self._on["queue"]:
-                step.tokens[id(check)] = check.queue(step)
+        grads = self.ctx.grads()
+        entry = self._keeper.begin(index, _path(self._zero, self.ctx.optimizer, opts.scaler, closure, manual), grads)
+        step = Step(index, grads, due_stats, read=due_stats or due_nf or any(due(index) for due in self._on["due"]),
+                    tapped=self._tap.capture, closure=closure, entry=entry)
+        for check in self._queuers:
+            step.tokens[id(check)] = step.accept(check, check.queue(step))
         step.reduce.run()  # (the one small all-reduce the checks packed, before the read-back)
         if step.read:
             step.readback.fetch()
-            self.ctx.host_syncs += 1  # (counted on the CPU too: the same code path as on a GPU)
+            self.ctx.count_syncs()  # (counted on the CPU too: the same code path as on a GPU)
         found: List[Finding] = []
         try:
-            for handle in self._on["read"]:
-                found += handle(step)
+            for check in self._readers:
+                found += step.accept(check, check.read(step))
         finally:
-            step.record_into(self.ctx.history)  # (its row, from what the checks measured)
+            step.record_into(self.ctx.history, self.ctx.ledger)  # (its row, from what the checks measured)
         step.entry.kinds = [f.anomaly.kind for f in found]
         self._finish_step()
         if self._sink is not None:  # (host values of this step's read-back: no synchronisation)
@@ -877,7 +881,8 @@ class StepPipeline:
         steps)."""
         if scaler is None or self.options.scaler is not None:
             return
-        self.options = self.ctx.options = self.options.replace(scaler=scaler)
+        self.options = self.options.replace(scaler=scaler)
+        self.ctx.amend(options=self.options)
         self.meta["scaler"] = "found"
         scale = scale_of(scaler)
         if scale is not None:
@@ -924,7 +929,7 @@ class StepPipeline:
             self._detach()
             # keep only what the tables need; no tensors of the user's past the watch
             ctx = self.ctx
-            ctx.params, ctx.model, ctx.optimizer = [], None, None
+            ctx.amend(params=[], model=None, optimizer=None)
 
     def _last_words(self) -> None:
         """A finding whose evidence grew until the end (the ranks' steps after they went out

@@ -901,6 +901,68 @@ def test_the_checks_order_follows_from_what_each_declares_it_reads():
                     assert at[id(d)] < at[id(c)], (type(d).__name__, type(c).__name__)
 
 
+def test_a_step_is_a_frozen_record_each_field_written_once_by_its_one_writer():
+    """The checks only read a step: assigning to it raises; a measured field is written by
+    the watch from what its one writer returned (`wrote`), once, and by no other part."""
+    import dataclasses as dc
+
+    from graddbg.checks import StatsRecorder
+    from graddbg.checks.base import Measured, Step, wrote
+    from graddbg.checks.histograms import Histograms
+
+    step = Step(3, [], True)
+    with pytest.raises(dc.FrozenInstanceError):
+        step.measured = Measured()  # type: ignore[misc]
+    recorder, hist = StatsRecorder.__new__(StatsRecorder), Histograms()
+    m = Measured(lr=0.5)
+    assert step.accept(recorder, wrote(["token"], measured=m)) == ["token"]
+    assert step.measured is m
+    with pytest.raises(AttributeError, match="written twice at step 3"):
+        step.accept(recorder, wrote([], measured=Measured()))
+    with pytest.raises(AttributeError, match="Histograms may not write Step.measured"):
+        Step(4, [], True).accept(hist, wrote([], measured=m))
+    with pytest.raises(AttributeError, match="the watch, when it makes the step"):
+        Step(4, [], True).accept(recorder, wrote([], index=9))
+    assert step.accept(hist, [1, 2]) == [1, 2]  # (a plain result: nothing written)
+    fields = {f.name for f in dc.fields(Step)}
+    assert set(Step.WRITERS) <= fields
+
+
+def test_the_context_is_read_only_to_the_checks_and_no_check_assigns_to_a_step():
+    """After the checks are attached the watch's context refuses assignment; and no module of
+    graddbg/checks assigns to an attribute of a step or of the context (read by its AST)."""
+    import ast
+    import pathlib
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddbg.watch(model, opt) as w:
+        ctx = w._steps.ctx
+        with pytest.raises(AttributeError, match="read-only to its checks"):
+            ctx.host_syncs = 0
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        assert w.host_syncs == 1 and ctx.host_syncs == 1
+    root = pathlib.Path(graddbg.__file__).parent / "checks"
+    bad = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                leaves = t.elts if isinstance(t, ast.Tuple) else [t]
+                for leaf in leaves:  # (step.x = ..., self.ctx.x = ..., step.x[i] = ...)
+                    while isinstance(leaf, ast.Subscript):
+                        leaf = leaf.value
+                    if isinstance(leaf, ast.Attribute):
+                        base = leaf.value
+                        name = base.id if isinstance(base, ast.Name) else \
+                            base.attr if isinstance(base, ast.Attribute) else None
+                        if name in ("step", "ctx"):
+                            bad.append(f"{path.name}:{leaf.lineno}")
+    assert not bad, bad
+
+
 def test_a_watch_does_not_walk_the_heap_for_pipeline_stages_without_a_process_group(monkeypatch):
     """A program that imported torch.distributed.pipelining but has no process group (so no
     stage) pays no heap walk per watch (2M objects on the heap: 760 ms a watch before)."""

@@ -17,7 +17,7 @@ from graddbg._errors import CompileWarning
 from graddbg._model import in_backward, tensors_in, unwrap
 from graddbg.blame import backward_producer, forward_producer
 from graddbg.checks.recorder import StatsRecorder
-from graddbg.checks.base import Check, Finding, Step, Watched
+from graddbg.checks.base import Check, Finding, Step, Watched, wrote
 
 __all__ = ["Activations"]
 
@@ -120,7 +120,7 @@ class Activations(Check):
         if step.stats is not None:
             self._warn_if_blind(bool(step.stats.has_grad.any()))
         if step.any_bad:
-            step.hint = self._producer(fwd, bwd, got, [self.ctx.names[i] for i in np.nonzero(step.bad)[0]])
+            return wrote([], hint=self._producer(fwd, bwd, got, [self.ctx.names[i] for i in np.nonzero(step.bad)[0]]))
         return []
 
     def _record(self, index: int, fwd: list, bwd: list, got: Dict[str, np.ndarray]) -> None:

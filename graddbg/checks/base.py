@@ -18,7 +18,11 @@ and never reaches into another check or into the watch. The events:
   small all-reduce for all of them); the watch runs that collective, reads everything back
   at once, then each check reads its part (``step.token(self)``: what its ``queue``
   returned) and the step's ledger entry (``step.entry``) and returns findings; the step's
-  row goes into the history when every check has read (`Step.record_into`);
+  row goes into the history when every check has read (`Step.record_into`). The step is
+  read-only (a frozen dataclass): a part that measures something for the others returns it
+  (``wrote(result, field=value)``) and the watch writes it into the step's field, which
+  names that part as its one writer (`Step.WRITERS`); the context (`Watched`) is read-only
+  to the checks too;
 - ``before_step(index, closure)``: the optimizer's step begins (``closure``: it was given
   one, so the boundary comes after it);
 - ``after_step(index)``: the optimizer's step ran;
@@ -28,8 +32,9 @@ and never reaches into another check or into the watch. The events:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -41,13 +46,20 @@ from graddbg.checks.budget import WeightBudget
 from graddbg.stats import Readback, StepRecord, StepStats
 
 __all__ = ["Check", "PolicyCheck", "Watched", "Step", "Launched", "Measured", "PackedSum", "BackwardEnd", "Finding",
-           "finding", "shown", "step_range"]
+           "Wrote", "finding", "record_update", "shown", "step_range", "wrote"]
 
 
 class Watched:
     """The parameters a watch records, in a fixed order, and what every check may know
     of the run: the model, the optimizer, the options, the rank. Grows when parameters
-    are unfrozen; never shrinks."""
+    are unfrozen; never shrinks.
+
+    Read-only once the checks are attached (`seal`): a check that assigns to it gets an
+    AttributeError. What a check may change goes through a method: `count_syncs` (the
+    host synchronisations it made) and `replay` (the watch's hooks ignore what runs inside).
+    The watch itself changes it with `amend`."""
+
+    _sealed = False
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], options: Any,
                  named: Sequence[tuple], hooks: Any, rank: Optional[int], world_size: int) -> None:
@@ -70,6 +82,34 @@ class Watched:
         #: the one memory budget of the weights copied before a step, shared by the checks that copy them
         self.budget = WeightBudget(options.copy_budget)
         self.add(named)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._sealed:
+            raise AttributeError(f"the watch's context is read-only to its checks: cannot set {name!r} "
+                                 f"(a check returns what it measured; see graddbg.checks.base)")
+        object.__setattr__(self, name, value)
+
+    def seal(self) -> None:
+        """From now on read-only (the checks are attached)."""
+        object.__setattr__(self, "_sealed", True)
+
+    def amend(self, **fields: Any) -> None:
+        """The watch changes its context (a GradScaler found late, the close)."""
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def count_syncs(self, n: int = 1) -> None:
+        """``n`` host synchronisations made (read-backs), counted in `Watch.host_syncs`."""
+        object.__setattr__(self, "host_syncs", self.host_syncs + n)
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """A replay of the step runs inside: the watch's hooks ignore it."""
+        object.__setattr__(self, "replaying", True)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "replaying", False)
 
     def add(self, named: Sequence[tuple]) -> None:
         self.names += [n for n, _ in named]
@@ -178,11 +218,37 @@ class Measured:
     in_ledger: bool = True  #: the ledger entry shows the norms and the scale (not under ZeRO)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Wrote:
+    """What a part's ``queue`` or ``read`` returns when it also measured fields of the step
+    for the parts after it: ``result`` (the token, or the findings) and the fields, which
+    the watch writes into the step (`Step.accept`)."""
+
+    result: Any
+    fields: Mapping[str, Any]
+
+
+def wrote(result: Any = None, **fields: Any) -> Wrote:
+    """``result`` (what ``queue`` or ``read`` returns) and the step's ``fields`` this part
+    measured (each a field of `Step` whose writer it is)."""
+    return Wrote(result, fields)
+
+
+@dataclasses.dataclass(frozen=True)
 class Step:
-    """One step boundary as it is read. Each field has one writer, named in its comment;
-    the properties below (``stats``, ``bad``, ``origin``, ``capture``, ...) are read-only
-    views of them. Host-side, except the gradients and the device handles."""
+    """One step boundary as it is read: a frozen record. The watch makes it with what the
+    step is; each later field is measured by one part, named in `WRITERS`, which returns it
+    (`wrote`) and the watch writes it (`accept`), once. The checks only read it. The
+    properties below (``stats``, ``bad``, ``origin``, ``capture``, ...) are views of the
+    fields. ``readback`` and ``reduce`` are the step's two channels: a check adds what it
+    needs read back, or summed over the ranks, in ``queue``. Host-side, except the
+    gradients and the device handles."""
+
+    #: each measured field and the class of its one writer (a subclass writes as its base)
+    WRITERS = {"launched": "StatsRecorder", "measured": "StatsRecorder", "replica_hash": "ReplicaCheck",
+               "stages": "StageSummary", "whole": "StageSummary", "arrival": "StageSummary",
+               "stage_capture": "StageSummary", "hist": "Histograms", "hint": "Activations",
+               "update": "UpdateRatio"}
 
     # -- the watch, when it makes the step
     index: int
@@ -191,11 +257,11 @@ class Step:
     read: bool = True  #: whether the statistics are read back this step
     tapped: Any = None  #: the last forward's inputs, from the watch's output tap (``graddbg.blame.Capture``)
     closure: bool = False  #: inside ``optimizer.step(closure)``
+    #: this step's ledger entry (`graddbg.checks.ledger.StepEntry`): its host facts (the keeper's)
+    entry: Any = None
     readback: Readback = dataclasses.field(default_factory=Readback)  #: the one read-back (checks add slots)
     reduce: PackedSum = dataclasses.field(default_factory=PackedSum)  #: the one small all-reduce (checks add parts)
-    #: this step's ledger entry (`graddbg.checks.ledger.StepEntry`): its host facts
-    entry: Any = None
-    tokens: Dict[int, Any] = dataclasses.field(default_factory=dict)  #: what each check's queue() returned
+    tokens: Dict[int, Any] = dataclasses.field(default_factory=dict)  #: what each check's queue() returned (the watch's)
     # -- the statistics recorder (`graddbg.checks.recorder.StatsRecorder`)
     launched: Optional[Launched] = None  #: its ``queue``: what it measures, on the device
     measured: Optional[Measured] = None  #: its ``read``: what it read back
@@ -215,6 +281,26 @@ class Step:
     hist: Optional[np.ndarray] = None  #: [P, bins] counts of |grad|
     # -- the activations (`graddbg.checks.activations.Activations`), its ``read``
     hint: Optional[tuple] = None  #: (module, how it was found) of a non-finite producer
+    # -- the update/weight ratio (`graddbg.checks.update.UpdateRatio`), its ``read``: the
+    #: ratios it read back of the step they were measured at (an earlier one): (index, [P])
+    update: Optional[Tuple[int, np.ndarray]] = None
+
+    def accept(self, part: Any, out: Any) -> Any:
+        """(The watch's.) What ``part``'s ``queue`` or ``read`` returned: its fields written
+        into the step, where ``part`` is their writer and they were not written yet; the
+        result handed on."""
+        if type(out) is not Wrote:
+            return out
+        mine = {k.__name__ for k in type(part).__mro__}
+        for name, value in out.fields.items():
+            writer = self.WRITERS.get(name)
+            if writer is None or writer not in mine:
+                raise AttributeError(f"{type(part).__name__} may not write Step.{name} "
+                                     f"(its writer: {writer or 'the watch, when it makes the step'})")
+            if getattr(self, name) is not None:
+                raise AttributeError(f"Step.{name} was written twice at step {self.index}")
+            object.__setattr__(self, name, value)
+        return out.result
 
     def token(self, check: "Check") -> Any:
         """What ``check.queue(step)`` returned for this step (None when it queued nothing)."""
@@ -282,10 +368,13 @@ class Step:
         bad = self.bad
         return bad is not None and bool(bad.any())
 
-    def record_into(self, history: Any) -> None:
+    def record_into(self, history: Any, ledger: Any = None) -> None:
         """The step's row of ``w.steps`` (and of ``w.stats`` when due) into ``history``
-        (`graddbg.stats.History`), and the measured values into its ledger entry: by the
-        watch, once every check has read."""
+        (`graddbg.stats.History`), and the measured values into its ledger entry (and the
+        update ratios into the entry of the step they were measured at, in ``ledger``): by
+        the watch, once every check has read."""
+        if self.update is not None:
+            record_update(history, ledger, *self.update)
         m = self.measured
         if m is None:
             return
@@ -302,6 +391,16 @@ class Step:
                                   loss=m.loss))
         if self.entry is not None and m.in_ledger:
             self.entry.global_norm, self.entry.clipped_norm, self.entry.scale = st.global_norm, m.clipped_norm, m.scale
+
+
+def record_update(history: Any, ledger: Any, at: int, ratios: np.ndarray) -> None:
+    """The update/weight ratios of step ``at`` into ``w.stats`` and (their largest) into the
+    step's ledger entry, when it is kept."""
+    history.set_update(at, ratios)
+    entry = ledger.find(at) if ledger is not None else None
+    finite = ratios[np.isfinite(ratios)]
+    if entry is not None and len(finite):
+        entry.update = float(finite.max())
 
 
 @dataclasses.dataclass(frozen=True)

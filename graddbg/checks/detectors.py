@@ -3,10 +3,9 @@ explosions and vanishing gradients. Each reads what the statistics recorder meas
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -150,7 +149,7 @@ class NonFiniteCheck(Check):
             where.module, where.how = step.hint
         cap = step.capture
         if self.ctx.options.localise and cap is not None and step.first_bad == step.index and replay_ok:
-            with self._replaying():
+            with self.ctx.replay():  # (the watch's hooks ignore the replay)
                 ran, got = replay(self.ctx.model if cap.module is None else cap.module, cap, step.index)
             where.reproduced = (got is not None) if ran else None
             if got is not None and (got.module is not None or got.op is not None):
@@ -162,14 +161,6 @@ class NonFiniteCheck(Check):
                     "a replay of the forward pass and of the loss code after it" if m == "<loss>" and got.op
                     else "a replay of the forward and backward pass")
         return where
-
-    @contextlib.contextmanager
-    def _replaying(self) -> Iterator[None]:
-        self.ctx.replaying = True  # (the watch's hooks ignore the replay)
-        try:
-            yield
-        finally:
-            self.ctx.replaying = False
 
 
 #: a param group's lr that rose at least this many times over in one step is a host fact an

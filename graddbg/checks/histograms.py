@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from graddbg.checks.base import Check, Finding, Step
+from graddbg.checks.base import Check, Finding, Step, wrote
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.stats import HIST_EDGES, Slot, histogram_counts
 
@@ -35,7 +35,7 @@ class Histograms(Check):
     def read(self, step: Step) -> List[Finding]:
         slot: Optional[Slot] = step.token(self)
         if slot is not None:
-            step.hist = slot.value.reshape(len(self.ctx), -1).astype(np.int64)
+            return wrote([], hist=slot.value.reshape(len(self.ctx), -1).astype(np.int64))
         return []
 
     def _counts(self, grads: Sequence[Optional[Tensor]]) -> Tensor:

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from graddbg._dist.collective import run_collective
 from graddbg._model import in_backward
-from graddbg.checks.base import BackwardEnd, Check, Finding, Launched, Measured, Step, Watched
+from graddbg.checks.base import BackwardEnd, Check, Finding, Launched, Measured, Step, Watched, wrote
 from graddbg.checks.graph import LossSum
 from graddbg.checks.ledger import LedgerKeeper
 from graddbg.stats import Readback, Slot, StepReader, StepRecord, StepStats, local_values
@@ -305,20 +305,17 @@ class StatsRecorder(Check):
             q.any_rank, launched.any_rank, launched.current, launched.current_norms = \
                 self._any_rank.queue(step, launch, grads, changed, len(self.ctx))
             launched.group = self._any_rank.group
-        step.launched = launched
-        return q
+        return wrote(q, launched=launched)
 
     def read(self, step: Step) -> List[Finding]:
         if self.source is not None:
             try:
-                self._read_source(step)
+                return wrote([], measured=self._read_source(step))
             finally:
                 self.source.done()  # (the evidence of this step's micro-batches)
-            return []
         q: Optional[_Queued] = step.token(self)
         if q is None:
-            step.measured = Measured(lr=self._lr())
-            return []
+            return wrote([], measured=Measured(lr=self._lr()))
         for i, slot in q.skipped:
             self.history.set_scale(i, float(slot.value[0]))
         scale = float(q.scale.value[0]) if q.scale is not None else math.nan
@@ -338,20 +335,18 @@ class StatsRecorder(Check):
         # each backward pass is a step and a GradScaler is in use: scaled gradients that
         # overflowed are the scaler's to skip, an overflow step, never an anomaly
         overflow = bool(bad.any()) and self.ctx.optimizer is None and self.ctx.options.scaler is not None
-        step.measured = Measured(self._lr(), st, bad, first, clip_norm, scale, loss, overflow)
-        return []
+        return wrote([], measured=Measured(self._lr(), st, bad, first, clip_norm, scale, loss, overflow))
 
-    def _read_source(self, step: Step) -> None:
+    def _read_source(self, step: Step) -> Measured:
         token = step.token(self)
         if token is None:
-            step.measured = Measured(lr=self._lr())
-            return
+            return Measured(lr=self._lr())
         assert self.source is not None
         measured, syncs = self.source.measure(token, step.index, self._lr())
-        self.ctx.host_syncs += syncs
+        self.ctx.count_syncs(syncs)
         if measured.stats is not None:
             self.ever_grad |= measured.stats.has_grad
-        step.measured = measured
+        return measured
 
     # ------------------------------------------------------------------ helpers
     def _launch(self, index: int, grads: List[Optional[Tensor]], scale: Optional[Tensor]) -> _Pending:
@@ -406,7 +401,7 @@ class StatsRecorder(Check):
                     if c in ("mean", "std"):
                         st.extras[:, j] /= div
         if self._reader.rescue(st, grads, div, changed=changed):
-            self.ctx.host_syncs += 1  # on steps with a non-finite (or overflowed) norm only
+            self.ctx.count_syncs()  # on steps with a non-finite (or overflowed) norm only
         self.ever_grad |= st.has_grad
         return st
 

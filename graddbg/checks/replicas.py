@@ -23,7 +23,7 @@ from graddbg._args import AUTO, REPLICA_CHECK, Schedule
 from graddbg._errors import DDPInconsistencyError, GraddbgValueError, GraddbgWarning
 from graddbg._model import in_backward, is_dtensor, module_of
 from graddbg.anomaly import Anomaly
-from graddbg.checks.base import Check, Finding, Launched, Step, Watched
+from graddbg.checks.base import Check, Finding, Launched, Step, Watched, wrote
 from graddbg.checks.recorder import StatsRecorder, device_index
 from graddbg.checks.stages import StageSummary
 from graddbg.stats import local_values
@@ -150,7 +150,7 @@ class ReplicaCheck(Check):
         weights = None
         if self._hash.shards_hashed and self._weights.includes(step.index):
             weights = [local_values(p.detach()) for p in self.ctx.params]
-        step.replica_hash = self._hash.queue(step, la, len(self.ctx), weights)
+        return wrote(None, replica_hash=self._hash.queue(step, la, len(self.ctx), weights))
 
     def read(self, step: Step) -> List[Finding]:
         drift = self._out_of_step()
@@ -271,7 +271,7 @@ class ReplicaCheck(Check):
             if not self.auto:
                 warnings.warn(f"graddbg.watch: ddp_check_every is switched off: {err}", GraddbgWarning, stacklevel=2)
             return None
-        self.ctx.host_syncs += 1
+        self.ctx.count_syncs()
         return None if report.ok else _mismatch(index, report, self.ctx.rank)
 
 

@@ -12,7 +12,7 @@ import math
 from typing import List
 
 from graddbg.anomaly import Anomaly
-from graddbg.checks.base import Check, Finding, Step
+from graddbg.checks.base import Check, Finding, Step, wrote
 from graddbg.checks.recorder import StatsRecorder
 
 __all__ = ["StageSummary", "StageCheck"]
@@ -42,13 +42,12 @@ class StageSummary(Check):
             return []
         whole = dataclasses.replace(st)
         whole.__dict__["global_norm"] = layout.global_norm(report)  # (the whole model's, on every rank)
-        step.stages, step.whole = report, whole
         came = layout.arrival(report)
         if came is not None and bad.any():
-            step.arrival = came
-        elif bad.any():  # (several stages here: the last forward pass of the one that made it, if any)
-            step.stage_capture = layout.capture(report)
-        return []
+            return wrote([], stages=report, whole=whole, arrival=came)
+        if bad.any():  # (several stages here: the last forward pass of the one that made it, if any)
+            return wrote([], stages=report, whole=whole, stage_capture=layout.capture(report))
+        return wrote([], stages=report, whole=whole)
 
 
 class StageCheck(Check):

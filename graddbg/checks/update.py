@@ -18,7 +18,7 @@ from torch import Tensor
 from graddbg._args import Schedule
 from graddbg._errors import GraddbgWarning
 from graddbg.checks.recorder import StatsRecorder
-from graddbg.checks.base import Check, Finding, Step, Watched
+from graddbg.checks.base import Check, Finding, Step, Watched, record_update, wrote
 from graddbg.checks.budget import nbytes, oldest_first, out_of_memory
 from graddbg.stats import Slot, local_values, update_ratios
 
@@ -54,22 +54,15 @@ class UpdateRatio(Check):
 
     def read(self, step: Step) -> List[Finding]:
         queued = step.token(self)
-        if queued is not None:
-            self.ctx.history.set_update(queued[0], queued[1].value)
-            self._to_ledger(queued[0], queued[1].value)
         if not step.closure and self.due(step.index):
             self._take_copy(step.index)
+        if queued is not None:  # (into w.stats and the ledger entry of the step they were measured at)
+            return wrote([], update=(queued[0], queued[1].value))
         return []
 
     def before_step(self, index: int, closure: bool) -> None:
         if closure and self.due(index):  # (step(closure): the boundary comes after the step)
             self._take_copy(index)
-
-    def _to_ledger(self, index: int, ratios: np.ndarray) -> None:
-        entry = self.ctx.ledger.find(index) if self.ctx.ledger is not None else None
-        finite = ratios[np.isfinite(ratios)]
-        if entry is not None and len(finite):
-            entry.update = float(finite.max())
 
     def _take_copy(self, index: int) -> None:
         """Copy the weights that the budget grants. Where there is no memory for the copy (a
@@ -131,8 +124,7 @@ class UpdateRatio(Check):
             step, ratios = self._ratios
             self._ratios = None
             host = ratios.cpu().numpy()
-            self.ctx.history.set_update(step, host)
-            self._to_ledger(step, host)
+            record_update(self.ctx.history, self.ctx.ledger, step, host)
 
     def close(self) -> None:
         self.flush()
