@@ -760,7 +760,13 @@ class LossTape(TorchFunctionMode):
                 self._note_backward(func, args, kwargs or {})
             except Exception:  # (never raise in the user's code)
                 self.loss = None
-            return _pass_through(func, args, kwargs)
+            # what runs inside the backward pass (graddbg's hooks, the user's) is not loss
+            # code: not recorded, and not paid for op by op
+            self.recording = False
+            try:
+                return _pass_through(func, args, kwargs)
+            finally:
+                self.recording = not self.ended  # (a step boundary inside it ended the tape)
         out = _pass_through(func, args, kwargs)
         try:
             self._record(func, args, kwargs or {}, out)

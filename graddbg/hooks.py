@@ -793,6 +793,7 @@ class StepPipeline:
 
     def begin_step(self, closure: Any = None) -> None:
         """The optimizer's step begins (`Watch.begin_step`)."""
+        self._tap.end_tape()  # (the loss code is over: the checks' host reads before the step are not recorded)
         if not self._scaler_looked:
             self._scaler_looked = True
             self._adopt_scaler(find_scaler())

@@ -148,3 +148,31 @@ def test_nan_in_forward_is_still_named_in_its_module():
     assert (a.module, a.op) == ("1", "aten.div")
     assert a.source == _line(Norm.forward, "x / x.norm")
     assert a.name == "2.weight" and "2.weight is the one nearest it" in a.message  # the module holds none
+
+
+def test_only_the_loss_code_is_recorded_not_the_backward_pass_nor_the_step(monkeypatch):
+    """The tape records the calls between the model's output and backward(): not what runs
+    inside the backward pass (a user's gradient hook, graddbg's own end of backward), nor
+    the host reads graddbg makes when the optimizer's step begins (each would pay the mode's
+    dispatch, once per parameter)."""
+    from graddbg import blame
+
+    seen = []
+    record = blame.LossTape._record
+    monkeypatch.setattr(blame.LossTape, "_record", lambda self, func, *a: (seen.append(func), record(self, func, *a)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(12)])
+    model[0].weight.register_hook(lambda g: g * torch.ones_like(g))  # (torch calls inside backward)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+    with graddbg.watch(model, opt):
+        for _ in range(3):
+            out = model(x)
+            seen.clear()
+            loss = (out ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            names = [getattr(f, "__name__", str(f)) for f in seen]
+            # (and at most the optimizer's own record_function, entered before its pre-hooks)
+            assert names[:2] == ["pow", "mean"] and names[2:] in ([], ["_record_function_enter_new"]), names
