@@ -140,9 +140,12 @@ def _cpu_fp16():
         del acc.is_fp16_supported
 
 
-def main(rank: int, world: int, port: int, out: str, cases: list) -> None:
+def main(rank: int, world: int, port: int, out: str, cases: list, extensions: str = "") -> None:
+    """``extensions``: where DeepSpeed builds (once) and loads its CPU ops (TORCH_EXTENSIONS_DIR)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
+    if extensions:
+        os.environ["TORCH_EXTENSIONS_DIR"] = extensions
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))

@@ -7,8 +7,15 @@ per optimizer step, the same on every rank; a NaN planted on one rank makes ever
 at the same step."""
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.metadata
 import importlib.util
 import math
+import os
+import pathlib
+import sys
+import time
 
 import pytest
 
@@ -23,14 +30,58 @@ pytestmark = [pytest.mark.timeout(300),
                                  reason="deepspeed is not installed (pip install graddbg[dev])")]
 
 
+def extensions_dir() -> pathlib.Path:
+    """Where the ranks' DeepSpeed keeps the CPU op that ``deepspeed.init_distributed`` builds
+    (deepspeed_shm_comm: 30-60 s of compiling on the 2-core machine, minutes under load):
+    one folder per virtual environment under ~/.cache, so that it is built once, not again
+    on every run. (torch's default, ~/.cache/torch_extensions/py311_cpu, is one folder for
+    every environment: ninja rebuilds the op whenever the last build came from another
+    checkout, whose include paths differ.) Keyed by the environment, the interpreter, torch
+    and deepspeed; torch itself rebuilds in it when the op's sources or flags change."""
+    key = "\n".join([os.path.realpath(sys.prefix), sys.version, importlib.metadata.version("torch"),
+                     importlib.metadata.version("deepspeed")])
+    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    return cache / "graddbg-tests" / "torch_extensions" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def holding(folder: pathlib.Path, wait: float = 120.0):
+    """This session's hold on ``folder``: an flock, which the kernel drops when its holder
+    ends, however it ends (waited for at most ``wait`` seconds: another session using the
+    same environment). While it is held nobody else builds in the folder, so a ``lock``
+    file that torch's build left there is stale (a run killed mid-build), and is removed:
+    torch would wait on it forever."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "graddbg-tests.lock", "w") as f:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{folder} stayed locked by another test session for {wait:g} s")
+                time.sleep(0.2)
+        try:
+            for stale in folder.glob("*/lock"):
+                stale.unlink()
+            yield folder
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("deepspeed")
     cases = list(worker.CASES) + ["verify0", "verify1", "verify2", "verify3", "verify3p",
                                     "accelerate", "trainer"]
-    # (fresh interpreters: DeepSpeed builds and loads its ops in each rank; not measured forked)
-    return spawn(worker.main, 2, lambda r, port: (r, 2, port, str(out), cases), lambda r: out / f"rank{r}.json",
-                 timeout=240, fresh=True)
+    # (ranks forked from tests/_dist's server, which has torch and graddbg but not deepspeed:
+    # each rank imports deepspeed itself, with DS_ACCELERATOR=cpu)
+    with holding(extensions_dir()) as ext:
+        return spawn(worker.main, 2, lambda r, port: (r, 2, port, str(out), cases, str(ext)),
+                     lambda r: out / f"rank{r}.json", timeout=240)
 
 
 def _assert_tables_agree(world: dict, case: str, rel: float) -> None:
