@@ -23,7 +23,10 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from typing import Dict, List, Optional, Sequence
+
+from _preloaded import Zygote
 
 HEALTHY = pathlib.Path(__file__).parent / "healthy"
 ROOT = HEALTHY.parent.parent
@@ -74,8 +77,16 @@ def _losses(stdout: str) -> List[str]:
     return [line for line in stdout.splitlines() if line.startswith("loss ")]
 
 
-def _run(script: str, cmd: Sequence[str], cwd: pathlib.Path) -> Outcome:
+def _run(script: str, cmd: Sequence[str], cwd: pathlib.Path, zygote: Optional[Zygote] = None) -> Outcome:
+    """``cmd`` (``[python, *args]``) run in ``cwd``: a fresh interpreter, or with ``zygote``
+    the same arguments run in a process forked from it (tests/_preloaded.py)."""
     t0 = time.perf_counter()
+    if zygote is not None:
+        module = cmd[1] == "-m"
+        rc, out, err, late = zygote.run(cmd[2:] if module else cmd[1:], cwd, TIMEOUT, module=module)
+        if late:
+            err += f"\n(timed out after {TIMEOUT:g} s)"
+        return Outcome(script, rc, _losses(out), out, err, time.perf_counter() - t0)
     try:
         proc = subprocess.run(list(cmd), cwd=cwd, env=_env(), capture_output=True, text=True,
                               timeout=TIMEOUT, stdin=subprocess.DEVNULL)
@@ -89,9 +100,11 @@ def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
-def run_plain(script: str, workdir: pathlib.Path) -> Outcome:
-    """``python script.py``, unwatched."""
-    return _run(script, [sys.executable, str(HEALTHY / f"{script}.py")], workdir)
+def run_plain(script: str, workdir: pathlib.Path, zygote: Optional[Zygote] = None) -> Outcome:
+    """``python script.py``, unwatched (forked from ``zygote`` when given, except the
+    distributed scripts)."""
+    return _run(script, [sys.executable, str(HEALTHY / f"{script}.py")], workdir,
+                None if script in DISTRIBUTED else zygote)
 
 
 def watched_command(script: str, out: pathlib.Path) -> List[str]:
@@ -102,10 +115,11 @@ def watched_command(script: str, out: pathlib.Path) -> List[str]:
     return [sys.executable, *graddbg_run]
 
 
-def run_watched(script: str, out: pathlib.Path) -> Outcome:
+def run_watched(script: str, out: pathlib.Path, zygote: Optional[Zygote] = None) -> Outcome:
     """``graddbg run --out OUT script.py`` (torchrun for the distributed ones), then every
-    run it saved under OUT loaded with graddbg.load."""
-    res = _run(script, watched_command(script, out), out.parent)
+    run it saved under OUT loaded with graddbg.load. Forked from ``zygote`` when given,
+    except the distributed scripts."""
+    res = _run(script, watched_command(script, out), out.parent, None if script in DISTRIBUTED else zygote)
     res.anomalies = []
     try:
         import graddbg
@@ -126,10 +140,48 @@ def graddbg_lines(watched: Outcome, plain: Outcome) -> List[str]:
             if "graddbg" in line.lower() or (_WARNING.search(line) and line not in seen)]
 
 
-def run_suite(scripts: Sequence[str], workdir: pathlib.Path, workers: int = 3):
-    """{script: (plain, watched)}, runs spread over ``workers`` processes at a time."""
+#: what the zygotes import before they fork (tests/_preloaded.py): for ``python script.py``
+#: torch, and torch._dynamo, which torch.optim imports at the first step; for ``graddbg run``
+#: also graddbg's command line and matplotlib (its report's figures). Not pandas: its
+#: pyarrow starts a thread (jemalloc's) as it is imported, and a zygote with two threads
+#: does not fork. (A module that fails to import here is left to the run, which then fails.)
+PRELOAD_PLAIN = ["torch", "torch._dynamo"]
+PRELOAD_WATCHED = ["torch", "torch._dynamo", "graddbg", "graddbg.cli", "matplotlib.figure"]
+
+
+def run_suite(scripts: Sequence[str], workdir: pathlib.Path, workers: int = 3, preload: bool = False):
+    """{script: (plain, watched)}, runs spread over ``workers`` processes at a time, the
+    distributed scripts (the longest) first. ``preload``: the other scripts' runs are forked
+    from two zygotes, one that imported :data:`PRELOAD_PLAIN` for the unwatched runs and
+    one that imported :data:`PRELOAD_WATCHED` for the watched runs (tests/_preloaded.py:
+    each run is still its own process, run as python would, but starts without the 3-5 s
+    of imports); fresh interpreters when a zygote cannot fork safely."""
     workdir.mkdir(parents=True, exist_ok=True)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        plain = {s: pool.submit(run_plain, s, workdir) for s in scripts}
-        watched = {s: pool.submit(run_watched, s, workdir / f"out-{s}") for s in scripts}
-        return {s: (plain[s].result(), watched[s].result()) for s in scripts}
+    order = sorted(scripts, key=lambda s: s not in DISTRIBUTED)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as starter:
+        zygotes = [starter.submit(Zygote.start, modules, _env()) if preload else None
+                   for modules in (PRELOAD_PLAIN, PRELOAD_WATCHED)]
+
+        def zygote(i: int) -> Optional[Zygote]:
+            if zygotes[i] is None:
+                return None
+            z = zygotes[i].result()
+            if z is None and not warned:
+                warned.append(i)
+                warnings.warn("tests/_healthy.py: a zygote could not fork (more than one thread after its "
+                              "imports, or it did not start): the runs start fresh interpreters, 3-5 s each")
+            return z
+
+        warned: List[int] = []
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+                plain, watched = {}, {}
+                for s in order:
+                    plain[s] = pool.submit(lambda s=s: run_plain(s, workdir, zygote(0)))
+                    watched[s] = pool.submit(lambda s=s: run_watched(s, workdir / f"out-{s}", zygote(1)))
+                return {s: (plain[s].result(), watched[s].result()) for s in scripts}
+        finally:
+            for z in zygotes:
+                if z is not None and z.result() is not None:
+                    z.result().close()

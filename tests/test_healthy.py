@@ -3,25 +3,31 @@ run unchanged under `graddbg run`, exits 0, prints the same losses as the unwatc
 (exactly), records 0 anomalies and says nothing on stderr about graddbg.
 
 All runs (each script unwatched and watched) are made once per session, three processes at
-a time, by the module fixture; each test reads its part. The suite runs the scripts of
+a time, by the module fixture; each test reads its part. The single-process scripts' runs
+are forked from two processes that imported torch (and graddbg's command line) once
+(tests/_preloaded.py): each run is still its own process, run as python runs it, as
+test_a_forked_run_ends_as_python_ends checks. The suite runs the scripts of
 ``_healthy.CI_SCRIPTS`` (nine of the eighteen, to keep the suite short);
 bench/healthy_suite.py runs all eighteen and prints the same comparison as one table.
 """
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
 import _healthy
 from _healthy import CI_SCRIPTS, SCRIPTS
+from _preloaded import Zygote
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    return _healthy.run_suite(CI_SCRIPTS, tmp_path_factory.mktemp("healthy"))
+    return _healthy.run_suite(CI_SCRIPTS, tmp_path_factory.mktemp("healthy"), preload=True)
 
 
 def _show(res) -> str:
@@ -80,3 +86,37 @@ def test_ranks_do_not_write_the_same_files(suite, script):
     reports = re.findall(r"report: (\S+)", watched.stdout)
     assert reports, _show(watched)
     assert len(reports) == len(set(reports)), "\n".join(reports)
+
+
+_ENDINGS = """\
+import atexit, os, sys, threading, time
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.05), print("thread ran", flush=True))).start()
+print("argv", sys.argv[1:], __name__, sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+print("on stderr", file=sys.stderr)
+if sys.argv[1] == "raise":
+    raise ValueError("boom")
+sys.exit(sys.argv[1] if sys.argv[1] == "text" else int(sys.argv[1]))
+"""
+
+
+def test_a_forked_run_ends_as_python_ends(tmp_path):
+    """A run forked from a zygote (tests/_preloaded.py) gives what ``python script.py`` (and
+    ``python -m module``) gives: the exit status (0, sys.exit's code or text, 1 and the script's own traceback on
+    an uncaught exception), stdout and stderr, after non-daemon threads and atexit."""
+    script = tmp_path / "endings.py"
+    script.write_text(_ENDINGS)
+    zygote = Zygote.start(["json"], dict(_healthy._env()))
+    assert zygote is not None
+    try:
+        for module, arg in [(False, "0"), (False, "3"), (False, "text"), (False, "raise"), (True, "raise"),
+                            (True, "4")]:
+            argv = ["endings" if module else str(script), arg]
+            want = subprocess.run([sys.executable, *(["-m"] if module else []), *argv], cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                                  env=_healthy._env())
+            rc, out, err, late = zygote.run(argv, tmp_path, 60, module=module)
+            assert (rc, out, err, late) == (want.returncode, want.stdout, want.stderr, False), argv
+            assert "atexit ran" in out and "thread ran" in out and "main__ True" in out
+    finally:
+        zygote.close()
