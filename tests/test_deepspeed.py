@@ -15,6 +15,7 @@ import math
 import os
 import pathlib
 import sys
+import tempfile
 import time
 
 import pytest
@@ -40,8 +41,13 @@ def extensions_dir() -> pathlib.Path:
     and deepspeed; torch itself rebuilds in it when the op's sources or flags change."""
     key = "\n".join([os.path.realpath(sys.prefix), sys.version, importlib.metadata.version("torch"),
                      importlib.metadata.version("deepspeed")])
+    name = hashlib.sha256(key.encode()).hexdigest()[:16]
     cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
-    return cache / "graddbg-tests" / "torch_extensions" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    try:
+        (cache / "graddbg-tests" / "torch_extensions").mkdir(parents=True, exist_ok=True)
+    except OSError:  # (no writable home: the temporary folder's, per user)
+        cache = pathlib.Path(tempfile.gettempdir()) / f"graddbg-tests-{os.getuid()}"
+    return cache / "graddbg-tests" / "torch_extensions" / name
 
 
 @contextlib.contextmanager
@@ -66,7 +72,7 @@ def holding(folder: pathlib.Path, wait: float = 120.0):
                 time.sleep(0.2)
         try:
             for stale in folder.glob("*/lock"):
-                stale.unlink()
+                stale.unlink(missing_ok=True)
             yield folder
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
