@@ -217,6 +217,9 @@ REPLICA_CHECK = Schedule(100)
 FUSED_WEIGHTS = Schedule(10, (1, 2, 3, 4))
 #: the backward passes whose loss graph is read (0, 1, 2, then 10, 100, 1000, ...)
 LOSS_GRAPH = Schedule.decades(3)
+#: the optimizer steps the step audit checks against the optimizer's rule (0, 1, 2, then 10,
+#: 100, 1000, ...; also the step after one with a finding), in steps
+STEP_AUDIT = Schedule.decades(3)
 
 
 # --------------------------------------------------------------------------- options

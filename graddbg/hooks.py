@@ -1053,7 +1053,7 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
           scaled_grad: Policy = "warn", orphan_param: Policy = "warn", no_update: Policy = "warn",
           foreign_update: Policy = "warn", lr_schedule: Policy = "warn", hidden_param: Policy = "warn",
           eval_mode: Policy = "warn", loss_pattern: Policy = "warn", dead_grad: Policy = "warn",
-          unused_param: Policy = "warn", activations: bool = False,
+          unused_param: Policy = "warn", update_rule: Policy = "warn", activations: bool = False,
           histograms: Union[None, bool, int] = None, scaler: Optional[torch.amp.GradScaler] = None,
           history: int = 10_000, ddp_check_every: Union[None, str, int] = "auto",
           update_every: Union[None, str, int] = UPDATE_EVERY, copy_budget: float = COPY_BUDGET,
@@ -1112,6 +1112,11 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
         foreign_update: the policy for parameters changed between backward passes while the
             watched optimizer does not step (another optimizer, e.g. one re-created every
             epoch, or code writing the weights); None: off.
+        update_rule: the policy for the step audit's findings: on the first steps, then steps
+            10, 100, 1000, ... (and the step after a finding), each parameter's change is
+            compared with what the optimizer's own rule gives from the gradients it was handed
+            and its state (a shadow step on float64 copies); a parameter that did not move, or
+            moved twice or otherwise, is named with both numbers; None: off.
         lr_schedule: the policy for a learning rate that changes between the micro-batches of
             one step (a scheduler stepped per micro-batch) or collapses to under 1e-3 of its
             peak and stays there (a scheduler stepped per batch instead of per epoch); None: off.

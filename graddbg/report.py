@@ -411,6 +411,8 @@ HYGIENE_TEXT = {
     "scaled_grad": ("a step on gradients still scaled by GradScaler", "optimizer.step() instead of scaler.step()"),
     "foreign_update": ("parameters changed outside the watched optimizer's step",
                        "another optimizer (one re-created in the loop), or code writing the weights"),
+    "update_rule": ("a step that moved a parameter otherwise than the optimizer's rule",
+                    "weights kept in bf16/fp16 (updates rounded away), a parameter stepped twice, a hook editing the step"),
     "lr_schedule": ("a learning rate that changes per micro-batch or collapses",
                     "a scheduler stepped per micro-batch, or per batch instead of per epoch"),
     "hidden_param": ("tensors trained through the loss that are not parameters",

@@ -240,3 +240,40 @@ def test_gradscaler_skipped_steps_are_overflow_never_anomalies():
     assert w.anomalies == [] and steps["overflow"].tolist() == [True] + [False] * 4 + [True, True] + [False] * 5
     assert steps.loc[~steps["overflow"], "global_norm"].tolist() == pytest.approx(norms, rel=1e-5)
     assert steps["scale"].tolist()[:5] == [2.0 ** 16] + [2.0 ** 15] * 3 + [2.0 ** 16]  # skipped, halved, grown after 3
+
+
+@pytest.mark.parametrize("act", [None, "relu"])
+def test_a_dead_gradient_names_relus_only_when_the_model_has_them(act):
+    """Issue 39, point 3: a cause the ledger contradicts is worse than none. A layer whose
+    gradient goes to exactly zero after 3 steps (a gate closes) is named; "ReLU" appears in
+    the cause only when the model holds ReLU modules."""
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+            self.act = nn.ReLU() if act else nn.Identity()
+            self.open = True
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(self.act(h) * (1.0 if self.open else 0.0))  # (closed: exactly zero gradients)
+
+    torch.manual_seed(0)
+    model = Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt) as w:
+            for i in range(12):
+                model.open = i < 3
+                ((model(x) - y) ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    dead = [a for a in w.anomalies if a.kind == "dead_grad"]
+    assert dead and {"a.weight", "a.bias"} <= set(dead[0].params)  # (and b.weight: its input is 0)
+    if act:
+        assert "ReLU units only see negative inputs" in dead[0].message
+    else:
+        assert "ReLU" not in dead[0].message.replace("no ReLU module", "")
+        assert "the model has no ReLU module" in dead[0].message

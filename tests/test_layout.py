@@ -382,6 +382,8 @@ CHECKS_ALLOWED = {
     "applied": {"base", "ledger", "recorder"},
     "detectors": {"base", "ledger", "recorder", "stages", "activations"},
     "replicas": {"base", "recorder", "stages"},
+    "audit": {"base", "budget", "ledger", "recorder"},
+    "manual": {"base", "ledger"},
     "__init__": None,  # (gathers them all)
 }
 

@@ -19,10 +19,12 @@ from graddbg.checks.base import BackwardEnd, Check, Finding, Launched, Measured,
 from graddbg.checks.copies import CopyGuard
 from graddbg.checks.detectors import ExplodeCheck, NonFiniteCheck, VanishCheck
 from graddbg.checks.applied import ForeignUpdate, LrSchedule, ScaledStep
+from graddbg.checks.audit import StepAudit
 from graddbg.checks.graph import LossGraph
 from graddbg.checks.histograms import Histograms
 from graddbg.checks.hygiene import DeadGrad, DoubleStep, EmptyStep, EvalMode, StaleGrad, Unchanged
 from graddbg.checks.ledger import Ledger, LedgerKeeper, StepEntry
+from graddbg.checks.manual import ManualStale
 from graddbg.checks.recorder import GradientSource, StatsRecorder
 from graddbg.checks.replicas import ReplicaCheck
 from graddbg.checks.stages import StageCheck, StageSummary
@@ -101,6 +103,6 @@ def default_checks(model: Any, options: Any, zero: Any = None) -> Parts:
     # non-finite gradient came from; those that do not declare it keep their place after it)
     checks += [StageSummary(), NonFiniteCheck(), StageCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(),
                ReplicaCheck(),
-               StaleGrad(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(),
-               LrSchedule(), DeadGrad(), graph]
+               StaleGrad(), ManualStale(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(),
+               LrSchedule(), DeadGrad(), StepAudit(), graph]
     return Parts(keeper, guard, recorder, graph, activations, ordered(checks))

@@ -112,9 +112,9 @@ class Watched:
             object.__setattr__(self, "replaying", False)
 
     def add(self, named: Sequence[tuple]) -> None:
-        self.names += [n for n, _ in named]
-        self.modules += [module_of(n) for n, _ in named]
-        self.params += [p for _, p in named]
+        self.names.extend(n for n, _ in named)  # (in place: the context is read-only once sealed)
+        self.modules.extend(module_of(n) for n, _ in named)
+        self.params.extend(p for _, p in named)
 
     @property
     def numel(self) -> List[int]:

@@ -351,6 +351,14 @@ class Unchanged(Check):
         return _finding("no_update", e.index, names, [self.ctx.modules[i] for i in idx], msg, policy, self.ctx.rank)
 
 
+def _relu_kinds(model: Any) -> str:
+    """The ReLU-family modules the model holds, by class name ("" when none): a host fact
+    the dead-unit cause must agree with."""
+    kinds = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.Hardtanh, torch.nn.Threshold)
+    found = sorted({type(m).__name__ for m in model.modules() if isinstance(m, kinds)}) if model is not None else []
+    return "/".join(found)
+
+
 class DeadGrad(PolicyCheck):
     """A parameter whose gradient has been exactly zero for ``DEAD_PATIENCE`` recorded steps
     in a row: after having been non-zero (dead ReLUs, a saturated gate), or since its
@@ -397,11 +405,16 @@ class DeadGrad(PolicyCheck):
         layers = ", ".join(m or "<root>" for m in modules[:3])
         since = int(self._since[idx].min())
         if was_alive[idx].any():
+            relus = _relu_kinds(self.ctx.model)
+            cause = (f"every unit after it is dead (the model's {relus} units only see negative inputs after a "
+                     f"large step) or saturated. Fix: a lower learning rate, LeakyReLU/GELU, or a better "
+                     f"initialisation" if relus else
+                     "every path from it to the loss is saturated or gated off (the model has no ReLU module; "
+                     "a functional relu, a clamp, a hard gate or a mask can do it). Fix: a lower learning rate, "
+                     "or check the ops after this layer")
             msg = (f"graddbg: dead gradients at step {step.index}: {_shown(names)} had non-zero gradients before "
                    f"and have had exactly zero gradients since step {since} ({DEAD_PATIENCE} recorded steps in a "
-                   f"row; layer {layers}). Likely cause: every unit after it is dead (ReLUs that only see negative "
-                   f"inputs after a large step) or saturated. Fix: a lower learning rate, LeakyReLU/GELU, or a "
-                   f"better initialisation; distinct from small (vanishing) gradients.")
+                   f"row; layer {layers}). Likely cause: {cause}; distinct from small (vanishing) gradients.")
         else:
             msg = (f"graddbg: gradients exactly zero since the first step: {_shown(names)} (layer {layers}) have "
                    f"received exactly zero gradients at every recorded step from step {since} on ({DEAD_PATIENCE} "

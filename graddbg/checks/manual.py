@@ -1,0 +1,113 @@
+"""Hand-written update loops (``watch(model)`` without an optimizer), issue 39 point 2: the
+invariants of a step hold between backward passes too.
+
+Without an optimizer each backward pass is a step, and the user's own code updates the
+weights between them (``p -= lr * p.grad`` under ``no_grad``, ``p.data.add_(...)``). The
+invariant checked here: the gradients an update consumed are cleared before the next
+backward pass adds to them. One small parameter (the probe) is looked at just before each
+backward pass accumulates into its gradient (a tensor hook): whether its gradient is the very
+tensor the previous pass left, untouched (same identity and version counter), and, on the
+device, whether it is all zero (``.data.zero_()`` moves no version counter) and whether the
+weights moved since that pass (an update ran; ``.data`` updates move no version counter
+either, so the values are compared). The two flags ride the step's read-back: no host
+synchronisation of its own. Accumulating over several backward passes with no update
+between them is gradient accumulation, not this.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from graddbg.checks.base import BackwardEnd, Finding, PolicyCheck, Step, Watched, finding
+from graddbg.checks.ledger import LedgerKeeper
+
+__all__ = ["ManualStale"]
+
+
+class ManualStale(PolicyCheck):
+    """``stale_grad`` in a hand-written update loop: an update ran between two backward
+    passes and the second found the gradients the first left (not cleared), so each update
+    applies the sum of all earlier gradients."""
+
+    STATE = ("_reported",)
+    KIND = "stale_grad"
+    NEEDS_OPTIMIZER = False
+
+    after = (LedgerKeeper,)
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        self._on = self._on and ctx.optimizer is None and bool(ctx.params)
+        self._probe: Optional[int] = None
+        self._left: Optional[Tuple[int, int, Tensor]] = None  # (grad id, grad version, the weights) after a pass
+        self._flags: Optional[Tensor] = None  # [2] on the device: kept and non-zero, weights moved
+        self._run: List[int] = []  # the steps whose backward pass found the last pass's gradient kept
+        if not self._on:
+            return
+        i = min(range(len(ctx.params)), key=lambda k: ctx.params[k].numel())
+        if ctx.params[i].numel() > 1 << 16:
+            self._on = False  # (no small parameter to probe cheaply)
+            return
+        self._probe = i
+        ctx.hooks.add(ctx.params[i].register_hook(self._before_accumulate))
+
+    def params_added(self, k: int) -> None:
+        self._left, self._flags = None, None
+
+    def _before_accumulate(self, incoming: Tensor) -> None:
+        if not self.ctx.alive() or self._left is None or self._reported:
+            return None
+        p = self.ctx.params[self._probe]
+        g = p.grad
+        gid, gver, weights = self._left
+        if g is None or id(g) != gid or g._version != gver:
+            self._flags = None  # (set to None, replaced, or changed in place: cleared)
+            return None
+        with torch.no_grad():
+            self._flags = torch.stack([(g != 0).any(), (p.detach() != weights).any()])
+        return None
+
+    def on_backward_end(self, bw: BackwardEnd) -> None:
+        if not self._on or self._reported:
+            return
+        p = self.ctx.params[self._probe]
+        g = p.grad
+        with torch.no_grad():
+            self._left = None if g is None else (id(g), g._version, p.detach().clone())
+
+    def queue(self, step: Step) -> Any:
+        flags, self._flags = self._flags, None
+        if flags is None or not step.read:
+            if flags is None:
+                self._run = []
+            return None
+        return step.readback.add("manual_stale", flags)
+
+    def read(self, step: Step) -> List[Finding]:
+        slot = step.token(self)
+        if slot is None:
+            return []
+        kept_nonzero, moved = (bool(v) for v in slot.value)
+        if not (kept_nonzero and moved):
+            self._run = []
+            return []
+        self._run.append(step.index)
+        if len(self._run) < 2:
+            return []
+        self._reported = True
+        ctx = self.ctx
+        name = ctx.names[self._probe]
+        first = self._run[0]
+        msg = (f"graddbg: stale gradients in a hand-written update loop (no optimizer) at steps {first}-{step.index}: "
+               f"between each backward pass and the next the weights changed (an update ran: {name} differs from its "
+               f"value when the previous backward pass ended), and the next backward pass found {name}'s gradient "
+               f"exactly as the previous one left it - the same tensor, not set to None, not zeroed - and added to "
+               f"it. So each update applies the sum of all earlier gradients. Fix: clear the gradients after each "
+               f"update (p.grad = None for each parameter, or model.zero_grad()).")
+        return [finding("stale_grad", step.index, list(ctx.names), list(ctx.modules), msg, self._policy, ctx.rank)]
+
+    def close(self) -> None:
+        self._left = self._flags = None
+

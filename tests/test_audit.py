@@ -1,0 +1,293 @@
+"""The step audit (issue 39, point 1): on sampled steps each parameter's change is compared
+with what the optimizer's own rule gives from the gradients and the state it had. Every bug
+here has a healthy twin that must stay silent, and the audit leaves the training, the
+optimizer and the host synchronisations as they were."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import graddbg
+from graddbg._args import STEP_AUDIT
+
+
+def _model(dtype=torch.float32, norm=False):
+    torch.manual_seed(0)
+    mid = nn.LayerNorm(16) if norm else nn.ReLU()
+    return nn.Sequential(nn.Linear(8, 16), mid, nn.Linear(16, 1)).to(dtype)
+
+
+def _train(model, opt, steps=12, dtype=torch.float32, hook=None, **kw):
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8, dtype=dtype), torch.randn(64, 1, dtype=dtype)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt, **kw) as w:
+            if hook is not None:
+                opt.register_step_pre_hook(hook)  # (after the watch's own: it runs inside the step)
+            for _ in range(steps):
+                loss = ((model(x) - y) ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+    return w, losses
+
+
+def _audits(w):
+    return [a for a in w.anomalies if a.kind == "update_rule"]
+
+
+OPTIMIZERS = [
+    (torch.optim.SGD, dict(lr=0.05)),
+    (torch.optim.SGD, dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4)),
+    (torch.optim.Adam, dict(lr=1e-3)),
+    (torch.optim.AdamW, dict(lr=1e-3, amsgrad=True)),
+    (torch.optim.RMSprop, dict(lr=1e-3, centered=True, momentum=0.5)),
+    (torch.optim.Adagrad, dict(lr=1e-2)),
+    (torch.optim.NAdam, dict(lr=1e-3)),
+    (torch.optim.RAdam, dict(lr=1e-3)),
+    (torch.optim.Adamax, dict(lr=1e-3)),
+    (torch.optim.Adadelta, dict()),
+    (torch.optim.ASGD, dict(lr=1e-2)),
+    (torch.optim.Rprop, dict(lr=1e-3)),
+    (torch.optim.Adafactor, dict(lr=1e-2)),
+]
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=lambda v: getattr(v, "__name__", None) or "-".join(map(str, v)))
+def test_every_torch_optimizer_follows_its_own_rule_and_the_audit_is_silent(cls, kw):
+    model = _model(norm=True)
+    w, _ = _train(model, cls(model.parameters(), **kw))
+    assert not _audits(w), _audits(w)[0].message
+
+
+def test_the_audit_leaves_training_and_host_reads_as_they_were():
+    """Same losses as an unwatched run (the real optimizer's state untouched by the shadow
+    step), and one host synchronisation per step with the audit on, as with it off."""
+    def plain():
+        model = _model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        x, y = torch.randn(64, 8), torch.randn(64, 1)
+        out = []
+        for _ in range(12):
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    model = _model()
+    w, losses = _train(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    assert losses == plain()
+    assert w.host_syncs == 12
+    model = _model()
+    off, _ = _train(model, torch.optim.Adam(model.parameters(), lr=1e-2), update_rule=None)
+    assert off.host_syncs == w.host_syncs
+    assert [i for i in range(12) if STEP_AUDIT.includes(i)] == [0, 1, 2, 10]
+
+
+def test_bf16_weights_whose_updates_round_away_are_named_and_fp32_weights_under_autocast_are_not():
+    """Weights kept in bf16 with AdamW: a LayerNorm weight at 1.0 never moves (the rule's
+    changes are under bf16's spacing at 1.0). Its twin keeps fp32 weights (autocast)."""
+    model = _model(torch.bfloat16, norm=True)
+    w, _ = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), dtype=torch.bfloat16)
+    found = _audits(w)
+    assert len(found) == 1 and found[0].step == 0
+    a = found[0]
+    assert a.params == ("1.weight",)
+    assert "did not move" in a.message and "bfloat16" in a.message and "100% of the elements" in a.message
+    assert "AdamW's own update rule" in a.message and "0 observed" in a.message
+
+    model = _model(norm=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt) as twin:
+            for _ in range(12):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = ((model(x).float() - y) ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    assert not _audits(twin)
+
+
+def test_a_parameter_stepped_twice_within_the_step_is_named_with_both_numbers():
+    """A hook inside the step doubles the gradients: the weights move twice the rule's
+    change; without the hook, silence."""
+    def double(opt, args, kwargs):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                p.grad.mul_(2)
+
+    model = _model()
+    w, _ = _train(model, torch.optim.SGD(model.parameters(), lr=0.05), hook=double)
+    found = _audits(w)
+    assert len(found) == 1 and found[0].step == 0
+    assert "moved twice the change SGD's own update rule" in found[0].message
+    assert set(found[0].params) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    model = _model()
+    twin, _ = _train(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    assert not _audits(twin)
+
+
+def test_a_step_whose_change_is_discarded_is_named_in_fp32():
+    """A hook inside the step clears one layer's gradients: the rule moves it (by changes
+    float32 holds), the step does not."""
+    def clear(opt, args, kwargs):
+        for p in opt.param_groups[0]["params"][:2]:
+            p.grad.zero_()
+
+    model = _model()
+    w, _ = _train(model, torch.optim.SGD(model.parameters(), lr=0.05), hook=clear)
+    found = _audits(w)
+    assert len(found) == 1
+    assert set(found[0].params) == {"0.weight", "0.bias"}
+    assert "did not move" in found[0].message and "something discarded the step's change" in found[0].message
+
+
+def test_an_optimizer_the_shadow_cannot_reproduce_switches_the_audit_off_and_training_goes_on():
+    class Picky(torch.optim.Optimizer):
+        """Steps only the tensors it was built with (a twin's copies fail its check)."""
+
+        def __init__(self, params, lr):
+            super().__init__(params, dict(lr=lr))
+            self.ids = {id(p) for g in self.param_groups for p in g["params"]}
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    assert id(p) in self.ids
+                    p.add_(p.grad, alpha=-g["lr"])
+
+    model = _model()
+    opt = Picky(model.parameters(), 0.05)
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with pytest.warns(graddbg.GraddbgWarning, match="the step audit .update_rule. is off from now on"):
+        with graddbg.watch(model, opt) as w:
+            for _ in range(4):
+                ((model(x) - y) ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    assert w.steps["step"].tolist() == [0, 1, 2, 3]
+    assert not _audits(w)
+
+
+def test_a_custom_optimizer_with_its_own_rule_is_audited_by_that_rule():
+    """A sign-SGD written as a torch.optim.Optimizer: its own rule, reproduced; silent."""
+    class SignSGD(torch.optim.Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, dict(lr=lr))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        st = self.state[p]
+                        st["n"] = st.get("n", 0) + 1
+                        p.add_(p.grad.sign(), alpha=-g["lr"] / st["n"])
+
+    model = _model()
+    w, _ = _train(model, SignSGD(model.parameters(), lr=1e-2))
+    assert not _audits(w)
+
+
+def test_update_rule_none_turns_the_audit_off():
+    model = _model(torch.bfloat16, norm=True)
+    w, _ = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), dtype=torch.bfloat16, update_rule=None)
+    assert not _audits(w)
+
+
+# --------------------------------------------------------------------------- hand-written loops (point 2)
+def _manual(update, clear, steps=8, accumulate=1):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model) as w:  # (no optimizer: each backward pass is a step)
+            for i in range(steps):
+                ((model(x) - y) ** 2).mean().backward()
+                if (i + 1) % accumulate:
+                    continue
+                with torch.no_grad():
+                    for p in model.parameters():
+                        update(p)
+                for p in model.parameters():
+                    clear(p)
+    return w
+
+
+def _sub(p):
+    p -= 0.01 * p.grad
+
+
+def _sub_data(p):
+    p.data.sub_(0.01 * p.grad.data)
+
+
+def _keep(p):
+    pass
+
+
+def _none(p):
+    p.grad = None
+
+
+def _zero(p):
+    p.grad.zero_()
+
+
+def _zero_data(p):
+    p.grad.data.zero_()
+
+
+@pytest.mark.parametrize("update", [_sub, _sub_data], ids=["in-place", "through .data"])
+def test_a_hand_written_loop_that_never_clears_its_gradients_is_named(update):
+    w = _manual(update, _keep)
+    found = [a for a in w.anomalies if a.kind == "stale_grad"]
+    assert len(found) == 1 and found[0].step == 2
+    assert "hand-written update loop (no optimizer)" in found[0].message
+    assert "the weights changed" in found[0].message and "p.grad = None" in found[0].message
+
+
+@pytest.mark.parametrize("clear", [_none, _zero, _zero_data], ids=["None", "zero_", ".data.zero_"])
+def test_hand_written_loops_that_clear_their_gradients_are_silent(clear):
+    assert not _manual(_sub, clear).anomalies
+
+
+def test_hand_written_gradient_accumulation_is_not_stale():
+    """Four backward passes add up before each update (no update between them): silent."""
+    assert not _manual(_sub, _none, steps=12, accumulate=4).anomalies
+
+
+def test_a_custom_rule_that_depends_on_a_groups_place_is_reproduced():
+    """Another optimizer's groups are audited at their places in the twin (the others
+    empty): a rule that steps group k with lr * (k + 1) is reproduced; silent."""
+    class ByPlace(torch.optim.Optimizer):
+        def __init__(self, groups):
+            super().__init__(groups, dict(lr=0.01))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for k, g in enumerate(self.param_groups):
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-g["lr"] * (k + 1))
+
+    model = _model()
+    w, _ = _train(model, ByPlace([{"params": model[0].parameters()}, {"params": model[2].parameters()}]))
+    assert not _audits(w)
