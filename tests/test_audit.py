@@ -291,3 +291,35 @@ def test_a_custom_rule_that_depends_on_a_groups_place_is_reproduced():
     model = _model()
     w, _ = _train(model, ByPlace([{"params": model[0].parameters()}, {"params": model[2].parameters()}]))
     assert not _audits(w)
+
+
+def _update_loop(which, steps=12):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model) as w:
+            for i in range(steps):
+                ((model(x) - y) ** 2).mean().backward()
+                with torch.no_grad():
+                    for p in which(model, i):
+                        p -= 0.01 * p.grad
+                model.zero_grad()
+    return w
+
+
+def test_a_hand_written_update_of_only_some_parameters_is_named():
+    w = _update_loop(lambda m, i: m[2].parameters())
+    found = [a for a in w.anomalies if a.kind == "no_update"]
+    assert len(found) == 1 and found[0].step == 1 and set(found[0].params) == {"0.weight", "0.bias"}
+    assert "an update moved 2.weight, 2.bias but left 0.weight, 0.bias bitwise unchanged" in found[0].message
+
+
+@pytest.mark.parametrize("which", [lambda m, i: m.parameters(),
+                                   lambda m, i: m[0].parameters() if i % 2 else m[2].parameters(),
+                                   lambda m, i: m.parameters() if i % 3 == 2 else ()],
+                         ids=["all", "alternating layers", "accumulating"])
+def test_hand_written_updates_of_every_parameter_are_silent(which):
+    assert not _update_loop(which).anomalies

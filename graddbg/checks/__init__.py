@@ -24,7 +24,7 @@ from graddbg.checks.graph import LossGraph
 from graddbg.checks.histograms import Histograms
 from graddbg.checks.hygiene import DeadGrad, DoubleStep, EmptyStep, EvalMode, StaleGrad, Unchanged
 from graddbg.checks.ledger import Ledger, LedgerKeeper, StepEntry
-from graddbg.checks.manual import ManualStale
+from graddbg.checks.manual import ManualStale, ManualUnmoved
 from graddbg.checks.recorder import GradientSource, StatsRecorder
 from graddbg.checks.replicas import ReplicaCheck
 from graddbg.checks.stages import StageCheck, StageSummary
@@ -104,5 +104,5 @@ def default_checks(model: Any, options: Any, zero: Any = None) -> Parts:
     checks += [StageSummary(), NonFiniteCheck(), StageCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(),
                ReplicaCheck(),
                StaleGrad(), ManualStale(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(),
-               LrSchedule(), DeadGrad(), StepAudit(), graph]
+               LrSchedule(), DeadGrad(), StepAudit(), ManualUnmoved(), graph]
     return Parts(keeper, guard, recorder, graph, activations, ordered(checks))

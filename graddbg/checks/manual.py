@@ -11,19 +11,23 @@ device, whether it is all zero (``.data.zero_()`` moves no version counter) and 
 weights moved since that pass (an update ran; ``.data`` updates move no version counter
 either, so the values are compared). The two flags ride the step's read-back: no host
 synchronisation of its own. Accumulating over several backward passes with no update
-between them is gradient accumulation, not this.
+between them is gradient accumulation, not this. And the invariant that an update moves
+every parameter with a gradient (`ManualUnmoved`, on the step audit's steps).
 """
 from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from graddbg.checks.base import BackwardEnd, Finding, PolicyCheck, Step, Watched, finding
+from graddbg._args import STEP_AUDIT
+from graddbg.checks.base import BackwardEnd, Finding, PolicyCheck, Step, Watched, finding, shown
+from graddbg.checks.budget import nbytes
 from graddbg.checks.ledger import LedgerKeeper
 
-__all__ = ["ManualStale"]
+__all__ = ["ManualStale", "ManualUnmoved"]
 
 
 class ManualStale(PolicyCheck):
@@ -111,3 +115,79 @@ class ManualStale(PolicyCheck):
     def close(self) -> None:
         self._left = self._flags = None
 
+
+
+class ManualUnmoved(PolicyCheck):
+    """``no_update`` in a hand-written update loop: the update moves some parameters but
+    leaves others with non-zero gradients unchanged, in two audited intervals in a row (an
+    update loop over only some of the parameters). On the steps of `graddbg._args.STEP_AUDIT`
+    the weights are copied when a backward pass ends (within the weight budget's size) and
+    compared on the device when the next one ends; the flags ride its read-back. An interval
+    in which nothing moved (gradient accumulation) counts neither way."""
+
+    STATE = ("_reported",)
+    KIND = "no_update"
+    NEEDS_OPTIMIZER = False
+
+    after = (LedgerKeeper,)
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        self._on = self._on and ctx.optimizer is None and bool(ctx.params)
+        self._snap: Optional[Tuple[int, List[Tensor], Tensor]] = None  # (step, weights, grads non-zero)
+        self._flags: Optional[Tuple[int, Tensor]] = None  # (step, [2, P]: moved, grad non-zero)
+        self._stuck: Optional[Tuple[int, np.ndarray]] = None  # the last interval's unmoved parameters
+
+    def params_added(self, k: int) -> None:
+        self._snap = self._flags = self._stuck = None
+
+    def on_backward_end(self, bw: BackwardEnd) -> None:
+        if not self._on or self._reported:
+            return
+        params = self.ctx.params
+        snap, self._snap = self._snap, None
+        with torch.no_grad():
+            if snap is not None and snap[0] == bw.step - 1:
+                moved = torch.stack([(p.detach() != c).any() for p, c in zip(params, snap[1])])
+                self._flags = (snap[0], torch.stack([moved, snap[2]]))
+            if not STEP_AUDIT.includes(bw.step):
+                return
+            sizes = nbytes(params, self.ctx.numel)
+            if sum(sizes) > self.ctx.budget.limit(int(sum(sizes))):
+                return  # (the weights do not fit the budget: not audited)
+            nonzero = torch.stack([(g != 0).any() if g is not None else torch.zeros((), dtype=torch.bool,
+                                                                                   device=p.device)
+                                   for p, g in zip(params, bw.grads)])
+            self._snap = (bw.step, [p.detach().clone() for p in params], nonzero)
+
+    def queue(self, step: Step) -> Any:
+        flags, self._flags = self._flags, None
+        if flags is None or not step.read:
+            return None
+        return flags[0], step.readback.add("manual_moved", flags[1].to(torch.int8))
+
+    def read(self, step: Step) -> List[Finding]:
+        token = step.token(self)
+        if token is None:
+            return []
+        at, slot = token
+        moved, nonzero = (np.asarray(r, dtype=bool) for r in slot.value.reshape(2, -1))
+        if not moved.any():
+            return []  # (no update in this interval: accumulation)
+        stuck = nonzero & ~moved
+        last, self._stuck = self._stuck, (at, stuck)
+        if not stuck.any() or last is None or last[0] != at - 1 or not (stuck & last[1]).any():
+            return []
+        self._reported = True
+        both = np.nonzero(stuck & last[1])[0]
+        names, moving = [self.ctx.names[i] for i in both], [self.ctx.names[i] for i in np.nonzero(moved)[0]]
+        msg = (f"graddbg: parameters not updated in a hand-written update loop (no optimizer): after the backward "
+               f"passes of steps {last[0]} and {at} an update moved {shown(moving)} but left {shown(names)} "
+               f"bitwise unchanged, although their gradients were non-zero. Likely cause: the update loop goes over "
+               f"only some of the parameters (one layer's .parameters(), a list made before layers were added). "
+               f"Fix: update every parameter in model.parameters(), or freeze the others (requires_grad_(False)).")
+        return [finding("no_update", at, names, [self.ctx.modules[i] for i in both], msg, self._policy,
+                        self.ctx.rank)]
+
+    def close(self) -> None:
+        self._snap = self._flags = None
