@@ -920,8 +920,15 @@ class StepPipeline:
             # one unused_param finding (its policy is applied by __exit__ when the body ended normally)
             named = self.graph.reported_unused()
             names = [n for n in self.recorder.uncovered() if n not in named]
+            if self.ctx.optimizer is not None and self._zero is None:
+                # (one no param group holds never trains by design: a target network, an EMA
+                # or teacher copy updated by copying; not a parameter cut off from the loss)
+                flags = self._keeper.held()
+                held = dict(zip(self.ctx.names, flags)) if flags.any() else {}  # (none: groups of other tensors)
+                names = [n for n in names if held.get(n, True)]
             if self.clock.index > 0 and names and self.options.unused_param is not None:
-                self.anomalies.append(unused_anomaly(names, self.ctx, self.clock.index - 1))
+                self.anomalies.append(unused_anomaly(names, self.ctx, self.clock.index - 1,
+                                                     forwards=self._keeper.forwards_seen))
                 if self._sink is not None:
                     self._sink.finding(self.anomalies[-1])
             if self._sink is not None:

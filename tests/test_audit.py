@@ -323,3 +323,44 @@ def test_a_hand_written_update_of_only_some_parameters_is_named():
                          ids=["all", "alternating layers", "accumulating"])
 def test_hand_written_updates_of_every_parameter_are_silent(which):
     assert not _update_loop(which).anomalies
+
+
+# --------------------------------------------------------------------------- explosions with their cause (point 4)
+def _unfreezing(unfreeze_at):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, x):  # (the body's bias reaches the loss with a large factor)
+            return self.head(self.body(x)) + 300 * self.body.bias.sum() * x[:, :1]
+
+    torch.manual_seed(0)
+    model = Net()
+    for p in model.body.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt) as w:
+            for i in range(40):
+                if i == unfreeze_at:
+                    for p in model.body.parameters():
+                        p.requires_grad_(True)
+                ((model(x) - y) ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    return [a for a in w.anomalies if a.kind == "explode"]
+
+
+def test_an_explosion_right_after_layers_are_unfrozen_names_the_unfreezing():
+    found = _unfreezing(30)
+    assert len(found) == 1 and found[0].step == 30
+    assert "after parameters were unfrozen: body.weight, body.bias had no gradient before and are trained " \
+           "from step 30" in found[0].message
+
+
+def test_layers_never_unfrozen_give_no_explosion():
+    assert _unfreezing(None) == []

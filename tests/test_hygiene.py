@@ -277,3 +277,58 @@ def test_a_dead_gradient_names_relus_only_when_the_model_has_them(act):
     else:
         assert "ReLU" not in dead[0].message.replace("no ReLU module", "")
         assert "the model has no ReLU module" in dead[0].message
+
+
+def test_a_target_network_no_optimizer_holds_is_not_an_unused_parameter():
+    """A DQN-style target network (trainable flags left on, copied from the online network,
+    held by no param group) never receives a gradient by design: no unused_param. Its twin, a
+    layer the optimizer holds but the forward never calls, is named."""
+    class QNets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.online, self.target, self.spare = nn.Linear(4, 2), nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.online(x), self.target(x).detach()
+
+    for spare_in_optimizer in (False, True):
+        torch.manual_seed(0)
+        model = QNets()
+        held = list(model.online.parameters()) + (list(model.spare.parameters()) if spare_in_optimizer else [])
+        opt = torch.optim.SGD(held, lr=0.01)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with graddbg.watch(model, opt) as w:
+                for i in range(6):
+                    q, t = model(torch.randn(8, 4))
+                    ((q - t) ** 2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if i % 3 == 2:
+                        model.target.load_state_dict(model.online.state_dict())
+        unused = [a for a in w.anomalies if a.kind == "unused_param"]
+        if spare_in_optimizer:
+            assert len(unused) == 1 and set(unused[0].params) == {"spare.weight", "spare.bias"}
+        else:
+            assert not unused, unused[0].message
+
+
+def test_unused_parameters_of_a_model_whose_forward_was_never_seen_claim_no_forward_cause():
+    """Issue 39, point 3: the model is called as model.forward(x) (no forward hook runs): the
+    finding says the watch never saw the forward pass, not "unused in the forward pass"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model.add_module("spare", nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt) as w:
+            for _ in range(4):
+                x = torch.randn(8, 4)
+                model[1](model[0](x)).pow(2).mean().backward()  # (the spare layer is never called)
+                opt.step()
+                opt.zero_grad()
+    unused = [a for a in w.anomalies if a.kind == "unused_param"]
+    assert len(unused) == 1 and set(unused[0].params) == {"spare.weight", "spare.bias"}
+    assert "never saw the model's forward pass run" in unused[0].message
+    assert "unused in the forward pass" not in unused[0].message

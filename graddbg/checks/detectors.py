@@ -182,7 +182,9 @@ class ExplodeCheck(Check):
     (not the parameters); a rise back to a level the group had before (a warm restart, a
     cyclic schedule: the program's own schedule) makes the explosion that follows expected,
     and no finding. Later episodes with no new rise, until ``window`` healthy recorded steps
-    have passed, are the same cause's aftermath: no new finding."""
+    have passed, are the same cause's aftermath: no new finding. Without an lr rise, an
+    explosion that begins at most `LR_LOOKBACK` steps after parameters were unfrozen (watched
+    from that step on) names them as its cause."""
 
     after = (StatsRecorder, StageSummary, LedgerKeeper)
 
@@ -202,11 +204,18 @@ class ExplodeCheck(Check):
         self._peak: List[float] = []  # each group's highest lr so far
         #: healthy recorded steps since the last episode blamed on an lr rise (None: not after one)
         self._after: Optional[int] = None
+        self._added = 0  # parameters unfrozen since the last step read
+        self._unfrozen: Optional[Tuple[int, List[str]]] = None  # (the step they were first watched at, names)
+
+    def params_added(self, k: int) -> None:
+        self._added += k
 
     def read(self, step: Step) -> List[Finding]:
         if self.det is None:
             return []
         self._note_lrs(step)
+        if self._added:  # (a host fact: parameters unfrozen, watched from this step on)
+            self._unfrozen, self._added = (step.index, self.ctx.names[-self._added:]), 0
         if not step.due_stats or step.stats is None or step.any_bad:
             return []
         st = step.stats
@@ -280,7 +289,10 @@ class ExplodeCheck(Check):
                 self._after = 0  # the aftermath of an lr rise already named, or the program's own schedule
                 return None
             self._after = None if rise is None else 0
-            return self._anomaly(step, global_norm, threshold, _jumped(prev, norms, self.ctx.names, has_grad), rise)
+            unfrozen = self._unfrozen if rise is None and self._unfrozen is not None and \
+                self._since - LR_LOOKBACK <= self._unfrozen[0] <= self._since else None
+            return self._anomaly(step, global_norm, threshold, _jumped(prev, norms, self.ctx.names, has_grad), rise,
+                                 unfrozen)
         self.in_episode = False
         self.above = 0
         if self._after is not None:
@@ -293,7 +305,8 @@ class ExplodeCheck(Check):
         return None
 
     def _anomaly(self, step: int, global_norm: float, threshold: float, jumped: List[str],
-                 rise: Optional[Tuple[int, int, float, float, bool]] = None) -> Anomaly:
+                 rise: Optional[Tuple[int, int, float, float, bool]] = None,
+                 unfrozen: Optional[Tuple[int, List[str]]] = None) -> Anomaly:
         det, names = self.det, self.ctx.names
         top = jumped[0] if jumped and rise is None else None
         relative = (det.factor is not None and len(self.level) >= det.warmup
@@ -309,6 +322,15 @@ class ExplodeCheck(Check):
                    + f". Fix: find what set param group {g}'s lr at step {at} (a hand edit of "
                    f"optimizer.param_groups, a scheduler's formula or its step count) and keep it at the level "
                    f"training had, or raise it gradually (warm-up).")
+        elif unfrozen is not None:
+            at, new = unfrozen
+            msg = (f"graddbg: gradient explosion at step {step}, after parameters were unfrozen: "
+                   f"{_shown_names(new)} had no gradient before and are trained from step {at}"
+                   f"{' (this step)' if at == step else ''}, and then the {measured}"
+                   + (f" (the parameters whose gradients jumped most: {', '.join(jumped)})" if jumped else "")
+                   + ". Newly unfrozen layers start far from what the rest of the model learned around them. "
+                   f"Fix: a lower learning rate for them (a param group of their own), a warm-up after "
+                   f"unfreezing, or gradient clipping.")
         else:
             msg = (f"graddbg: gradient explosion at step {step}: {measured}"
                    + (f"; parameters that jumped most: {', '.join(jumped)}" if jumped else "")
@@ -317,6 +339,10 @@ class ExplodeCheck(Check):
                        module=self.ctx.modules[names.index(top)] if top else None, op=None,
                        value=float(global_norm), threshold=float(threshold), source=None,
                        message=msg, params=tuple(jumped))
+
+
+def _shown_names(names: Sequence[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def lr_rise_text(rise: Tuple[int, int, float, float, bool], step: int) -> str:

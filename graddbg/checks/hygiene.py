@@ -426,14 +426,22 @@ class DeadGrad(PolicyCheck):
                          self.ctx.rank, value=0.0)]
 
 
-def unused_anomaly(names: List[str], ctx: Watched, step: int) -> Anomaly:
-    """The ``unused_param`` finding: ``names`` never received a gradient up to ``step``."""
+def unused_anomaly(names: List[str], ctx: Watched, step: int, forwards: int = -1) -> Anomaly:
+    """The ``unused_param`` finding: ``names`` never received a gradient up to ``step``
+    (``forwards``: the model's forward passes the watch saw; 0: none, so no cause that the
+    forward pass would show is claimed)."""
     shown = _shown(names, 10)
     modules = [ctx.modules[ctx.names.index(n)] for n in names]
+    if forwards == 0:
+        why = ("the watch never saw the model's forward pass run (it is called another way: model.forward(...) "
+               "or another method, not model(...)), so it cannot tell where they were cut off. Check that they "
+               "take part in the loss; w.coverage() lists them")
+    else:
+        why = ("they are unused in the forward pass, or cut off by a .detach() (or their gradients are "
+               "computed elsewhere). Fix: remove or freeze them (requires_grad_(False)), or remove the "
+               ".detach(); w.coverage() lists them")
     msg = (f"graddbg.watch: {len(names)} trainable parameter(s) never received a gradient while watched "
-           f"(steps 0-{step}): {shown}. Likely cause: they are unused in the forward pass, or cut off "
-           f"by a .detach() (or their gradients are computed elsewhere). Fix: remove or freeze them "
-           f"(requires_grad_(False)), or remove the .detach(); w.coverage() lists them.")
+           f"(steps 0-{step}): {shown}. Likely cause: {why}.")
     return Anomaly(step=step, kind="unused_param", name=names[0], module=modules[0], op=None,
                    value=float(len(names)), threshold=None, source=None, message=msg, rank=ctx.rank,
                    params=tuple(names))

@@ -279,6 +279,7 @@ class LedgerKeeper(Check):
         self._moved_dev: Optional[Tuple[int, Tensor]] = None  # (step, [P] moved flags on the device)
         self._layers: List[nn.Module] = []
         self.thread = threading.get_ident()
+        self.forwards_seen = 0  #: forward passes of the model seen (its own forward hooks ran)
 
     # ------------------------------------------------------------------ attaching
     def attach(self, ctx: Watched) -> None:
@@ -360,6 +361,7 @@ class LedgerKeeper(Check):
 
     def on_forward(self, fwd: Forward) -> None:
         self._forward = fwd
+        self.forwards_seen += 1
 
     def _before_accumulate(self, incoming: Tensor) -> None:
         if not self.ctx.alive():
