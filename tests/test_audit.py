@@ -364,3 +364,45 @@ def test_an_explosion_right_after_layers_are_unfrozen_names_the_unfreezing():
 
 def test_layers_never_unfrozen_give_no_explosion():
     assert _unfreezing(None) == []
+
+
+def _two_optimizers(after_step):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt) as w:
+            for _ in range(12):
+                ((model(x) - y) ** 2).mean().backward()
+                opt.step()
+                after_step(model)
+                opt.zero_grad()
+    return _audits(w)
+
+
+def test_a_parameter_a_second_optimizer_steps_after_the_watched_one_is_named():
+    """The first layer is held by a second Adam too, stepped after the watched one (CURL's
+    encoder): it moves again, outside the watched step, in that step's direction."""
+    second = {}
+
+    def step_again(model):
+        if "opt" not in second:
+            second["opt"] = torch.optim.Adam(model[0].parameters(), lr=1e-3)
+        second["opt"].step()
+
+    found = _two_optimizers(step_again)
+    assert len(found) == 1 and found[0].step == 0
+    assert set(found[0].params) == {"0.weight", "0.bias"}
+    assert "moved again before step 1 began, outside Adam's step" in found[0].message
+
+
+@pytest.mark.parametrize("after_step", [
+    lambda m: None,
+    lambda m: [p.data.clamp_(-0.05, 0.05) for p in m.parameters()],  # (WGAN's weight clipping)
+    lambda m: m[0].weight.data.div_(m[0].weight.data.norm(dim=1, keepdim=True)),  # (a projection)
+], ids=["nothing", "weight clipping", "row normalisation"])
+def test_what_healthy_loops_do_to_the_weights_after_the_step_is_not_a_second_step(after_step):
+    assert not _two_optimizers(after_step)

@@ -22,7 +22,9 @@ float64-vs-its-dtype arithmetic and the rounding of its own precision can explai
   values and is rounded away (weights kept in bf16, no fp32 master copy); in fp32 something
   discarded the step;
 - it moved a multiple of the rule's change in the rule's direction (twice: stepped twice);
-- it moved in another direction.
+- it moved in another direction;
+- after the step, before the next one begins, it moved again in the direction the step moved
+  it (a second optimizer that holds it steps it too).
 
 Not audited: DeepSpeed's optimizer, DTensor (FSDP2, TP) and sparse parameters, a step with a
 closure (LBFGS evaluates it several times), a fused step handed still-scaled gradients by a
@@ -79,7 +81,11 @@ class StepAudit(PolicyCheck):
         super().attach(ctx)
         self._reported = False
         self._copy: Optional[Tuple[int, List[Tuple[Dict[str, Any], List[int]]], Dict[int, Any]]] = None
-        self._pending: Optional[Tuple[int, List[int], Tensor]] = None  # (step, indices, [k, 7] on the device)
+        self._pending: Optional[Tuple[int, List[int], Tensor]] = None  # (step, indices, [k, 9] on the device)
+        #: after an audited step: (step, indices, the weights after it, the change it made) ...
+        self._afterwards: Optional[Tuple[int, List[int], List[Tensor], List[Tensor]]] = None
+        #: ... and, when the next step begins, what moved them since: (step, indices, [k, 3] on the device)
+        self._outside: Optional[Tuple[int, List[int], Tensor]] = None
         self._last = np.full(len(ctx.params), -1, dtype=np.int64)  # (the step each was last audited at)
         self._suspect = -1  # (a step after which another check found something: audit the next)
         opt = ctx.optimizer
@@ -95,13 +101,17 @@ class StepAudit(PolicyCheck):
 
     def params_added(self, k: int) -> None:
         self._index = {id(p): i for i, p in enumerate(self.ctx.params)}
-        self._copy = self._pending = None
+        self._copy = self._pending = self._afterwards = self._outside = None
         self._last = np.concatenate([self._last, np.full(k, -1, dtype=np.int64)])
 
     # ------------------------------------------------------------------ before and after the step
     def before_step(self, index: int, closure: bool) -> None:
         self._copy = None
-        if not self._on or self._reported or closure:
+        if not self._on or self._reported:
+            self._afterwards = None
+            return
+        self._since_last_step(index)
+        if closure:
             return
         if self.ctx.options.scaler is not None and getattr(self.ctx.optimizer, "_step_supports_amp_scaling", False):
             return  # (a GradScaler hands a fused step still-scaled gradients and their scale: not reproduced)
@@ -179,6 +189,25 @@ class StepAudit(PolicyCheck):
         rows = [expected[i] for i in order]
         dev = rows[0].device
         self._pending = (index, order, torch.stack([r.to(dev) for r in rows]))
+        with torch.no_grad():  # (what moves them before the next step begins is looked at then)
+            params = [self.ctx.params[i] for i in order]
+            self._afterwards = (index, order, [p.detach().clone() for p in params],
+                                [p.detach() - copies[i][0] for p, i in zip(params, order)])
+
+    def _since_last_step(self, index: int) -> None:
+        """The next step begins: how the parameters audited at the step before moved since
+        it ended (nothing, in a healthy loop), against the change that step made."""
+        after, self._afterwards = self._afterwards, None
+        if after is None or after[0] != index - 1:
+            return
+        at, order, weights, changes = after
+        with torch.no_grad():
+            rows = []
+            for i, w, a in zip(order, weights, changes):
+                d = (self.ctx.params[i].detach() - w).to(torch.float64)
+                a = a.to(torch.float64)
+                rows.append(torch.stack([d.norm(), a.norm(), (d * a).sum()]))
+            self._outside = (at, order, torch.stack(rows))
 
     def _shadow(self, groups: List[Tuple[int, Dict[str, Any], List[int]]], copies: Dict[int, Any]) -> Dict[int, Tensor]:
         """The optimizer's own step on float64 copies of the audited parameters (a twin
@@ -226,25 +255,49 @@ class StepAudit(PolicyCheck):
         return made
 
     def _off(self, why: str) -> None:
-        self._on, self._copy, self._pending = False, None, None
+        self._on, self._copy, self._pending, self._afterwards, self._outside = False, None, None, None, None
         self._why_not = why
         warnings.warn(f"graddbg.watch: the step audit (update_rule) is off from now on: {why}. Training goes on; "
                       f"pass update_rule=None to skip it.", GraddbgWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ the read-back
     def queue(self, step: Step) -> Any:
-        pending, self._pending = self._pending, None
-        if pending is None or not step.read:
-            self._pending = pending  # (kept for the next read-back)
-            return None
-        return pending[0], pending[1], step.readback.add("audit", pending[2])
+        if not step.read or (self._pending is None and self._outside is None):
+            return None  # (kept for the next read-back)
+        pending, outside, self._pending, self._outside = self._pending, self._outside, None, None
+        return (None if pending is None else (pending[0], pending[1], step.readback.add("audit", pending[2])),
+                None if outside is None else (outside[0], outside[1], step.readback.add("audit_out", outside[2])))
 
     def read(self, step: Step) -> List[Finding]:
         token = step.token(self)
         if token is None or self._reported:
             return []
-        at, order, slot = token
-        return self._judge(at, order, slot)
+        audit, outside = token
+        found = self._judge(*audit) if audit is not None else []
+        return found or (self._judge_outside(*outside) if outside is not None else [])
+
+    def _judge_outside(self, at: int, order: List[int], slot: Slot) -> List[Finding]:
+        """Parameters that moved again between the audited step and the next one, in the
+        direction that step moved them (cosine above 0.9, 1/4 to 4 times as far): stepped
+        twice per iteration, the second time outside the watched optimizer's step."""
+        v = np.asarray(slot.value, dtype=np.float64).reshape(len(order), 3)
+        again = []
+        for (d, a, inner), i in zip(v, order):
+            if d > 0 and a > 0 and math.isfinite(inner) and inner / (d * a) > 0.9 and 0.25 <= d / a <= 4:
+                again.append((i, d, a, inner / (d * a)))
+        if not again:
+            return []
+        self._reported = True
+        names = self.ctx.names
+        ix = [x[0] for x in again]
+        i0, d, a, cos = again[0]
+        msg = (f"graddbg: the step audit: after step {at}, {shown([names[i] for i in ix])} moved again before "
+               f"step {at + 1} began, outside {type(self.ctx.optimizer).__name__}'s step and in the direction "
+               f"that step had moved them (|change| {d:.3g} outside it, {a:.3g} by the step, cosine {cos:.3f}, for "
+               f"{names[i0]}), so they are stepped twice per iteration. Likely cause: a second optimizer that holds "
+               f"them steps them too (or a hand-written update after the step). Fix: give each parameter to one "
+               f"optimizer.")
+        return [self._finding(at, ix, msg, d)]
 
     def _judge(self, at: int, order: List[int], slot: Slot) -> List[Finding]:
         v = np.asarray(slot.value, dtype=np.float64).reshape(len(order), len(_COLS))
@@ -329,7 +382,7 @@ class StepAudit(PolicyCheck):
                        self._policy, self.ctx.rank, value=value)
 
     def close(self) -> None:
-        self._copy = self._pending = None
+        self._copy = self._pending = self._afterwards = self._outside = None
 
     def describe(self) -> str:
         """Why the audit is off (empty: it is on)."""
