@@ -20,7 +20,9 @@ def _model(dtype=torch.float32, norm=False):
     return nn.Sequential(nn.Linear(8, 16), mid, nn.Linear(16, 1)).to(dtype)
 
 
-def _train(model, opt, steps=12, dtype=torch.float32, hook=None, **kw):
+def _train(model, opt, steps=12, dtype=torch.float32, hook=None, after=None, autocast=None, **kw):
+    """``hook``: a step pre-hook (it runs inside the step); ``after``: called with the model
+    after each step; ``autocast``: the forward pass under torch.autocast of that dtype."""
     torch.manual_seed(1)
     x, y = torch.randn(64, 8, dtype=dtype), torch.randn(64, 1, dtype=dtype)
     losses = []
@@ -30,9 +32,12 @@ def _train(model, opt, steps=12, dtype=torch.float32, hook=None, **kw):
             if hook is not None:
                 opt.register_step_pre_hook(hook)  # (after the watch's own: it runs inside the step)
             for _ in range(steps):
-                loss = ((model(x) - y) ** 2).mean()
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                    loss = ((model(x).to(dtype) - y) ** 2).mean()
                 loss.backward()
                 opt.step()
+                if after is not None:
+                    after(model)
                 opt.zero_grad()
                 losses.append(loss.item())
     return w, losses
@@ -106,18 +111,7 @@ def test_bf16_weights_whose_updates_round_away_are_named_and_fp32_weights_under_
     assert "AdamW's own update rule" in a.message and "0 observed" in a.message
 
     model = _model(norm=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    torch.manual_seed(1)
-    x, y = torch.randn(64, 8), torch.randn(64, 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with graddbg.watch(model, opt) as twin:
-            for _ in range(12):
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = ((model(x).float() - y) ** 2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+    twin, _ = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), autocast=torch.bfloat16)
     assert not _audits(twin)
 
 
@@ -367,19 +361,8 @@ def test_layers_never_unfrozen_give_no_explosion():
 
 
 def _two_optimizers(after_step):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    torch.manual_seed(1)
-    x, y = torch.randn(64, 8), torch.randn(64, 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with graddbg.watch(model, opt) as w:
-            for _ in range(12):
-                ((model(x) - y) ** 2).mean().backward()
-                opt.step()
-                after_step(model)
-                opt.zero_grad()
+    model = _model()
+    w, _ = _train(model, torch.optim.Adam(model.parameters(), lr=1e-3), after=after_step)
     return _audits(w)
 
 
