@@ -606,6 +606,7 @@ class StepPipeline:
         self.clock = StepClock()
         self.checks: List[Check] = []
         self._on: Dict[str, List[Callable[..., Any]]] = _handlers([])
+        self._step_depth = 0  # (optimizer step hooks entered and not left: nested under super().step())
         self._queuers: List[Check] = []  # (the checks with a queue, and with a read, in order)
         self._readers: List[Check] = []
         self.anomalies: AnomalyList = AnomalyList()
@@ -788,7 +789,16 @@ class StepPipeline:
     def _on_opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self.closed:
             return None
-        self.begin_step(args[1] if len(args) > 1 else kwargs.get("closure"))  # (args[0] is the optimizer)
+        # an optimizer class whose step calls super().step() runs the step hooks again inside
+        # its own step (torch hooks each class's step): that inner pair is the same step
+        self._step_depth += 1
+        if self._step_depth > 1:
+            return None
+        try:
+            self.begin_step(args[1] if len(args) > 1 else kwargs.get("closure"))  # (args[0] is the optimizer)
+        except BaseException:
+            self._step_depth = 0  # (the step does not run: no post-hook comes)
+            raise
         return None
 
     def begin_step(self, closure: Any = None) -> None:
@@ -806,6 +816,9 @@ class StepPipeline:
     def _on_opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self.closed:
             return
+        self._step_depth = max(self._step_depth - 1, 0)
+        if self._step_depth > 0:
+            return  # (the inner step of a super().step() call)
         try:
             if self.clock.step_ended():
                 self._boundary(closure=True)

@@ -455,3 +455,31 @@ def test_a_failure_inside_the_backward_pass_never_raises_there(monkeypatch):
     errors = [str(r.message) for r in rec if "internal error" in str(r.message)]
     assert len(errors) == 1 and "a bug inside graddbg's backward hook" in errors[0], errors
     assert w.current_step == 3 and len(w.steps) == 3
+
+
+def test_an_optimizer_whose_step_calls_super_step_is_one_step_per_call():
+    """torch hooks each optimizer class's step, so a subclass whose step calls super().step()
+    runs the step hooks twice, nested (once a plain instance of the base class exists): one
+    step for the watch, no double_step, and the step audit's twin runs none of them."""
+    class MySGD(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            return super().step(closure)
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # (the base class's step hooked)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = MySGD(model.parameters(), lr=0.01)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append(1))
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt) as w:
+            for _ in range(8):
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    assert len(calls) == 16  # (torch's own behaviour: the user's hook, twice per step)
+    assert w.steps["step"].tolist() == list(range(8))
+    assert not w.anomalies

@@ -224,6 +224,9 @@ class StepAudit(PolicyCheck):
         for batch in ([[u] for u in groups] if per_param else [groups]):
             twin = object.__new__(cls)
             twin.__dict__.update(opt.__dict__)
+            # (hooks of its own, none: a step that calls super().step() runs the hooked base step)
+            twin._optimizer_step_pre_hooks, twin._optimizer_step_post_hooks = \
+                collections.OrderedDict(), collections.OrderedDict()
             state: Dict[Tensor, Dict[str, Any]] = collections.defaultdict(dict)
             twin_groups = [] if per_param else \
                 [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in opt.param_groups]
