@@ -606,11 +606,10 @@ class StepPipeline:
         self.clock = StepClock()
         self.checks: List[Check] = []
         self._on: Dict[str, List[Callable[..., Any]]] = _handlers([])
-        self._step_depth = 0  # (optimizer step hooks entered and not left: nested under super().step())
-        self._queuers: List[Check] = []  # (the checks with a queue, and with a read, in order)
-        self._readers: List[Check] = []
+        # (the checks with a queue, and with a read, in order; the optimizer step hooks entered
+        # and not left, nested under a super().step(); a policy being applied)
+        self._queuers, self._readers, self._step_depth, self._in_policy = [], [], 0, False
         self.anomalies: AnomalyList = AnomalyList()
-        self._in_policy = False
         self._sink: Optional[Sink] = None  # (log_to=: the trackers fed on every recorded step)
         model = check_model(model, "watch")
         self.options = opts = WatchOptions.parse("watch", options)
