@@ -313,7 +313,12 @@ class Explode:
     running level. An explosion that follows a one-step rise of a param group's learning
     rate to a level the group never had is blamed on that rise (one anomaly naming it, with
     no parameter; its aftermath gives no other), and one that follows a rise back to a level
-    the group had before (a warm restart: the program's own schedule) gives none.
+    the group had before (a warm restart: the program's own schedule) gives none. In the
+    same way, one that follows weights written between steps (a target or teacher network
+    swapped, a checkpoint loaded: a version counter moved outside the optimizer's step)
+    names that write, unless the module is written on a regular schedule (a target
+    network's hard update every N steps), and one that follows newly unfrozen layers names
+    them.
 
     Args:
         factor: flag a norm above ``factor`` times the running level (> 1; None: only

@@ -237,8 +237,7 @@ def _check_optimizer(ctx: Watched) -> None:
     opt = ctx.optimizer
     if opt is None or not ctx.params:
         return
-    held = {id(p) for g in opt.param_groups for p in g["params"]}
-    if not any(id(p) in held for p in ctx.params):
+    if ctx.held_by_optimizer() is None:
         raise GraddbgValueError(
             f"watch(optimizer=...): {type(opt).__name__} holds none of the model's {len(ctx.params)} "
             f"trainable parameters; pass the optimizer built from this model's parameters "
@@ -935,9 +934,10 @@ class StepPipeline:
             if self.ctx.optimizer is not None and self._zero is None:
                 # (one no param group holds never trains by design: a target network, an EMA
                 # or teacher copy updated by copying; not a parameter cut off from the loss)
-                flags = self._keeper.held()
-                held = dict(zip(self.ctx.names, flags)) if flags.any() else {}  # (none: groups of other tensors)
-                names = [n for n in names if held.get(n, True)]
+                held = self.ctx.held_by_optimizer()  # (None: groups of other tensors)
+                if held is not None:
+                    ids = dict(zip(self.ctx.names, map(id, self.ctx.params)))
+                    names = [n for n in names if n not in ids or ids[n] in held]
             if self.clock.index > 0 and names and self.options.unused_param is not None:
                 self.anomalies.append(unused_anomaly(names, self.ctx, self.clock.index - 1,
                                                      forwards=self._keeper.forwards_seen))

@@ -360,6 +360,76 @@ def test_layers_never_unfrozen_give_no_explosion():
     assert _unfreezing(None) == []
 
 
+def _teacher(write, steps=40, lr=0.3):
+    """An online layer trained to match a frozen teacher layer; ``write(i, model)`` runs
+    before step i's forward pass (a copy into the teacher, or into the online layer)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.online, self.teacher = nn.Linear(8, 1), nn.Linear(8, 1)
+            self.teacher.requires_grad_(False)
+
+        def forward(self, x):
+            return self.online(x) - self.teacher(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.online.parameters(), lr=lr)
+    torch.manual_seed(1)
+    x = torch.randn(256, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt) as w:
+            for i in range(steps):
+                with torch.no_grad():
+                    write(i, model)
+                (model(x) ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    return [a for a in w.anomalies if a.kind == "explode"]
+
+
+def _load(layer, scale):
+    layer.load_state_dict({"weight": torch.full((1, 8), scale), "bias": torch.zeros(1)})
+
+
+def test_an_explosion_after_a_teacher_network_is_swapped_names_the_swap():
+    found = _teacher(lambda i, m: _load(m.teacher, 300.0) if i == 30 else None)
+    assert len(found) == 1 and found[0].step == 30, [a.message for a in found]
+    msg = found[0].message
+    assert "after the weights of module 'teacher' were written between steps: weights the optimizer does not " \
+           "train (a target, teacher or EMA network), changed outside the optimizer's step before step 30 " \
+           "(this step; never before)" in msg, msg
+    assert "a target or teacher network copied or swapped" in msg and found[0].name is None
+
+
+def test_an_explosion_after_the_trained_weights_are_overwritten_names_the_load():
+    found = _teacher(lambda i, m: _load(m.online, 300.0) if i == 30 else None)
+    assert len(found) == 1 and found[0].step == 30
+    assert "the weights of module 'online' were written between steps: weights the optimizer trains" \
+        in found[0].message
+
+
+def test_a_teacher_copied_on_a_schedule_gives_no_explosion_finding():
+    """A target network copied every 8 steps (DQN's hard update): each copy makes the
+    gradient jump, on the program's own schedule."""
+    flip = lambda i, m: _load(m.teacher, 3.0 if i // 8 % 2 else -3.0) if i % 8 == 1 else None  # noqa: E731
+    assert _teacher(flip, steps=60) == []
+
+
+def test_a_teacher_never_written_and_a_continuous_ema_give_no_swap():
+    assert _teacher(lambda i, m: None) == []
+
+    def ema_then_spike(i, m):  # an EMA of the online layer every step; the online layer overwritten at 30
+        for t, o in zip(m.teacher.parameters(), m.online.parameters()):
+            t.mul_(0.99).add_(o, alpha=0.01)
+        if i == 30:
+            m.online.weight.mul_(300.0)
+
+    found = _teacher(ema_then_spike)
+    assert len(found) == 1 and "module 'online'" in found[0].message and "'teacher'" not in found[0].message
+
+
 def _two_optimizers(after_step):
     model = _model()
     w, _ = _train(model, torch.optim.Adam(model.parameters(), lr=1e-3), after=after_step)

@@ -123,6 +123,16 @@ class Watched:
     def grads(self) -> List[Optional[Tensor]]:
         return [p.grad for p in self.params]
 
+    def held_by_optimizer(self) -> Optional[set]:
+        """The identities of the parameters the optimizer's param groups hold; None without an
+        optimizer, or when its groups hold none of the watched parameters (DeepSpeed ZeRO's
+        flat partitions): then "held" tells nothing."""
+        opt = self.optimizer
+        if opt is None:
+            return None
+        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        return held if any(id(p) in held for p in self.params) else None
+
     def __len__(self) -> int:
         return len(self.params)
 

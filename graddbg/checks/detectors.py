@@ -170,6 +170,82 @@ LR_RISE = 2.0
 LR_LOOKBACK = 5
 
 
+class WeightWrites:
+    """Host facts: which of the model's top-level modules had weights written between two
+    steps, and at which steps. Written means a version counter moved outside the watched
+    optimizer's step: ``load_state_dict``, ``copy_`` or any in-place edit (``.data`` edits
+    move no counter and are not seen). The watched parameters' counters are the ledger's
+    (``StepEntry.outside``); frozen parameters (a teacher, a target or EMA network with
+    ``requires_grad=False``) are read through one probe parameter per top-level module.
+
+    A write closer than `LR_LOOKBACK` steps to the previous write of the same module is a
+    continuous update (an EMA, a soft target update, a second optimizer): never a swap."""
+
+    def __init__(self, ctx: Watched) -> None:
+        self.ctx = ctx
+        self.steps: Dict[str, List[int]] = {}  # module -> the steps its weights were written at (last 4)
+        self.held: Dict[str, bool] = {}  # module -> the optimizer holds the written weights
+        self._probes: Optional[List[Tuple[str, Any]]] = None
+        self._versions: Optional[np.ndarray] = None
+
+    def reset(self) -> None:
+        """Parameters were unfrozen: the frozen probes are found again."""
+        self._probes, self._versions = None, None
+
+    def _frozen(self) -> List[Tuple[str, Any]]:
+        if self._probes is None:
+            watched = {id(p) for p in self.ctx.params}
+            first: Dict[str, Any] = {}
+            for name, p in unwrap(self.ctx.model).named_parameters():
+                if id(p) not in watched and not is_dtensor(p):
+                    first.setdefault(name.split(".")[0] if "." in name else "<root>", p)
+            self._probes = list(first.items())
+        return self._probes
+
+    def note(self, step: Step) -> None:
+        """This step's writes (before it: since the previous step ended)."""
+        written: Dict[str, bool] = {}
+        e = step.entry
+        if e is not None and e.outside is not None and len(e.outside) == len(self.ctx) and e.outside.any():
+            held = self.ctx.held_by_optimizer()
+            for i in np.flatnonzero(e.outside):
+                top = self.ctx.modules[i].split(".")[0] or "<root>"
+                written[top] = written.get(top, False) or (held is not None and id(self.ctx.params[i]) in held)
+        probes = self._frozen()
+        if probes:
+            now = np.fromiter((p._version for _, p in probes), dtype=np.int64, count=len(probes))
+            if self._versions is not None and len(self._versions) == len(now):
+                for k in np.flatnonzero(now != self._versions):
+                    written.setdefault(probes[k][0], False)
+            self._versions = now
+        for top, held_now in written.items():
+            at = self.steps.setdefault(top, [])
+            at.append(step.index)
+            del at[:-4]
+            self.held[top] = held_now
+
+    def swap(self, first: int) -> Optional[Tuple[str, int, bool]]:
+        """The write an explosion whose first step above the threshold is ``first`` follows:
+        ``(module, step, scheduled)``: a write at most `LR_LOOKBACK` steps before it (or at
+        it), with no write of that module in the `LR_LOOKBACK` steps before; ``scheduled``
+        says it is the third or later write at one regular interval (the program's own
+        schedule: a target network copied every N steps). An unscheduled write first, then
+        the latest; None when there is none."""
+        best: Optional[Tuple[str, int, bool]] = None
+        for top, at in self.steps.items():
+            for k in range(len(at) - 1, -1, -1):
+                s = at[k]
+                if not first - LR_LOOKBACK <= s <= first:
+                    continue
+                if k and at[k - 1] >= s - LR_LOOKBACK:
+                    break  # (a continuous update, not a swap)
+                scheduled = k >= 2 and at[k] - at[k - 1] == at[k - 1] - at[k - 2]
+                if best is None or (not scheduled, s) > (not best[2], best[1]):
+                    best = (top, s, scheduled)
+                break
+        return best
+
+
 class ExplodeCheck(Check):
     """A global gradient norm far above its robust running level (see `graddbg.Explode`,
     its configuration): the level is the median of the last ``window`` healthy recorded
@@ -183,8 +259,12 @@ class ExplodeCheck(Check):
     cyclic schedule: the program's own schedule) makes the explosion that follows expected,
     and no finding. Later episodes with no new rise, until ``window`` healthy recorded steps
     have passed, are the same cause's aftermath: no new finding. Without an lr rise, an
-    explosion that begins at most `LR_LOOKBACK` steps after parameters were unfrozen (watched
-    from that step on) names them as its cause."""
+    explosion that begins at most `LR_LOOKBACK` steps after a module's weights were written
+    between steps (`WeightWrites`: a target or teacher network swapped, a checkpoint loaded)
+    names that write, unless the module is written on a regular schedule (the third write at
+    one interval: a target network's hard update), which makes the jump expected and gives no
+    finding. Otherwise, an explosion that begins at most `LR_LOOKBACK` steps after parameters
+    were unfrozen (watched from that step on) names them as its cause."""
 
     after = (StatsRecorder, StageSummary, LedgerKeeper)
 
@@ -206,14 +286,17 @@ class ExplodeCheck(Check):
         self._after: Optional[int] = None
         self._added = 0  # parameters unfrozen since the last step read
         self._unfrozen: Optional[Tuple[int, List[str]]] = None  # (the step they were first watched at, names)
+        self.writes = WeightWrites(ctx)
 
     def params_added(self, k: int) -> None:
         self._added += k
+        self.writes.reset()
 
     def read(self, step: Step) -> List[Finding]:
         if self.det is None:
             return []
         self._note_lrs(step)
+        self.writes.note(step)
         if self._added:  # (a host fact: parameters unfrozen, watched from this step on)
             self._unfrozen, self._added = (step.index, self.ctx.names[-self._added:]), 0
         if not step.due_stats or step.stats is None or step.any_bad:
@@ -285,14 +368,16 @@ class ExplodeCheck(Check):
                 return None
             self.in_episode = True
             rise = self.lr_rise(self._since)
-            if rise is None and self._after is not None or rise is not None and rise[4]:
-                self._after = 0  # the aftermath of an lr rise already named, or the program's own schedule
+            swap = self.writes.swap(self._since) if rise is None else None
+            cause = rise or swap
+            if cause is None and self._after is not None or cause is not None and cause[-1]:
+                self._after = 0  # the aftermath of a cause already named, or the program's own schedule
                 return None
-            self._after = None if rise is None else 0
-            unfrozen = self._unfrozen if rise is None and self._unfrozen is not None and \
+            self._after = None if cause is None else 0
+            unfrozen = self._unfrozen if cause is None and self._unfrozen is not None and \
                 self._since - LR_LOOKBACK <= self._unfrozen[0] <= self._since else None
             return self._anomaly(step, global_norm, threshold, _jumped(prev, norms, self.ctx.names, has_grad), rise,
-                                 unfrozen)
+                                 unfrozen, swap)
         self.in_episode = False
         self.above = 0
         if self._after is not None:
@@ -306,9 +391,10 @@ class ExplodeCheck(Check):
 
     def _anomaly(self, step: int, global_norm: float, threshold: float, jumped: List[str],
                  rise: Optional[Tuple[int, int, float, float, bool]] = None,
-                 unfrozen: Optional[Tuple[int, List[str]]] = None) -> Anomaly:
+                 unfrozen: Optional[Tuple[int, List[str]]] = None,
+                 swap: Optional[Tuple[str, int, bool]] = None) -> Anomaly:
         det, names = self.det, self.ctx.names
-        top = jumped[0] if jumped and rise is None else None
+        top = jumped[0] if jumped and rise is None and swap is None else None
         relative = (det.factor is not None and len(self.level) >= det.warmup
                     and threshold < (det.absolute or math.inf) and global_norm <= (det.absolute or math.inf))
         measured = (f"global gradient norm {global_norm:.4g} > threshold {threshold:.4g}"
@@ -322,6 +408,8 @@ class ExplodeCheck(Check):
                    + f". Fix: find what set param group {g}'s lr at step {at} (a hand edit of "
                    f"optimizer.param_groups, a scheduler's formula or its step count) and keep it at the level "
                    f"training had, or raise it gradually (warm-up).")
+        elif swap is not None:
+            msg = self._swap_text(step, swap, measured, jumped)
         elif unfrozen is not None:
             at, new = unfrozen
             msg = (f"graddbg: gradient explosion at step {step}, after parameters were unfrozen: "
@@ -339,6 +427,27 @@ class ExplodeCheck(Check):
                        module=self.ctx.modules[names.index(top)] if top else None, op=None,
                        value=float(global_norm), threshold=float(threshold), source=None,
                        message=msg, params=tuple(jumped))
+
+
+    def _swap_text(self, step: int, swap: Tuple[str, int, bool], measured: str, jumped: List[str]) -> str:
+        top, at, _ = swap
+        when = "this step" if at == step else "the step before" if at == step - 1 else f"{step - at} steps before"
+        held = self.writes.held.get(top, False)
+        what = ("weights the optimizer trains" if held else
+                "weights the optimizer does not train (a target, teacher or EMA network)")
+        earlier = self.writes.steps.get(top, [])[:-1]
+        return (f"graddbg: gradient explosion at step {step}, after the weights of module {top!r} were written between "
+                f"steps: {what}, changed outside the optimizer's step before step {at} ({when}"
+                + (f"; written before at step {', '.join(map(str, earlier))}" if earlier else "; never before")
+                + f"), and then the {measured}"
+                + (f" (the parameters whose gradients jumped most: {', '.join(jumped)})" if jumped else "")
+                + (". Likely cause: a checkpoint or a re-initialisation loaded into the trained model (load_state_dict, "
+                   "copy_) that does not match the optimizer's state. Fix: load weights with the optimizer's state, "
+                   "or lower the lr after the load" if held else
+                   ". Likely cause: a target or teacher network copied or swapped (load_state_dict, copy_) to weights "
+                   "far from the ones the model trained against. Fix: check what is loaded into it (the online "
+                   "network's current weights, the right checkpoint), or update it softly (an EMA) or more often")
+                + ".")
 
 
 def _shown_names(names: Sequence[str], limit: int = 6) -> str:

@@ -518,11 +518,9 @@ class CutOff:
         if self._verdicts is not None:
             return self._finding(step.index)
         if self._state == "idle" and step.index >= self.AFTER - 1 and not step.closure:
-            opt = self.ctx.optimizer  # (one that no param group holds never trains by design: a target
-            # network, an EMA or teacher copy; not cut off from the loss)
-            held = None if opt is None else {id(p) for g in opt.param_groups for p in g["params"]}
-            if held is not None and not any(id(p) in held for p in self.ctx.params):
-                held = None  # (DeepSpeed ZeRO's groups hold flat partitions, not the parameters)
+            # (one that no param group holds never trains by design: a target network, an EMA or
+            # teacher copy; not cut off from the loss)
+            held = self.ctx.held_by_optimizer()
             self._missing = [i for i in np.nonzero(~self._ever)[0] if self.ctx.names[i] not in self.reported
                              and (held is None or id(self.ctx.params[i]) in held)]
             if self._missing:

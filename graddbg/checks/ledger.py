@@ -332,8 +332,7 @@ class LedgerKeeper(Check):
         return True
 
     def _held_by_optimizer(self) -> set:
-        opt = self.ctx.optimizer
-        return set() if opt is None else {id(p) for g in opt.param_groups for p in g["params"]}
+        return self.ctx.held_by_optimizer() or set()
 
     def _pick_probe(self) -> None:
         ctx = self.ctx
@@ -343,11 +342,6 @@ class LedgerKeeper(Check):
         i = min(mine, key=lambda k: ctx.params[k].numel())  # (one the optimizer's zero_grad clears)
         self.ledger.probe = i
         ctx.hooks.add(ctx.params[i].register_hook(self._before_accumulate))
-
-    def held(self) -> np.ndarray:
-        """Per watched parameter: held by a param group of the optimizer now."""
-        self._held_ids = self._held_by_optimizer()
-        return np.fromiter((id(p) in self._held_ids for p in self.ctx.params), dtype=bool, count=len(self.ctx))
 
     def params_added(self, k: int) -> None:
         self._bw_versions = self._step_versions = self._before = self._last = None
