@@ -94,6 +94,60 @@ def test_step_before_backward():
     assert "before any backward pass" in w.anomalies[0].message
 
 
+def _copy_loop(train_copy):
+    """The loss computed with a deep copy of the watched model (``train_copy``), or with the
+    model while the copy only evaluates under no_grad (a healthy EMA-style copy)."""
+    import copy
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt, **RECORD) as w:
+            net = copy.deepcopy(model)
+            for i in range(6):
+                opt.zero_grad()
+                x, y = _batch(i)
+                loss = F.cross_entropy((net if train_copy else model)(x), y)
+                loss.backward()
+                with torch.no_grad():
+                    held_out = F.cross_entropy(net(x), y)  # noqa: F841 (a copy that only evaluates)
+                opt.step()
+    return w
+
+
+def test_a_loss_computed_with_a_copy_of_the_model_names_the_copy_not_step_order():
+    """The ledger saw no backward pass, but one ran: through the copy's parameters. The
+    finding says so (not "step() before backward()", a cause the ledger cannot show)."""
+    w = _copy_loop(train_copy=True)
+    assert [k for k, _ in _kinds(w)] == ["empty_step", "unused_param"]
+    for a in w.anomalies:
+        assert "the loss 'loss' (" in a.message and "test_hygiene.py:" in a.message
+        assert "went through module 'net' (Sequential: 0.weight, 0.bias, 2.weight, 2.bias), none of them a " \
+               "parameter of the watched model, which the SGD holds; those have gradients, so a backward pass ran " \
+               "through them" in a.message, a.message
+        assert "before loss.backward()" not in a.message and "model.forward(" not in a.message
+
+
+def test_a_copy_that_only_evaluates_is_silent():
+    assert _copy_loop(train_copy=False).anomalies == []
+
+
+def test_step_before_backward_with_the_last_loss_still_held_keeps_its_cause():
+    """The loop's frame holds the previous iteration's loss, whose graph reaches the watched
+    model: not a copy, so the step order is named as before."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with graddbg.watch(model, opt, **RECORD) as w:
+        for i in range(6):
+            opt.zero_grad()
+            opt.step()
+            x, y = _batch(i)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+    assert _kinds(w)[:1] == [("empty_step", PATIENCE - 1)]
+    assert "optimizer.step() is called before loss.backward()" in w.anomalies[0].message
+
+
 # ----------------------------------------------------------------------------- orphan_param
 def test_head_replaced_after_the_optimizer_was_built():
     model = _net()

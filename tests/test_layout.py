@@ -378,7 +378,7 @@ CHECKS_ALLOWED = {
     "stages": {"base", "recorder"},
     "zero": {"base", "recorder"},
     "update": {"base", "budget", "recorder"},
-    "hygiene": {"base", "ledger", "recorder"},
+    "hygiene": {"base", "ledger", "graph", "recorder"},  # (graph: what a step without gradients went through)
     "applied": {"base", "ledger", "recorder"},
     "detectors": {"base", "ledger", "recorder", "stages", "activations"},
     "replicas": {"base", "recorder", "stages"},

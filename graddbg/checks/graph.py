@@ -11,6 +11,7 @@ a walk of the graph's nodes, no device work.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import sys
 import threading
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 
 from graddbg._args import LOSS_GRAPH
 from graddbg._model import in_backward, is_dtensor, tensors_in, unwrap
+from graddbg._source import is_internal
 from graddbg.checks.base import Check, Finding, Step, Watched, finding
 from graddbg.checks.ledger import LedgerKeeper
 
@@ -106,6 +108,59 @@ def graph_roots(thread: int) -> List[Any]:
         return []
     outs = frame.f_locals.get("t_outputs", ())
     return [t.grad_fn for t in outs if isinstance(t, Tensor) and t.grad_fn is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class StrayLoss:
+    """A loss in the user's frame whose autograd graph reaches parameters, none of them
+    watched: what a step without gradients was computed through instead."""
+
+    name: str  #: the local variable that holds the loss
+    where: str  #: "file:line" of the user's frame
+    owner: str  #: the module holding those parameters, as the frame names it ("" when none found)
+    owner_type: str  #: its class
+    params: Tuple[str, ...]  #: those parameters, as the owner names them (their shapes without an owner)
+    ran: bool  #: they hold gradients: a backward pass ran through them
+
+
+def stray_loss(watched: Sequence[Tensor]) -> Optional[StrayLoss]:
+    """When a step finds no watched gradient: a tensor with an autograd graph in the frame of
+    the user's code (the first frame outside torch and graddbg) that reaches parameters of
+    which none is watched (the graph's structure outlives backward), and the module of that
+    frame's locals (or of ``self``'s attributes) that holds them. A host walk of one graph,
+    made only then; None when there is no such tensor."""
+    ids = {id(p) for p in watched}
+    frame = sys._getframe(1)
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    local = dict(frame.f_locals)
+    for name, t in local.items():
+        if not isinstance(t, Tensor) or t.grad_fn is None:
+            continue
+        leaves = [n.variable for n in walk([t.grad_fn]) if _name(n) == "AccumulateGrad"]
+        if not leaves or any(id(v) in ids for v in leaves):
+            continue
+        owner, owner_type, names = _owner(local, {id(v): v for v in leaves})
+        params = tuple(names) if names else tuple(str(list(v.shape)) for v in leaves)
+        return StrayLoss(name, f"{frame.f_code.co_filename}:{frame.f_lineno}", owner, owner_type, params,
+                         any(v.grad is not None for v in leaves))
+    return None
+
+
+def _owner(local: Dict[str, Any], leaves: Dict[int, Tensor]) -> Tuple[str, str, List[str]]:
+    """The module in ``local`` (or among ``self``'s attributes) holding most of ``leaves``."""
+    candidates = [(k, v) for k, v in local.items() if isinstance(v, nn.Module)]
+    me = local.get("self")
+    if me is not None and not isinstance(me, nn.Module):
+        candidates += [(f"self.{k}", v) for k, v in vars(me).items() if isinstance(v, nn.Module)]
+    best: Tuple[str, str, List[str]] = ("", "", [])
+    for k, m in candidates:
+        names = [n for n, p in m.named_parameters() if id(p) in leaves]
+        if len(names) > len(best[2]):
+            best = (k, type(m).__name__, names)
+    return best
 
 
 #: what `handed_loss` returns for a backward pass whose loss cannot be summed

@@ -34,6 +34,7 @@ import torch
 from graddbg.anomaly import Anomaly
 from graddbg.checks.base import BackwardEnd, Check, Finding, PolicyCheck, Step, Watched, finding as _finding, shown as _shown, \
     step_range as _steps
+from graddbg.checks.graph import StrayLoss, stray_loss
 from graddbg.checks.ledger import LedgerKeeper, StepEntry
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.stats import local_values
@@ -137,7 +138,10 @@ class EmptyStep(PolicyCheck):
         self._reported = True
         run, first = self._run, self._run[0].index
         backwards = [len(x.backwards) for x in run]
-        if first == 0 and not backwards[0] and not self._ever:
+        stray = stray_loss(self.ctx.params) if not any(backwards) else None
+        if stray is not None:
+            why = _stray_text(stray, type(self.ctx.optimizer).__name__)
+        elif first == 0 and not backwards[0] and not self._ever:
             why = ("the first step came before any backward pass, and each step since found the gradients of "
                    "the backward pass before it cleared. Likely cause: optimizer.step() is called before "
                    "loss.backward() in the loop (the zero_grad() at its top then clears them). Fix: call "
@@ -155,6 +159,19 @@ class EmptyStep(PolicyCheck):
                f"({_shown(self.ctx.names)}, {len(run)} in a row): {why}.")
         return [_finding("empty_step", step.index, list(self.ctx.names), list(self.ctx.modules), msg,
                          self._policy, self.ctx.rank)]
+
+
+def _stray_text(stray: StrayLoss, opt: str) -> str:
+    """Why the steps found no gradient, when the loss in the user's frame went through
+    parameters none of which is watched."""
+    owner = (f"module {stray.owner!r} ({stray.owner_type}: {_shown(list(stray.params))})" if stray.owner else
+             f"{len(stray.params)} parameter(s) of shapes {', '.join(stray.params[:4])}, held by no module the loop names")
+    ran = ("; those have gradients, so a backward pass ran through them" if stray.ran else "")
+    held = f", which the {opt} holds" if opt else ""
+    return (f"the loss {stray.name!r} ({stray.where}) went through {owner}, none of them a parameter of the "
+            f"watched model{held}{ran}. Likely cause: the loss is computed with another copy of the model "
+            f"(copy.deepcopy, a model re-created or re-wrapped after the optimizer or the watch was built). Fix: compute "
+            f"the loss with the watched model, or watch (and optimize) the model the loss uses")
 
 
 class DoubleStep(PolicyCheck):
@@ -432,7 +449,10 @@ def unused_anomaly(names: List[str], ctx: Watched, step: int, forwards: int = -1
     forward pass would show is claimed)."""
     shown = _shown(names, 10)
     modules = [ctx.modules[ctx.names.index(n)] for n in names]
-    if forwards == 0:
+    stray = stray_loss(ctx.params) if forwards == 0 else None
+    if stray is not None:
+        why = _stray_text(stray, type(ctx.optimizer).__name__ if ctx.optimizer is not None else "")
+    elif forwards == 0:
         why = ("the watch never saw the model's forward pass run (it is called another way: model.forward(...) "
                "or another method, not model(...)), so it cannot tell where they were cut off. Check that they "
                "take part in the loss; w.coverage() lists them")
@@ -441,7 +461,7 @@ def unused_anomaly(names: List[str], ctx: Watched, step: int, forwards: int = -1
                "computed elsewhere). Fix: remove or freeze them (requires_grad_(False)), or remove the "
                ".detach(); w.coverage() lists them")
     msg = (f"graddbg.watch: {len(names)} trainable parameter(s) never received a gradient while watched "
-           f"(steps 0-{step}): {shown}. Likely cause: {why}.")
+           f"(steps 0-{step}): {shown}{': ' if stray is not None else '. Likely cause: '}{why}.")
     return Anomaly(step=step, kind="unused_param", name=names[0], module=modules[0], op=None,
                    value=float(len(names)), threshold=None, source=None, message=msg, rank=ctx.rank,
                    params=tuple(names))
