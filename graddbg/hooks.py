@@ -1072,7 +1072,8 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
           scaled_grad: Policy = "warn", orphan_param: Policy = "warn", no_update: Policy = "warn",
           foreign_update: Policy = "warn", lr_schedule: Policy = "warn", hidden_param: Policy = "warn",
           eval_mode: Policy = "warn", loss_pattern: Policy = "warn", dead_grad: Policy = "warn",
-          unused_param: Policy = "warn", update_rule: Policy = "warn", activations: bool = False,
+          unused_param: Policy = "warn", update_rule: Policy = "warn", applied_grad: Policy = "warn",
+          activations: bool = False,
           histograms: Union[None, bool, int] = None, scaler: Optional[torch.amp.GradScaler] = None,
           history: int = 10_000, ddp_check_every: Union[None, str, int] = "auto",
           update_every: Union[None, str, int] = UPDATE_EVERY, copy_budget: float = COPY_BUDGET,
@@ -1136,6 +1137,11 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             compared with what the optimizer's own rule gives from the gradients it was handed
             and its state (a shadow step on float64 copies); a parameter that did not move, or
             moved twice or otherwise, is named with both numbers; None: off.
+        applied_grad: the policy for the step audit's gradient half: on the same steps, the
+            gradients the optimizer is handed are compared with those the last backward pass
+            left; a gradient cleared while others were kept, scaled up, flipped or turned
+            by something other than an unscale, a clip (by norm or value) or an L2 term is
+            named; None: off.
         lr_schedule: the policy for a learning rate that changes between the micro-batches of
             one step (a scheduler stepped per micro-batch) or collapses to under 1e-3 of its
             peak and stays there (a scheduler stepped per batch instead of per epoch); None: off.

@@ -135,6 +135,8 @@ class WatchOptions(Options):
     unused_param: Any = _option("warn", _policy, "trainable parameters that never received a gradient")
     update_rule: Any = _option("warn", _policy, "the step audit: a parameter's change differs from the "
                                "optimizer's own rule")
+    applied_grad: Any = _option("warn", _policy, "the step audit: the gradients handed to the step differ from "
+                                "those backward left")
     activations: bool = _option(False, flag, "record gradients at leaf modules' outputs")
     histograms: Optional[int] = _option(None, _histograms, "histograms of |grad| every N recorded steps")
     scaler: Any = _option(None, _scaler, "the torch.amp.GradScaler in use")

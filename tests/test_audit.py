@@ -459,3 +459,100 @@ def test_a_parameter_a_second_optimizer_steps_after_the_watched_one_is_named():
 ], ids=["nothing", "weight clipping", "row normalisation"])
 def test_what_healthy_loops_do_to_the_weights_after_the_step_is_not_a_second_step(after_step):
     assert not _two_optimizers(after_step)
+
+
+# --------------------------------------------------------------------------- the gradients applied (point 1)
+def _applied(between, steps=12, accumulate=1, scaler=False, **kw):
+    """SGD with momentum; ``between(model)`` runs after the backward passes, before the step
+    (under no_grad, as gradient edits are written); under ``scaler``, a GradScaler whose
+    ``unscale_`` comes first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt, **kw) as w:
+            for _ in range(steps):
+                opt.zero_grad()
+                for k in range(accumulate):
+                    loss = ((model(x[k::accumulate]) - y[k::accumulate]) ** 2).mean() / accumulate
+                    (sc.scale(loss) if sc else loss).backward()
+                if sc:
+                    sc.unscale_(opt)
+                with torch.no_grad():
+                    between(model)
+                if sc:
+                    sc.step(opt)
+                    sc.update()
+                else:
+                    opt.step()
+    return w, [a for a in w.anomalies if a.kind == "applied_grad"]
+
+
+def _each(params, f):
+    for p in params:
+        f(p.grad)
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda m: _each(m[0].parameters(), lambda g: g.mul_(2)), "were multiplied by 2 between the end of the last "
+     "backward pass and SGD.step() (|grad| 0.39 after backward, 0.78 at the step, for 0.weight, in the same line)"),
+    (lambda m: _each(m[0].parameters(), lambda g: g.neg_()), "were multiplied by -1 between the end of the last "
+     "backward pass and SGD.step() (|grad| 0.39 after backward, 0.39 at the step, for 0.weight, in the same line): "
+     "their sign flipped"),
+    (lambda m: m[0].zero_grad(), "had gradients when the last backward pass ended, but they were set to None between "
+     "the end of the last backward pass and SGD.step(), while the optimizer's other parameters kept theirs"),
+    (lambda m: m[0].zero_grad(set_to_none=False), "but they were zeroed between the end of the last backward pass "
+     "and SGD.step(), while the optimizer's other parameters kept theirs (|grad| 0.39 after backward, 0 at the step"),
+    (lambda m: _each(m[0].parameters(), lambda g: g.mul_(torch.rand_like(g) < 0.5)), "changed direction between the "
+     "end of the last backward pass and SGD.step() (cosine 0."),
+], ids=["doubled", "flipped", "set to None", "zeroed", "half masked"])
+def test_gradients_edited_between_backward_and_step_are_named(edit, says):
+    _, found = _applied(edit)
+    assert len(found) == 1 and found[0].step == 0 and found[0].params == ("0.weight", "0.bias"), found
+    assert says in found[0].message, found[0].message
+
+
+@pytest.mark.parametrize("edit,kw", [
+    (lambda m: None, {}),
+    (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01), {}),
+    (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01), dict(accumulate=4)),
+    (lambda m: (torch.nn.utils.clip_grad_norm_(m[0].parameters(), 0.01),
+                torch.nn.utils.clip_grad_norm_(m[2].parameters(), 0.05)), {}),
+    (lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 0.01), {}),
+    (lambda m: _each(m.parameters(), lambda g: g.clamp_(-0.05, 0.05)), {}),
+    (lambda m: [p.grad.add_(p, alpha=1e-2) for p in m.parameters()], {}),
+    (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01), dict(scaler=True)),
+    (lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 0.01), dict(scaler=True)),
+    (lambda m: [p.grad.mul_(0.5) for p in m.parameters()], {}),
+], ids=["untouched", "clip by norm", "accumulated, clipped", "clip per module", "clip by value", "clamp_",
+        "L2 term", "GradScaler then clip", "GradScaler then clip by value", "halved"])
+def test_gradients_the_ledger_explains_are_silent(edit, kw):
+    w, found = _applied(edit, **kw)
+    assert found == [] and w.current_step == 12, found[0].message if found else w.current_step
+
+
+def test_the_gradient_audit_adds_no_host_read_and_is_off_with_its_policy():
+    clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)  # noqa: E731
+    on, _ = _applied(clip)
+    off, _ = _applied(clip, applied_grad=None)
+    assert on.host_syncs == off.host_syncs == 12
+    _, found = _applied(lambda m: _each(m[0].parameters(), lambda g: g.mul_(2)), applied_grad=None)
+    assert found == []
+
+
+def test_gradients_edited_only_between_audited_steps_are_not_seen_there():
+    """The audit samples steps (0, 1, 2, 10, ...): an edit made at step 5 only is not
+    compared (its cost is paid on audited steps only)."""
+    calls = []
+
+    def at_five(m):
+        calls.append(1)
+        if len(calls) == 6:
+            _each(m[0].parameters(), lambda g: g.mul_(2))
+
+    _, found = _applied(at_five)
+    assert found == [] and not STEP_AUDIT.includes(5)

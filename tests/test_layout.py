@@ -383,6 +383,7 @@ CHECKS_ALLOWED = {
     "detectors": {"base", "ledger", "recorder", "stages", "activations"},
     "replicas": {"base", "recorder", "stages"},
     "audit": {"base", "budget", "ledger", "recorder"},
+    "gradaudit": {"base", "budget", "ledger", "recorder"},
     "manual": {"base", "budget", "ledger"},
     "__init__": None,  # (gathers them all)
 }

@@ -20,6 +20,7 @@ from graddbg.checks.copies import CopyGuard
 from graddbg.checks.detectors import ExplodeCheck, NonFiniteCheck, VanishCheck
 from graddbg.checks.applied import ForeignUpdate, LrSchedule, ScaledStep
 from graddbg.checks.audit import StepAudit
+from graddbg.checks.gradaudit import GradAudit
 from graddbg.checks.graph import LossGraph
 from graddbg.checks.histograms import Histograms
 from graddbg.checks.hygiene import DeadGrad, DoubleStep, EmptyStep, EvalMode, StaleGrad, Unchanged
@@ -36,7 +37,7 @@ __all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "default_checks
            "UpdateRatio", "ReplicaCheck", "StageCheck", "StaleGrad", "EmptyStep", "DoubleStep", "EvalMode",
            "Unchanged", "DeadGrad", "LossGraph", "ScaledStep", "ForeignUpdate", "LrSchedule", "Ledger", "LedgerKeeper",
            "StepEntry", "ZeroRecorder", "ordered", "Launched", "Measured", "PackedSum", "GradientSource", "ZeroSource",
-           "StageSummary", "Histograms"]
+           "StageSummary", "Histograms", "StepAudit", "GradAudit"]
 
 
 def _hookable(model: Any) -> bool:
@@ -104,5 +105,5 @@ def default_checks(model: Any, options: Any, zero: Any = None) -> Parts:
     checks += [StageSummary(), NonFiniteCheck(), StageCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(),
                ReplicaCheck(),
                StaleGrad(), ManualStale(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(),
-               LrSchedule(), DeadGrad(), StepAudit(), ManualUnmoved(), graph]
+               LrSchedule(), DeadGrad(), StepAudit(), GradAudit(), ManualUnmoved(), graph]
     return Parts(keeper, guard, recorder, graph, activations, ordered(checks))
