@@ -471,6 +471,27 @@ def test_norms_heatmap_legend_and_colour_bar_leave_the_x_label_and_ticks_clear(n
         assert not any(other.overlaps(t) for t in ticks), other
 
 
+@pytest.mark.parametrize("kind", ["flow", "norms", "heatmap", "update"])
+def test_a_title_placed_once_sits_on_top_of_an_axis_without_offset_text(kind):
+    """These plots put their title at the top of the axes once (matplotlib would search for
+    its place above the x ticks and the y axis' offset text at every draw): their y axes
+    never show an offset text, whatever the values (1e-30 to 1e38 here), and the title clears
+    every tick label."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    f = make_frames(6, huge=[(3, "embed.weight")], zero=["layers.0.bias"])
+    f["stats"].loc[f["stats"].name == "head.bias", ["norm", "absmax", "update_ratio"]] = 1e-30
+    fig = plots.plot(kind, f["stats"], f["steps"], f["anomalies"])
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    assert ax.yaxis.offsetText.get_text() == "" and ax.xaxis.get_ticks_position() == "bottom"
+    title = ax.title.get_window_extent(renderer)
+    assert ax.title.get_position()[1] == 1.0 and title.y0 >= ax.get_window_extent(renderer).y1
+    labels = [t.get_window_extent(renderer) for t in ax.get_xticklabels() + ax.get_yticklabels() if t.get_text()]
+    assert labels and not any(title.overlaps(b) for b in labels)
+
+
 def test_norms_heatmap_buckets_long_runs():
     f = make_frames(60, nan=[(33, "head.weight")], histograms=False)
     ax = plots.norms(f["stats"], heatmap=True, max_points=10).axes[0]

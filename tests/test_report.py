@@ -227,6 +227,31 @@ def test_report_is_deterministic_and_survives_save_load(tmp_path):
     assert render_report(run) == render_report(again)
 
 
+def test_each_figure_is_laid_out_once_and_drawn_once_as_savefig_draws_it(synthetic):
+    """savefig draws a figure with constrained layout twice (to lay it out, then to write
+    it); the report lays each figure out alone and draws it once, and the SVG is the same."""
+    import io
+
+    import matplotlib
+
+    from graddbg import report
+
+    run = synthetic[0]
+    view = report._View.of(run, run.stats)
+    jobs = [(fid, make) for fid, _, make in report._plot_jobs(view, run.steps, run.anomalies, run.histograms)]
+    assert [fid for fid, _ in jobs] == ["flow", "flow-first-nonfinite", "norms", "heatmap", "loss", "update", "hist"]
+    for fid, make in jobs:
+        fig, draws = make(), []
+        fig.canvas.mpl_connect("draw_event", draws.append)
+        svg = report._figure_svg(fig, f"fig-{fid}")
+        assert len(draws) == 1, fid
+        before, buf = make(), io.StringIO()  # (savefig with the layout engine, as the report drew before)
+        assert before.get_layout_engine() is not None
+        with matplotlib.rc_context({"svg.hashsalt": "graddbg", "svg.fonttype": "path"}):
+            before.savefig(buf, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+        assert svg == report._inline_svg(buf.getvalue(), f"fig-{fid}"), fid
+
+
 def big_frames(n_steps=1000, n_params=100, hist_every=50):
     """1,000 steps x 100 parameters, vectorised; NaN bursts, an Inf, 1e38, histograms."""
     rng = np.random.default_rng(0)
