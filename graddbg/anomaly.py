@@ -76,6 +76,10 @@ class Anomaly:
         reproduced: for a non-finite value localised by replaying the step: True when the
             replay made the same non-finite value again (a deterministic bug), False when it
             did not (suspect nondeterminism or hardware), None when no replay ran.
+        severity: ``"bug"`` (the default), or ``"fact"``: something true of the run that is
+            not a bug by itself, named once at a lower severity (parameters a library or the
+            program leaves unused by design: a target network trained by copying, BERT's
+            pooler under mean pooling). A fact is never raised: under ``"raise"`` it warns.
 
     Examples:
         >>> a = Anomaly(step=3, kind="nonfinite", name="fc.weight", module="fc", op=None,
@@ -99,6 +103,7 @@ class Anomaly:
     #: the same non-finite value again (a deterministic bug), False when it did not
     #: (suspect nondeterminism or hardware), None when no replay ran
     reproduced: Optional[bool] = None
+    severity: str = "bug"
 
     def to_dict(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -412,6 +417,8 @@ def apply_policy(anomaly: Anomaly, policy: Any, skip: Callable[[], None]) -> Opt
     """
     if policy is None or policy == "record":
         return None
+    if anomaly.severity == "fact" and policy in ("raise", "skip"):
+        policy = "warn"  # (a fact never stops the job)
     if policy == "raise":
         cls = NonFiniteError if anomaly.kind == "nonfinite" else GradientAnomalyError
         return cls(str(anomaly), anomaly)

@@ -33,7 +33,7 @@ from graddbg._hookset import HookSet
 from graddbg._model import check_model, in_backward, named_trainable_parameters, tensors_in, unwrap
 from graddbg.anomaly import Anomaly, AnomalyList, Explode, NonFinite, Vanish, apply_policy
 from graddbg.blame import Capture, LossTape, reap
-from graddbg.checks.hygiene import unused_anomaly
+from graddbg.checks.hygiene import fact_anomaly, unused_anomaly, unused_facts
 from graddbg.checks import BackwardEnd, Check, Finding, Ledger, Step, Watched, default_checks
 from graddbg.options import COPY_BUDGET, UPDATE_EVERY, WatchOptions, options_in_signature
 from graddbg.stats import DEFAULT_STATS, History
@@ -600,6 +600,9 @@ class StepPipeline:
     and the ordered checks (`graddbg.checks.default_checks`), whose findings get their
     policies here, once per step. `Watch` is its public face (the read side is `_Results`)."""
 
+    #: the findings made at close (their policy is applied by `Watch.__exit__`)
+    at_close: List[Anomaly] = []
+
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], options: Dict[str, Any]) -> None:
         self.closed = True  # until attached: close() and detach work on a half-built pipeline
         self.clock = StepClock()
@@ -929,20 +932,11 @@ class StepPipeline:
             self._last_words()
             # the parameters that never had a gradient (and were not named as cut off already):
             # one unused_param finding (its policy is applied by __exit__ when the body ended normally)
-            named = self.graph.reported_unused()
-            names = [n for n in self.recorder.uncovered() if n not in named]
-            if self.ctx.optimizer is not None and self._zero is None:
-                # (one no param group holds never trains by design: a target network, an EMA
-                # or teacher copy updated by copying; not a parameter cut off from the loss)
-                held = self.ctx.held_by_optimizer()  # (None: groups of other tensors)
-                if held is not None:
-                    ids = dict(zip(self.ctx.names, map(id, self.ctx.params)))
-                    names = [n for n in names if n not in ids or ids[n] in held]
-            if self.clock.index > 0 and names and self.options.unused_param is not None:
-                self.anomalies.append(unused_anomaly(names, self.ctx, self.clock.index - 1,
-                                                     forwards=self._keeper.forwards_seen))
+            self.at_close = self._unused() if self.clock.index > 0 and self.options.unused_param is not None else []
+            for a in self.at_close:
+                self.anomalies.append(a)
                 if self._sink is not None:
-                    self._sink.finding(self.anomalies[-1])
+                    self._sink.finding(a)
             if self._sink is not None:
                 self._sink.close(self.ctx.history)
         finally:
@@ -950,6 +944,19 @@ class StepPipeline:
             # keep only what the tables need; no tensors of the user's past the watch
             ctx = self.ctx
             ctx.amend(params=[], model=None, optimizer=None)
+
+    def _unused(self) -> List[Anomaly]:
+        """The parameters that never had a gradient and were not named as cut off already:
+        those trained by copying (no param group holds them) and those a library leaves
+        unused by design, each a fact; the others one unused_param finding."""
+        named = self.graph.reported_unused()
+        names = [n for n in self.recorder.uncovered() if n not in named]
+        if not names:
+            return []
+        copied, library, rest = unused_facts(names, self.ctx) if self._zero is None else ([], [], names)
+        last = self.clock.index - 1
+        found = [unused_anomaly(rest, self.ctx, last, forwards=self._keeper.forwards_seen)] if rest else []
+        return found + [fact_anomaly(ns, self.ctx, last, copied=ns is copied) for ns in (copied, library) if ns]
 
     def _last_words(self) -> None:
         """A finding whose evidence grew until the end (the ranks' steps after they went out
@@ -1025,9 +1032,9 @@ class Watch(_Results, _Resumable):
         from graddbg.run import stop_reason
 
         self.meta.setdefault("stopped", stop_reason(exc))  # (why the run ended, saved with it)
-        unused = [a for a in self.anomalies if a.kind == "unused_param"]
-        if exc_type is None and unused:
-            apply_policy(unused[0], self.options.unused_param, lambda: None)
+        if exc_type is None:
+            for a in self._steps.at_close:  # (the findings made at close: their policy now)
+                apply_policy(a, self.options.unused_param, lambda: None)
 
     def __repr__(self) -> str:
         state = "closed" if self._steps.closed else "open"

@@ -333,10 +333,11 @@ def test_a_dead_gradient_names_relus_only_when_the_model_has_them(act):
         assert "the model has no ReLU module" in dead[0].message
 
 
-def test_a_target_network_no_optimizer_holds_is_not_an_unused_parameter():
+def test_a_target_network_no_optimizer_holds_is_named_once_as_a_fact():
     """A DQN-style target network (trainable flags left on, copied from the online network,
-    held by no param group) never receives a gradient by design: no unused_param. Its twin, a
-    layer the optimizer holds but the forward never calls, is named."""
+    held by no param group) never receives a gradient by design: named once as a fact (never
+    raised, even under unused_param="raise"), not as a bug. Its twin, a layer the optimizer
+    holds but the forward never calls, is named as a bug."""
     class QNets(nn.Module):
         def __init__(self):
             super().__init__()
@@ -350,9 +351,9 @@ def test_a_target_network_no_optimizer_holds_is_not_an_unused_parameter():
         model = QNets()
         held = list(model.online.parameters()) + (list(model.spare.parameters()) if spare_in_optimizer else [])
         opt = torch.optim.SGD(held, lr=0.01)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with graddbg.watch(model, opt) as w:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with graddbg.watch(model, opt, unused_param="raise" if not spare_in_optimizer else "warn") as w:
                 for i in range(6):
                     q, t = model(torch.randn(8, 4))
                     ((q - t) ** 2).mean().backward()
@@ -360,11 +361,18 @@ def test_a_target_network_no_optimizer_holds_is_not_an_unused_parameter():
                     opt.zero_grad()
                     if i % 3 == 2:
                         model.target.load_state_dict(model.online.state_dict())
-        unused = [a for a in w.anomalies if a.kind == "unused_param"]
+        bugs = [a for a in w.anomalies if a.kind == "unused_param" and a.severity == "bug"]
+        facts = [a for a in w.anomalies if a.kind == "unused_param" and a.severity == "fact"]
+        assert len(facts) == 1 and facts[0].message.startswith("graddbg.watch: a fact, not a bug: ")
+        assert "no param group of the SGD holds them, so the optimizer never trains them" in facts[0].message
+        assert "to silence it, freeze them (requires_grad_(False)) or pass unused_param=None" in facts[0].message
+        assert sum(issubclass(c.category, graddbg.CoverageWarning) for c in caught) == 1 + spare_in_optimizer
         if spare_in_optimizer:
-            assert len(unused) == 1 and set(unused[0].params) == {"spare.weight", "spare.bias"}
+            assert set(facts[0].params) == {"target.weight", "target.bias"}
+            assert len(bugs) == 1 and set(bugs[0].params) == {"spare.weight", "spare.bias"}
         else:
-            assert not unused, unused[0].message
+            assert set(facts[0].params) == {"target.weight", "target.bias", "spare.weight", "spare.bias"}
+            assert not bugs, bugs[0].message
 
 
 def test_unused_parameters_of_a_model_whose_forward_was_never_seen_claim_no_forward_cause():
@@ -386,3 +394,37 @@ def test_unused_parameters_of_a_model_whose_forward_was_never_seen_claim_no_forw
     assert len(unused) == 1 and set(unused[0].params) == {"spare.weight", "spare.bias"}
     assert "never saw the model's forward pass run" in unused[0].message
     assert "unused in the forward pass" not in unused[0].message
+
+
+def test_a_library_layer_unused_by_design_is_a_fact_and_the_users_own_unused_layer_a_bug():
+    """BERT's pooler under mean pooling (transformers builds it whatever the loss uses) is
+    named once, at close, as a fact; the same model with an unused head of the user's own is
+    named as a bug (cut off from the loss)."""
+    from transformers import BertConfig, BertModel
+
+    for spare in (False, True):
+        torch.manual_seed(0)
+        cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64)
+        model = nn.ModuleDict({"bert": BertModel(cfg), "head": nn.Linear(32, 2)})
+        if spare:  # (a layer of the user's that the forward never calls)
+            model["spare"] = nn.Linear(32, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids, y = torch.randint(0, 100, (8, 12)), torch.randint(0, 2, (8,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with graddbg.watch(model, opt) as w:
+                for _ in range(5):
+                    h = model["bert"](input_ids=ids).last_hidden_state.mean(1)
+                    F.cross_entropy(model["head"](h), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+        facts = [a for a in w.anomalies if a.severity == "fact"]
+        bugs = [a for a in w.anomalies if a.severity == "bug"]
+        assert len(facts) == 1 and facts[0].params == ("bert.pooler.dense.weight", "bert.pooler.dense.bias")
+        assert "they belong to bert.pooler (BertPooler, from transformers), a layer the library builds" \
+            in facts[0].message
+        if spare:
+            assert [a.kind for a in bugs] == ["unused_param"] and bugs[0].params == ("spare.weight", "spare.bias")
+        else:
+            assert bugs == []

@@ -163,6 +163,29 @@ def _owner(local: Dict[str, Any], leaves: Dict[int, Tensor]) -> Tuple[str, str, 
     return best
 
 
+def library_owner(root: nn.Module, module: str) -> Optional[Tuple[str, str, str]]:
+    """The innermost module on ``module``'s path (from ``root``) whose class is not torch's:
+    ``(its path, its class, its package)`` when a third-party library defines that class (a
+    file under site-packages or dist-packages), so that the library decides whether the
+    module's output is used (BERT's pooler); None when the class is the user's, or there is
+    none but torch's."""
+    parts = module.split(".") if module else []
+    for k in range(len(parts), -1, -1):
+        path = ".".join(parts[:k])
+        try:
+            m = root.get_submodule(path) if path else root
+        except AttributeError:
+            continue
+        name = type(m).__module__
+        if name.split(".")[0] == "torch":
+            continue
+        file = getattr(sys.modules.get(name), "__file__", None) or ""
+        if ("site-packages" in file or "dist-packages" in file) and name.split(".")[0] != "graddbg":
+            return path, type(m).__name__, name.split(".")[0]
+        return None
+    return None
+
+
 #: what `handed_loss` returns for a backward pass whose loss cannot be summed
 UNKNOWN_LOSS = object()
 
@@ -576,8 +599,12 @@ class CutOff:
             # (one that no param group holds never trains by design: a target network, an EMA or
             # teacher copy; not cut off from the loss)
             held = self.ctx.held_by_optimizer()
+            # (a library's module whose output its library leaves unused, BERT's pooler: a
+            # fact named at close, not a parameter cut off)
+            root = unwrap(self.ctx.model)
             self._missing = [i for i in np.nonzero(~self._ever)[0] if self.ctx.names[i] not in self.reported
-                             and (held is None or id(self.ctx.params[i]) in held)]
+                             and (held is None or id(self.ctx.params[i]) in held)
+                             and library_owner(root, self.ctx.modules[i]) is None]
             if self._missing:
                 self._arm()
         return []

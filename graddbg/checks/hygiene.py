@@ -34,7 +34,8 @@ import torch
 from graddbg.anomaly import Anomaly
 from graddbg.checks.base import BackwardEnd, Check, Finding, PolicyCheck, Step, Watched, finding as _finding, shown as _shown, \
     step_range as _steps
-from graddbg.checks.graph import StrayLoss, stray_loss
+from graddbg._model import unwrap
+from graddbg.checks.graph import StrayLoss, library_owner, stray_loss
 from graddbg.checks.ledger import LedgerKeeper, StepEntry
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.stats import local_values
@@ -441,6 +442,45 @@ class DeadGrad(PolicyCheck):
                    f"layer's default), and check the loss weights.")
         return [_finding("dead_grad", step.index, names, [self.ctx.modules[i] for i in idx], msg, self._policy,
                          self.ctx.rank, value=0.0)]
+
+
+def unused_facts(names: List[str], ctx: Watched) -> Tuple[List[str], List[str], List[str]]:
+    """``names`` (parameters that never had a gradient) split into those no param group
+    holds (trained by copying: a target network, an EMA or teacher copy), those a library's
+    module holds (BERT's pooler: unused by the library's design), and the others."""
+    held = ctx.held_by_optimizer() if ctx.optimizer is not None else None
+    ids = dict(zip(ctx.names, map(id, ctx.params)))
+    root = unwrap(ctx.model) if ctx.model is not None else None
+    copied, library, rest = [], [], []
+    for n in names:
+        if held is not None and n in ids and ids[n] not in held:
+            copied.append(n)
+        elif root is not None and n in ids and library_owner(root, ctx.modules[ctx.names.index(n)]) is not None:
+            library.append(n)
+        else:
+            rest.append(n)
+    return copied, library, rest
+
+
+def fact_anomaly(names: List[str], ctx: Watched, step: int, copied: bool) -> Anomaly:
+    """The ``unused_param`` fact: ``names`` never had a gradient, by design (``copied``: no
+    param group holds them; else a library's module holds them)."""
+    modules = [ctx.modules[ctx.names.index(n)] for n in names]
+    if copied:
+        why = (f"no param group of the {type(ctx.optimizer).__name__} holds them, so the optimizer never trains "
+               f"them (a target network, an EMA or teacher copy is trained by copying)")
+    else:
+        root = unwrap(ctx.model)
+        owners = dict.fromkeys(library_owner(root, m) for m in modules)
+        why = "they belong to " + ", ".join(f"{path or '<root>'} ({cls}, from {pkg})" for path, cls, pkg in owners) + \
+              (", a layer the library builds whether or not the loss uses its output (as BERT's pooler under "
+               "mean pooling)")
+    msg = (f"graddbg.watch: a fact, not a bug: {len(names)} trainable parameter(s) never received a gradient while "
+           f"watched (steps 0-{step}): {_shown(names, 10)}: {why}. Nothing to fix if that is intended; to silence "
+           f"it, freeze them (requires_grad_(False)) or pass unused_param=None.")
+    return Anomaly(step=step, kind="unused_param", name=names[0], module=modules[0], op=None,
+                   value=float(len(names)), threshold=None, source=None, message=msg, rank=ctx.rank,
+                   params=tuple(names), severity="fact")
 
 
 def unused_anomaly(names: List[str], ctx: Watched, step: int, forwards: int = -1) -> Anomaly:
