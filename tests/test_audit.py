@@ -556,3 +556,26 @@ def test_gradients_edited_only_between_audited_steps_are_not_seen_there():
 
     _, found = _applied(at_five)
     assert found == [] and not STEP_AUDIT.includes(5)
+
+
+def test_no_host_read_on_steps_neither_recorded_nor_audited():
+    """Recorded every 7th step, both halves of the audit on, every step clipped: a read-back
+    on the recorded steps and on the audited steps whose gradients were touched (0, 1, 2,
+    10), none on any other step (issue 39, point 7)."""
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    synced = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt, every=7, nonfinite=graddbg.NonFinite(every=7), explode=None) as w:
+            for i in range(30):
+                before = w.host_syncs
+                ((model(x) - y) ** 2).mean().backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                opt.step()
+                opt.zero_grad()
+                if w.host_syncs > before:
+                    synced.append(i)
+    assert synced == [0, 1, 2, 7, 10, 14, 21, 28] and not w.anomalies
