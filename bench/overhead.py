@@ -16,6 +16,12 @@ shuffled order each repeat, each with its own copy of the model (same initial we
              loss_pattern, dead_grad = None; the ledger itself is kept): watch over
              watch:nohyg is their cost
 - watch:noupd: the defaults with update_every=None (no update/weight ratio on its log cadence)
+- watch:notape: the defaults with the loss tape off (the torch-function mode that records the
+             code between the model's output and backward(), so that a NaN born there is
+             named with its op and line): watch over watch:notape is the tape's cost. There is
+             no option to turn it off; this bench makes graddbg.blame.LossTape.begin return
+             None (as it does inside a compiled region) around each of that variant's steps
+             and puts it back after: a switch of this bench only
 - watch/10:  graddbg.watch(every=10, nonfinite=NonFinite(every=10)): 9 steps in 10 make no
              host synchronisation
 - item:      the usual hand-written recipe: a post-accumulate-grad hook per parameter
@@ -37,10 +43,16 @@ full), and writes JSON.
 
     python bench/overhead.py                 # all four models, 7 repeats
     python bench/overhead.py --models launchbound --repeats 9
+    python bench/overhead.py --models launchbound --variants bare watch watch:notape --loss heavy
+
+``--loss heavy`` replaces each model's loss by loss code of many ops, as users write it:
+cross-entropy by hand (log_softmax, gather, mean), label smoothing, and an L2 penalty over
+the parameters (three ops per parameter tensor), the tape's worst case in these models.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -55,12 +67,41 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _models  # noqa: E402
 
+import torch.nn.functional as F  # noqa: E402
+
 import graddbg  # noqa: E402
+from graddbg.blame import LossTape  # noqa: E402
 
 STEPS = {"mlp8m": 8, "transformer4": 3, "resnet18ish": 2, "launchbound": 40}
 from graddbg.anomaly import HYGIENE_KINDS  # noqa: E402
 
 HYGIENE = tuple(k for k in HYGIENE_KINDS if k != "unused_param")  # the ledger's invariants
+
+
+@contextlib.contextmanager
+def no_loss_tape():
+    """The loss tape off for what runs inside: LossTape.begin gives None (no tape), as it
+    does inside a compiled region; put back after (this bench's switch, not an option)."""
+    begin = LossTape.__dict__["begin"]
+    LossTape.begin = classmethod(lambda cls, outputs: None)
+    try:
+        yield
+    finally:
+        LossTape.begin = begin
+
+
+def heavy_loss(model):
+    """Loss code of many ops on ``model``'s output (see the docstring: ``--loss heavy``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_fn(out, y):
+        logp = F.log_softmax(out.reshape(-1, out.shape[-1]), dim=-1)
+        nll = -logp.gather(1, y.reshape(-1, 1)).mean()
+        smooth = -logp.mean()
+        l2 = sum(p.pow(2).sum() for p in params)
+        return 0.9 * nll + 0.1 * smooth + 1e-6 * l2
+
+    return loss_fn
 
 
 class Variant:
@@ -69,12 +110,12 @@ class Variant:
         self.model = model
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
         self.batch = make_batch()
-        self.loss_fn = loss_fn
+        self.loss_fn = heavy_loss(model) if loss_fn == "heavy" else loss_fn
         self.ctx = None
         self.handles = []
         self.times = []
         params = [p for p in model.parameters() if p.requires_grad]
-        if name == "watch":
+        if name in ("watch", "watch:notape"):
             self.ctx = graddbg.watch(model, self.opt)
         elif name == "watch:noupd":
             self.ctx = graddbg.watch(model, self.opt, update_every=None)
@@ -94,6 +135,12 @@ class Variant:
         self.params = params
 
     def step(self):
+        if self.name == "watch:notape":
+            with no_loss_tape():
+                return self._step()
+        return self._step()
+
+    def _step(self):
         x, y = self.batch
         if self.name == "anomaly":
             with torch.autograd.detect_anomaly():
@@ -112,9 +159,11 @@ class Variant:
             h.remove()
 
 
-def bench_model(name, repeats, variants, steps=None):
+def bench_model(name, repeats, variants, steps=None, loss="model"):
     torch.manual_seed(0)
     model, make_batch, loss_fn = _models.MODELS[name]()
+    if loss == "heavy":
+        loss_fn = "heavy"  # (each variant writes it over its own copy's parameters)
     vs = [Variant(v, copy.deepcopy(model), make_batch, loss_fn) for v in variants]
     n = steps or STEPS[name]
     for v in vs:  # warm-up
@@ -163,6 +212,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None,
                     help="steps per timing (default per model: " + ", ".join(f"{k} {v}" for k, v in STEPS.items())
                     + "); fewer steps and more repeats give more pairs for the paired ratio")
+    ap.add_argument("--loss", choices=("model", "heavy"), default="model",
+                    help="the model's own loss (cross-entropy) or loss code of many ops (see above)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's own; 1 is steadier on a shared machine)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "overhead.json"))
@@ -173,10 +224,10 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")  # detect_anomaly announces itself
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, "
-          f"variants interleaved in shuffled order")
+          f"variants interleaved in shuffled order, {args.loss} loss")
     all_results = {}
     for name in args.models:
-        res = bench_model(name, args.repeats, args.variants, args.steps)
+        res = bench_model(name, args.repeats, args.variants, args.steps, args.loss)
         all_results[name] = res
         print(f"\n{name} ({args.steps or STEPS[name]} steps per timing)")
         print(f"  {'variant':11s} {'ms/step':>8s} {'IQR ms':>13s} {'ratio':>6s} {'paired ratio, IQR':>20s} "
@@ -190,6 +241,11 @@ def main(argv=None):
         if "watch:nohyg" in res and "watch" in res:
             hyg = [t / u for t, u in zip(res["watch"]["times"], res["watch:nohyg"]["times"])]
             print(f"  hygiene checks: watch / watch:nohyg (paired median) = {statistics.median(hyg):.4f}")
+        if "watch:notape" in res and "watch" in res:
+            tape = [t / u for t, u in zip(res["watch"]["times"], res["watch:notape"]["times"])]
+            q = statistics.quantiles(tape, n=4) if len(tape) >= 2 else [tape[0]] * 3
+            print(f"  loss tape: watch / watch:notape (paired median) = {statistics.median(tape):.4f} "
+                  f"(IQR {q[0]:.4f}-{q[2]:.4f})")
         if "item" in res and "watch" in res:
             wo = res["watch"]["paired_ratio"] - 1
             io = res["item"]["paired_ratio"] - 1
