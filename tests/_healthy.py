@@ -33,10 +33,12 @@ ROOT = HEALTHY.parent.parent
 SCRIPTS = sorted(p.stem for p in HEALTHY.glob("*.py"))
 DISTRIBUTED = {"ddp"}  # launched by torchrun under graddbg run
 #: the scripts the test suite runs (the ones that cried wolf before, and one of each other
-#: kind: two optimizers, one optimizer per layer, a closure, a hand-written update, AMP, DDP);
-#: bench/healthy_suite.py runs all of SCRIPTS
+#: kind: two optimizers, one optimizer per layer, a closure, a hand-written update, AMP, DDP,
+#: a third-party library's own training code: PEFT's LoRA, a frozen base and zero-initialised
+#: adapters, the cheapest of the three third-party programs); bench/healthy_suite.py runs
+#: all of SCRIPTS
 CI_SCRIPTS = ["adam_warmup", "amp_clip", "amp_gradscaler", "ddp", "dcgan", "forward_forward", "lbfgs_sine",
-              "poly_regression", "transformer_lm"]
+              "peft_lora", "poly_regression", "transformer_lm"]
 TIMEOUT = 240.0
 
 _WARNING = re.compile(r"\b\w*(Warning|warning)\b")

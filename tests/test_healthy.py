@@ -7,8 +7,8 @@ a time, by the module fixture; each test reads its part. The single-process scri
 are forked from two processes that imported torch (and graddbg's command line) once
 (tests/_preloaded.py): each run is still its own process, run as python runs it, as
 test_a_forked_run_ends_as_python_ends checks. The suite runs the scripts of
-``_healthy.CI_SCRIPTS`` (nine of the eighteen, to keep the suite short);
-bench/healthy_suite.py runs all eighteen and prints the same comparison as one table.
+``_healthy.CI_SCRIPTS`` (ten of the twenty-one, to keep the suite short);
+bench/healthy_suite.py runs all twenty-one and prints the same comparison as one table.
 """
 from __future__ import annotations
 
