@@ -319,6 +319,53 @@ def test_hand_written_updates_of_every_parameter_are_silent(which):
     assert not _update_loop(which).anomalies
 
 
+def _rule_loop(update, steps=12):
+    """A hand-written loop whose ``update(p, state)`` runs per parameter under no_grad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    state = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model) as w:
+            for _ in range(steps):
+                ((model(x) - y) ** 2).mean().backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        update(p, state)
+                model.zero_grad()
+    return [a for a in w.anomalies if a.kind == "update_rule"], w
+
+
+def _momentum(p, state, lr=0.01, mu=0.9):
+    v = state.setdefault(id(p), torch.zeros_like(p))
+    v.mul_(mu).add_(p.grad)
+    p -= lr * v
+
+
+def test_a_hand_written_weight_decay_with_the_wrong_sign_is_named():
+    found, _ = _rule_loop(lambda p, s: p.sub_(0.05 * (p.grad - 0.1 * p)))
+    # (2.bias has one element: its gradient lies along its weight, a and b are not told apart)
+    assert len(found) == 1 and found[0].step == 1 and found[0].params == ("0.weight", "0.bias", "2.weight")
+    msg = found[0].message
+    assert "pushes the weights away from zero" in msg and "is exactly a * grad + b * w with b > 0 (a = -0.05, " \
+        "b = 0.005 for 0.weight)" in msg and "multiplies the weights by 1.005" in msg, msg
+
+
+@pytest.mark.parametrize("update", [
+    lambda p, s: p.sub_(0.05 * p.grad),
+    lambda p, s: p.sub_(0.05 * (p.grad + 0.1 * p)),
+    lambda p, s: p.mul_(0.999).sub_(0.05 * p.grad),
+    lambda p, s: p.add_(0.05 * p.grad),
+    _momentum,
+], ids=["SGD", "weight decay", "decoupled decay", "ascent (REINFORCE by hand)", "momentum"])
+def test_hand_written_updates_that_follow_a_rule_are_silent(update):
+    found, w = _rule_loop(update)
+    assert found == [] and w.current_step == 12
+
+
 # --------------------------------------------------------------------------- explosions with their cause (point 4)
 def _unfreezing(unfreeze_at):
     class Net(nn.Module):

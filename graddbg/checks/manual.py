@@ -16,6 +16,7 @@ every parameter with a gradient (`ManualUnmoved`, on the step audit's steps).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -27,7 +28,7 @@ from graddbg.checks.base import BackwardEnd, Finding, PolicyCheck, Step, Watched
 from graddbg.checks.budget import nbytes
 from graddbg.checks.ledger import LedgerKeeper
 
-__all__ = ["ManualStale", "ManualUnmoved"]
+__all__ = ["ManualStale", "ManualUnmoved", "ManualRule"]
 
 
 class ManualStale(PolicyCheck):
@@ -191,3 +192,114 @@ class ManualUnmoved(PolicyCheck):
 
     def close(self) -> None:
         self._snap = self._flags = None
+
+
+#: the relative residual under which an update counts as exactly ``a * grad + b * w``
+FIT = 1e-3
+#: the share of the update's size the growth term ``b * w`` must reach to be named
+GROWTH = 1e-2
+
+
+class ManualRule(PolicyCheck):
+    """``update_rule`` in a hand-written update loop: what moves the weights between two
+    backward passes is the gradient's step, perhaps with a weight decay that pulls them
+    towards zero; a term that pushes them away from zero is not part of any update rule (a
+    weight decay written with the wrong sign). On the steps of `graddbg._args.STEP_AUDIT`
+    the weights and the gradients are copied when a backward pass ends (within the weight
+    budget's size); when the next one ends, each parameter's change ``d`` is fitted on the
+    device as ``a * grad + b * w``. Named when the fit is exact (a residual under `FIT`) and
+    ``b > 0`` moves the weights by at least `GROWTH` of the step, in two audited intervals in
+    a row; an update that the fit does not explain (momentum, Adam) is not judged."""
+
+    STATE = ("_reported",)
+    KIND = "update_rule"
+    NEEDS_OPTIMIZER = False
+
+    after = (LedgerKeeper,)
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        self._on = self._on and ctx.optimizer is None and bool(ctx.params)
+        self._snap: Optional[Tuple[int, List[int], List[Tensor], List[Tensor]]] = None  # (step, ix, weights, grads)
+        self._fit: Optional[Tuple[int, List[int], Tensor]] = None  # (step, ix, [k, 6] on the device)
+        self._grew: Optional[Tuple[int, set]] = None  # the last judged interval's growing parameters
+
+    def params_added(self, k: int) -> None:
+        self._snap = self._fit = self._grew = None
+
+    def on_backward_end(self, bw: BackwardEnd) -> None:
+        if not self._on or self._reported:
+            return
+        params = self.ctx.params
+        snap, self._snap = self._snap, None
+        with torch.no_grad():
+            if snap is not None and snap[0] == bw.step - 1:
+                rows = [_fit_numbers(params[i].detach() - w, g, w) for i, w, g in zip(*snap[1:])]
+                self._fit = (snap[0], snap[1], torch.stack([r.to(rows[0].device) for r in rows]))
+            if not STEP_AUDIT.includes(bw.step):
+                return
+            sizes = nbytes(params, self.ctx.numel)
+            ix = [i for i, g in enumerate(bw.grads) if g is not None and type(g) is Tensor and g.layout == torch.strided]
+            if not ix or 2 * sum(sizes[i] for i in ix) > self.ctx.budget.limit(int(sum(sizes))):
+                return  # (nothing to fit, or the copies do not fit the budget: not audited)
+            self._snap = (bw.step, ix, [params[i].detach().clone() for i in ix],
+                          [bw.grads[i].detach().clone() for i in ix])
+
+    def queue(self, step: Step) -> Any:
+        fit, self._fit = self._fit, None
+        if fit is None or not step.read:
+            return None
+        return fit[0], fit[1], step.readback.add("manual_fit", fit[2])
+
+    def read(self, step: Step) -> List[Finding]:
+        token = step.token(self)
+        if token is None or self._reported:
+            return []
+        at, ix, slot = token
+        v = np.asarray(slot.value, dtype=np.float64).reshape(len(ix), 6)
+        grew = {}
+        moved = False
+        for (dd, dg, gg, dw, gw, ww), i in zip(v, ix):
+            moved = moved or dd > 0
+            ab = _growth(dd, dg, gg, dw, gw, ww)
+            if ab is not None:
+                grew[i] = ab
+        last, self._grew = self._grew, ((at, set(grew)) if moved else self._grew)
+        both = sorted(set(grew) & last[1]) if last is not None and last[0] == at - 1 else []
+        if not both:
+            return []
+        self._reported = True
+        names = [self.ctx.names[i] for i in both]
+        a, b = grew[both[0]]
+        msg = (f"graddbg: the update of a hand-written loop (no optimizer) pushes the weights away from zero: after the "
+               f"backward passes of steps {at - 1} and {at}, the change of {shown(names)} is exactly a * grad + b * w "
+               f"with b > 0 (a = {a:.3g}, b = {b:.3g} for {names[0]}): besides the gradient's step, each update "
+               f"multiplies the weights by {1 + b:.6g}, so they grow without bound. Likely cause: a weight decay "
+               f"written with the wrong sign (w -= lr * (grad - wd * w), or w += lr * wd * w). Fix: "
+               f"w -= lr * (grad + wd * w).")
+        return [finding("update_rule", at, names, [self.ctx.modules[i] for i in both], msg, self._policy,
+                        self.ctx.rank, value=b)]
+
+    def close(self) -> None:
+        self._snap = self._fit = None
+
+
+def _fit_numbers(d: Tensor, g: Tensor, w: Tensor) -> Tensor:
+    """<d,d>, <d,g>, <g,g>, <d,w>, <g,w>, <w,w> in float64, on the device."""
+    d, g, w = d.double(), g.double(), w.double()
+    return torch.stack([(d * d).sum(), (d * g).sum(), (g * g).sum(), (d * w).sum(), (g * w).sum(), (w * w).sum()])
+
+
+def _growth(dd: float, dg: float, gg: float, dw: float, gw: float, ww: float) -> Optional[Tuple[float, float]]:
+    """(a, b) when the change ``d`` is exactly ``a * grad + b * w`` (a residual under `FIT`)
+    with a growth term ``b * w`` over `GROWTH` of the change; None otherwise."""
+    if not all(map(math.isfinite, (dd, dg, gg, dw, gw, ww))) or dd == 0 or gg == 0 or ww == 0:
+        return None
+    det = gg * ww - gw * gw
+    if det <= 1e-12 * gg * ww:
+        return None  # (the gradient is along the weights: a and b are not told apart)
+    a, b = (dg * ww - dw * gw) / det, (dw * gg - dg * gw) / det
+    if dd - (a * dg + b * dw) > FIT ** 2 * dd or b <= 0 or b * math.sqrt(ww) < GROWTH * math.sqrt(dd):
+        return None
+    return a, b
+
