@@ -341,6 +341,17 @@ def test_transformers_logs_norm_and_anomaly_count(transformers_run):
     assert [h["step"] for h in logged] == list(range(1, OPT_STEPS + 1))
 
 
+def test_transformers_logs_what_log_to_logs(transformers_run):
+    """The trainer's logs get the set that watch(log_to=...) streams: the loss handed to
+    backward(), the lr and the norms per top-level module, besides the global norm."""
+    trainer, model, pre_step, cb, out = transformers_run
+    logged = [h for h in trainer.state.log_history if gcb.NORM_KEY in h]
+    assert [h["graddbg/loss"] for h in logged] == pytest.approx(cb.watch.steps["loss"].tolist(), rel=REL)
+    assert [h["graddbg/lr"] for h in logged] == pytest.approx([1e-3] * OPT_STEPS)
+    modules = {n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad}
+    assert all({f"graddbg/norm/{m}" for m in modules} <= set(h) for h in logged), (modules, sorted(logged[0]))
+
+
 def test_transformers_report_written_into_the_output_dir(transformers_run):
     trainer, model, pre_step, cb, out = transformers_run
     path = out / "grads" / "report.html"
