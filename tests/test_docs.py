@@ -125,3 +125,21 @@ def test_every_docs_page_with_code_has_running_blocks():
     pages = [p for p in PAGES if python_blocks(DOCS / p)]
     running = [p for p in pages if any(b.norun is None for b in python_blocks(DOCS / p))]
     assert len(pages) >= 10 and len(running) >= len(pages) - 2, (pages, running)
+
+
+def test_the_reference_and_the_how_tos_link_each_other():
+    """Each reference page names the how-to guides that use it ("See also"), and each how-to
+    links into the reference (issue 40, point 7); every such link points to a page that exists."""
+    for page in sorted((DOCS / "reference").glob("*.md")):
+        if page.name == "index.md":
+            continue
+        links = re.findall(r"\]\((\.\./howto/[\w-]+\.md)(?:#[\w-]+)?\)", page.read_text(encoding="utf-8"))
+        assert links, f"{page.name} links to no how-to guide"
+        assert all((page.parent / link).is_file() for link in links), (page.name, links)
+    for page in sorted((DOCS / "howto").glob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        crossrefs = re.findall(r"\]\[(graddbg\.[\w.]+)\]", text)
+        links = re.findall(r"\]\((\.\./reference/[\w-]+\.md)(?:#[\w.-]+)?\)", text)
+        assert crossrefs or links, f"{page.name} links to nothing in the reference"
+        assert all((page.parent / link).is_file() for link in links), (page.name, links)
+        # (each [...][graddbg.x] must resolve: the strict site build, tests/test_site.py, fails otherwise)
