@@ -323,7 +323,8 @@ class Explode:
     swapped, a checkpoint loaded: a version counter moved outside the optimizer's step)
     names that write, unless the module is written on a regular schedule (a target
     network's hard update every N steps), and one that follows newly unfrozen layers names
-    them.
+    them. A jump right after the model ran without grad between two steps (an evaluation, an
+    RL rollout) starts a new level from that step (the gradients are of new data).
 
     Args:
         factor: flag a norm above ``factor`` times the running level (> 1; None: only

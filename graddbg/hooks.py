@@ -723,7 +723,10 @@ class StepPipeline:
     # ------------------------------------------------------------------ hook bodies
     @_guarded
     def _on_root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if _is_compiling() or not self._alive() or not torch.is_grad_enabled() or in_backward():
+        if _is_compiling() or not self._alive() or in_backward():
+            return None
+        if not torch.is_grad_enabled():
+            self._keeper.forward_without_grad()  # (an evaluation, a rollout: a host fact)
             return None
         self._tap.before()
         self.ctx.layout.forward_began(self.clock.index)

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import graddbg
 from graddbg._args import STEP_AUDIT
@@ -626,3 +627,76 @@ def test_no_host_read_on_steps_neither_recorded_nor_audited():
                 if w.host_syncs > before:
                     synced.append(i)
     assert synced == [0, 1, 2, 7, 10, 14, 21, 28] and not w.anomalies
+
+
+def _rounds(rollout, spike_at=None, rounds=4, steps=128):
+    """A DQN-like loop: rounds of gradient steps against a target network hard-copied
+    (through .data, as stable-baselines3 does) before each round; ``rollout``: the round
+    begins with forward passes of the watched network without grad (acting in the
+    environment); ``spike_at``: a step whose lr is 1000x."""
+    import copy
+    torch.manual_seed(0)
+    q = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    target = copy.deepcopy(q)
+    opt = torch.optim.Adam(q.parameters(), lr=2.3e-3)
+    g = torch.Generator().manual_seed(1)
+    s, s2 = torch.randn(512, 4, generator=g), torch.randn(512, 4, generator=g)
+    a, r = torch.randint(0, 2, (512,), generator=g), torch.ones(512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(q, opt) as w:
+            for k in range(rounds):
+                with torch.no_grad():
+                    for p, tp in zip(q.parameters(), target.parameters()):
+                        tp.data.copy_(p.data)
+                    for _ in range(rollout):
+                        q(torch.randn(1, 4, generator=g))
+                for i in range(steps):
+                    idx = torch.randint(0, 512, (64,), generator=g)
+                    with torch.no_grad():
+                        y = r[idx] + 0.99 * target(s2[idx]).max(1).values
+                    loss = F.smooth_l1_loss(q(s[idx]).gather(1, a[idx, None]).squeeze(1), y)
+                    opt.zero_grad()
+                    loss.backward()
+                    nn.utils.clip_grad_norm_(q.parameters(), 10)
+                    for group in opt.param_groups:
+                        group["lr"] = 2.3 if k * steps + i == spike_at else 2.3e-3
+                    opt.step()
+    return [x for x in w.anomalies if x.kind == "explode"]
+
+
+def test_a_jump_right_after_a_rollout_starts_a_new_level_and_no_finding():
+    """Each round's first steps jump (new data, a new target): after forward passes without
+    grad (the program acting), the level starts again. Without them, the same jumps are
+    explosions: the phase is what tells them apart."""
+    assert _rounds(rollout=32) == []
+    assert len(_rounds(rollout=0)) >= 2
+
+
+def test_an_lr_spike_inside_a_round_is_still_named():
+    found = _rounds(rollout=32, spike_at=100)
+    assert len(found) == 1 and found[0].step in (101, 102) and "after a learning-rate change" in found[0].message, \
+        [x.message for x in found]
+
+
+def test_an_lr_that_a_schedule_brings_to_zero_is_not_a_parameter_left_unchanged():
+    """stable-baselines3's linear schedule writes lr = 1e-3 * progress into the param groups
+    before each round, 0 for the last one: the schedule's end, not a frozen group. Its twin,
+    a group at lr 0 from the start, is named."""
+    for start in (1e-3, 0.0):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=start)
+        x, y = torch.randn(256, 4), torch.randn(256, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with graddbg.watch(model, opt) as w:
+                for it in range(1, 9):
+                    for group in opt.param_groups:
+                        group["lr"] = start * (1 - it / 8)
+                    for _ in range(20):
+                        opt.zero_grad()
+                        F.mse_loss(model(x), y).backward()
+                        opt.step()
+        kinds = [a.kind for a in w.anomalies]
+        assert ("no_update" in kinds) == (start == 0.0), [a.message for a in w.anomalies]

@@ -287,6 +287,7 @@ class ExplodeCheck(Check):
         self._added = 0  # parameters unfrozen since the last step read
         self._unfrozen: Optional[Tuple[int, List[str]]] = None  # (the step they were first watched at, names)
         self.writes = WeightWrites(ctx)
+        self._phases: List[int] = []  # the last steps after which the model ran without grad (a phase)
 
     def params_added(self, k: int) -> None:
         self._added += k
@@ -297,6 +298,8 @@ class ExplodeCheck(Check):
             return []
         self._note_lrs(step)
         self.writes.note(step)
+        if step.entry is not None and step.entry.nograd_forwards:
+            self._phases = self._phases[-3:] + [step.index]
         if self._added:  # (a host fact: parameters unfrozen, watched from this step on)
             self._unfrozen, self._added = (step.index, self.ctx.names[-self._added:]), 0
         if not step.due_stats or step.stats is None or step.any_bad:
@@ -370,6 +373,10 @@ class ExplodeCheck(Check):
             rise = self.lr_rise(self._since)
             swap = self.writes.swap(self._since) if rise is None else None
             cause = rise or swap
+            phase = next((s for s in reversed(self._phases) if self._since - LR_LOOKBACK <= s <= self._since), None) \
+                if cause is None else None
+            if phase is not None and self._after is None:
+                return self._new_level(global_norm)
             if cause is None and self._after is not None or cause is not None and cause[-1]:
                 self._after = 0  # the aftermath of a cause already named, or the program's own schedule
                 return None
@@ -428,6 +435,15 @@ class ExplodeCheck(Check):
                        value=float(global_norm), threshold=float(threshold), source=None,
                        message=msg, params=tuple(jumped))
 
+
+    def _new_level(self, global_norm: float) -> None:
+        """A jump right after a phase of the program between steps (forward passes without
+        grad: an evaluation, an RL rollout that collected new data): the gradients are of a
+        new regime, and the level starts again from this step (warming up as at the start:
+        only a thousandfold jump counts until it has ``warmup`` steps)."""
+        self.level, self._sorted = [global_norm], [global_norm]
+        self.in_episode, self.above = False, 0
+        return None
 
     def _swap_text(self, step: int, swap: Tuple[str, int, bool], measured: str, jumped: List[str]) -> str:
         top, at, _ = swap

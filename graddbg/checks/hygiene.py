@@ -276,6 +276,8 @@ class Unchanged(Check):
         self._reported = np.zeros(len(ctx), dtype=bool)
         self._moving: Optional[Tuple[int, np.ndarray]] = None
         self._groups: Tuple[Any, np.ndarray] = (None, np.zeros(0, dtype=np.int64))
+        self._peak = np.zeros(0)  # each param group's highest lr so far
+        self._last = np.zeros(0)  # each param group's last positive lr
 
     def params_added(self, k: int) -> None:
         for a in ("_count", "_first", "_reported"):
@@ -317,7 +319,17 @@ class Unchanged(Check):
             return []
         group = self._group_of()
         lrs = np.append(np.asarray(e.lrs, dtype=np.float64), np.nan)  # (index -1: held by no group)
-        lr0 = lrs[np.where(group < len(e.lrs), group, -1)] == 0.0
+        # (an lr of 0 that a schedule brought down gradually is the schedule's, judged by
+        # lr_schedule; one the group always had, or dropped to from near its peak in one step
+        # (a hand edit), means the step cannot move it)
+        n = len(e.lrs)
+        peak = np.append(self._peak, np.zeros(max(0, n - len(self._peak))))[:n]
+        last = np.append(self._last, np.zeros(max(0, n - len(self._last))))[:n]
+        now = np.nan_to_num(lrs[:-1], nan=0.0)
+        self._peak, self._last = np.fmax(peak, now), np.where(now > 0, now, last)
+        frozen = np.append((peak == 0.0) | (last >= 0.5 * peak), False)
+        at = np.where(group < n, group, -1)
+        lr0 = (lrs[at] == 0.0) & frozen[at]
         outside = e.outside if e.outside is not None and len(e.outside) == len(e.moved) else np.zeros_like(e.moved)
         # (held: not moved by the step, or an lr of 0; held by none: changed by nothing at all)
         stuck = moving[1] & np.where(group >= 0, ~e.moved | lr0, ~e.moved & ~outside)

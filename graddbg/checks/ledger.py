@@ -89,6 +89,9 @@ class StepEntry:
     clipped_norm: float = math.nan
     scale: float = math.nan
     kinds: List[str] = dataclasses.field(default_factory=list)  #: the findings made at this step
+    #: forward passes of the model with grad disabled since the previous step (an evaluation,
+    #: an RL rollout's action selection: a phase of the program between training steps)
+    nograd_forwards: int = 0
 
     @property
     def between(self) -> str:
@@ -465,6 +468,10 @@ class LedgerKeeper(Check):
         e = self.entry
         e.index, e.path, e.skipped = index, "scaler", True
         self.end()
+
+    def forward_without_grad(self) -> None:
+        """A forward pass of the model with grad disabled (not part of a step)."""
+        self.entry.nograd_forwards += 1
 
     def forward_facts(self, model: nn.Module) -> Forward:
         """The host facts of a forward pass starting now."""
