@@ -530,6 +530,7 @@ def _lay_out_once(fig: "Figure") -> None:
     engine = fig.get_layout_engine()
     if engine is None or not fig.axes:
         return
+    import matplotlib
     from matplotlib.backend_bases import FigureCanvasBase
     from matplotlib.backends.backend_svg import RendererSVG
 
@@ -547,7 +548,8 @@ def _lay_out_once(fig: "Figure") -> None:
     finally:
         fig.set_canvas(canvas)
         fig.set_dpi(dpi)
-    fig.set_layout_engine(None)
+    with matplotlib.rc_context({"figure.autolayout": False, "figure.constrained_layout.use": False}):
+        fig.set_layout_engine(None)  # (None means the rc's engine when one is set there)
 
 
 def _figure_svg(fig: "Figure", prefix: str) -> str:

@@ -252,6 +252,28 @@ def test_each_figure_is_laid_out_once_and_drawn_once_as_savefig_draws_it(synthet
         assert svg == report._inline_svg(buf.getvalue(), f"fig-{fid}"), fid
 
 
+@pytest.mark.parametrize("rc", ["figure.autolayout", "figure.constrained_layout.use"])
+def test_a_layout_engine_set_in_matplotlibrc_does_not_lay_a_figure_out_again(rc):
+    """With an engine asked for in the user's rcParams, the figure taken off its layout engine
+    would get that one back and be laid out again by savefig (tight layout: other margins)."""
+    import io
+
+    import matplotlib
+
+    from graddbg import plots, report
+
+    f = make_frames(4, PARAMS[:3])
+    with matplotlib.rc_context({rc: True}):
+        fig, draws = plots.norms(f["stats"], f["steps"]), []
+        fig.canvas.mpl_connect("draw_event", draws.append)
+        svg = report._figure_svg(fig, "fig-norms")
+        assert len(draws) == 1
+    before, buf = plots.norms(f["stats"], f["steps"]), io.StringIO()
+    with matplotlib.rc_context({"svg.hashsalt": "graddbg", "svg.fonttype": "path"}):
+        before.savefig(buf, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+    assert svg == report._inline_svg(buf.getvalue(), "fig-norms")
+
+
 def big_frames(n_steps=1000, n_params=100, hist_every=50):
     """1,000 steps x 100 parameters, vectorised; NaN bursts, an Inf, 1e38, histograms."""
     rng = np.random.default_rng(0)
