@@ -245,3 +245,16 @@ def test_signatures_are_formatted(site: Path):
     text = re.sub(r"<[^>]+>", "", sig)
     lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) > 10 and max(map(len, lines)) <= 80, lines
+
+
+@pytest.mark.parametrize("page, name, file", [("hooks", "graddbg.hooks.watch", "graddbg/hooks.py"),
+                                              ("gradcheck", "graddbg.gradcheck.gradcheck", "graddbg/gradcheck.py"),
+                                              ("run", "graddbg.run.load", "graddbg/run.py"),
+                                              ("plots", "graddbg.plots.flow", "graddbg/plots.py")])
+def test_reference_entries_show_their_source(site: Path, page: str, name: str, file: str):
+    """The [source] link of torch's reference, offline: an entry folds its function's source
+    (issue 40, point 7)."""
+    text = (site / "reference" / page / "index.html").read_text()
+    start = text.index(f'id="{name}"')
+    end = text.find('class="doc doc-heading"', text.index("</h", start))  # (the next entry's heading)
+    assert f"Source code in <code>{file}</code>" in text[start:end if end > 0 else None], name
