@@ -25,6 +25,7 @@ import torch
 from stable_baselines3 import DQN, PPO, SAC
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.utils import LinearSchedule
 
 torch.set_num_threads(1)
@@ -69,6 +70,7 @@ def finish(model):
 ppo = PPO("MlpPolicy", make_vec_env("CartPole-v1", n_envs=8, seed=0), n_steps=32, batch_size=256,
           gae_lambda=0.8, gamma=0.98, n_epochs=20, ent_coef=0.0, learning_rate=LinearSchedule(1e-3, 0.0, 1.0),
           clip_range=LinearSchedule(0.2, 0.0, 1.0), seed=0, device="cpu")
+ppo.set_logger(Logger(folder=None, output_formats=[]))  # (SB3's default logger makes a folder in /tmp)
 ppo.learn(total_timesteps=2048, callback=PrintLosses(["train/loss"]))
 finish(ppo)
 
@@ -77,10 +79,12 @@ dqn = DQN("MlpPolicy", "CartPole-v1", learning_rate=2.3e-3, batch_size=64, buffe
           learning_starts=250, gamma=0.99, target_update_interval=10, train_freq=256, gradient_steps=128,
           exploration_fraction=0.16, exploration_final_eps=0.04, policy_kwargs=dict(net_arch=[256, 256]),
           seed=0, device="cpu")
+dqn.set_logger(Logger(folder=None, output_formats=[]))  # (SB3's default logger makes a folder in /tmp)
 dqn.learn(total_timesteps=1280, callback=PrintLosses(["train/loss"]))
 finish(dqn)
 
 # rl-zoo hyperparams/sac.yml, Pendulum-v1 (n_timesteps 2e4 there)
 sac = SAC("MlpPolicy", "Pendulum-v1", learning_rate=1e-3, learning_starts=100, seed=0, device="cpu")
+sac.set_logger(Logger(folder=None, output_formats=[]))  # (SB3's default logger makes a folder in /tmp)
 sac.learn(total_timesteps=400, callback=PrintLosses(["train/critic_loss", "train/actor_loss"]))
 finish(sac)
