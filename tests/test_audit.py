@@ -700,3 +700,20 @@ def test_an_lr_that_a_schedule_brings_to_zero_is_not_a_parameter_left_unchanged(
                         opt.step()
         kinds = [a.kind for a in w.anomalies]
         assert ("no_update" in kinds) == (start == 0.0), [a.message for a in w.anomalies]
+
+
+def test_weights_in_shared_memory_are_not_audited():
+    """Hogwild: the weights live in shared memory and other processes step them during this
+    one's step (here a pre-hook stands in for them): the audit cannot tell whose change is
+    whose and leaves them alone; the same edit on private weights is named."""
+    def others(opt, args, kwargs):
+        with torch.no_grad():
+            for p in opt.param_groups[0]["params"]:
+                p.add_(torch.randn_like(p) * 0.01)
+
+    for shared in (True, False):
+        model = _model()
+        if shared:
+            model.share_memory()
+        w, _ = _train(model, torch.optim.SGD(model.parameters(), lr=0.05), hook=others)
+        assert bool(_audits(w)) is not shared, [a.message for a in _audits(w)]

@@ -26,7 +26,8 @@ float64-vs-its-dtype arithmetic and the rounding of its own precision can explai
 - after the step, before the next one begins, it moved again in the direction the step moved
   it (a second optimizer that holds it steps it too).
 
-Not audited: DeepSpeed's optimizer, DTensor (FSDP2, TP) and sparse parameters, a step with a
+Not audited: DeepSpeed's optimizer, DTensor (FSDP2, TP) and sparse parameters, parameters in
+shared memory (Hogwild: other processes move them during the step), a step with a
 closure (LBFGS evaluates it several times), a fused step handed still-scaled gradients by a
 GradScaler; an optimizer whose shadow step fails switches the audit off with a warning (the
 training goes on). A finding names the first step it sees; the audit then stops.
@@ -155,7 +156,9 @@ class StepAudit(PolicyCheck):
             ix = [self._index.get(id(p), -1) for p in g["params"] if p.grad is not None]
             if not per_param and any(i < 0 for i in ix):
                 continue  # (a parameter the watch does not see: the group is not reproduced whole)
-            ix = [i for i in ix if i >= 0 and not (_unplain(params[i]) or _unplain(params[i].grad))]
+            # (weights in shared memory, Hogwild: other processes move them during the step)
+            ix = [i for i in ix if i >= 0 and not (_unplain(params[i]) or _unplain(params[i].grad)
+                                                   or params[i].is_shared())]
             hyper = {k: v for k, v in g.items() if k != "params"}
             units += [(gi, hyper, [i]) for i in ix] if per_param else [(gi, hyper, ix)] if ix else []
         if len(self._last) != len(params):

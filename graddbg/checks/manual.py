@@ -239,7 +239,8 @@ class ManualRule(PolicyCheck):
             if not STEP_AUDIT.includes(bw.step):
                 return
             sizes = nbytes(params, self.ctx.numel)
-            ix = [i for i, g in enumerate(bw.grads) if g is not None and type(g) is Tensor and g.layout == torch.strided]
+            ix = [i for i, g in enumerate(bw.grads) if g is not None and type(g) is Tensor and g.layout == torch.strided
+                  and not params[i].is_shared()]  # (shared memory, Hogwild: other processes move them)
             if not ix or 2 * sum(sizes[i] for i in ix) > self.ctx.budget.limit(int(sum(sizes))):
                 return  # (nothing to fit, or the copies do not fit the budget: not audited)
             self._snap = (bw.step, ix, [params[i].detach().clone() for i in ix],
