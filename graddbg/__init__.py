@@ -49,7 +49,6 @@ from graddbg.gradcheck import gradcheck  # noqa: E402  (after the errors it uses
 _LAZY = {
     "watch": "graddbg.hooks",
     "Watch": "graddbg.hooks",
-    "HookSet": "graddbg.hooks",
     "load": "graddbg.run",
     "Run": "graddbg.run",
     "Anomaly": "graddbg.anomaly",
@@ -72,16 +71,20 @@ _SUBMODULES = ("stats", "anomaly", "blame", "hooks", "graphviz", "plots", "repor
 
 __all__ = ["gradcheck", *_LAZY, *_SUBMODULES, *_errors_all, "__version__"]
 
+# names kept importable from earlier versions that are not in the public reference (graddbg's
+# own machinery)
+_KEPT = {"HookSet": "graddbg.hooks"}
+
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY and name not in _SUBMODULES:
+    if name not in _LAZY and name not in _SUBMODULES and name not in _KEPT:
         raise AttributeError(f"module 'graddbg' has no attribute {name!r}")
-    target = _LAZY.get(name, f"graddbg.{name}")
+    target = _LAZY.get(name) or _KEPT.get(name) or f"graddbg.{name}"
     try:
         module = importlib.import_module(target)
     except AttributeError as e:  # would be reported as a missing attribute of graddbg
         raise ImportError(f"importing {target} failed: {e!r}") from e
-    value = getattr(module, name) if name in _LAZY else module
+    value = getattr(module, name) if name in _LAZY or name in _KEPT else module
     globals()[name] = value
     return value
 

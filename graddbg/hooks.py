@@ -1,7 +1,7 @@
 """``watch()``: hooks that record gradient statistics and catch anomalies while you train.
 
-`Watch` owns the hooks (every handle goes through one `HookSet` and is removed
-on exit, whether the body returned or raised) and turns them into a few step events: the
+`Watch` owns the hooks (every handle is kept in one set and removed on exit, whether
+the body returned or raised) and turns them into a few step events: the
 root module's forward, the end of a backward pass, the step boundary (the optimizer's step,
 or the end of each backward pass without an optimizer, or ``w.step()``), after the
 optimizer's step, and close. Each event goes to an ordered list of small checks
@@ -45,7 +45,8 @@ if TYPE_CHECKING:  # pragma: no cover - type names only
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-__all__ = ["HookSet", "Watch", "watch", "MAX_ROWS"]
+# (HookSet, graddbg's own hook bookkeeping, stays importable from here: not in the reference)
+__all__ = ["Watch", "watch", "MAX_ROWS"]
 
 #: the history's bound in rows (steps x parameters) beside watch(history=) in steps
 MAX_ROWS = 4_000_000
