@@ -6,7 +6,7 @@
 - a wandb ``Run``, or ``"wandb"`` for the active one (``wandb.run``): ``run.log`` with
   ``graddbg/step`` as the x axis of every ``graddbg/*`` metric (``define_metric``, as
   Lightning's ``WandbLogger`` does with its own step), each finding as a text value of
-  ``graddbg/finding``;
+  ``graddbg/finding`` and a row of the table ``graddbg/findings`` (step, finding);
 - ``"mlflow"`` for the active MLflow run (or an ``mlflow.ActiveRun``): ``log_batch`` of the
   metrics at the step, each finding as a run tag ``graddbg/finding/<n>``;
 - a callable ``fn(metrics: dict, step: int)``, called with the scalars of each recorded step
@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -54,6 +54,8 @@ PREFIX = "graddbg"
 FINDING_KEY = f"{PREFIX}/finding"
 #: the number of findings so far
 ANOMALIES_KEY = f"{PREFIX}/anomalies"
+#: wandb: the table of the findings so far (a row each: step, message)
+TABLE_KEY = f"{PREFIX}/findings"
 #: wandb: the x axis of the graddbg/* metrics (the watch's step)
 STEP_KEY = f"{PREFIX}/step"
 #: ``log_detail=``: norms and update ratios per top-level module, or per parameter
@@ -223,6 +225,7 @@ class _Wandb:
 
     def __init__(self, run: Any) -> None:
         self.run = run
+        self.rows: List[list] = []  # (the findings so far, the table's rows)
         run.define_metric(STEP_KEY)
         run.define_metric(f"{PREFIX}/*", step_metric=STEP_KEY)
 
@@ -230,7 +233,11 @@ class _Wandb:
         self.run.log({**metrics, STEP_KEY: step})
 
     def text(self, message: str, step: int) -> None:
-        self.run.log({FINDING_KEY: message, STEP_KEY: step})
+        import wandb
+
+        self.rows.append([step, message])  # (a wandb Table is logged whole: every finding so far)
+        self.run.log({FINDING_KEY: message, TABLE_KEY: wandb.Table(columns=["step", "finding"], data=list(self.rows)),
+                      STEP_KEY: step})
 
     def flush(self) -> None:
         pass

@@ -212,6 +212,7 @@ def test_wandb_offline_history_holds_the_recorded_values(tmp_path, monkeypatch, 
     run = wandb.init(mode="offline", dir=str(tmp_path), project="graddbg-test", settings=wandb.Settings(console="off"))
     try:
         log = run.sync_file if hasattr(run, "sync_file") else run.settings.sync_file
+        files = pathlib.Path(run.dir)
         w = train(run if given == "the run" else "wandb", nan_at=NAN_AT)
     finally:
         run.finish()
@@ -227,6 +228,12 @@ def test_wandb_offline_history_holds_the_recorded_values(tmp_path, monkeypatch, 
     findings = [r for r in rows if "graddbg/finding" in r]
     assert [r["graddbg/step"] for r in findings] == [NAN_AT]
     assert w.anomalies[0].message in findings[0]["graddbg/finding"]
+    # the table of the findings: logged with the finding, its file among the run's media
+    table = {k[len("graddbg/findings/"):]: v for k, v in findings[0].items() if k.startswith("graddbg/findings/")}
+    assert table["_type"] == "table-file" and table["nrows"] == 1 and table["ncols"] == 2, table
+    data = json.loads((files / table["path"]).read_text())
+    assert data["columns"] == ["step", "finding"] and data["data"][0][0] == NAN_AT
+    assert w.anomalies[0].message in data["data"][0][1] and len(data["data"]) == 1
 
 
 # --------------------------------------------------------------------------- MLflow
