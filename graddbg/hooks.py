@@ -239,10 +239,16 @@ def _check_optimizer(ctx: Watched) -> None:
     if opt is None or not ctx.params:
         return
     if ctx.held_by_optimizer() is None:
+        held = [p for g in opt.param_groups for p in g["params"]]
+        mine = sorted((tuple(p.shape), str(p.dtype)) for p in ctx.params)
+        copies = len(held) == len(ctx.params) and sorted(tuple(p.shape) for p in held) == [s for s, _ in mine] \
+            and {str(p.dtype) for p in held} != {d for _, d in mine}
+        hint = (f"; it holds {len(held)} tensors of the same shapes in {held[0].dtype} (master copies of the "
+                f"weights?): then watch(model) without the optimizer, each backward pass a step" if copies else "")
         raise GraddbgValueError(
             f"watch(optimizer=...): {type(opt).__name__} holds none of the model's {len(ctx.params)} "
             f"trainable parameters; pass the optimizer built from this model's parameters "
-            f"(e.g. {type(opt).__name__}(model.parameters(), ...))")
+            f"(e.g. {type(opt).__name__}(model.parameters(), ...)){hint}")
 
 
 def _meta(opts: WatchOptions, ctx: Watched) -> Dict[str, Any]:
@@ -1150,9 +1156,8 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             moved twice or otherwise, is named with both numbers; None: off.
         applied_grad: the policy for the step audit's gradient half: on the same steps, the
             gradients the optimizer is handed are compared with those the last backward pass
-            left; a gradient cleared while others were kept, scaled up, flipped or turned
-            by something other than an unscale, a clip (by norm or value) or an L2 term is
-            named; None: off.
+            left; a gradient cleared while others were kept, or multiplied by more than a
+            clip or an unscale allows (or by a negative factor), is named; None: off.
         lr_schedule: the policy for a learning rate that changes between the micro-batches of
             one step (a scheduler stepped per micro-batch) or collapses to under 1e-3 of its
             peak and stays there (a scheduler stepped per batch instead of per epoch); None: off.

@@ -4,6 +4,7 @@ here has a healthy twin that must stay silent, and the audit leaves the training
 optimizer and the host synchronisations as they were."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -555,9 +556,7 @@ def _each(params, f):
      "the end of the last backward pass and SGD.step(), while the optimizer's other parameters kept theirs"),
     (lambda m: m[0].zero_grad(set_to_none=False), "but they were zeroed between the end of the last backward pass "
      "and SGD.step(), while the optimizer's other parameters kept theirs (|grad| 0.39 after backward, 0 at the step"),
-    (lambda m: _each(m[0].parameters(), lambda g: g.mul_(torch.rand_like(g) < 0.5)), "changed direction between the "
-     "end of the last backward pass and SGD.step() (cosine 0."),
-], ids=["doubled", "flipped", "set to None", "zeroed", "half masked"])
+], ids=["doubled", "flipped", "set to None", "zeroed"])
 def test_gradients_edited_between_backward_and_step_are_named(edit, says):
     _, found = _applied(edit)
     assert len(found) == 1 and found[0].step == 0 and found[0].params == ("0.weight", "0.bias"), found
@@ -576,8 +575,12 @@ def test_gradients_edited_between_backward_and_step_are_named(edit, says):
     (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01), dict(scaler=True)),
     (lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 0.01), dict(scaler=True)),
     (lambda m: [p.grad.mul_(0.5) for p in m.parameters()], {}),
+    (lambda m: _each(m[0].parameters(), lambda g: g.mul_(torch.rand_like(g) < 0.5)), {}),
+    (lambda m: _each(m[0].parameters(), lambda g: g.add_(torch.randn_like(g) * g.std())), {}),
+    (lambda m: m[2].bias.grad.mul_(3.0), {}),
 ], ids=["untouched", "clip by norm", "accumulated, clipped", "clip per module", "clip by value", "clamp_",
-        "L2 term", "GradScaler then clip", "GradScaler then clip by value", "halved"])
+        "L2 term", "GradScaler then clip", "GradScaler then clip by value", "halved",
+        "half masked (not judged)", "noise added (not judged)", "one-element bias tripled (no direction)"])
 def test_gradients_the_ledger_explains_are_silent(edit, kw):
     w, found = _applied(edit, **kw)
     assert found == [] and w.current_step == 12, found[0].message if found else w.current_step
@@ -717,3 +720,12 @@ def test_weights_in_shared_memory_are_not_audited():
             model.share_memory()
         w, _ = _train(model, torch.optim.SGD(model.parameters(), lr=0.05), hook=others)
         assert bool(_audits(w)) is not shared, [a.message for a in _audits(w)]
+
+
+def test_adam_on_fp16_weights_is_judged_only_for_lost_updates():
+    """Adam on float16 weights keeps its moments in float16: its step differs from the
+    float64 shadow by more than a direction or a factor the audit can judge there, so only a
+    lost update (rounded away) may be named; with updates larger than fp16's spacing, none."""
+    model = _model(torch.float16)
+    w, losses = _train(model, torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4), dtype=torch.float16)
+    assert _audits(w) == [] and all(math.isfinite(v) for v in losses)

@@ -981,3 +981,12 @@ def test_a_watch_does_not_walk_the_heap_for_pipeline_stages_without_a_process_gr
     with graddbg.watch(model) as w:
         model(torch.randn(2, 4)).sum().backward()
     assert len(w.stats) == 2
+
+
+def test_an_optimizer_over_master_copies_is_refused_with_what_to_do():
+    model = nn.Linear(2, 2).half()
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"holds none of the model's 2 trainable parameters.*; it holds 2 tensors of "
+                                         r"the same shapes in torch.float32 \(master copies of the weights\?\): then "
+                                         r"watch\(model\) without the optimizer"):
+        graddbg.watch(model, torch.optim.SGD(master, lr=0.1))

@@ -15,7 +15,9 @@ the audit adds no host synchronisation. Its cost is paid on audited steps only: 
 (bench/audit_cost.py).
 
 A parameter is named when the observed change differs from the rule's by more than the
-float64-vs-its-dtype arithmetic and the rounding of its own precision can explain:
+float64-vs-its-dtype arithmetic and the rounding of its own precision can explain (in bf16 or
+fp16 only a lost update is judged: there the rule's own arithmetic and state are rounded as
+well, and no other difference can be told from it):
 
 - it did not move at all, or most of its elements did not, although the rule moves them:
   in a low precision (bf16, fp16) the update is below half the spacing of the weights'
@@ -321,6 +323,8 @@ class StepAudit(PolicyCheck):
                 lost.append((i, obs, exp, discarded if discarded >= LOST_SHARE * n_moving else 0,
                              rounded + discarded, n_moving, spacing))
                 continue
+            if low:
+                continue  # (the rule's arithmetic in bf16/fp16, its state rounded too, is not float64's)
             if diff <= TOLERANCE * exp + 2 * eps * weight:
                 continue
             ratio = inner / (exp * exp) if exp > 0 else math.inf

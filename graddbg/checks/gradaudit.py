@@ -3,8 +3,7 @@ optimizer is handed are compared with the gradients the backward passes left.
 
 A training step is defined: the optimizer applies the gradients of the losses handed to
 ``backward()`` since the previous step, changed only by what the ledger can explain: a
-GradScaler's unscale, a clip by the global norm (or per module), a clip by value, an L2 term
-added to them. On the step audit's steps (`graddbg._args.STEP_AUDIT`: 0, 1, 2, 10, 100, ...,
+GradScaler's unscale or a clip, both a factor from 0 to 1. On the step audit's steps (`graddbg._args.STEP_AUDIT`: 0, 1, 2, 10, 100, ...,
 and the step after one where another check found something) each held parameter's gradient
 is copied when a backward pass ends (within the weight budget's size, those audited longest
 ago first). At the step, the ledger's host facts say which gradients were touched since that
@@ -16,8 +15,12 @@ A parameter is named when its gradient, between the end of backward and the step
 
 - cleared (set to None or zeroed) while other parameters of the optimizer kept theirs;
 - multiplied by a factor above what an unscale allows (above 1, or above 1/scale under a
-  GradScaler whose scale went below 1), or by a negative one (its sign flipped);
-- changed in another direction, by nothing of the above.
+  GradScaler whose scale went below 1), or by a negative one (its sign flipped).
+
+A gradient changed in any other way (mixed with other gradients: an average over replicas
+or models done by hand, a projection, a clip by value or per row, an L2 term) is not named:
+programs make such edits on purpose, and nothing here tells them from a bug. A parameter of
+one element has no direction to keep, and is not judged.
 
 Not audited: several processes (a data-parallel average may be done by hand after backward,
 so the local gradient tells nothing), DeepSpeed, DTensor and sparse gradients, steps with a
@@ -44,7 +47,7 @@ __all__ = ["GradAudit", "EXPLAINED"]
 #: factor, a clamp, an L2 term): float32 arithmetic stays far below it
 EXPLAINED = 1e-3
 #: the numbers read back per compared parameter
-_COLS = ("sS", "gG", "gS", "clamp", "wS", "wG", "ww")
+_COLS = ("sS", "gG", "gS")
 
 
 class GradAudit(PolicyCheck):
@@ -144,7 +147,7 @@ class GradAudit(PolicyCheck):
         slot = None
         if compared:
             with torch.no_grad():
-                rows = [_numbers(copy[1][i], grads[i], self.ctx.params[i]) for i in compared]
+                rows = [_numbers(copy[1][i], grads[i]) for i in compared]
                 slot = step.readback.add("applied", torch.stack([r.to(rows[0].device) for r in rows]))
         return step.index, compared, cleared, slot
 
@@ -155,26 +158,26 @@ class GradAudit(PolicyCheck):
         at, compared, cleared, slot = token
         v = np.zeros((0, len(_COLS))) if slot is None else \
             np.asarray(slot.value, dtype=np.float64).reshape(len(compared), len(_COLS))
-        zeroed, scaled, reversed_, other = [], [], [], []
+        zeroed, scaled, reversed_ = [], [], []
         for row, i in zip(v, compared):
-            verdict = _verdict(*row, largest=_largest_factor(step.scale))
+            verdict = _verdict(*row, largest=_largest_factor(step.scale), single=self.ctx.numel[i] == 1)
             if verdict is None:
                 continue
             what, x = verdict
-            (zeroed if what == "zeroed" else scaled if what == "scaled" else reversed_ if what == "reversed"
-             else other).append((i, x, math.sqrt(max(row[0], 0.0)), math.sqrt(max(row[1], 0.0))))
+            (zeroed if what == "zeroed" else scaled if what == "scaled" else reversed_).append(
+                (i, x, math.sqrt(max(row[0], 0.0)), math.sqrt(max(row[1], 0.0))))
         e = step.entry
         lost = cleared + [x[0] for x in zeroed]
         others = np.array(e.present, dtype=bool) if e is not None and e.present is not None else np.zeros(0, bool)
         others[[i for i in lost if i < len(others)]] = False
         if lost and not others.any():
             lost = []  # (every gradient gone: empty_step's)
-        if not (lost or scaled or reversed_ or other):
+        if not (lost or scaled or reversed_):
             return []
         self._reported = True
-        return [self._say(at, lost, zeroed, scaled, reversed_, other)]
+        return [self._say(at, lost, zeroed, scaled, reversed_)]
 
-    def _say(self, at: int, lost: List[int], zeroed: list, scaled: list, reversed_: list, other: list) -> Finding:
+    def _say(self, at: int, lost: List[int], zeroed: list, scaled: list, reversed_: list) -> Finding:
         names, opt = self.ctx.names, type(self.ctx.optimizer).__name__
         where = f"between the end of the last backward pass and {opt}.step()"
         if lost:
@@ -187,28 +190,19 @@ class GradAudit(PolicyCheck):
                    "Likely cause: a zero_grad() of another optimizer, or of a submodule, that shares them, called "
                    "between backward() and step(). Fix: clear gradients before backward() or after step().")
             return self._finding(at, lost, msg, 0.0)
-        if scaled or reversed_:
-            rows = reversed_ or scaled
-            i0, x, s, g = rows[0]
-            sign = ("their sign flipped: the step climbs the loss. Likely cause: a gradient reversal or an ascent "
-                    "step written on the gradients. Fix: put the reversal in the graph (a custom autograd "
-                    "Function) where it belongs, or check the sign" if reversed_ else
-                    "the ledger explains only shrinking factors between backward and the step (a clip, a "
-                    "GradScaler's unscale). Likely cause: code that scales the gradients up after backward (an "
-                    "average multiplied instead of divided, a loss scale applied again instead of removed). Fix: "
-                    "divide where it multiplies, or scale the loss before backward()")
-            msg = (f"graddbg: the gradients applied at step {at}: {shown([names[r[0]] for r in rows])} were "
-                   f"multiplied by {x:.4g} {where} (|grad| {s:.3g} after backward, {g:.3g} at the step, for "
-                   f"{names[i0]}, in the same line): {sign}.")
-            return self._finding(at, [r[0] for r in rows], msg, x)
-        i0, cos, s, g = other[0]
-        msg = (f"graddbg: the gradients applied at step {at}: {shown([names[r[0]] for r in other])} changed "
-               f"direction {where} (cosine {cos:.4f} with what backward produced, |grad| {s:.3g} -> {g:.3g}, for "
-               f"{names[i0]}). That is none of the changes the ledger explains: a clip by norm or by value, a "
-               f"GradScaler's unscale, an L2 term added. Likely cause: code that edits the gradients after "
-               f"backward (a mask, noise, a projection, a hook on another tensor). If that is intended, pass "
-               f"applied_grad=None.")
-        return self._finding(at, [r[0] for r in other], msg, cos)
+        rows = reversed_ or scaled  # (read makes a finding only when one of them is not empty)
+        i0, x, s, g = rows[0]
+        sign = ("their sign flipped: the step climbs the loss. Likely cause: a gradient reversal or an ascent "
+                "step written on the gradients. Fix: put the reversal in the graph (a custom autograd "
+                "Function) where it belongs, or check the sign" if reversed_ else
+                "the ledger explains only shrinking factors between backward and the step (a clip, a "
+                "GradScaler's unscale). Likely cause: code that scales the gradients up after backward (an "
+                "average multiplied instead of divided, a loss scale applied again instead of removed). Fix: "
+                "divide where it multiplies, or scale the loss before backward()")
+        msg = (f"graddbg: the gradients applied at step {at}: {shown([names[r[0]] for r in rows])} were "
+               f"multiplied by {x:.4g} {where} (|grad| {s:.3g} after backward, {g:.3g} at the step, for "
+               f"{names[i0]}, in the same line): {sign}.")
+        return self._finding(at, [r[0] for r in rows], msg, x)
 
     def _finding(self, at: int, ix: List[int], msg: str, value: float) -> Finding:
         return finding(self.KIND, at, [self.ctx.names[i] for i in ix], [self.ctx.modules[i] for i in ix], msg,
@@ -225,43 +219,28 @@ def _largest_factor(scale: Any) -> float:
     return max(1.0, 1.0 / scale if scale == scale and scale > 0 else 1.0) * (1 + EXPLAINED)
 
 
-def _numbers(before: Tensor, now: Tensor, weight: Tensor) -> Tensor:
-    """One parameter's numbers (`_COLS`), on its device, in float64: the gradient at the end
-    of backward ``S`` and at the step ``G``: <S,S>, <G,G>, <G,S>; the squared distance of
-    ``G`` from ``S`` scaled and clamped at ``G``'s largest magnitude (a clip by value after
-    an unscale: the factor from the elements under that magnitude); <w,S>, <w,G>, <w,w>."""
-    s, g, w = before.double(), now.detach().double(), weight.detach().double()
-    m = g.abs().max() if g.numel() else g.new_zeros(())
-    inner = g.abs() < m
-    # (the factor from the elements under the clamp; with none, one that takes every element
-    # past it: then the clamp explains G when it is m with S's sign)
-    k = torch.where(inner.any(), (g * s * inner).sum() / (s * s * inner).sum().clamp_min(1e-300),
-                    m / s.abs().clamp_min(1e-300).min() if s.numel() else m)
-    clamp = (g - torch.minimum(torch.maximum(k * s, -m), m)).pow(2).sum()
-    return torch.stack([(s * s).sum(), (g * g).sum(), (g * s).sum(), clamp, (w * s).sum(), (w * g).sum(),
-                        (w * w).sum()])
+def _numbers(before: Tensor, now: Tensor) -> Tensor:
+    """One parameter's numbers (`_COLS`), on its device, in float64: of the gradient at the
+    end of backward ``S`` and at the step ``G``: <S,S>, <G,G>, <G,S>."""
+    s, g = before.double(), now.detach().double()
+    return torch.stack([(s * s).sum(), (g * g).sum(), (g * s).sum()])
 
 
-def _verdict(sS: float, gG: float, gS: float, clamp: float, wS: float, wG: float, ww: float,
-             largest: float) -> Optional[Tuple[str, float]]:
-    """What happened to one gradient between backward and the step: None (explained), or
-    ("zeroed", 0), ("scaled", factor), ("reversed", factor), ("other", cosine)."""
-    if not all(map(math.isfinite, (sS, gG, gS, clamp, wS, wG, ww))) or sS == 0:
+def _verdict(sS: float, gG: float, gS: float, largest: float, single: bool = False) -> Optional[Tuple[str, float]]:
+    """What happened to one gradient between backward and the step: None (explained, or not
+    judged), or ("zeroed", 0), ("scaled", factor), ("reversed", factor)."""
+    if not all(map(math.isfinite, (sS, gG, gS))) or sS == 0:
         return None  # (non-finite: the non-finite check's; nothing after backward: nothing to compare)
     if gG == 0:
         return "zeroed", 0.0
     tol = EXPLAINED ** 2 * gG
     r = gS / sS
-    if gG - gS * gS / sS <= tol:  # a factor
+    if gG - gS * gS / sS <= tol and not single:  # a factor (a single element has no direction to keep)
         return None if 0 <= r <= largest else ("reversed" if r < 0 else "scaled", r)
-    if clamp <= tol:  # a clip by value (after an unscale)
-        return None
-    det = sS * ww - wS * wS  # G = a S + b w: an L2 term added to the gradient
-    if det > 1e-12 * sS * ww:
-        a, b = (gS * ww - wG * wS) / det, (wG * sS - gS * wS) / det
-        if 0 <= a <= largest and b > 0 and gG - (a * gS + b * wG) <= tol:
-            return None
-    return "other", gS / math.sqrt(sS * gG)
+    # any other change is not named: gradients mixed with other gradients (an average over
+    # replicas or models done by hand, a projection, a clip per row) are edits a program
+    # makes on purpose, and nothing here tells them from a bug
+    return None
 
 
 def _plain(t: Tensor) -> bool:
