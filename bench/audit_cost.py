@@ -2,14 +2,16 @@
 with the audit off, measured side by side, and that the steps between audits cost nothing.
 
 For each model (bench/_models.py) and optimizer, two copies of the model train in one
-process, one under ``graddbg.watch(model, opt)`` (the audit on its schedule: steps 0, 1, 2,
-10, 100, ...) and one under ``graddbg.watch(model, opt, update_rule=None)``, alternating
-step by step. A repeat times every step of both; the audited steps' times (steps 1, 2 and
+process, one under ``graddbg.watch(model, opt)`` (both halves of the audit on their schedule:
+steps 0, 1, 2, 10, 100, ...) and one under ``graddbg.watch(model, opt, update_rule=None,
+applied_grad=None)``, alternating step by step. With ``--clip`` both clip the gradients
+(``clip_grad_norm_``) between backward and the step, so that the gradient half compares them
+(it compares only gradients something touched after backward). A repeat times every step of both; the audited steps' times (steps 1, 2 and
 10: step 0 is the warm-up) are compared with the same steps of the other copy, and the other
 steps likewise. Prints the median ratio (audit on / off) of the audited steps and of the
 others, over the repeats, with their spread, and the bytes the audit copies per audited step.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/audit_cost.py [--models launchbound mlp8m] [--repeats 5]
+    PYTHONPATH=$PWD .venv/bin/python bench/audit_cost.py [--models launchbound mlp8m] [--repeats 5] [--clip]
 """
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ from graddbg._args import STEP_AUDIT  # noqa: E402
 STEPS = 14
 
 
-def _run(name, opt_name, steps):
+def _run(name, opt_name, steps, clip=False):
     model, make_batch, loss_fn = _models.MODELS[name]()
     twins = []
-    for kw in ({}, {"update_rule": None}):
+    for kw in ({}, {"update_rule": None, "applied_grad": None}):
         m = copy.deepcopy(model)
         opt = {"sgd": lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
                "adamw": lambda p: torch.optim.AdamW(p, lr=1e-4)}[opt_name](m.parameters())
@@ -52,6 +54,8 @@ def _run(name, opt_name, steps):
                     t = time.perf_counter()
                     out = m(batch[0])
                     loss_fn(out, batch[1]).backward()
+                    if clip:
+                        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
                     opt.step()
                     opt.zero_grad()
                     times[k].append(time.perf_counter() - t)
@@ -67,6 +71,7 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", default=["launchbound", "mlp8m"], choices=list(_models.MODELS))
     ap.add_argument("--optimizers", nargs="+", default=["sgd", "adamw"], choices=["sgd", "adamw"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--clip", action="store_true", help="clip the gradients between backward and the step")
     args = ap.parse_args(argv)
     audited = [i for i in range(1, STEPS) if STEP_AUDIT.includes(i)]
     others = [i for i in range(3, STEPS) if i not in audited]
@@ -77,7 +82,7 @@ def main(argv=None):
         for opt_name in args.optimizers:
             a_ratios, o_ratios = [], []
             for _ in range(args.repeats):
-                (on, off), nbytes = _run(name, opt_name, STEPS)
+                (on, off), nbytes = _run(name, opt_name, STEPS, args.clip)
                 a_ratios.append(statistics.median(on[i] / off[i] for i in audited))
                 o_ratios.append(statistics.median(on[i] / off[i] for i in others))
             qa = statistics.quantiles(a_ratios, n=4) if len(a_ratios) > 1 else [a_ratios[0]] * 3
