@@ -424,8 +424,8 @@ class ExplodeCheck(Check):
                    f"{' (this step)' if at == step else ''}, and then the {measured}"
                    + (f" (the parameters whose gradients jumped most: {', '.join(jumped)})" if jumped else "")
                    + ". Newly unfrozen layers start far from what the rest of the model learned around them. "
-                   f"Fix: a lower learning rate for them (a param group of their own), a warm-up after "
-                   f"unfreezing, or gradient clipping.")
+                   "Fix: a lower learning rate for them (a param group of their own), a warm-up after "
+                   "unfreezing, or gradient clipping.")
         else:
             msg = (f"graddbg: gradient explosion at step {step}: {measured}"
                    + (f"; parameters that jumped most: {', '.join(jumped)}" if jumped else "")
