@@ -8,13 +8,21 @@ own child's exit status, output and files. Only the children of the tests select
 session are started (``pytest -k one_of_them`` runs one).
 
 A test whose assertions are about time calls :meth:`Together.drain` first, so that nothing
-started here runs beside it."""
+started here runs beside it.
+
+A child started from a worker thread gets its environment as a list built in Python (``env=``),
+never the C ``environ`` that ``execv`` would read: a test in the main thread may set a variable
+at that moment (``monkeypatch.setenv``), and glibc may move ``environ`` under a ``vfork``ed
+child's ``execv``, which then fails with EFAULT ("Bad address"). :func:`run` does this; the
+environment is the one of when :meth:`Together.start` was called."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import pathlib
 import subprocess
 import sys
+import threading
 from typing import Callable, Dict, Iterable, Optional
 
 import pytest
@@ -22,6 +30,16 @@ import pytest
 # Two at a time: the children are CPU-bound once torch is read from disk, and the suite's
 # machine has two cores.
 WORKERS = 2
+
+_LOCAL = threading.local()  # .env: the environment its Together.start saw, in a worker thread
+
+
+def _with_env(env: dict, fn: Callable, args: tuple, kwargs: dict):
+    _LOCAL.env = env
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        del _LOCAL.env
 
 
 class Together:
@@ -32,7 +50,7 @@ class Together:
         self._futures: Dict[str, concurrent.futures.Future] = {}
 
     def start(self, key: str, fn: Callable, *args, **kwargs) -> None:
-        self._futures[key] = self._pool.submit(fn, *args, **kwargs)
+        self._futures[key] = self._pool.submit(_with_env, dict(os.environ), fn, args, kwargs)
 
     def result(self, key: str):
         if key not in self._futures:
@@ -61,7 +79,9 @@ def selected(request: pytest.FixtureRequest, names: Iterable[str]) -> Dict[str, 
 
 
 def run(cmd: list, cwd: Optional[pathlib.Path] = None, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
-    """``subprocess.run`` as the tests call it: output captured as text, no stdin."""
+    """``subprocess.run`` as the tests call it: output captured as text, no stdin, and the
+    environment passed explicitly (see the module's docstring)."""
+    kw.setdefault("env", getattr(_LOCAL, "env", None) or dict(os.environ))
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=timeout,
                           stdin=subprocess.DEVNULL, **kw)
 

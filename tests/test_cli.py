@@ -16,6 +16,7 @@ import torch
 import graddbg
 from graddbg import cli
 import graddbg._script as _script
+import _together
 from _together import Together, selected
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
@@ -23,13 +24,11 @@ _HOME = pathlib.Path.cwd()  # (where pytest started: the children's folder, what
 
 
 def _graddbg(*args, cwd=None, timeout=180):
-    return subprocess.run([sys.executable, "-m", "graddbg", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL)
+    return _together.run([sys.executable, "-m", "graddbg", *args], cwd=cwd, timeout=timeout)
 
 
 def _python(*args):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=180,
-                          cwd=_HOME, stdin=subprocess.DEVNULL)
+    return _together.run([sys.executable, *args], cwd=_HOME)
 
 
 def _saved_run(tmp):
@@ -87,7 +86,7 @@ _CHILDREN = {
 for _id, _source in _FAILING_SOURCES.items():  # (python itself, on the script the test runs under graddbg)
     _CHILDREN[f"test_a_script_failing_before_its_first_step_shows_python_s_traceback_alone[{_id}]"] = (
         lambda t, source=_source: (t / "broken.py").write_text(source),
-        lambda t: subprocess.run([sys.executable, str(t / "broken.py")], capture_output=True, text=True, cwd=t))
+        lambda t: _together.run([sys.executable, str(t / "broken.py")], cwd=t))
 
 
 class _Children:

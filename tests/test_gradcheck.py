@@ -14,6 +14,7 @@ from torch import nn
 import graddbg
 from graddbg import GradientMismatchError, GraddbgError, PrecisionWarning
 from graddbg.gradcheck import GradcheckResult, assert_gradients_close, check_module, gradcheck
+import _together
 from _together import Together, selected
 
 MODES = ["full", "fast"]
@@ -439,7 +440,7 @@ LIGHT_IMPORT = ("import sys, graddbg.gradcheck, graddbg.pytest_plugin; "
 
 
 def _fresh(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return _together.run([sys.executable, "-c", code])
 
 
 @pytest.fixture(scope="module")

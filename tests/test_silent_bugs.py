@@ -17,6 +17,7 @@ import torch
 import graddbg
 import silent_bugs
 from silent_bugs import BUGGY, CASES, TWINS
+import _together
 from _together import Together, selected
 
 # the warnings a buggy case may give: the finding itself (policy "warn") and coverage notes
@@ -95,8 +96,7 @@ CLI_CASES = ["stale_grad", "empty_step_zero_grad_between", "orphan_param_bn_left
 
 
 def _graddbg_run(script, out, cwd):
-    return subprocess.run([sys.executable, "-m", "graddbg", "run", "--out", str(out), str(script)],
-                          capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL, cwd=cwd)
+    return _together.run([sys.executable, "-m", "graddbg", "run", "--out", str(out), str(script)], cwd=cwd)
 
 
 @pytest.fixture(scope="module")
