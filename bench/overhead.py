@@ -24,6 +24,11 @@ shuffled order each repeat, each with its own copy of the model (same initial we
              and puts it back after: a switch of this bench only
 - watch/10:  graddbg.watch(every=10, nonfinite=NonFinite(every=10)): 9 steps in 10 make no
              host synchronisation
+- skeleton:  the least a watch that records every step can be, hand-written here: a step
+             pre-hook on the optimizer that runs the floor's one foreach norm, stacks the
+             norms, reads them to the host (the one read-back), checks them finite and keeps
+             the row; no ledger, no checks. watch over skeleton is what graddbg's host work
+             per step costs beyond the least that recording every step needs
 - item:      the usual hand-written recipe: a post-accumulate-grad hook per parameter
              doing grad.norm().item()
 - anomaly:   bare under torch.autograd.detect_anomaly()
@@ -62,6 +67,7 @@ import sys
 import time
 import warnings
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -127,6 +133,17 @@ class Variant:
             self.ctx = graddbg.watch(model, self.opt, stats=("norm",))
         elif name == "watch/10":
             self.ctx = graddbg.watch(model, self.opt, every=10, nonfinite=graddbg.NonFinite(every=10))
+        elif name == "skeleton":
+            self.rows = []
+
+            def record(opt, args, kwargs):
+                norms = torch.stack(torch._foreach_norm([p.grad for p in self.params if p.grad is not None]))
+                row = norms.cpu().numpy()
+                if not np.isfinite(row.sum()):
+                    raise FloatingPointError("a non-finite gradient")
+                self.rows.append(row)
+
+            self.handles.append(self.opt.register_step_pre_hook(record))
         elif name == "item":
             self.norms = {}
             for i, p in enumerate(params):

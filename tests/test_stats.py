@@ -45,3 +45,18 @@ def test_thinning_drops_a_share_at_once_under_a_mark_every_other_step():
     middle = steps[(steps > 200) & (steps < latest[0])]
     gaps = np.unique(np.diff(middle))
     assert len(middle) > 20 and len(gaps) == 1, gaps  # evenly spaced
+
+
+def test_absmax_of_on_the_cpu_is_each_tensors_largest_magnitude_in_chunks_of_bounded_memory(monkeypatch):
+    import torch
+    import graddbg.stats as stats
+    torch.manual_seed(0)
+    ts = [torch.randn(64, 64) for _ in range(5)] + [torch.randn(300)] + [torch.randn(64) for _ in range(5)]
+    ts[1][3, 4], ts[7][0] = float("nan"), -float("inf")
+    ts[2][0, 0] = -1e3  # (a negative entry is the largest magnitude)
+    want = torch.stack([t.abs().max() for t in ts])
+    monkeypatch.setattr(stats, "_ABS_CHUNK", 300 * 4)  # (the 300-entry tensor fills a chunk; 64x64 ones are over)
+    assert [len(c) for c in stats._chunks(ts, stats._ABS_CHUNK)] == [1, 1, 1, 1, 1, 1, 4, 1]
+    got = stats.absmax_of(ts)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+    assert got[2].item() == 1e3 and got[7].item() == float("inf")

@@ -292,7 +292,7 @@ class Unchanged(Check):
         self._moving = None
         st = step.stats
         if st is not None and step.due_stats and not step.closure:
-            present = np.array([g is not None for g in self.ctx.grads()], dtype=bool)
+            present = np.fromiter((g is not None for g in step.grads), dtype=bool, count=len(step.grads))
             # (a gradient below 1e-6 of the step's global norm is noise: a bias before a
             # shift-invariant op has a true gradient of 0 and a float one of 1e-9)
             self._moving = (step.index, present & st.has_grad & (st.norm > RELATIVE_NOISE * st.global_norm))
