@@ -368,6 +368,84 @@ def test_hand_written_updates_that_follow_a_rule_are_silent(update):
     assert found == [] and w.current_step == 12
 
 
+class _Clamped(nn.Module):
+    """A model whose forward clamps its first layer's weights in place through .data (a
+    constraint written into forward: autograd does not see it)."""
+
+    def __init__(self, clamp=True):
+        super().__init__()
+        self.body, self.head, self.clamp = nn.Linear(8, 16), nn.Linear(16, 1), clamp
+
+    def forward(self, x):
+        if self.clamp:
+            self.body.weight.data.clamp_(-0.05, 0.05)
+        return self.head(torch.relu(self.body(x)))
+
+
+def _during_loop(model, where="after", steps=12, forwards=1):
+    """A hand-written SGD loop; ``where`` the update runs: after backward(), or between the
+    forward pass and backward() (through .data, so autograd raises nothing)."""
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model) as w:
+            for i in range(steps):
+                for _ in range(forwards - 1):
+                    model(x)  # (a forward pass no backward pass follows)
+                loss = ((model(x) - y) ** 2).mean()
+                if where == "before" and i:
+                    for p in model.parameters():
+                        p.data.sub_(0.01 * p.grad)
+                    model.zero_grad()
+                loss.backward()
+                if where == "after":
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p -= 0.01 * p.grad
+                    model.zero_grad()
+    return [a for a in w.anomalies if a.kind == "update_rule"], w
+
+
+def test_weights_written_in_place_inside_forward_are_named():
+    torch.manual_seed(0)
+    found, _ = _during_loop(_Clamped())
+    assert len(found) == 1 and found[0].step == 0 and found[0].params == ("body.weight",), found
+    msg = found[0].message
+    assert "between the start of the forward pass of step 0 and the end of its backward pass, body.weight changed" \
+        in msg and "|weight|" in msg and "torch.nn.utils.parametrize" in msg, msg
+
+
+def test_an_update_placed_between_the_forward_pass_and_backward_is_named():
+    torch.manual_seed(0)
+    found, _ = _during_loop(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)), where="before")
+    assert len(found) == 1 and found[0].step == 1
+    assert set(found[0].params) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert "the update placed before loss.backward()" in found[0].message
+
+
+class _Embedded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(10, 8, max_norm=0.5), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.emb((x.abs() * 3).long().clamp(max=9)[:, 0]))
+
+
+@pytest.mark.parametrize("make, forwards", [
+    (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)), 1),
+    (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)), 2),
+    (lambda: _Clamped(clamp=False), 1),
+    (_Embedded, 1),
+], ids=["SGD after backward", "an extra forward pass", "the clamp's fixed twin", "Embedding max_norm"])
+def test_weights_left_alone_during_each_pass_are_silent(make, forwards):
+    torch.manual_seed(0)
+    model = make()
+    found, w = _during_loop(model, forwards=forwards)
+    assert found == [] and not w.anomalies and w.current_step == 12, [a.message for a in w.anomalies]
+
+
 # --------------------------------------------------------------------------- explosions with their cause (point 4)
 def _unfreezing(unfreeze_at):
     class Net(nn.Module):

@@ -12,7 +12,9 @@ weights moved since that pass (an update ran; ``.data`` updates move no version 
 either, so the values are compared). The two flags ride the step's read-back: no host
 synchronisation of its own. Accumulating over several backward passes with no update
 between them is gradient accumulation, not this. And the invariant that an update moves
-every parameter with a gradient (`ManualUnmoved`, on the step audit's steps).
+every parameter with a gradient (`ManualUnmoved`, on the step audit's steps), by the
+gradient's step and a decay towards zero only (`ManualRule`), and that nothing moves them
+while a forward pass and its backward pass run (`ManualDuring`).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from graddbg.checks.base import BackwardEnd, Finding, PolicyCheck, Step, Watched
 from graddbg.checks.budget import nbytes
 from graddbg.checks.ledger import LedgerKeeper
 
-__all__ = ["ManualStale", "ManualUnmoved", "ManualRule"]
+__all__ = ["ManualStale", "ManualUnmoved", "ManualRule", "ManualDuring"]
 
 
 class ManualStale(PolicyCheck):
@@ -283,6 +285,108 @@ class ManualRule(PolicyCheck):
 
     def close(self) -> None:
         self._snap = self._fit = None
+
+
+class ManualDuring(PolicyCheck):
+    """``update_rule`` in a hand-written update loop: nothing moves the weights between the
+    start of a forward pass of the watched model and the end of the backward pass that
+    follows it; the update belongs after ``backward()``. A weight written in that window (in
+    place, through ``.data`` or under ``no_grad``, which autograd does not see) makes the
+    backward pass compute gradients for weights that are no longer there. When the next
+    step is one of `graddbg._args.STEP_AUDIT`'s, the weights are copied as each forward pass
+    of the model begins (within the weight budget's size) and compared on the device when
+    the backward pass ends; the flags and the sizes ride its read-back. One such interval
+    is evidence enough (the values differ). Not looked at: an ``nn.Embedding`` with
+    ``max_norm`` (it renormalises its rows in place in forward, by design), parameters in
+    shared memory (Hogwild), several processes."""
+
+    STATE = ("_reported",)
+    KIND = "update_rule"
+    NEEDS_OPTIMIZER = False
+
+    after = (LedgerKeeper,)
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        self._on = self._on and ctx.optimizer is None and bool(ctx.params) and ctx.world_size <= 1
+        self._next = 0  # the step the next backward pass ends (each one is a step here)
+        self._snap: Optional[Tuple[int, List[int], List[Tensor]]] = None  # (step, ix, weights)
+        self._flags: Optional[Tuple[int, List[int], Tensor]] = None  # (step, ix, [k, 3] on the device)
+        self._skip = _renormed(ctx) if self._on else set()
+
+    def params_added(self, k: int) -> None:
+        self._snap = self._flags = None
+        self._skip = _renormed(self.ctx)
+
+    def on_forward(self, fwd: Any) -> None:
+        if not self._on or self._reported or not STEP_AUDIT.includes(self._next):
+            return
+        params = self.ctx.params
+        ix = [i for i, p in enumerate(params) if i not in self._skip and type(p.data) is Tensor
+              and p.layout == torch.strided and not p.is_shared()]
+        sizes = nbytes(params, self.ctx.numel)
+        if not ix or sum(sizes[i] for i in ix) > self.ctx.budget.limit(int(sum(sizes))):
+            self._snap = None
+            return  # (nothing to copy, or the copies do not fit the budget: not looked at)
+        with torch.no_grad():
+            self._snap = (self._next, ix, [params[i].detach().clone() for i in ix])
+
+    def on_backward_end(self, bw: BackwardEnd) -> None:
+        self._next = bw.step + 1
+        snap, self._snap = self._snap, None
+        if not self._on or self._reported or snap is None or snap[0] != bw.step:
+            return
+        params = self.ctx.params
+        with torch.no_grad():
+            rows = []
+            for i, w in zip(snap[1], snap[2]):
+                now = params[i].detach()
+                d = (now - w).double() if now.shape == w.shape else None
+                rows.append(torch.stack([(now != w).any().double(), d.norm(), w.double().norm()])
+                            if d is not None else torch.ones(3, dtype=torch.float64, device=w.device))
+            self._flags = (bw.step, snap[1], torch.stack([r.to(rows[0].device) for r in rows]))
+
+    def queue(self, step: Step) -> Any:
+        flags, self._flags = self._flags, None
+        if flags is None or not step.read:
+            return None
+        return flags[0], flags[1], step.readback.add("manual_during", flags[2])
+
+    def read(self, step: Step) -> List[Finding]:
+        token = step.token(self)
+        if token is None or self._reported:
+            return []
+        at, ix, slot = token
+        v = np.asarray(slot.value, dtype=np.float64).reshape(len(ix), 3)
+        moved = [(i, d, w) for (changed, d, w), i in zip(v, ix) if changed > 0]
+        if not moved:
+            return []
+        self._reported = True
+        names = [self.ctx.names[i] for i, _, _ in moved]
+        _, d, w = moved[0]
+        msg = (f"graddbg: weights changed during a forward and backward pass of a hand-written loop (no optimizer): "
+               f"between the start of the forward pass of step {at} and the end of its backward pass, {shown(names)} "
+               f"changed (|change| {d:.3g}, |weight| {w:.3g} for {names[0]}), so the gradients of that pass are of "
+               f"weights that are no longer there. Likely cause: code that writes the weights in place (through "
+               f".data, or under no_grad) inside forward() or between the forward pass and backward(): a weight "
+               f"clamp or normalisation in forward, or the update placed before loss.backward(). Fix: change the "
+               f"weights only after backward(), with the update; for a constraint in forward, compute a new tensor "
+               f"from the weight (torch.nn.utils.parametrize) instead of writing it.")
+        return [finding("update_rule", at, names, [self.ctx.modules[i] for i, _, _ in moved], msg, self._policy,
+                        self.ctx.rank, value=d)]
+
+    def close(self) -> None:
+        self._snap = self._flags = None
+
+
+def _renormed(ctx: Watched) -> set:
+    """The watched indices of the weights of ``nn.Embedding`` modules with ``max_norm``: their
+    forward renormalises rows in place, by design."""
+    if ctx.model is None:
+        return set()
+    mine = {id(m.weight) for m in ctx.model.modules()
+            if isinstance(m, torch.nn.Embedding) and m.max_norm is not None}
+    return {i for i, p in enumerate(ctx.params) if id(p) in mine}
 
 
 def _fit_numbers(d: Tensor, g: Tensor, w: Tensor) -> Tensor:
