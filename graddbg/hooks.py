@@ -1090,6 +1090,7 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
           foreign_update: Policy = "warn", lr_schedule: Policy = "warn", hidden_param: Policy = "warn",
           eval_mode: Policy = "warn", loss_pattern: Policy = "warn", dead_grad: Policy = "warn",
           unused_param: Policy = "warn", update_rule: Policy = "warn", applied_grad: Policy = "warn",
+          module_setup: Policy = "warn",
           activations: bool = False,
           histograms: Union[None, bool, int] = None, scaler: Optional[torch.amp.GradScaler] = None,
           history: int = 10_000, ddp_check_every: Union[None, str, int] = "auto",
@@ -1158,6 +1159,11 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             gradients the optimizer is handed are compared with those the last backward pass
             left; a gradient cleared while others were kept, or multiplied by more than a
             clip or an unscale allows (or by a negative factor), is named; None: off.
+        module_setup: the policy for a module whose construction does not do what it says: an
+            attribute ``module.requires_grad = False`` (it freezes nothing: the method
+            ``requires_grad_(False)`` does), and, as a fact (warned, never raised), a
+            ``ModuleList``/``Sequential``/``ModuleDict`` holding one module object at several
+            places (``[layer] * n``: they share parameters); None: off.
         lr_schedule: the policy for a learning rate that changes between the micro-batches of
             one step (a scheduler stepped per micro-batch) or collapses to under 1e-3 of its
             peak and stays there (a scheduler stepped per batch instead of per epoch); None: off.

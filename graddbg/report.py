@@ -415,6 +415,8 @@ HYGIENE_TEXT = {
                     "weights kept in bf16/fp16 (updates rounded away), a parameter stepped twice, a hook editing the step"),
     "applied_grad": ("gradients changed between backward and the step by something the ledger cannot explain",
                      "a zero_grad() of another optimizer between backward and step, gradients scaled up or flipped"),
+    "module_setup": ("a module whose construction does not do what it says",
+                     "module.requires_grad = False (an attribute: freezes nothing); [layer] * n in a ModuleList"),
     "lr_schedule": ("a learning rate that changes per micro-batch or collapses",
                     "a scheduler stepped per micro-batch, or per batch instead of per epoch"),
     "hidden_param": ("tensors trained through the loss that are not parameters",

@@ -709,6 +709,7 @@ BAD_OPTIONS = [
     ({"foreign_update": "x"}, ValueError, r"^watch\(foreign_update=...\): got 'x'; accepted"),
     ({"update_rule": "x"}, ValueError, r"^watch\(update_rule=...\): got 'x'; accepted"),
     ({"applied_grad": "x"}, ValueError, r"^watch\(applied_grad=...\): got 'x'; accepted"),
+    ({"module_setup": "x"}, ValueError, r"^watch\(module_setup=...\): got 'x'; accepted"),
     ({"lr_schedule": "x"}, ValueError, r"^watch\(lr_schedule=...\): got 'x'; accepted"),
     ({"hidden_param": "x"}, ValueError, r"^watch\(hidden_param=...\): got 'x'; accepted"),
     ({"eval_mode": "x"}, ValueError, r"^watch\(eval_mode=...\): got 'x'; accepted"),

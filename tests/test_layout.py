@@ -385,6 +385,7 @@ CHECKS_ALLOWED = {
     "audit": {"base", "budget", "ledger", "recorder"},
     "gradaudit": {"base", "budget", "ledger", "recorder"},
     "manual": {"base", "budget", "ledger"},
+    "construction": {"base", "ledger"},
     "__init__": None,  # (gathers them all)
 }
 

@@ -29,7 +29,12 @@ KINDS = ("stale_grad", "empty_step", "double_step", "scaled_grad", "orphan_param
          # - update_rule: a parameter's change differs from what the optimizer's own rule gives
          #   from those gradients and its state (moved twice, never, by another amount, or by
          #   something other than the step)
-         "applied_grad", "update_rule")
+         "applied_grad", "update_rule",
+         # added after the held-out half's single run (2026-12-03), built on two dev cases
+         # (module_requires_grad_attribute_noop, modulelist_of_one_repeated_head):
+         # - module_setup: a module whose construction does not do what it says (a
+         #   requires_grad attribute that freezes nothing; one module object at several places)
+         "module_setup")
 
 # (the optimizer is None for a hand-written update loop: the case is watched as watch(model))
 Built = Tuple[nn.Module, Optional[torch.optim.Optimizer], Dict[str, Any]]

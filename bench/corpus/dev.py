@@ -759,8 +759,8 @@ FREEZE_NOOP = Case(
            "the parameters of the module', 9979)",
     description="I freeze the pretrained backbone with model.backbone.requires_grad = False; "
                 "its weights still change during fine-tuning.",
-    expected_kinds=(),
-    params=(),
+    expected_kinds=("module_setup",),
+    params=("backbone.0.weight", "backbone.0.bias"),
     manifest=lambda b, f: b["backbone_changed"] and not f["backbone_changed"] and trains(f, 0.2),
     build_buggy=_freeze_build(False),
     loop_buggy=_freeze_loop,

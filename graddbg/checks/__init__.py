@@ -25,6 +25,7 @@ from graddbg.checks.graph import LossGraph
 from graddbg.checks.histograms import Histograms
 from graddbg.checks.hygiene import DeadGrad, DoubleStep, EmptyStep, EvalMode, StaleGrad, Unchanged
 from graddbg.checks.ledger import Ledger, LedgerKeeper, StepEntry
+from graddbg.checks.construction import ModuleSetup
 from graddbg.checks.manual import ManualDuring, ManualRule, ManualStale, ManualUnmoved
 from graddbg.checks.recorder import GradientSource, StatsRecorder
 from graddbg.checks.replicas import ReplicaCheck
@@ -105,5 +106,6 @@ def default_checks(model: Any, options: Any, zero: Any = None) -> Parts:
     checks += [StageSummary(), NonFiniteCheck(), StageCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(),
                ReplicaCheck(),
                StaleGrad(), ManualStale(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(),
-               LrSchedule(), DeadGrad(), StepAudit(), GradAudit(), ManualUnmoved(), ManualRule(), ManualDuring(), graph]
+               LrSchedule(), DeadGrad(), StepAudit(), GradAudit(), ManualUnmoved(), ManualRule(), ManualDuring(),
+               ModuleSetup(), graph]
     return Parts(keeper, guard, recorder, graph, activations, ordered(checks))

@@ -61,8 +61,8 @@ CASES.append(Case(
            "acids-ircam/ddsp_pytorch issue #37 (two MLPs share weights by accident)",
     description="Each of my four targets has its own output head, built as "
                 "nn.ModuleList([nn.Linear(32, 1)] * 4); the four predictions come out identical.",
-    expected_kinds=(),
-    params=(),
+    expected_kinds=("module_setup",),
+    params=("heads.0.weight", "heads.0.bias"),
     manifest=lambda b, f: trains(f, 0.5) and worse(b, f, 2.0),
     build_buggy=_heads_build(True),
     loop_buggy=mse_loop,
