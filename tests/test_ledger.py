@@ -469,6 +469,95 @@ def test_an_optimizer_recreated_each_epoch_is_a_foreign_update():
     assert _kinds(w) == ["foreign_update"] and "re-created" in w.anomalies[0].message
 
 
+def _folds(make_opt, reset=None, rewind_to="first", lr=0.1, steps=12):
+    """Two runs of 6 steps (k-fold cross-validation): the weights reloaded before the second
+    (``rewind_to``: the first step's, or those after step 3), with the same optimizer and an
+    exponential scheduler unless ``reset`` starts them again."""
+    model = _mlp()
+    opt = make_opt(model.parameters(), lr)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)
+    saved = {}
+
+    def body(i):
+        nonlocal sched, opt
+        if i == 0 or (i == 3 and rewind_to == "step 3"):
+            saved["w"] = {k: v.clone() for k, v in model.state_dict().items()}
+        if i == steps // 2:
+            model.load_state_dict(saved["w"])  # the next fold starts from the saved weights
+            if reset is not None:
+                opt, sched = reset(opt, sched)
+        x, y = _data(i)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+    return _run(model, opt, body, steps=steps)
+
+
+def _momentum(params, lr):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def test_weights_rewound_to_the_first_step_with_the_optimizer_and_schedule_kept_are_named():
+    w = _folds(_momentum)
+    assert _kinds(w) == ["foreign_update"] and w.anomalies[0].step == 6
+    msg = w.anomalies[0].message
+    assert "the weights were rewound at step 6" in msg and "back to the values it had at the first step" in msg
+    assert "the SGD kept its state of 4 of 4 parameters (momentum_buffer)" in msg, msg
+    assert "group 0: 0.02621, 0.1 at the first step" in msg and "make a new optimizer and scheduler" in msg, msg
+
+
+def test_a_rewind_with_adams_moments_kept_names_them():
+    def clear_lr(opt, sched):  # (the schedule starts again, the moments are kept)
+        for g in opt.param_groups:
+            g["lr"] = g["initial_lr"]
+        return opt, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)
+
+    w = _folds(torch.optim.Adam, reset=clear_lr, lr=1e-2)
+    assert _kinds(w) == ["foreign_update"]
+    msg = w.anomalies[0].message
+    assert "the Adam kept its state of 4 of 4 parameters (exp_avg, exp_avg_sq)" in msg and "learning rate" not in msg
+
+
+def _fresh(opt, sched):
+    opt.state.clear()
+    for g in opt.param_groups:
+        g["lr"] = g["initial_lr"]
+    return opt, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)
+
+
+def _new(opt, sched):
+    new = torch.optim.SGD(opt.param_groups[0]["params"], lr=0.1, momentum=0.9)
+    return new, torch.optim.lr_scheduler.ExponentialLR(new, gamma=0.8)
+
+
+@pytest.mark.parametrize("make_opt, reset, rewind_to, lr", [
+    (_momentum, _fresh, "first", 0.1),
+    (_momentum, None, "step 3", 0.1),
+    (_momentum, None, "first", 0.0),
+], ids=["optimizer and schedule reset", "rewound to a later checkpoint", "weights never trained (lr 0)"])
+def test_rewinds_that_restart_the_optimizer_or_are_no_restart_are_silent(make_opt, reset, rewind_to, lr):
+    w = _folds(make_opt, reset=reset, rewind_to=rewind_to, lr=lr)
+    assert "foreign_update" not in _kinds(w), [a.message for a in w.anomalies]
+
+
+def test_weights_swapped_for_an_evaluation_and_back_are_silent():
+    """An EMA-style swap between steps: every weight written twice, back to its own values."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    body = _standard(model, opt)
+    ema = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def swapping(i):
+        body(i)
+        keep = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(ema)  # (evaluate the averaged weights)
+        model.load_state_dict(keep)
+
+    assert _kinds(_run(model, opt, swapping, steps=8)) == []
+
+
 @pytest.mark.parametrize("per_micro", [True, False], ids=["per-micro-batch", "per-step"])
 def test_a_scheduler_stepped_per_micro_batch_is_lr_schedule(per_micro):
     model = _mlp()

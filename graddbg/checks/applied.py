@@ -1,19 +1,22 @@
 """How the step applies the gradients: at the loss's own scale (``scaled_grad``), by the
-watched optimizer alone (``foreign_update``), with a learning rate that follows a schedule
+watched optimizer alone (``foreign_update``; and weights rewound between steps to their first
+step's values while the optimizer kept its state and its schedule: `Rewound`), with a learning rate that follows a schedule
 stepped once per optimizer step (``lr_schedule``). Host facts of the ledger only."""
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from graddbg.checks.base import BackwardEnd, Finding, PolicyCheck, Step, Watched, finding as _finding, shown as _shown, \
     step_range as _steps
 from graddbg.checks.ledger import LedgerKeeper, StepEntry, param_versions
 from graddbg.checks.recorder import StatsRecorder
 
-__all__ = ["ScaledStep", "ForeignUpdate", "LrSchedule", "COLLAPSE", "COLLAPSE_SHARE"]
+__all__ = ["ScaledStep", "ForeignUpdate", "Rewound", "LrSchedule", "COLLAPSE", "COLLAPSE_SHARE"]
 
 #: a learning rate under this fraction of its peak has collapsed ...
 COLLAPSE = 1e-3
@@ -100,6 +103,98 @@ class ForeignUpdate(PolicyCheck):
                f"writes the weights. Fix: build the optimizer once, before the loop, and keep using it.")
         return [_finding("foreign_update", self.ctx.ledger.current.index if self.ctx.ledger.current.index >= 0
                          else last + 1, names, [self.ctx.modules[i] for i in moved], msg, self._policy,
+                         self.ctx.rank)]
+
+
+class Rewound(PolicyCheck):
+    """``foreign_update``: every weight was written between two steps (the ledger's version
+    counters) back to the very values it had at the first step (each parameter's norm equal,
+    bitwise, to its norm then: a ``load_state_dict`` of the initial weights, as k-fold
+    cross-validation does at each fold), while the optimizer kept its state (momentum, Adam's
+    moments, built on the weights before) or the learning rate stayed where its schedule had
+    taken it. The run restarts, its optimizer does not. The weights' norms are read twice: at
+    the first step and at a step whose weights were all written since the step before (both
+    ride the step's read-back). One process, plain tensors."""
+
+    STATE = ("_reported",)
+
+    after = (LedgerKeeper,)
+
+    KIND = "foreign_update"
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        self._on = self._on and ctx.world_size <= 1 and bool(ctx.params) and \
+            all(type(p.data) is Tensor and p.layout == torch.strided for p in ctx.params)
+        self._first: Optional[np.ndarray] = None  # each weight's norm at the first step
+        self._lrs0: tuple = ()  # each param group's lr then
+        self._trained = False  # a step with an lr above 0 moved weights since
+
+    def params_added(self, k: int) -> None:
+        self._on = False  # (another set of weights: the first step's norms no longer compare)
+
+    def due(self, index: int) -> bool:
+        return self._on and not self._reported and (self._first is None or self._all_written())
+
+    def _all_written(self) -> bool:
+        e = self.ctx.ledger.current
+        return e.outside is not None and len(e.outside) == len(self.ctx) and bool(e.outside.all())
+
+    def queue(self, step: Step) -> Any:
+        if not self._on or self._reported or not step.read or step.entry is None:
+            return None
+        first = self._first is None
+        if not first and not (self._trained and self._all_written()):
+            return None
+        with torch.no_grad():
+            norms = torch._foreach_norm([p.detach() for p in self.ctx.params])
+            dev = norms[0].device
+            return first, step.readback.add("weight_norms", torch.stack([n.to(dev) for n in norms]))
+
+    def read(self, step: Step) -> List[Finding]:
+        e: StepEntry = step.entry
+        if not self._on or self._reported or e is None:
+            return []
+        if not self._trained:
+            last = self.ctx.ledger.last(1)  # (the step before: its entry is complete once it ended)
+            self._trained = bool(last) and last[0].moved is not None and bool(last[0].moved.any()) and \
+                any(lr > 0 for lr in last[0].lrs)
+        token = step.token(self)
+        if token is None:
+            return []
+        first, slot = token
+        norms = np.asarray(slot.value, dtype=np.float64)
+        if first:
+            self._first, self._lrs0 = norms, tuple(e.lrs)
+            return []
+        if self._first is None or len(norms) != len(self._first) or not np.array_equal(norms, self._first) \
+                or not np.any(norms > 0):
+            return []
+        return self._judge(e)
+
+    def _judge(self, e: StepEntry) -> List[Finding]:
+        opt = self.ctx.optimizer
+        kept = [p for p in self.ctx.params if opt.state.get(p)]
+        keys = sorted({k for p in kept for k, v in opt.state[p].items() if isinstance(v, Tensor) and k != "step"})
+        lrs = [(k, now, then) for k, (now, then) in enumerate(zip(e.lrs, self._lrs0))
+               if math.isfinite(now) and math.isfinite(then) and now != then]
+        if not kept and not lrs:
+            return []  # (the optimizer started again too: a fresh run)
+        self._reported = True
+        what = []
+        if kept:
+            what.append(f"the {type(opt).__name__} kept its state of {len(kept)} of {len(self.ctx)} parameters"
+                        + (f" ({', '.join(keys)}), built on the weights before" if keys else ""))
+        if lrs:
+            what.append("the learning rate stayed where its schedule had taken it (" +
+                        ", ".join(f"group {k}: {now:.4g}, {then:.4g} at the first step" for k, now, then in lrs[:3]) + ")")
+        msg = (f"graddbg: the weights were rewound at step {e.index}: every parameter was written since the step "
+               f"before, back to the values it had at the first step watched (each norm equal to its norm then), "
+               f"but {'; and '.join(what)}. The model starts again; its optimizer does not. Likely cause: the initial "
+               f"weights reloaded for a new run (a cross-validation fold, a restart) with the same optimizer and "
+               f"scheduler. Fix: make a new optimizer and scheduler with the new run (or opt.state.clear() and "
+               f"reset each group's lr).")
+        return [_finding("foreign_update", e.index, list(self.ctx.names), list(self.ctx.modules), msg, self._policy,
                          self.ctx.rank)]
 
 

@@ -159,7 +159,7 @@ FOLDS = Case(
            "('Optimizers not being reset during cross-validation')",
     description="For k-fold cross-validation I reload the initial weights at each fold but "
                 "keep the optimizer and its scheduler; the second fold barely trains.",
-    expected_kinds=(),
+    expected_kinds=("foreign_update",),
     params=(),
     manifest=lambda b, f: b["finals"][1] >= 1.5 * f["finals"][1]
     and f["finals"][0] == b["finals"][0] and trains(f, 0.3),
