@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import threading
@@ -685,6 +686,85 @@ def _pass_through(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any
     return func(*args, **(kwargs or {}))
 
 
+#: calls through which a constant term stays a term added to the loss (its gradient is 0):
+#: additions, subtractions and reductions by sum or mean ...
+_ADDITIVE = frozenset({"add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_", "__sub__", "__rsub__",
+                       "__isub__", "neg", "__neg__", "sum", "mean"})
+#: ... and products or quotients with factors that carry no gradient
+_SCALING = frozenset({"mul", "mul_", "__mul__", "__rmul__", "__imul__", "div", "div_", "__truediv__",
+                      "__itruediv__", "true_divide"})
+
+
+def _arg_tensors(args: Sequence[Any], kwargs: Dict[str, Any]) -> List[torch.Tensor]:
+    """The tensors among a call's arguments (and in lists or tuples of them)."""
+    out: List[torch.Tensor] = []
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif type(a) in (list, tuple):
+            out += [t for t in a if isinstance(t, torch.Tensor)]
+    return out
+
+
+class ConstantTerms:
+    """Terms of the loss built on gradients that ``torch.autograd.grad`` computed without
+    ``create_graph=True`` (a gradient penalty written so): such a gradient has no graph, so
+    the term is a constant and, added to the loss, contributes exactly nothing to its
+    gradient. Followed by the loss tape as its code runs: the gradients are marked, and so
+    is what is computed from them without a graph; a differentiable result that adds one of
+    them (or scales such a sum by factors without gradient, or sums or averages it) is marked
+    as holding a constant term; ``found`` is set when a tensor handed to ``backward()`` is
+    one: (the line of the ``autograd.grad`` call, the line that added the term). A constant
+    used any other way (a target inside a nonlinear function: gradient matching) is not
+    followed. Costs nothing until ``autograd.grad`` runs in the loss code."""
+
+    def __init__(self) -> None:
+        self._constant: Dict[int, Tuple[Any, Any]] = {}  # id -> (weakref, line of the grad call)
+        self._holding: Dict[int, Tuple[Any, Any, Any]] = {}  # id -> (weakref, grad line, line that added it)
+        self.found: Optional[Tuple[Any, Any]] = None
+
+    def active(self) -> bool:
+        return bool(self._constant or self._holding)
+
+    def grads(self, args: Sequence[Any], kwargs: Dict[str, Any], out: Any, line: Any) -> None:
+        """An ``autograd.grad`` call returned ``out``: marked when made without a graph."""
+        create = kwargs.get("create_graph", args[4] if len(args) > 4 else False)
+        if create:
+            return
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not t.requires_grad:
+                self._constant[id(t)] = (weakref.ref(t), line)
+
+    def _get(self, table: Dict[int, Any], t: torch.Tensor) -> Any:
+        got = table.get(id(t))
+        return got if got is not None and got[0]() is t else None
+
+    def call(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any, line: Any) -> None:
+        """A call of the loss code returned ``out``: the marks follow it."""
+        ins = _arg_tensors(args, kwargs)
+        const = next((c for c in (self._get(self._constant, t) for t in ins) if c is not None), None)
+        held = next((h for h in (self._get(self._holding, t) for t in ins) if h is not None), None)
+        if const is None and held is None:
+            return
+        name = getattr(func, "__name__", "")
+        additive = name in _ADDITIVE or name in _SCALING and not any(
+            t.requires_grad for t in ins if self._get(self._holding, t) is None)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if not t.requires_grad:
+                if const is not None and held is None:
+                    self._constant[id(t)] = (weakref.ref(t), const[1])  # (still a constant)
+            elif additive:
+                self._holding[id(t)] = (weakref.ref(t), *(held[1:] if held is not None else (const[1], line)))
+
+    def backward(self, roots: Sequence[Any]) -> None:
+        for r in roots:
+            held = self._get(self._holding, r) if isinstance(r, torch.Tensor) else None
+            if held is not None:
+                self.found = (held[1], held[2])
+
+
 class LossTape(TorchFunctionMode):
     """The loss code of one forward pass, recorded for a replay (see above): ``ops`` are
     ``(func, args, kwargs, (file, line), in place)`` with tensors as references (in place:
@@ -715,6 +795,7 @@ class LossTape(TorchFunctionMode):
         self._outs = {id(t): (weakref.ref(t), i) for i, t in enumerate(outputs)}
         self._bytes = 0
         self._thread = threading.get_ident()
+        self.terms = ConstantTerms()
 
     # -- on and off the mode stack -------------------------------------------------------
     @classmethod
@@ -764,15 +845,26 @@ class LossTape(TorchFunctionMode):
             # code: not recorded, and not paid for op by op
             self.recording = False
             try:
-                return _pass_through(func, args, kwargs)
+                out = _pass_through(func, args, kwargs)
             finally:
                 self.recording = not self.ended  # (a step boundary inside it ended the tape)
+            if func is torch.autograd.grad:
+                self._follow(self.terms.grads, args, kwargs, out)
+            return out
         out = _pass_through(func, args, kwargs)
+        if self.terms.active():
+            self._follow(functools.partial(self.terms.call, func), args, kwargs, out)
         try:
             self._record(func, args, kwargs or {}, out)
         except Exception:
             self._drop()
         return out
+
+    def _follow(self, note: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]], out: Any) -> None:
+        try:
+            note(args, kwargs or {}, out, _user_line(3))
+        except Exception:  # (never raise in the user's code)
+            self.terms = ConstantTerms()
 
     def _record(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> None:
         inplace = out is None and bool(args) and isinstance(args[0], torch.Tensor)  # (t[i] = v: it changed t)
@@ -802,6 +894,8 @@ class LossTape(TorchFunctionMode):
             roots = kwargs.get("outputs", args[0] if args else None)
             grads = kwargs.get("grad_outputs", args[2] if len(args) > 2 else None)
         roots = [roots] if isinstance(roots, torch.Tensor) else list(roots or ())
+        if func is not torch.autograd.grad:
+            self.terms.backward(roots)
         if grads is not None:
             grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
         self.loss = (self._refs(roots), None if grads is None else self._refs(grads))

@@ -176,3 +176,63 @@ def test_only_the_loss_code_is_recorded_not_the_backward_pass_nor_the_step(monke
             names = [getattr(f, "__name__", str(f)) for f in seen]
             # (and at most the optimizer's own record_function, entered before its pre-hooks)
             assert names[:2] == ["pow", "mean"] and names[2:] in ([], ["_record_function_enter_new"]), names
+
+
+# --------------------------------------------------------------------------- a loss term with no gradient
+def _penalised(penalty, steps=4, **kw):
+    """A regression with a gradient penalty on the inputs, ``penalty(out, x, fit)`` giving the loss."""
+    import warnings
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt, **kw) as w:
+            for _ in range(steps):
+                xs = x.clone().requires_grad_(True)
+                opt.zero_grad()
+                out = model(xs)
+                fit = ((out - y) ** 2).mean()
+                penalty(out, xs, fit).backward()
+                opt.step()
+    return [a for a in w.anomalies if a.kind == "loss_pattern"], w
+
+
+def _gp(out, xs, create_graph):
+    g, = torch.autograd.grad(out.sum(), xs, retain_graph=True, create_graph=create_graph)
+    return g
+
+
+def test_a_gradient_penalty_computed_without_create_graph_is_named_with_its_lines():
+    found, _ = _penalised(lambda out, xs, fit: fit + 10.0 * _gp(out, xs, False).pow(2).sum(1).mean())
+    assert len(found) == 1 and found[0].step == 0
+    msg = found[0].message
+    assert "carries no gradient" in msg and "without create_graph=True" in msg and "test_loss_code.py:" in msg, msg
+    assert "create_graph=True) for a term meant to train" in msg
+
+
+def test_a_wgan_style_penalty_subtracted_and_scaled_is_named():
+    def wgan(out, xs, fit):
+        gp = ((_gp(out, xs, False).norm(2, dim=1) - 1) ** 2).mean()
+        return (out.mean() - fit + gp) / 2.0  # (the penalty inside a sum, halved)
+    found, _ = _penalised(wgan)
+    assert len(found) == 1
+
+
+@pytest.mark.parametrize("penalty", [
+    lambda out, xs, fit: fit + 10.0 * _gp(out, xs, True).pow(2).sum(1).mean(),          # the fix
+    lambda out, xs, fit: fit + ((_gp(out, xs, True) - _gp(out, xs, False)) ** 2).mean(),  # gradient matching
+    lambda out, xs, fit: fit * (1 + _gp(out, xs, False).abs().mean()),                   # a constant weight
+    lambda out, xs, fit: (_gp(out, xs, False).norm(), fit)[1],                          # logged, not in the loss
+    lambda out, xs, fit: torch.zeros(()) + fit,                                          # an accumulator of 0
+], ids=["create_graph", "gradient matching", "a constant weight", "logged only", "zero accumulator"])
+def test_constants_that_are_not_a_term_adding_nothing_are_silent(penalty):
+    found, w = _penalised(penalty)
+    assert found == [] and not w.anomalies, [a.message for a in w.anomalies]
+
+
+def test_without_the_loss_tape_a_constant_term_is_not_looked_at():
+    found, _ = _penalised(lambda out, xs, fit: fit + _gp(out, xs, False).pow(2).mean(), localise=False)
+    assert found == []

@@ -21,7 +21,7 @@ from graddbg.checks.detectors import ExplodeCheck, NonFiniteCheck, VanishCheck
 from graddbg.checks.applied import ForeignUpdate, LrSchedule, Rewound, ScaledStep
 from graddbg.checks.audit import StepAudit
 from graddbg.checks.gradaudit import GradAudit
-from graddbg.checks.graph import LossGraph
+from graddbg.checks.graph import ConstantLossTerm, LossGraph
 from graddbg.checks.histograms import Histograms
 from graddbg.checks.hygiene import DeadGrad, DoubleStep, EmptyStep, EvalMode, StaleGrad, Unchanged
 from graddbg.checks.ledger import Ledger, LedgerKeeper, StepEntry
@@ -107,5 +107,5 @@ def default_checks(model: Any, options: Any, zero: Any = None) -> Parts:
                ReplicaCheck(),
                StaleGrad(), ManualStale(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(), Rewound(),
                LrSchedule(), DeadGrad(), StepAudit(), GradAudit(), ManualUnmoved(), ManualRule(), ManualDuring(),
-               ModuleSetup(), graph]
+               ModuleSetup(), ConstantLossTerm(), graph]
     return Parts(keeper, guard, recorder, graph, activations, ordered(checks))

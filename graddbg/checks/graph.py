@@ -25,10 +25,10 @@ from torch import Tensor, nn
 from graddbg._args import LOSS_GRAPH
 from graddbg._model import in_backward, is_dtensor, tensors_in, unwrap
 from graddbg._source import is_internal
-from graddbg.checks.base import Check, Finding, Step, Watched, finding
+from graddbg.checks.base import Check, Finding, PolicyCheck, Step, Watched, finding
 from graddbg.checks.ledger import LedgerKeeper
 
-__all__ = ["LossGraph", "loss_patterns", "graph_roots", "handed_loss", "UNKNOWN_LOSS", "LossSum", "walk", "CutOff"]
+__all__ = ["LossGraph", "ConstantLossTerm", "loss_patterns", "graph_roots", "handed_loss", "UNKNOWN_LOSS", "LossSum", "walk", "CutOff"]
 
 #: nodes that only move values around: looked through when asking what fed a loss
 _PASS = {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "PermuteBackward0", "TransposeBackward0",
@@ -698,3 +698,37 @@ def _in_checkpoint() -> bool:
             return True
         f = f.f_back
     return False
+
+
+def _at(line: Any) -> str:
+    return f"{line[0]}:{line[1]}" if line else "an unknown line"
+
+
+class ConstantLossTerm(PolicyCheck):
+    """``loss_pattern``: a term added to the loss that is built on gradients computed by
+    ``torch.autograd.grad`` without ``create_graph=True`` (a gradient penalty): a constant,
+    whose contribution to the loss's gradient is exactly zero. The loss tape follows it as
+    the loss code runs (`graddbg.blame.ConstantTerms`); read at the step, no device work.
+    Not looked at with ``localise=False`` (no tape)."""
+
+    STATE = ("_reported",)
+    KIND = "loss_pattern"
+    NEEDS_OPTIMIZER = False
+
+    after = (LedgerKeeper,)
+
+    def read(self, step: Step) -> List[Finding]:
+        if not self._on or self._reported:
+            return []
+        tape = getattr(step.tapped, "tape", None)
+        found = tape.terms.found if tape is not None else None
+        if found is None:
+            return []
+        self._reported = True
+        grad_line, add_line = found
+        msg = (f"graddbg: a term of the loss at step {step.index} carries no gradient: it is built on gradients that "
+               f"torch.autograd.grad computed without create_graph=True (at {_at(grad_line)}), which have no graph, "
+               f"and it is added to the loss (at {_at(add_line)}), so it changes the loss's value and adds exactly "
+               f"nothing to its gradient: the penalty does not train. Fix: torch.autograd.grad(..., "
+               f"create_graph=True) for a term meant to train (a gradient penalty).")
+        return [finding("loss_pattern", step.index, [], [], msg, self._policy, self.ctx.rank)]

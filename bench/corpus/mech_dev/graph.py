@@ -64,7 +64,7 @@ GP_NO_CREATE_GRAPH = Case(
     description="I add a penalty on the gradient of the output w.r.t. the inputs, computed with "
                 "torch.autograd.grad; its weight changes nothing and the model stays as steep "
                 "as without it.",
-    expected_kinds=(),
+    expected_kinds=("loss_pattern",),
     params=(),
     manifest=lambda b, f: b["jac"] >= 2.0 * f["jac"] and trains(f, 0.2),
     build_buggy=_gp_build, loop_buggy=_gp_loop(False),
