@@ -41,7 +41,7 @@ DetectorKind = Literal["nonfinite", "explode", "vanish", "ddp_mismatch"]
 #: the silent training mistakes (optimizer hygiene): each a kind of finding and an option of watch()
 HygieneKind = Literal["stale_grad", "empty_step", "double_step", "scaled_grad", "orphan_param", "no_update",
                       "foreign_update", "lr_schedule", "hidden_param", "eval_mode", "loss_pattern", "dead_grad",
-                      "unused_param", "update_rule", "applied_grad", "module_setup"]
+                      "unused_param", "update_rule", "applied_grad", "module_setup", "optimizer_setup"]
 #: every kind of `Anomaly` (its ``kind`` field)
 AnomalyKind = Literal[DetectorKind, HygieneKind]
 HYGIENE_KINDS: Tuple[str, ...] = get_args(HygieneKind)

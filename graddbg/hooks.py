@@ -1090,7 +1090,7 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
           foreign_update: Policy = "warn", lr_schedule: Policy = "warn", hidden_param: Policy = "warn",
           eval_mode: Policy = "warn", loss_pattern: Policy = "warn", dead_grad: Policy = "warn",
           unused_param: Policy = "warn", update_rule: Policy = "warn", applied_grad: Policy = "warn",
-          module_setup: Policy = "warn",
+          module_setup: Policy = "warn", optimizer_setup: Policy = "warn",
           activations: bool = False,
           histograms: Union[None, bool, int] = None, scaler: Optional[torch.amp.GradScaler] = None,
           history: int = 10_000, ddp_check_every: Union[None, str, int] = "auto",
@@ -1164,6 +1164,10 @@ def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *
             ``requires_grad_(False)`` does), and, as a fact (warned, never raised), a
             ``ModuleList``/``Sequential``/``ModuleDict`` holding one module object at several
             places (``[layer] * n``: they share parameters); None: off.
+        optimizer_setup: the policy for an optimizer's hyperparameter that switches off its own
+            mechanism: an Adam-family ``eps`` more than 10 times the gradients' RMS (the square
+            root of the bias-corrected second moment) for 90% of the weights, on two audited
+            steps in a row (each step is then ``lr * m / eps``); None: off.
         lr_schedule: the policy for a learning rate that changes between the micro-batches of
             one step (a scheduler stepped per micro-batch) or collapses to under 1e-3 of its
             peak and stays there (a scheduler stepped per batch instead of per epoch); None: off.

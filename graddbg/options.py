@@ -138,6 +138,8 @@ class WatchOptions(Options):
     applied_grad: Any = _option("warn", _policy, "the step audit: the gradients handed to the step differ from "
                                 "those backward left")
     module_setup: Any = _option("warn", _policy, "a module's construction that does not do what it says")
+    optimizer_setup: Any = _option("warn", _policy, "an optimizer's hyperparameter that switches off its own "
+                                   "mechanism (Adam's eps above the gradients)")
     activations: bool = _option(False, flag, "record gradients at leaf modules' outputs")
     histograms: Optional[int] = _option(None, _histograms, "histograms of |grad| every N recorded steps")
     scaler: Any = _option(None, _scaler, "the torch.amp.GradScaler in use")

@@ -417,6 +417,8 @@ HYGIENE_TEXT = {
                      "a zero_grad() of another optimizer between backward and step, gradients scaled up or flipped"),
     "module_setup": ("a module whose construction does not do what it says",
                      "module.requires_grad = False (an attribute: freezes nothing); [layer] * n in a ModuleList"),
+    "optimizer_setup": ("an optimizer hyperparameter that switches off its own mechanism",
+                        "Adam's eps copied at 1.0 from another framework's config"),
     "lr_schedule": ("a learning rate that changes per micro-batch or collapses",
                     "a scheduler stepped per micro-batch, or per batch instead of per epoch"),
     "hidden_param": ("tensors trained through the loss that are not parameters",

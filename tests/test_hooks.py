@@ -710,6 +710,7 @@ BAD_OPTIONS = [
     ({"update_rule": "x"}, ValueError, r"^watch\(update_rule=...\): got 'x'; accepted"),
     ({"applied_grad": "x"}, ValueError, r"^watch\(applied_grad=...\): got 'x'; accepted"),
     ({"module_setup": "x"}, ValueError, r"^watch\(module_setup=...\): got 'x'; accepted"),
+    ({"optimizer_setup": "x"}, ValueError, r"^watch\(optimizer_setup=...\): got 'x'; accepted"),
     ({"lr_schedule": "x"}, ValueError, r"^watch\(lr_schedule=...\): got 'x'; accepted"),
     ({"hidden_param": "x"}, ValueError, r"^watch\(hidden_param=...\): got 'x'; accepted"),
     ({"eval_mode": "x"}, ValueError, r"^watch\(eval_mode=...\): got 'x'; accepted"),

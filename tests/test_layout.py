@@ -379,7 +379,7 @@ CHECKS_ALLOWED = {
     "zero": {"base", "recorder"},
     "update": {"base", "budget", "recorder"},
     "hygiene": {"base", "ledger", "graph", "recorder"},  # (graph: what a step without gradients went through)
-    "applied": {"base", "ledger", "recorder"},
+    "applied": {"base", "ledger", "recorder"},  # (and graddbg._args: the audit's cadence)
     "detectors": {"base", "ledger", "recorder", "stages", "activations"},
     "replicas": {"base", "recorder", "stages"},
     "audit": {"base", "budget", "ledger", "recorder"},

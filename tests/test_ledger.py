@@ -558,6 +558,40 @@ def test_weights_swapped_for_an_evaluation_and_back_are_silent():
     assert _kinds(_run(model, opt, swapping, steps=8)) == []
 
 
+def _adam(make_opt, steps=12, **kw):
+    model = _mlp()
+    opt = make_opt(model.parameters())
+    w = _run(model, opt, _standard(model, opt), steps=steps, **kw)
+    return [a for a in w.anomalies if a.kind == "optimizer_setup"], w
+
+
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.Adam(ps, lr=0.01, eps=1.0),
+                                      lambda ps: torch.optim.AdamW(ps, lr=0.01, eps=2.0, foreach=False)],
+                         ids=["Adam eps=1", "AdamW eps=2"])
+def test_an_adam_eps_above_the_gradients_is_named(make_opt):
+    found, _ = _adam(make_opt)
+    assert len(found) == 1 and found[0].step == 1 and found[0].severity == "bug"
+    msg = found[0].message
+    assert "eps" in msg and "larger than the gradients it divides at steps 0 and 1" in msg, msg
+    assert re.search(r"for (9\d|100)% of the weights \(median gradient RMS sqrt\(v\) [0-9.e-]+\)", msg), msg
+    assert "each step is lr * m / eps" in msg and "eps=1e-8" in msg
+
+
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.Adam(ps, lr=0.01),
+                                      lambda ps: torch.optim.Adam(ps, lr=3e-4, eps=1e-5),
+                                      lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
+                                      lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)],
+                         ids=["Adam default eps", "eps=1e-5 (PPO's)", "fused", "SGD (no second moment)"])
+def test_optimizers_whose_eps_is_small_are_silent(make_opt):
+    found, w = _adam(make_opt)
+    assert found == [] and not w.anomalies, [a.message for a in w.anomalies]
+
+
+def test_optimizer_setup_none_turns_it_off():
+    found, _ = _adam(lambda ps: torch.optim.Adam(ps, lr=0.01, eps=1.0), optimizer_setup=None)
+    assert found == []
+
+
 @pytest.mark.parametrize("per_micro", [True, False], ids=["per-micro-batch", "per-step"])
 def test_a_scheduler_stepped_per_micro_batch_is_lr_schedule(per_micro):
     model = _mlp()

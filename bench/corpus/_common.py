@@ -34,7 +34,10 @@ KINDS = ("stale_grad", "empty_step", "double_step", "scaled_grad", "orphan_param
          # (module_requires_grad_attribute_noop, modulelist_of_one_repeated_head):
          # - module_setup: a module whose construction does not do what it says (a
          #   requires_grad attribute that freezes nothing; one module object at several places)
-         "module_setup")
+         "module_setup",
+         # - optimizer_setup: an optimizer hyperparameter that switches off its own mechanism
+         #   (Adam's eps above the gradients; built on the dev case adam_eps_one)
+         "optimizer_setup")
 
 # (the optimizer is None for a hand-written update loop: the case is watched as watch(model))
 Built = Tuple[nn.Module, Optional[torch.optim.Optimizer], Dict[str, Any]]

@@ -18,7 +18,7 @@ from graddbg.checks.activations import Activations
 from graddbg.checks.base import BackwardEnd, Check, Finding, Launched, Measured, PackedSum, Step, Watched
 from graddbg.checks.copies import CopyGuard
 from graddbg.checks.detectors import ExplodeCheck, NonFiniteCheck, VanishCheck
-from graddbg.checks.applied import ForeignUpdate, LrSchedule, Rewound, ScaledStep
+from graddbg.checks.applied import AdamEps, ForeignUpdate, LrSchedule, Rewound, ScaledStep
 from graddbg.checks.audit import StepAudit
 from graddbg.checks.gradaudit import GradAudit
 from graddbg.checks.graph import ConstantLossTerm, LossGraph
@@ -105,7 +105,7 @@ def default_checks(model: Any, options: Any, zero: Any = None) -> Parts:
     # non-finite gradient came from; those that do not declare it keep their place after it)
     checks += [StageSummary(), NonFiniteCheck(), StageCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(),
                ReplicaCheck(),
-               StaleGrad(), ManualStale(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(), Rewound(),
+               StaleGrad(), ManualStale(), EmptyStep(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(), Rewound(), AdamEps(),
                LrSchedule(), DeadGrad(), StepAudit(), GradAudit(), ManualUnmoved(), ManualRule(), ManualDuring(),
                ModuleSetup(), ConstantLossTerm(), graph]
     return Parts(keeper, guard, recorder, graph, activations, ordered(checks))

@@ -11,12 +11,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from graddbg._args import STEP_AUDIT
 from graddbg.checks.base import BackwardEnd, Finding, PolicyCheck, Step, Watched, finding as _finding, shown as _shown, \
     step_range as _steps
 from graddbg.checks.ledger import LedgerKeeper, StepEntry, param_versions
 from graddbg.checks.recorder import StatsRecorder
 
-__all__ = ["ScaledStep", "ForeignUpdate", "Rewound", "LrSchedule", "COLLAPSE", "COLLAPSE_SHARE"]
+__all__ = ["ScaledStep", "ForeignUpdate", "Rewound", "AdamEps", "LrSchedule", "COLLAPSE", "COLLAPSE_SHARE",
+           "EPS_DOMINATES"]
 
 #: a learning rate under this fraction of its peak has collapsed ...
 COLLAPSE = 1e-3
@@ -196,6 +198,93 @@ class Rewound(PolicyCheck):
                f"reset each group's lr).")
         return [_finding("foreign_update", e.index, list(self.ctx.names), list(self.ctx.modules), msg, self._policy,
                          self.ctx.rank)]
+
+
+#: eps above this many times a weight's gradient RMS (sqrt of Adam's bias-corrected second
+#: moment) makes the denominator eps: the adaptive scaling is gone ...
+EPS_DOMINATES = 10.0
+#: ... named when that holds for this share of the weights (by entries) with a gradient
+EPS_SHARE = 0.9
+
+
+class AdamEps(PolicyCheck):
+    """``optimizer_setup``: an Adam-family optimizer (a state with ``exp_avg_sq``, groups with
+    ``betas`` and ``eps``) whose ``eps`` exceeds `EPS_DOMINATES` times the gradients' RMS
+    (the square root of the bias-corrected second moment) for `EPS_SHARE` of the weights
+    with a gradient, after two audited steps in a row (`graddbg._args.STEP_AUDIT`): its
+    denominator is eps, so each step is about ``lr * m / eps`` rather than ``lr * m / sqrt(v)``,
+    scaled down by eps / RMS, the adaptive scaling off. The RMS per parameter is computed on
+    the device after an audited step and rides the next read-back."""
+
+    STATE = ("_reported",)
+
+    after = (LedgerKeeper,)
+
+    KIND = "optimizer_setup"
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        opt = ctx.optimizer
+        self._on = self._on and all("eps" in g and "betas" in g for g in opt.param_groups) \
+            if self._on and opt.param_groups else False
+        self._pending: Optional[tuple] = None  # (step, watched indices, eps of each, [k, 2] on the device)
+        self._last: Optional[int] = None  # the last audited step at which eps dominated
+
+    def after_step(self, index: int) -> None:
+        if not self._on or self._reported or not STEP_AUDIT.includes(index):
+            return
+        opt, where = self.ctx.optimizer, {id(p): i for i, p in enumerate(self.ctx.params)}
+        ix, eps, rows = [], [], []
+        with torch.no_grad():
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    st = opt.state.get(p) or {}
+                    v, n = st.get("exp_avg_sq"), st.get("step")
+                    if id(p) not in where or not isinstance(v, Tensor) or n is None or not v.numel():
+                        continue
+                    beta2 = torch.as_tensor(g["betas"][1], dtype=torch.float64, device=v.device)
+                    corr = 1 - beta2 ** torch.as_tensor(n, dtype=torch.float64, device=v.device)
+                    rows.append(torch.stack([(v.sum(dtype=torch.float64) / v.numel() / corr).clamp(min=0).sqrt(),
+                                             corr.new_tensor(float(v.numel()))]))
+                    ix.append(where[id(p)])
+                    eps.append(float(g["eps"]))
+        if rows:
+            dev = rows[0].device
+            self._pending = (index, ix, np.asarray(eps), torch.stack([r.to(dev) for r in rows]))
+
+    def queue(self, step: Step) -> Any:
+        pending, self._pending = self._pending, None
+        if pending is None or not step.read:
+            return None
+        return pending[:3] + (step.readback.add("adam_rms", pending[3]),)
+
+    def read(self, step: Step) -> List[Finding]:
+        token = step.token(self)
+        if token is None or self._reported:
+            return []
+        at, ix, eps, slot = token
+        rms, n = np.asarray(slot.value, dtype=np.float64).reshape(len(ix), 2).T
+        live = rms > 0
+        small = live & (eps > EPS_DOMINATES * rms)
+        if not live.any() or n[small].sum() < EPS_SHARE * n[live].sum():
+            self._last = None
+            return []
+        last, self._last = self._last, at
+        if last is None:
+            return []
+        self._reported = True
+        typical = float(np.median(rms[live]))
+        names = [self.ctx.names[i] for i in np.asarray(ix)[small]]
+        e = float(np.median(eps[small]))
+        msg = (f"graddbg: {type(self.ctx.optimizer).__name__}'s eps ({e:g}) is larger than the gradients it divides at "
+               f"steps {last} and {at}: for {n[small].sum() / n[live].sum():.0%} of the weights (median gradient RMS "
+               f"sqrt(v) {typical:.3g}) eps is over {EPS_DOMINATES:g} times sqrt(v), so the denominator sqrt(v) + eps "
+               f"is about eps: each step is lr * m / eps, about {e / typical:.3g} times smaller than Adam's "
+               f"lr * m / sqrt(v), and the per-weight scaling is gone. Likely cause: an epsilon copied from a config "
+               f"or another framework (TensorFlow slim's opt_epsilon defaults to 1.0). Fix: eps=1e-8 (the default), "
+               f"or 1e-6 in fp16.")
+        return [_finding("optimizer_setup", at, names, [self.ctx.modules[i] for i in np.asarray(ix)[small]], msg,
+                         self._policy, self.ctx.rank, value=e)]
 
 
 class LrSchedule(PolicyCheck):

@@ -102,7 +102,7 @@ EPS = Case(
            "well when using eps=0.1'); balancap/SSD-Tensorflow issue #385",
     description="I ported a training script whose --opt_epsilon defaults to 1.0 and pass it "
                 "to Adam; the weights barely move.",
-    expected_kinds=(),
+    expected_kinds=("optimizer_setup",),
     params=(),
     manifest=lambda b, f: trains(f, 0.4) and b["full"] >= 1.5 * f["full"],
     build_buggy=_eps_build(1.0),
