@@ -469,7 +469,7 @@ def test_an_optimizer_recreated_each_epoch_is_a_foreign_update():
     assert _kinds(w) == ["foreign_update"] and "re-created" in w.anomalies[0].message
 
 
-def _folds(make_opt, reset=None, rewind_to="first", lr=0.1, steps=12):
+def _folds(make_opt, reset=None, rewind_to="first", lr=0.1, steps=12, **kw):
     """Two runs of 6 steps (k-fold cross-validation): the weights reloaded before the second
     (``rewind_to``: the first step's, or those after step 3), with the same optimizer and an
     exponential scheduler unless ``reset`` starts them again."""
@@ -492,7 +492,7 @@ def _folds(make_opt, reset=None, rewind_to="first", lr=0.1, steps=12):
         opt.step()
         sched.step()
 
-    return _run(model, opt, body, steps=steps)
+    return _run(model, opt, body, steps=steps, **kw)
 
 
 def _momentum(params, lr):
@@ -506,6 +506,14 @@ def test_weights_rewound_to_the_first_step_with_the_optimizer_and_schedule_kept_
     assert "the weights were rewound at step 6" in msg and "back to the values it had at the first step" in msg
     assert "the SGD kept its state of 4 of 4 parameters (momentum_buffer)" in msg, msg
     assert "group 0: 0.02621, 0.1 at the first step" in msg and "make a new optimizer and scheduler" in msg, msg
+
+
+def test_a_rewind_on_a_step_that_is_not_recorded_is_named_with_no_read_of_its_own():
+    sparse = dict(every=4, nonfinite=graddbg.NonFinite(every=4))
+    w = _folds(_momentum, **sparse)  # (the rewind at step 6: not recorded)
+    assert _kinds(w) == ["foreign_update"] and w.anomalies[0].step == 6
+    off = _folds(_momentum, foreign_update=None, **sparse)
+    assert _kinds(off) == [] and w.host_syncs == off.host_syncs
 
 
 def test_a_rewind_with_adams_moments_kept_names_them():
@@ -585,6 +593,14 @@ def test_an_adam_eps_above_the_gradients_is_named(make_opt):
 def test_optimizers_whose_eps_is_small_are_silent(make_opt):
     found, w = _adam(make_opt)
     assert found == [] and not w.anomalies, [a.message for a in w.anomalies]
+
+
+def test_an_adam_eps_above_the_gradients_is_named_when_recording_sparsely_with_no_read_of_its_own():
+    sparse = dict(every=5, nonfinite=graddbg.NonFinite(every=5))
+    found, w = _adam(lambda ps: torch.optim.Adam(ps, lr=0.01, eps=1.0), **sparse)
+    assert len(found) == 1 and found[0].step == 1  # (steps 0 and 1's moments, read at step 5)
+    _, off = _adam(lambda ps: torch.optim.Adam(ps, lr=0.01, eps=1.0), optimizer_setup=None, **sparse)
+    assert w.host_syncs == off.host_syncs
 
 
 def test_optimizer_setup_none_turns_it_off():

@@ -5,7 +5,7 @@ stepped once per optimizer step (``lr_schedule``). Host facts of the ledger only
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -114,9 +114,10 @@ class Rewound(PolicyCheck):
     bitwise, to its norm then: a ``load_state_dict`` of the initial weights, as k-fold
     cross-validation does at each fold), while the optimizer kept its state (momentum, Adam's
     moments, built on the weights before) or the learning rate stayed where its schedule had
-    taken it. The run restarts, its optimizer does not. The weights' norms are read twice: at
-    the first step and at a step whose weights were all written since the step before (both
-    ride the step's read-back). One process, plain tensors."""
+    taken it. The run restarts, its optimizer does not. The weights' norms are computed on the
+    device at the first step and at a step whose weights were all written since the step
+    before, and kept there until a step's read-back takes them (no read of their own). One
+    process, plain tensors."""
 
     STATE = ("_reported",)
 
@@ -129,50 +130,53 @@ class Rewound(PolicyCheck):
         self._on = self._on and ctx.world_size <= 1 and bool(ctx.params) and \
             all(type(p.data) is Tensor and p.layout == torch.strided for p in ctx.params)
         self._first: Optional[np.ndarray] = None  # each weight's norm at the first step
-        self._lrs0: tuple = ()  # each param group's lr then
+        self._taken = False  # the first step's norms were computed
+        self._kept: List[Tuple[bool, int, Tensor]] = []  # (the first step's?, step, norms) on the device
+        self._lrs0: tuple = ()  # each param group's lr at the first step
         self._trained = False  # a step with an lr above 0 moved weights since
 
     def params_added(self, k: int) -> None:
         self._on = False  # (another set of weights: the first step's norms no longer compare)
-
-    def due(self, index: int) -> bool:
-        return self._on and not self._reported and (self._first is None or self._all_written())
+        self._kept = []
 
     def _all_written(self) -> bool:
         e = self.ctx.ledger.current
         return e.outside is not None and len(e.outside) == len(self.ctx) and bool(e.outside.all())
 
     def queue(self, step: Step) -> Any:
-        if not self._on or self._reported or not step.read or step.entry is None:
+        if not self._on or self._reported or step.entry is None:
             return None
-        first = self._first is None
-        if not first and not (self._trained and self._all_written()):
-            return None
-        with torch.no_grad():
-            norms = torch._foreach_norm([p.detach() for p in self.ctx.params])
-            dev = norms[0].device
-            return first, step.readback.add("weight_norms", torch.stack([n.to(dev) for n in norms]))
+        first = not self._taken
+        if first or (self._trained and self._all_written() and len(self._kept) < 4):
+            self._taken = True
+            if first:
+                self._lrs0 = tuple(step.entry.lrs)
+            with torch.no_grad():
+                norms = torch._foreach_norm([p.detach() for p in self.ctx.params])
+                dev = norms[0].device
+                self._kept.append((first, step.index, torch.stack([n.to(dev) for n in norms])))
+        if not step.read or not self._kept:
+            return None  # (kept on the device for the next read-back)
+        kept, self._kept = self._kept, []
+        return [(first, at, step.readback.add("weight_norms", t)) for first, at, t in kept]
 
     def read(self, step: Step) -> List[Finding]:
-        e: StepEntry = step.entry
-        if not self._on or self._reported or e is None:
+        if not self._on or self._reported or step.entry is None:
             return []
         if not self._trained:
             last = self.ctx.ledger.last(1)  # (the step before: its entry is complete once it ended)
             self._trained = bool(last) and last[0].moved is not None and bool(last[0].moved.any()) and \
                 any(lr > 0 for lr in last[0].lrs)
-        token = step.token(self)
-        if token is None:
-            return []
-        first, slot = token
-        norms = np.asarray(slot.value, dtype=np.float64)
-        if first:
-            self._first, self._lrs0 = norms, tuple(e.lrs)
-            return []
-        if self._first is None or len(norms) != len(self._first) or not np.array_equal(norms, self._first) \
-                or not np.any(norms > 0):
-            return []
-        return self._judge(e)
+        for first, at, slot in step.token(self) or ():
+            norms = np.asarray(slot.value, dtype=np.float64)
+            if first:
+                self._first = norms
+            elif self._first is not None and len(norms) == len(self._first) and np.array_equal(norms, self._first) \
+                    and np.any(norms > 0):
+                e = self.ctx.ledger.find(at) if at != step.index else step.entry
+                if e is not None:
+                    return self._judge(e)
+        return []
 
     def _judge(self, e: StepEntry) -> List[Finding]:
         opt = self.ctx.optimizer
@@ -227,7 +231,7 @@ class AdamEps(PolicyCheck):
         opt = ctx.optimizer
         self._on = self._on and all("eps" in g and "betas" in g for g in opt.param_groups) \
             if self._on and opt.param_groups else False
-        self._pending: Optional[tuple] = None  # (step, watched indices, eps of each, [k, 2] on the device)
+        self._pending: List[tuple] = []  # (step, watched indices, eps of each, [k, 2] on the device), to read
         self._last: Optional[int] = None  # the last audited step at which eps dominated
 
     def after_step(self, index: int) -> None:
@@ -248,22 +252,25 @@ class AdamEps(PolicyCheck):
                                              corr.new_tensor(float(v.numel()))]))
                     ix.append(where[id(p)])
                     eps.append(float(g["eps"]))
-        if rows:
+        if rows and len(self._pending) < 4:  # (kept on the device until a step's read-back)
             dev = rows[0].device
-            self._pending = (index, ix, np.asarray(eps), torch.stack([r.to(dev) for r in rows]))
+            self._pending.append((index, ix, np.asarray(eps), torch.stack([r.to(dev) for r in rows])))
 
     def queue(self, step: Step) -> Any:
-        pending, self._pending = self._pending, None
-        if pending is None or not step.read:
+        if not self._pending or not step.read:
             return None
-        return pending[:3] + (step.readback.add("adam_rms", pending[3]),)
+        pending, self._pending = self._pending, []
+        return [p[:3] + (step.readback.add("adam_rms", p[3]),) for p in pending]
 
     def read(self, step: Step) -> List[Finding]:
-        token = step.token(self)
-        if token is None or self._reported:
-            return []
-        at, ix, eps, slot = token
-        rms, n = np.asarray(slot.value, dtype=np.float64).reshape(len(ix), 2).T
+        found: List[Finding] = []
+        for at, ix, eps, slot in step.token(self) or ():
+            if not self._reported:
+                found += self._judge(at, ix, eps, np.asarray(slot.value, dtype=np.float64).reshape(len(ix), 2))
+        return found
+
+    def _judge(self, at: int, ix: List[int], eps: np.ndarray, v: np.ndarray) -> List[Finding]:
+        rms, n = v.T
         live = rms > 0
         small = live & (eps > EPS_DOMINATES * rms)
         if not live.any() or n[small].sum() < EPS_SHARE * n[live].sum():
