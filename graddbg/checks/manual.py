@@ -196,13 +196,41 @@ class ManualUnmoved(PolicyCheck):
         self._snap = self._flags = None
 
 
+class _Table(PolicyCheck):
+    """A check of hand-written loops that measures, on the device, one table of rows per
+    interval (a row per parameter of ``ix``) and reads it with the next step's read-back:
+    `_put` keeps it, `queue` hands it over (a step that is not read drops it), `_rows` gives
+    ``(step, ix, rows)`` back on the host."""
+
+    SLOT = ""  #: the read-back slot's name
+    WIDTH = 1  #: numbers per row
+
+    _table: Optional[Tuple[int, List[int], Tensor]] = None
+
+    def _put(self, at: int, ix: List[int], rows: List[Tensor]) -> None:
+        self._table = (at, ix, torch.stack([r.to(rows[0].device) for r in rows]))
+
+    def queue(self, step: Step) -> Any:
+        table, self._table = self._table, None
+        if table is None or not step.read:
+            return None
+        return table[0], table[1], step.readback.add(self.SLOT, table[2])
+
+    def _rows(self, step: Step) -> Optional[Tuple[int, List[int], np.ndarray]]:
+        token = step.token(self)
+        if token is None or self._reported:
+            return None
+        at, ix, slot = token
+        return at, ix, np.asarray(slot.value, dtype=np.float64).reshape(len(ix), self.WIDTH)
+
+
 #: the relative residual under which an update counts as exactly ``a * grad + b * w``
 FIT = 1e-3
 #: the share of the update's size the growth term ``b * w`` must reach to be named
 GROWTH = 1e-2
 
 
-class ManualRule(PolicyCheck):
+class ManualRule(_Table):
     """``update_rule`` in a hand-written update loop: what moves the weights between two
     backward passes is the gradient's step, perhaps with a weight decay that pulls them
     towards zero; a term that pushes them away from zero is not part of any update rule (a
@@ -216,6 +244,7 @@ class ManualRule(PolicyCheck):
     STATE = ("_reported",)
     KIND = "update_rule"
     NEEDS_OPTIMIZER = False
+    SLOT, WIDTH = "manual_fit", 6  # (the table: <d,d>, <d,g>, <g,g>, <d,w>, <g,w>, <w,w> per parameter)
 
     after = (LedgerKeeper,)
 
@@ -223,11 +252,10 @@ class ManualRule(PolicyCheck):
         super().attach(ctx)
         self._on = self._on and ctx.optimizer is None and bool(ctx.params)
         self._snap: Optional[Tuple[int, List[int], List[Tensor], List[Tensor]]] = None  # (step, ix, weights, grads)
-        self._fit: Optional[Tuple[int, List[int], Tensor]] = None  # (step, ix, [k, 6] on the device)
         self._grew: Optional[Tuple[int, set]] = None  # the last judged interval's growing parameters
 
     def params_added(self, k: int) -> None:
-        self._snap = self._fit = self._grew = None
+        self._snap = self._table = self._grew = None
 
     def on_backward_end(self, bw: BackwardEnd) -> None:
         if not self._on or self._reported:
@@ -236,8 +264,7 @@ class ManualRule(PolicyCheck):
         snap, self._snap = self._snap, None
         with torch.no_grad():
             if snap is not None and snap[0] == bw.step - 1:
-                rows = [_fit_numbers(params[i].detach() - w, g, w) for i, w, g in zip(*snap[1:])]
-                self._fit = (snap[0], snap[1], torch.stack([r.to(rows[0].device) for r in rows]))
+                self._put(snap[0], snap[1], [_fit_numbers(params[i].detach() - w, g, w) for i, w, g in zip(*snap[1:])])
             if not STEP_AUDIT.includes(bw.step):
                 return
             sizes = nbytes(params, self.ctx.numel)
@@ -248,18 +275,11 @@ class ManualRule(PolicyCheck):
             self._snap = (bw.step, ix, [params[i].detach().clone() for i in ix],
                           [bw.grads[i].detach().clone() for i in ix])
 
-    def queue(self, step: Step) -> Any:
-        fit, self._fit = self._fit, None
-        if fit is None or not step.read:
-            return None
-        return fit[0], fit[1], step.readback.add("manual_fit", fit[2])
-
     def read(self, step: Step) -> List[Finding]:
-        token = step.token(self)
-        if token is None or self._reported:
+        got = self._rows(step)
+        if got is None:
             return []
-        at, ix, slot = token
-        v = np.asarray(slot.value, dtype=np.float64).reshape(len(ix), 6)
+        at, ix, v = got
         grew = {}
         moved = False
         for (dd, dg, gg, dw, gw, ww), i in zip(v, ix):
@@ -284,10 +304,10 @@ class ManualRule(PolicyCheck):
                         self.ctx.rank, value=b)]
 
     def close(self) -> None:
-        self._snap = self._fit = None
+        self._snap = self._table = None
 
 
-class ManualDuring(PolicyCheck):
+class ManualDuring(_Table):
     """``update_rule`` in a hand-written update loop: nothing moves the weights between the
     start of a forward pass of the watched model and the end of the backward pass that
     follows it; the update belongs after ``backward()``. A weight written in that window (in
@@ -303,6 +323,7 @@ class ManualDuring(PolicyCheck):
     STATE = ("_reported",)
     KIND = "update_rule"
     NEEDS_OPTIMIZER = False
+    SLOT, WIDTH = "manual_during", 3  # (the table: changed, |change|, |weight| per parameter)
 
     after = (LedgerKeeper,)
 
@@ -311,11 +332,10 @@ class ManualDuring(PolicyCheck):
         self._on = self._on and ctx.optimizer is None and bool(ctx.params) and ctx.world_size <= 1
         self._next = 0  # the step the next backward pass ends (each one is a step here)
         self._snap: Optional[Tuple[int, List[int], List[Tensor]]] = None  # (step, ix, weights)
-        self._flags: Optional[Tuple[int, List[int], Tensor]] = None  # (step, ix, [k, 3] on the device)
         self._skip = _renormed(ctx) if self._on else set()
 
     def params_added(self, k: int) -> None:
-        self._snap = self._flags = None
+        self._snap = self._table = None
         self._skip = _renormed(self.ctx)
 
     def on_forward(self, fwd: Any) -> None:
@@ -344,20 +364,13 @@ class ManualDuring(PolicyCheck):
                 d = (now - w).double() if now.shape == w.shape else None
                 rows.append(torch.stack([(now != w).any().double(), d.norm(), w.double().norm()])
                             if d is not None else torch.ones(3, dtype=torch.float64, device=w.device))
-            self._flags = (bw.step, snap[1], torch.stack([r.to(rows[0].device) for r in rows]))
-
-    def queue(self, step: Step) -> Any:
-        flags, self._flags = self._flags, None
-        if flags is None or not step.read:
-            return None
-        return flags[0], flags[1], step.readback.add("manual_during", flags[2])
+            self._put(bw.step, snap[1], rows)
 
     def read(self, step: Step) -> List[Finding]:
-        token = step.token(self)
-        if token is None or self._reported:
+        got = self._rows(step)
+        if got is None:
             return []
-        at, ix, slot = token
-        v = np.asarray(slot.value, dtype=np.float64).reshape(len(ix), 3)
+        at, ix, v = got
         moved = [(i, d, w) for (changed, d, w), i in zip(v, ix) if changed > 0]
         if not moved:
             return []
@@ -376,7 +389,7 @@ class ManualDuring(PolicyCheck):
                         self.ctx.rank, value=d)]
 
     def close(self) -> None:
-        self._snap = self._flags = None
+        self._snap = self._table = None
 
 
 def _renormed(ctx: Watched) -> set:
