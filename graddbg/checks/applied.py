@@ -244,8 +244,8 @@ class AdamEps(PolicyCheck):
                 for p in g["params"]:
                     st = opt.state.get(p) or {}
                     v, n = st.get("exp_avg_sq"), st.get("step")
-                    if id(p) not in where or not isinstance(v, Tensor) or n is None or not v.numel():
-                        continue
+                    if id(p) not in where or type(v) is not Tensor or n is None or not v.numel():
+                        continue  # (a DTensor's moments, FSDP's: summing them would be a collective)
                     beta2 = torch.as_tensor(g["betas"][1], dtype=torch.float64, device=v.device)
                     corr = 1 - beta2 ** torch.as_tensor(n, dtype=torch.float64, device=v.device)
                     rows.append(torch.stack([(v.sum(dtype=torch.float64) / v.numel() / corr).clamp(min=0).sqrt(),
