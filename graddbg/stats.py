@@ -425,9 +425,11 @@ def absmax_of(ts: List[Tensor]) -> Tensor:
     if ts[0].device.type != "cpu" and nonempty:
         return torch.stack(torch._foreach_norm(ts, math.inf))
     if nonempty and _FOREACH_MAX is not None and all(t.dtype.is_floating_point for t in ts):
-        return torch.cat([torch.stack(_FOREACH_MAX(torch._foreach_abs(part))) if len(part) > 1 or
-                          part[0].numel() * part[0].element_size() <= _ABS_CHUNK else _aminmax_abs(part[0]).reshape(1)
-                          for part in _chunks(ts, _ABS_CHUNK)])
+        parts = []
+        for part in _chunks(ts, _ABS_CHUNK):  # (a tensor over the chunk alone: one pass, no copy)
+            big = len(part) == 1 and part[0].numel() * part[0].element_size() > _ABS_CHUNK
+            parts.append(_aminmax_abs(part[0]).reshape(1) if big else torch.stack(_FOREACH_MAX(torch._foreach_abs(part))))
+        return torch.cat(parts)
     out = []
     for t in ts:
         if not t.numel():  # (an empty shard of an unevenly sharded parameter)

@@ -1,7 +1,10 @@
 """How the step applies the gradients: at the loss's own scale (``scaled_grad``), by the
-watched optimizer alone (``foreign_update``; and weights rewound between steps to their first
-step's values while the optimizer kept its state and its schedule: `Rewound`), with a learning rate that follows a schedule
-stepped once per optimizer step (``lr_schedule``). Host facts of the ledger only."""
+watched optimizer alone (``foreign_update``; and `Rewound`: weights rewound between steps to
+their first step's values while the optimizer kept its state and its schedule), with a
+learning rate that follows a schedule stepped once per optimizer step (``lr_schedule``), and
+an Adam ``eps`` that leaves its adaptive scaling working (``optimizer_setup``, `AdamEps`).
+Host facts of the ledger, except `Rewound`'s weight norms and `AdamEps`'s moments: device
+numbers that ride a recorded step's read-back."""
 from __future__ import annotations
 
 import math
@@ -228,9 +231,8 @@ class AdamEps(PolicyCheck):
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        opt = ctx.optimizer
-        self._on = self._on and all("eps" in g and "betas" in g for g in opt.param_groups) \
-            if self._on and opt.param_groups else False
+        groups = ctx.optimizer.param_groups if self._on else []
+        self._on = bool(groups) and all("eps" in g and "betas" in g for g in groups)
         self._pending: List[tuple] = []  # (step, watched indices, eps of each, [k, 2] on the device), to read
         self._last: Optional[int] = None  # the last audited step at which eps dominated
 
