@@ -765,6 +765,17 @@ class ConstantTerms:
                 self.found = (held[1], held[2])
 
 
+#: kl_div's functional forms: autograd records no node of its own for them (its graph is the
+#: ops it is made of), so its input is judged at the call
+_KL_DIV = (torch.nn.functional.kl_div, torch.kl_div)
+
+
+def _softmax_output(t: Any) -> bool:
+    """Whether ``t`` is the output of a softmax (probabilities), as its autograd node says."""
+    fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+    return fn is not None and type(fn).__name__ == "SoftmaxBackward0"
+
+
 class LossTape(TorchFunctionMode):
     """The loss code of one forward pass, recorded for a replay (see above): ``ops`` are
     ``(func, args, kwargs, (file, line), in place)`` with tensors as references (in place:
@@ -796,6 +807,8 @@ class LossTape(TorchFunctionMode):
         self._bytes = 0
         self._thread = threading.get_ident()
         self.terms = ConstantTerms()
+        #: patterns of the loss code seen in its calls, not in the autograd graph: ``(pattern, (file, line))``
+        self.patterns: List[Tuple[str, Optional[Tuple[str, int]]]] = []
 
     # -- on and off the mode stack -------------------------------------------------------
     @classmethod
@@ -854,6 +867,8 @@ class LossTape(TorchFunctionMode):
         out = _pass_through(func, args, kwargs)
         if self.terms.active():
             self._follow(functools.partial(self.terms.call, func), args, kwargs, out)
+        if func in _KL_DIV and _softmax_output((kwargs or {}).get("input", args[0] if args else None)):
+            self.patterns.append(("kl_div on probabilities", _user_line()))
         try:
             self._record(func, args, kwargs or {}, out)
         except Exception:

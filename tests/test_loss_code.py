@@ -4,6 +4,7 @@ graddbg.find_nonfinite names it, and the recording of that code leaves nothing b
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -236,3 +237,50 @@ def test_constants_that_are_not_a_term_adding_nothing_are_silent(penalty):
 def test_without_the_loss_tape_a_constant_term_is_not_looked_at():
     found, _ = _penalised(lambda out, xs, fit: fit + _gp(out, xs, False).pow(2).mean(), localise=False)
     assert found == []
+
+
+# --------------------------------------------------------------------------- kl_div given probabilities
+def _distil(student, steps=4):
+    """Distillation of a fixed soft teacher: ``student(logits, teacher)`` gives the loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    x, teacher = torch.randn(32, 6), torch.softmax(torch.randn(32, 5), 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt) as w:
+            for _ in range(steps):
+                opt.zero_grad()
+                student(model(x), teacher).backward()
+                opt.step()
+    return [a for a in w.anomalies if a.kind == "loss_pattern"], w
+
+
+def test_kl_div_given_probabilities_is_named_at_its_line():
+    # (torch records no KlDivBackward node: kl_div's graph is the ops it is made of, so the call is judged)
+    def student(z, t):
+        return nn.functional.kl_div(torch.softmax(z, 1), t, reduction="batchmean")  # the bug
+    found, _ = _distil(student)
+    assert len(found) == 1 and found[0].step == 0, [a.message for a in found]
+    msg = found[0].message
+    assert "kl_div on probabilities" in msg and _line(student, "# the bug") in msg, msg
+    assert "F.log_softmax(x, dim)" in msg
+
+
+def test_kl_div_loss_module_given_probabilities_is_named():
+    crit = nn.KLDivLoss(reduction="batchmean")
+    found, _ = _distil(lambda z, t: crit(torch.softmax(z, 1), t))
+    assert len(found) == 1 and "kl_div on probabilities" in found[0].message
+
+
+@pytest.mark.parametrize("student", [
+    lambda z, t: nn.functional.kl_div(torch.log_softmax(z, 1), t, reduction="batchmean"),       # the fix
+    lambda z, t: nn.functional.kl_div(torch.log_softmax(z, 1), t.log(), reduction="batchmean",
+                                      log_target=True),                                          # log targets
+    lambda z, t: nn.functional.kl_div(t.log(), torch.softmax(z, 1), reduction="batchmean"),      # reverse KL's target
+    lambda z, t: -(t * torch.log_softmax(z, 1)).sum(1).mean(),                                   # soft cross-entropy
+], ids=["log_softmax", "log_target", "softmax as the target", "soft cross-entropy"])
+def test_kl_div_given_log_probabilities_is_silent(student):
+    found, w = _distil(student)
+    assert found == [] and not w.anomalies, [a.message for a in w.anomalies]

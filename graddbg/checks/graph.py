@@ -452,6 +452,8 @@ class LossGraph(Check):
         if self._cut is not None:
             out += self._cut.read(step)
         patterns = [p for kind, p in found if kind == "loss_pattern" and p[0] not in self._reported]
+        if self._policies["loss_pattern"] is not None:
+            patterns += self._called(step)
         if patterns:
             self._reported.update(p[0] for p in patterns)
             out.append(self._pattern_finding(step.index, list(dict.fromkeys(patterns))))
@@ -469,6 +471,17 @@ class LossGraph(Check):
             self._reported.update(replaced)
             out.append(self._replaced_finding(step.index, replaced))
         return out
+
+    def _called(self, step: Step) -> List[Tuple[str, str, str]]:
+        """Patterns the loss tape saw at a call (kl_div given probabilities), with its line."""
+        tape = getattr(step.tapped, "tape", None)
+        out = []
+        for what, line in getattr(tape, "patterns", ()):
+            if what == "kl_div on probabilities" and what not in self._reported:
+                out.append((what, f"kl_div's input at {_at(line)} comes straight from softmax (probabilities), but "
+                            f"kl_div expects log-probabilities as its input, so the loss can go below 0 and does "
+                            f"not measure the divergence", "pass F.log_softmax(x, dim) as kl_div's input"))
+        return out[:1]
 
     def _made_finding(self, index: int, shapes: Tuple[Tuple[int, ...], ...]) -> Finding:
         shown = ", ".join(str(x) for x in shapes[:6])
@@ -494,7 +507,7 @@ class LossGraph(Check):
     def _pattern_finding(self, index: int, patterns: List[Tuple[str, str, str]]) -> Finding:
         parts = "; ".join(f"{what}: {evidence}. Fix: {fix}" for what, evidence, fix in patterns)
         msg = (f"graddbg: a harmful pattern on the path to the loss at step {index} (read from the loss's autograd "
-               f"graph): {parts}.")
+               f"graph and its code): {parts}.")
         return finding("loss_pattern", index, [], [], msg, self._policies["loss_pattern"], self.ctx.rank,
                        value=float(len(patterns)))
 
