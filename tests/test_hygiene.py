@@ -296,6 +296,57 @@ def test_gradscaler_skipped_steps_are_overflow_never_anomalies():
     assert steps["scale"].tolist()[:5] == [2.0 ** 16] + [2.0 ** 15] * 3 + [2.0 ** 16]  # skipped, halved, grown after 3
 
 
+def _scaled_sqrt(eps, steps, init_scale=2.0 ** 16, **kw):
+    """A loss with sqrt(x + eps) of a term that is 0 on some rows (an infinite gradient at
+    eps=0: NaN after the chain rule), under a GradScaler found in the loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt, **kw) as w:
+            for _ in range(steps):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x).float()
+                d = (out[:, None] - out[None]).pow(2).sum(-1)  # (0 on the diagonal)
+                loss = F.mse_loss(out, y) - 0.01 * torch.sqrt(d + eps).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    return w
+
+
+def test_a_gradscaler_skipping_every_step_below_scale_one_is_nonfinite():
+    """A NaN gradient at every step: the GradScaler skips them all, halving its scale each
+    time; past a scale of 1 no overflow explains it, and it is named (recorded here)."""
+    w = _scaled_sqrt(0.0, 30, nonfinite="record")
+    found = [a for a in w.anomalies if a.kind == "nonfinite"]
+    assert len(found) == 1, [a.message for a in w.anomalies]
+    a = found[0]
+    assert 16 <= a.step <= 30 and a.value < 1.0
+    assert "skipped every step from step 0" in a.message and "not finite at any scale" in a.message, a.message
+    assert "since the watch began" in a.message
+    assert w.steps["overflow"].all()
+
+
+def test_a_gradscaler_skipping_every_step_raises_by_default():
+    with pytest.raises(graddbg.GradientAnomalyError, match="not finite at any scale"):
+        _scaled_sqrt(0.0, 30)
+
+
+@pytest.mark.parametrize("eps, init_scale, overflows", [(1e-6, 2.0 ** 16, 0), (1e-6, 2.0 ** 50, 20)],
+                         ids=["the fix", "a long run of overflows from a huge initial scale"])
+def test_gradscaler_skips_that_end_above_scale_one_are_silent(eps, init_scale, overflows):
+    """Overflows that a lower scale cures, even 20 and more in a row, are the scaler's design."""
+    w = _scaled_sqrt(eps, 50, init_scale=init_scale)
+    assert w.anomalies == [], [a.message for a in w.anomalies]
+    flags = w.steps["overflow"].tolist()
+    assert all(flags[:overflows]) and not any(flags[-5:]), flags
+
+
 @pytest.mark.parametrize("act", [None, "relu"])
 def test_a_dead_gradient_names_relus_only_when_the_model_has_them(act):
     """Issue 39, point 3: a cause the ledger contradicts is worse than none. A layer whose

@@ -22,7 +22,9 @@ a finding once, with the step, the parameters, the evidence and the likely fix:
   layer whose ReLUs died) or since its first step (dead from initialisation), distinct
   from small ("vanishing") gradients;
 - ``unused_param``: trainable parameters that never received a gradient while watched
-  (found when the watch closes: `unused_anomaly`).
+  (found when the watch closes: `unused_anomaly`);
+- ``nonfinite``, also: a GradScaler that skips every step, its loss scale fallen below 1
+  (`ScalerSkips`): the gradients are not finite at any scale, so no overflow explains it.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from graddbg.checks.ledger import LedgerKeeper, StepEntry
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.stats import local_values
 
-__all__ = ["StaleGrad", "EmptyStep", "DoubleStep", "EvalMode", "Unchanged", "DeadGrad", "unused_anomaly", "PATIENCE"]
+__all__ = ["StaleGrad", "EmptyStep", "ScalerSkips", "DoubleStep", "EvalMode", "Unchanged", "DeadGrad", "unused_anomaly", "PATIENCE"]
 
 #: steps in a row (EmptyStep, Unchanged) or recorded steps (DeadGrad) before a finding
 PATIENCE = 3
@@ -173,6 +175,56 @@ def _stray_text(stray: StrayLoss, opt: str) -> str:
             f"watched model{held}{ran}. Likely cause: the loss is computed with another copy of the model "
             f"(copy.deepcopy, a model re-created or re-wrapped after the optimizer or the watch was built). Fix: compute "
             f"the loss with the watched model, or watch (and optimize) the model the loss uses")
+
+
+class ScalerSkips(Check):
+    """``nonfinite``: the GradScaler skipped every one of the last steps (``SKIPS`` and
+    more in a row) and its loss scale has fallen below 1. A skipped step is an overflow by
+    design, and each halves the scale until the scaled gradients fit; once the scale is
+    below 1 the loss is shrunk, not magnified, and the gradients are still inf or NaN: no
+    scale makes them finite, so a NaN or Inf made by the model or the loss (a sqrt or log at
+    0, a division by 0) is what every step throws away, and the weights no longer train.
+    Host facts (the ledger's skipped steps) on every step; the scale is read (one host
+    synchronisation) only after ``SKIPS`` skipped steps in a row, and again every ``SKIPS``."""
+
+    STATE = ("_reported",)
+    SKIPS = 8
+
+    after = (LedgerKeeper,)
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        self._det = ctx.options.nonfinite
+        self._reported = False
+        self._checked = -1  # (the step whose scale was read last)
+
+    def on_backward_end(self, bw: BackwardEnd) -> Optional[List[Finding]]:
+        if self._det is None or self._reported or bw.scale is None or self.ctx.ledger is None \
+                or bw.step - self._checked < self.SKIPS:
+            return None
+        run = self.ctx.ledger.last(self.SKIPS)
+        if len(run) < self.SKIPS or not all(e.skipped for e in run):
+            return None
+        self._checked = bw.step
+        self.ctx.count_syncs()
+        scale = float(bw.scale.reshape(()).item())
+        if not scale < 1.0:
+            return None
+        self._reported = True
+        skipped = [e for e in self.ctx.ledger.entries]
+        applied = [e.index for e in skipped if not e.skipped]
+        first = next((e.index for e in reversed(skipped) if not e.skipped), None)
+        start = (first + 1) if first is not None else skipped[0].index
+        since = (f"no step has changed the weights since step {applied[-1]}" if applied else
+                 "no step has changed the weights since the watch began")
+        msg = (f"graddbg: the GradScaler skipped every step from step {start} to step {run[-1].index} "
+               f"({run[-1].index - start + 1} in a row): each found inf or NaN gradients, and its loss scale has "
+               f"fallen to {scale:.3g}, below 1, so the gradients are not finite at any scale. That is not an "
+               f"overflow (which a lower scale cures) but a NaN or Inf made by the model or the loss, and {since}. "
+               f"Likely cause: an op whose gradient is infinite where it is evaluated (sqrt or log at 0, pow with "
+               f"a negative base, a division by 0). Fix: find it with graddbg.find_nonfinite(model) around one "
+               f"step, and guard it (sqrt(x + eps), clamp).")
+        return [_finding("nonfinite", bw.step, [], [], msg, self._det.policy, self.ctx.rank, value=scale)]
 
 
 class DoubleStep(PolicyCheck):
