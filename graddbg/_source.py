@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+import sys
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -21,6 +22,25 @@ def is_internal(filename: str) -> bool:
     if filename in _USER_FILES:
         return False
     return filename.startswith(_SKIP) or filename.endswith("contextlib.py")
+
+
+_INTERNAL: Dict[str, bool] = {}  # (file name -> is_internal, cached)
+
+
+def user_line(depth: int = 2) -> Optional[Tuple[str, int]]:
+    """(file, line) of the innermost frame outside torch and graddbg, from ``depth`` frames
+    up (2: the caller's caller); None when there is none (a thread with no user frame)."""
+    cache = _INTERNAL
+    f: Any = sys._getframe(depth)
+    while f is not None:
+        fn = f.f_code.co_filename
+        internal = cache.get(fn)
+        if internal is None:
+            internal = cache[fn] = is_internal(fn)
+        if not internal:
+            return fn, f.f_lineno
+        f = f.f_back
+    return None
 
 
 def user_source_from_stack(stack: "list[str] | str | None") -> Optional[str]:

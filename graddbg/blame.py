@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graddbg._errors import GraddbgTypeError, GraddbgValueError, NonFiniteError
 from graddbg._model import local_values, module_of, tensors_in, unwrap
-from graddbg._source import is_internal, user_source_from_stack
+from graddbg._source import user_line as _user_line, user_source_from_stack
 from graddbg.anomaly import Anomaly
 
 __all__ = ["find_nonfinite", "NonFiniteScan", "LossTape"]
@@ -67,7 +67,6 @@ _CONSTANT_HINT = ("a NaN constant: a NaN written in the code (a fill value, a pl
 _MAX_INPUT_LINES = 6
 # Memo of facts about torch itself (op schemas, which files are torch's), no user data.
 _PLANS: Dict[Any, "_Plan"] = {}
-_INTERNAL: Dict[str, bool] = {}
 
 # What to try, by op (forward aten name or backward node name, lower case, prefix match).
 _HINTS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
@@ -949,22 +948,6 @@ def reap() -> None:
         if not (isinstance(top, LossTape) and top.ended_here()):
             return
         torch._C._pop_torch_function_stack()
-
-
-def _user_line(depth: int = 2) -> Optional[Tuple[str, int]]:
-    """(file, line) of the innermost frame outside torch and graddbg, from ``depth`` frames
-    up (2: the caller's caller)."""
-    cache = _INTERNAL
-    f: Any = sys._getframe(depth)
-    while f is not None:
-        fn = f.f_code.co_filename
-        internal = cache.get(fn)
-        if internal is None:
-            internal = cache[fn] = is_internal(fn)
-        if not internal:
-            return fn, f.f_lineno
-        f = f.f_back
-    return None
 
 
 def _replay_loss(tape: LossTape, outs: List[torch.Tensor], scan: NonFiniteScan) -> None:

@@ -479,3 +479,82 @@ def test_a_library_layer_unused_by_design_is_a_fact_and_the_users_own_unused_lay
             assert [a.kind for a in bugs] == ["unused_param"] and bugs[0].params == ("spare.weight", "spare.bias")
         else:
             assert bugs == []
+
+
+# --------------------------------------------------------------------------- passes thrown away before the step
+def _accumulate(where, steps=4, accum=4, closure=False, **kw):
+    """Gradient accumulation over ``accum`` micro-batches per step; ``where`` says what runs
+    around the micro-batches: "outside" (zero_grad once per step: healthy), "inside" (the
+    bug), "pcgrad" (per-task gradients summed by hand), "two lines" (a GAN-like pair of
+    losses), "sam" (a second pass at perturbed weights)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt, **kw) as w:
+            for s in range(steps):
+                if where != "inside":
+                    opt.zero_grad()
+                kept = []
+                for m in range(accum if where != "two lines" else 1):
+                    xb, yb = x[(s * accum + m) * 4:][:4], y[(s * accum + m) * 4:][:4]
+                    if where in ("inside", "pcgrad"):
+                        opt.zero_grad()
+                    if where == "sam" and m == 1:  # (the ascent to the perturbed weights, undone before the step)
+                        saved = [p.detach().clone() for p in model.parameters()]
+                        with torch.no_grad():
+                            for p in model.parameters():
+                                p.add_(0.01 * torch.sign(p.grad))
+                        opt.zero_grad()
+                    F.mse_loss(model(xb), yb).backward()
+                    if where == "pcgrad":
+                        kept.append([p.grad.clone() for p in model.parameters()])
+                if where == "two lines":
+                    F.mse_loss(model(x[:4]), y[:4]).backward()   # the other network's loss
+                    opt.zero_grad()
+                    F.mse_loss(model(x[4:8]), y[4:8]).backward()
+                if where == "pcgrad":
+                    for p, *gs in zip(model.parameters(), *kept):
+                        p.grad = torch.stack(gs).mean(0)
+                if where == "sam":
+                    with torch.no_grad():
+                        for p, q in zip(model.parameters(), saved):
+                            p.copy_(q)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+    return [a for a in w.anomalies if a.kind == "applied_grad"], w
+
+
+def test_zero_grad_inside_the_accumulation_loop_is_named_with_its_line():
+    found, _ = _accumulate("inside")
+    assert len(found) == 1, found
+    msg = found[0].message
+    assert "4 backward passes ran from the same line" in msg and "test_hygiene.py:" in msg, msg
+    assert "first 3 passes' gradients were thrown away" in msg and "zero_grad() inside" in msg
+    assert found[0].step == PATIENCE - 1
+
+
+@pytest.mark.parametrize("where", ["outside", "pcgrad", "two lines", "sam"])
+def test_passes_that_accumulate_or_are_combined_by_hand_are_not_discarded(where):
+    found, w = _accumulate(where, steps=5, accum=2 if where == "sam" else 4)
+    assert found == [] and not w.anomalies, [a.message for a in w.anomalies]
+
+
+def test_lbfgs_closure_evaluations_are_not_discarded_passes():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with graddbg.watch(model, opt) as w:
+        for _ in range(5):
+            opt.step(closure)
+    assert not [a for a in w.anomalies if a.kind == "applied_grad"], [a.message for a in w.anomalies]

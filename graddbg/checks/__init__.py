@@ -23,7 +23,7 @@ from graddbg.checks.audit import StepAudit
 from graddbg.checks.gradaudit import GradAudit
 from graddbg.checks.graph import ConstantLossTerm, LossGraph
 from graddbg.checks.histograms import Histograms
-from graddbg.checks.hygiene import DeadGrad, DoubleStep, EmptyStep, EvalMode, ScalerSkips, StaleGrad, Unchanged
+from graddbg.checks.hygiene import DeadGrad, Discarded, DoubleStep, EmptyStep, EvalMode, ScalerSkips, StaleGrad, Unchanged
 from graddbg.checks.ledger import Ledger, LedgerKeeper, StepEntry
 from graddbg.checks.construction import ModuleSetup
 from graddbg.checks.manual import ManualDuring, ManualRule, ManualStale, ManualUnmoved
@@ -35,7 +35,7 @@ from graddbg.checks.zero import ZeroRecorder, ZeroSource
 
 __all__ = ["Check", "Watched", "Step", "BackwardEnd", "Finding", "default_checks", "Parts",
            "CopyGuard", "StatsRecorder", "Activations", "NonFiniteCheck", "ExplodeCheck", "VanishCheck",
-           "UpdateRatio", "ReplicaCheck", "StageCheck", "StaleGrad", "EmptyStep", "ScalerSkips", "DoubleStep", "EvalMode",
+           "UpdateRatio", "ReplicaCheck", "StageCheck", "StaleGrad", "EmptyStep", "ScalerSkips", "Discarded", "DoubleStep", "EvalMode",
            "Unchanged", "DeadGrad", "LossGraph", "ScaledStep", "ForeignUpdate", "LrSchedule", "Ledger", "LedgerKeeper",
            "StepEntry", "ZeroRecorder", "ordered", "Launched", "Measured", "PackedSum", "GradientSource", "ZeroSource",
            "StageSummary", "Histograms", "StepAudit", "GradAudit"]
@@ -105,7 +105,7 @@ def default_checks(model: Any, options: Any, zero: Any = None) -> Parts:
     # non-finite gradient came from; those that do not declare it keep their place after it)
     checks += [StageSummary(), NonFiniteCheck(), StageCheck(), ExplodeCheck(), VanishCheck(), UpdateRatio(),
                ReplicaCheck(),
-               StaleGrad(), ManualStale(), EmptyStep(), ScalerSkips(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(), Rewound(), AdamEps(),
+               StaleGrad(), ManualStale(), EmptyStep(), ScalerSkips(), Discarded(), DoubleStep(), ScaledStep(), EvalMode(), Unchanged(), ForeignUpdate(), Rewound(), AdamEps(),
                LrSchedule(), DeadGrad(), StepAudit(), GradAudit(), ManualUnmoved(), ManualRule(), ManualDuring(),
                ModuleSetup(), ConstantLossTerm(), graph]
     return Parts(keeper, guard, recorder, graph, activations, ordered(checks))

@@ -23,6 +23,9 @@ a finding once, with the step, the parameters, the evidence and the likely fix:
   from small ("vanishing") gradients;
 - ``unused_param``: trainable parameters that never received a gradient while watched
   (found when the watch closes: `unused_anomaly`);
+- ``applied_grad``, also: each step applies only its last backward pass's gradients, the
+  passes before it (from the same ``backward()`` line) cleared by the next (`Discarded`:
+  ``zero_grad()`` inside a gradient-accumulation loop);
 - ``nonfinite``, also: a GradScaler that skips every step, its loss scale fallen below 1
   (`ScalerSkips`): the gradients are not finite at any scale, so no overflow explains it.
 """
@@ -42,7 +45,7 @@ from graddbg.checks.ledger import LedgerKeeper, StepEntry
 from graddbg.checks.recorder import StatsRecorder
 from graddbg.stats import local_values
 
-__all__ = ["StaleGrad", "EmptyStep", "ScalerSkips", "DoubleStep", "EvalMode", "Unchanged", "DeadGrad", "unused_anomaly", "PATIENCE"]
+__all__ = ["StaleGrad", "EmptyStep", "ScalerSkips", "Discarded", "DoubleStep", "EvalMode", "Unchanged", "DeadGrad", "unused_anomaly", "PATIENCE"]
 
 #: steps in a row (EmptyStep, Unchanged) or recorded steps (DeadGrad) before a finding
 PATIENCE = 3
@@ -225,6 +228,65 @@ class ScalerSkips(Check):
                f"a negative base, a division by 0). Fix: find it with graddbg.find_nonfinite(model) around one "
                f"step, and guard it (sqrt(x + eps), clamp).")
         return [_finding("nonfinite", bw.step, [], [], msg, self._det.policy, self.ctx.rank, value=scale)]
+
+
+class Discarded(PolicyCheck):
+    """``applied_grad``: steps that apply the gradients of their last backward pass only.
+    Several backward passes ran from one ``backward()`` line between two steps (the
+    micro-batches of an accumulation loop), each pass after the first found the gradient
+    the pass before had left set to None (``zero_grad()``'s default), and nothing replaced the gradients
+    before the step (a projection or a sum set by hand, as PCGrad or per-sample clipping
+    do, replaces them; a clip or an unscale changes them in place): the first passes' gradients were
+    thrown away. ``PATIENCE`` such steps in a row. Not judged: steps with a closure (L-BFGS
+    evaluates it several times, clearing each time), steps after weights were written since
+    the previous step (SAM's perturbed second pass). Host facts of the ledger only."""
+
+    STATE = ("_reported",)
+    KIND = "applied_grad"
+
+    after = (LedgerKeeper,)
+
+    def attach(self, ctx: Watched) -> None:
+        super().attach(ctx)
+        self._run: List[StepEntry] = []
+
+    def read(self, step: Step) -> List[Finding]:
+        e: Optional[StepEntry] = step.entry
+        if not self._on or self._reported or e is None:
+            return []
+        if step.closure or not _discarded(e):
+            self._run = []
+            return []
+        self._run.append(e)
+        if len(self._run) < PATIENCE:
+            return []
+        self._reported = True
+        first, passes = self._run[0].index, len(e.backwards)
+        line = e.backwards[0].line
+        msg = (f"graddbg: each step applied the gradients of its last backward pass only, at "
+               f"{_steps(first, step.index)}: {passes} backward passes ran from the same line ({line[0]}:{line[1]}) "
+               f"between one step and the next, and each pass after the first found the gradients the pass before "
+               f"had left set to None, so the first {passes - 1} passes' gradients were thrown away before the step "
+               f"(nothing replaced the gradients after the last pass). Likely cause: optimizer.zero_grad() inside "
+               f"the gradient-accumulation loop. Fix: call zero_grad() once per optimizer step, after step() or "
+               f"before the first micro-batch.")
+        return [_finding("applied_grad", step.index, [], [], msg, self._policy, self.ctx.rank,
+                         value=float(passes))]
+
+
+def _discarded(e: StepEntry) -> bool:
+    """Whether the step's passes came from one line and each cleared the one before, and
+    the gradients reached the step as the last pass left them, or changed in place (a clip,
+    an unscale), not replaced; no weight was written since the previous step."""
+    passes = e.backwards
+    if len(passes) < 2 or e.path not in ("optimizer", "scaler") or e.present is None or not e.present.any():
+        return False
+    if (e.replaced is not None and e.replaced.any()) or (e.outside is not None and e.outside.any()):
+        return False
+    line = passes[0].line
+    # (only None is evidence of a discarded gradient: one changed in place may have been scaled, by
+    # a clip inside the loop, as well as zeroed)
+    return line is not None and all(b.line == line for b in passes) and all(b.held == "none" for b in passes[1:])
 
 
 class DoubleStep(PolicyCheck):

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from graddbg._args import FUSED_WEIGHTS
 from graddbg._model import unwrap
+from graddbg._source import user_line
 from graddbg.checks.base import BackwardEnd, Check, Step, Watched
 from graddbg.stats import Retained
 
@@ -58,6 +59,9 @@ class Backward:
     held: str  #: the gradient it accumulated into: one of `HELD`
     grads: int  #: parameters with a gradient at its end
     lrs: Tuple[float, ...] = ()  #: each param group's learning rate at its end
+    #: (file, line) of the user's ``backward()`` call, when the pass ran on the thread that made
+    #: it (None: another thread, as CUDA's backward passes run)
+    line: Optional[Tuple[str, int]] = None
 
 
 @dataclasses.dataclass
@@ -71,6 +75,8 @@ class StepEntry:
     backwards: List[Backward] = dataclasses.field(default_factory=list)
     #: per parameter: its gradient was replaced or changed in place after the last backward pass
     changed: Optional[np.ndarray] = None
+    #: per parameter: its gradient is another tensor than the last backward pass left (set by hand)
+    replaced: Optional[np.ndarray] = None
     present: Optional[np.ndarray] = None  #: per parameter: a gradient at the step
     same_as_last_step: Optional[np.ndarray] = None  #: per parameter: the very gradient the previous step had
     lrs: Tuple[float, ...] = ()  #: each param group's learning rate at the step
@@ -385,7 +391,8 @@ class LedgerKeeper(Check):
         opt = self.ctx.optimizer
         e.backwards.append(Backward(self._held if self.ledger.probe is not None else "-",
                                     sum(g is not None for g in grads),
-                                    tuple(_lr(g) for g in opt.param_groups) if opt is not None else ()))
+                                    tuple(_lr(g) for g in opt.param_groups) if opt is not None else (),
+                                    user_line(2)))
         # (accumulation: the next backward pass of this step finds the gradient kept)
         self._after = self._probe_state()
         self._bw_ids = _ids(grads)
@@ -405,7 +412,8 @@ class LedgerKeeper(Check):
         ids = _ids(grads)
         now = versions(grads)
         if self._bw_versions is not None and len(self._bw_versions) == len(grads) and e.backwards:
-            e.changed = e.present & ((now != self._bw_versions) | (ids != self._bw_ids))
+            e.replaced = e.present & (ids != self._bw_ids)
+            e.changed = e.replaced | (e.present & (now != self._bw_versions))
         if self._step_versions is not None and len(self._step_versions) == len(grads):
             e.same_as_last_step = e.present & (now == self._step_versions) & (ids == self._step_ids)
         self._step_ids, self._step_versions = ids, now
