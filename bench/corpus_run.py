@@ -222,7 +222,7 @@ def _summary(t: Dict[str, Any], split: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--split", choices=("dev", "heldout", "all"), default="dev")
+    parser.add_argument("--split", choices=corpus.SPLITS, default="dev")
     parser.add_argument("--json", type=pathlib.Path, default=None, help="write the rows here")
     parser.add_argument("--no-graddbg", action="store_true",
                         help="run unwatched; check only that the bugs manifest")

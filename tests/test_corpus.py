@@ -64,6 +64,31 @@ def test_corpus_sizes_of_issue_39():
     assert {corpus.CASES[n].family for n in held} == set(mechanisms.MECHANISMS)
 
 
+def test_third_corpus_is_a_fresh_held_out_half():
+    """The third corpus (issue 39, point 5): at least 40 cases, all held out (``heldout3``),
+    each in the module of its mechanism, every mechanism in it, no name shared with the
+    other corpora, and none of its names in a file detection code was written against."""
+    from corpus import mech3, mech_dev
+
+    assert len(corpus.THIRD) >= 40
+    assert {corpus.SPLIT[n] for n in corpus.THIRD} == {"heldout3"}
+    for module, cases in mech3.MODULES.items():
+        assert module in mechanisms.MECHANISMS, module
+        assert all(c.family == module for c in cases), module
+    assert set(mech3.MODULES) == set(mechanisms.MECHANISMS)
+    assert not corpus.THIRD & (corpus.FIRST | corpus.SECOND)
+    assert len(corpus.THIRD) == len(mech3.CASES)  # (no name given twice inside it)
+    dev_text = "".join((BENCH / "corpus").joinpath(p).read_text() for p in
+                       ["dev.py", *(f"mech_dev/{m}.py" for m in mech_dev.MODULES)])
+    assert not [n for n in corpus.THIRD if f'"{n}"' in dev_text]
+
+
+def test_no_corpus_file_imports_graddbg():
+    for path in (BENCH / "corpus").rglob("*.py"):
+        text = path.read_text()
+        assert "import graddbg" not in text and "from graddbg" not in text, path
+
+
 def test_split_covers_exactly_the_registry():
     assert set(corpus.SPLIT) == set(corpus.CASES)
     assert len(corpus.CASES) >= 34
