@@ -558,3 +558,27 @@ def test_lbfgs_closure_evaluations_are_not_discarded_passes():
         for _ in range(5):
             opt.step(closure)
     assert not [a for a in w.anomalies if a.kind == "applied_grad"], [a.message for a in w.anomalies]
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.5])
+def test_gradients_clipped_to_zero_before_every_step_are_empty_steps(max_norm):
+    """clip_grad_norm_(max_norm=0), meant as "no clipping", multiplies every gradient by 0:
+    non-zero where backward ended, exactly zero at the step. A real clip stays silent."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt, empty_step="record") as w:
+            for _ in range(6):
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                opt.step()
+    found = [a for a in w.anomalies if a.kind == "empty_step"]
+    if max_norm:
+        assert not w.anomalies, [a.message for a in w.anomalies]
+        return
+    assert len(found) == 1 and found[0].step == PATIENCE - 1, [a.message for a in w.anomalies]
+    assert "multiplied to exactly 0 before the step" in found[0].message and "max of 0" in found[0].message

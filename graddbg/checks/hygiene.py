@@ -134,7 +134,9 @@ class EmptyStep(PolicyCheck):
             return []
         none = e.present is not None and not e.present.any()
         zero = step.stats is not None and bool(step.stats.has_grad.any()) and step.stats.global_norm == 0.0
-        if not (none or (zero and e.backwards)):
+        # (non-zero where backward ended, exactly zero at the step: made zero in between, a clip to 0)
+        cut = step.stats is not None and step.stats.global_norm > 0.0 and step.clipped_norm == 0.0
+        if not (none or ((zero or cut) and e.backwards)):
             self._run = []
             self._ever = self._ever or bool(e.backwards)
             return []
@@ -156,6 +158,12 @@ class EmptyStep(PolicyCheck):
             why = ("no backward pass ran between these steps, and the gradients had been cleared. Likely cause: "
                    "step() before backward() (or backward() skipped). Fix: call loss.backward() before "
                    "optimizer.step() in every step")
+        elif cut:
+            why = (f"the backward pass before each of them made non-zero gradients (global norm "
+                   f"{step.stats.global_norm:.4g} when it ended), and they were multiplied to exactly 0 before the "
+                   f"step (global norm 0 at the step). Likely cause: clip_grad_norm_ (or clip_grad_value_) with a "
+                   f"max of 0, meant as 'no clipping', which scales every gradient by 0. Fix: skip the clip when "
+                   f"the max is 0 (or pass float('inf'))")
         else:
             why = (f"backward passes computed gradients before each of them ({', '.join(map(str, backwards))}), "
                    f"but they were {'set to None' if none else 'zeroed'} before the step. Likely cause: "
