@@ -35,6 +35,8 @@ from graddbg.anomaly import Anomaly, AnomalyList, Explode, NonFinite, Vanish, ap
 from graddbg.blame import Capture, LossTape, reap
 from graddbg.checks.hygiene import fact_anomaly, unused_anomaly, unused_facts
 from graddbg.checks import BackwardEnd, Check, Finding, Ledger, Step, Watched, default_checks
+from graddbg.checks.base import finding, shown
+from graddbg.checks.ledger import param_versions
 from graddbg.options import COPY_BUDGET, UPDATE_EVERY, WatchOptions, options_in_signature
 from graddbg.stats import DEFAULT_STATS, History
 from graddbg.trackers import Sink
@@ -233,22 +235,75 @@ class _OutputTap:
             reap()
 
 
-def _check_optimizer(ctx: Watched) -> None:
-    """An optimizer that holds none of the model's trainable parameters is a usage error."""
+def _check_optimizer(ctx: Watched) -> Optional[str]:
+    """What an optimizer that holds none of the model's trainable parameters holds instead:
+    ``"copies"`` (tensors of the same shapes and dtypes: another instance of the model, or a
+    deep copy made apart from the optimizer's), ``"masters"`` (the same shapes in another
+    dtype: master copies of the weights, as hand-written mixed precision keeps them), or an
+    error (anything else is a usage error); None when it holds the model's parameters."""
     opt = ctx.optimizer
-    if opt is None or not ctx.params:
-        return
-    if ctx.held_by_optimizer() is None:
-        held = [p for g in opt.param_groups for p in g["params"]]
-        mine = sorted((tuple(p.shape), str(p.dtype)) for p in ctx.params)
-        copies = len(held) == len(ctx.params) and sorted(tuple(p.shape) for p in held) == [s for s, _ in mine] \
-            and {str(p.dtype) for p in held} != {d for _, d in mine}
-        hint = (f"; it holds {len(held)} tensors of the same shapes in {held[0].dtype} (master copies of the "
-                f"weights?): then watch(model) without the optimizer, each backward pass a step" if copies else "")
-        raise GraddbgValueError(
-            f"watch(optimizer=...): {type(opt).__name__} holds none of the model's {len(ctx.params)} "
-            f"trainable parameters; pass the optimizer built from this model's parameters "
-            f"(e.g. {type(opt).__name__}(model.parameters(), ...)){hint}")
+    if opt is None or not ctx.params or ctx.held_by_optimizer() is not None:
+        return None
+    held = [p for g in opt.param_groups for p in g["params"]]
+    mine = sorted((tuple(p.shape), str(p.dtype)) for p in ctx.params)
+    if len(held) == len(ctx.params) and sorted(tuple(p.shape) for p in held) == [s for s, _ in mine]:
+        return "copies" if sorted((tuple(p.shape), str(p.dtype)) for p in held) == mine else "masters"
+    raise GraddbgValueError(
+        f"watch(optimizer=...): {type(opt).__name__} holds none of the model's {len(ctx.params)} "
+        f"trainable parameters; pass the optimizer built from this model's parameters "
+        f"(e.g. {type(opt).__name__}(model.parameters(), ...))")
+
+
+class _Apart:
+    """An optimizer over tensors apart from the model's (`_check_optimizer`): the watch goes on
+    as ``watch(model)`` (each backward pass a step), and this hook on the optimizer's step says
+    what that means. Copies of the same dtype: the model the loss is computed with is not the
+    one being trained (``orphan_param``, at once). Master copies in another dtype: healthy as
+    long as they are written back; ``orphan_param`` once the optimizer stepped ``PATIENCE``
+    times and no weight of the model changed since the watch began (host version counters)."""
+
+    PATIENCE = 3
+
+    def __init__(self, what: str, opt: Any, ctx: Watched, apply: Callable[[List[Finding]], None],
+                 index: Callable[[], int]) -> None:
+        self.what, self.opt, self.ctx, self._apply, self._index = what, opt, ctx, apply, index
+        self._versions = param_versions(ctx.params)
+        self._steps = 0
+        self._done = False
+
+    def first(self) -> List[Finding]:
+        if self.what != "copies":
+            return []
+        self._done = True
+        held = [p for g in self.opt.param_groups for p in g["params"]]
+        msg = (f"graddbg: the optimizer trains another copy of the model: {type(self.opt).__name__} holds none of the "
+               f"model's {len(self.ctx.params)} trainable parameters, but {len(held)} other tensors of exactly their "
+               f"shapes and dtypes. The parameters the loss reaches ({shown(list(self.ctx.names))}) get gradients "
+               f"that no param group holds, and the tensors it steps are not in the model watched. Likely cause: "
+               f"the model was built twice (or deep-copied apart from its optimizer: copy.deepcopy(optimizer) copies "
+               f"the parameters it holds). Fix: build the optimizer from the parameters of the model you train "
+               f"(SGD(model.parameters(), ...)) after the model is final. The watch goes on as watch(model).")
+        return [finding("orphan_param", 0, list(self.ctx.names), list(self.ctx.modules), msg,
+                        self.ctx.options.orphan_param, self.ctx.rank)]
+
+    def stepped(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if self._done or self.ctx.options.orphan_param is None:
+            return
+        if (param_versions(self.ctx.params) != self._versions).any():
+            self._done = True  # (the copies are written back: nothing to say)
+            return
+        self._steps += 1
+        if self._steps < self.PATIENCE:
+            return
+        self._done = True
+        dtype = next(p for g in self.opt.param_groups for p in g["params"]).dtype
+        msg = (f"graddbg: the model is not trained: {type(self.opt).__name__} steps {len(self.ctx.params)} master "
+               f"copies of its weights in {dtype} (no param group holds the model's own parameters), it has stepped "
+               f"{self._steps} times, and no weight of the model has changed since the watch began (their version "
+               f"counters have not moved). Likely cause: the updated copies are never written back into the model. "
+               f"Fix: copy them back after each step (with torch.no_grad(): p.copy_(master)).")
+        self._apply([finding("orphan_param", self._index(), list(self.ctx.names),
+                             list(self.ctx.modules), msg, self.ctx.options.orphan_param, self.ctx.rank)])
 
 
 def _meta(opts: WatchOptions, ctx: Watched) -> Dict[str, Any]:
@@ -645,8 +700,8 @@ class StepPipeline:
             warnings.warn(f"graddbg.watch: {type(model).__name__} has no trainable parameter (none requires "
                           f"grad), so nothing will be recorded until one is unfrozen "
                           f"({len(self._frozen)} frozen).", CoverageWarning, stacklevel=3)
-        if zero is None:  # (ZeRO replaced the optimizer's param groups with its flat partitions)
-            _check_optimizer(ctx)
+        # (ZeRO replaced the optimizer's param groups with its flat partitions)
+        self._apart = self._apart_optimizer(_check_optimizer(ctx) if zero is None else None)
         self.meta = _meta(opts, ctx)
         if opts.log_to is not None:  # ("wandb" / "mlflow" without an active run: an error now)
             self._sink = Sink(opts.log_to, ctx.names, opts.log_detail)
@@ -657,8 +712,7 @@ class StepPipeline:
                             active=lambda: not ctx.replaying, stepped=ctx.optimizer is not None or zero is not None,
                             bound=opts.ddp_timeout.total_seconds() if opts.ddp_timeout is not None else None)
         self._tap = _OutputTap(opts.localise, self._queue_end_of_backward, self._alive, self._on_output_grad)
-        self._cb_queued = False
-        self._scaler_looked = False
+        self._cb_queued = self._scaler_looked = False
         self._errors_warned: set = set()
         try:
             parts = default_checks(model, opts, zero)  # (zero: ZeRO's reduced partitions, not .grad)
@@ -675,6 +729,28 @@ class StepPipeline:
             self._detach()
             raise
         self.closed = False
+        self._begin_apart()
+
+    def _apart_optimizer(self, what: Optional[str]) -> Optional[_Apart]:
+        """An optimizer over copies of the weights (`_check_optimizer`): the watch goes on as
+        ``watch(model)``, and `_Apart` hooks the optimizer's step."""
+        if what is None:
+            return None
+        apart = _Apart(what, self.ctx.optimizer, self.ctx, self._apply, lambda: self.clock.index)
+        self.ctx.amend(optimizer=None)
+        return apart
+
+    def _begin_apart(self) -> None:
+        if self._apart is None:
+            return
+        self.meta["optimizer"], self.meta["optimizer_holds"] = type(self._apart.opt).__name__, self._apart.what
+        try:
+            self.ctx.hooks.add(self._apart.opt.register_step_post_hook(self._apart.stepped))
+            self._apply(self._apart.first())
+        except BaseException:  # (a policy that raises: nothing of the watch is left behind)
+            self.closed = True
+            self._detach()
+            raise
 
     def _attach(self) -> None:
         ctx = self.ctx

@@ -763,7 +763,7 @@ def test_good_options_are_normalised():
 
 def test_optimizer_of_another_model_is_refused():
     model = nn.Linear(2, 2)
-    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    other = torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1)
     with pytest.raises(ValueError, match="holds none of the model's 2 trainable parameters"):
         graddbg.watch(model, other)
     with pytest.raises(TypeError, match=r"optimizer=...\): got str, expected a torch.optim.Optimizer"):
@@ -985,10 +985,55 @@ def test_a_watch_does_not_walk_the_heap_for_pipeline_stages_without_a_process_gr
     assert len(w.stats) == 2
 
 
-def test_an_optimizer_over_master_copies_is_refused_with_what_to_do():
-    model = nn.Linear(2, 2).half()
+def _masters(write_back, steps=5):
+    """Hand-written mixed precision: a bfloat16 model, fp32 master copies in the optimizer,
+    gradients copied to the masters, and (or not) the masters written back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(torch.bfloat16)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    with pytest.raises(ValueError, match=r"holds none of the model's 2 trainable parameters.*; it holds 2 tensors of "
-                                         r"the same shapes in torch.float32 \(master copies of the weights\?\): then "
-                                         r"watch\(model\) without the optimizer"):
-        graddbg.watch(model, torch.optim.SGD(master, lr=0.1))
+    opt = torch.optim.SGD(master, lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt) as w:
+            for _ in range(steps):
+                model.zero_grad()
+                F.mse_loss(model(x.bfloat16()).float(), y).backward()
+                for m, p in zip(master, model.parameters()):
+                    m.grad = p.grad.float()
+                opt.step()
+                if write_back:
+                    with torch.no_grad():
+                        for m, p in zip(master, model.parameters()):
+                            p.copy_(m)
+    return w
+
+
+def test_an_optimizer_over_master_copies_is_watched_as_the_model_alone():
+    """The optimizer steps fp32 copies of a bf16 model's weights: healthy while the copies
+    are written back; named once the model's weights never change."""
+    w = _masters(True)
+    assert w.anomalies == [], [a.message for a in w.anomalies]
+    assert w.meta["optimizer_holds"] == "masters" and len(w.stats) == 4 * 5  # (4 parameters, 5 steps)
+    w = _masters(False)
+    found = [a for a in w.anomalies if a.kind == "orphan_param"]
+    assert len(found) == 1 and "master copies of its weights in torch.float32" in found[0].message, w.anomalies
+    assert "never written back" in found[0].message
+
+
+def test_an_optimizer_over_a_copy_of_the_model_is_named_at_once():
+    model = nn.Linear(2, 2)
+    copy = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)  # (the model built twice)
+    with pytest.warns(graddbg.GraddbgWarning, match="trains another copy of the model"):
+        with graddbg.watch(model, copy) as w:
+            for _ in range(3):
+                copy.zero_grad()
+                model(torch.randn(4, 2)).sum().backward()
+                copy.step()
+    assert [a.kind for a in w.anomalies][:1] == ["orphan_param"] and w.anomalies[0].step == 0
+    assert w.meta["optimizer_holds"] == "copies"
+    before = dict(model.named_parameters())
+    with pytest.raises(graddbg.GradientAnomalyError, match="another copy"):
+        graddbg.watch(model, copy, orphan_param="raise")
+    assert all(not h for p in before.values() for h in [getattr(p, "_post_accumulate_grad_hooks", None)])
+    assert not model._forward_hooks and not model._forward_pre_hooks
