@@ -294,6 +294,56 @@ def test_hidden_parameters_are_found_and_twins_silent(cls, where):
     assert _kinds(_run(twin, opt, _standard(twin, opt), steps=3)) == []
 
 
+class _Cast(nn.Module):
+    """An output scale and shift from float64 arrays, wrapped then cast (the bug) or cast then
+    wrapped (the twin)."""
+
+    def __init__(self, registered: bool, cast=lambda t: t.float()):
+        super().__init__()
+        self.body = nn.Linear(8, 2)
+        scale, shift = torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        if registered:
+            self.scale, self.shift = nn.Parameter(cast(scale)), nn.Parameter(cast(shift))
+        else:
+            self.scale, self.shift = cast(nn.Parameter(scale)), cast(nn.Parameter(shift))
+
+    def forward(self, x):
+        return torch.tanh(self.body(x)) * self.scale + self.shift
+
+
+@pytest.mark.parametrize("cast", [lambda t: t.float(), lambda t: t.to(torch.float32)], ids=["float", "to"])
+def test_a_parameter_cast_after_wrapping_is_named_and_its_twin_silent(cast):
+    torch.manual_seed(0)
+    buggy = _Cast(False, cast)
+    opt = torch.optim.SGD(buggy.parameters(), lr=0.05)
+    w = _run(buggy, opt, _standard(buggy, opt), steps=3)
+    hidden = [a for a in w.anomalies if a.kind == "hidden_param"]
+    assert len(hidden) == 1 and set(hidden[0].params) == {"scale", "shift"}, [a.message for a in w.anomalies]
+    assert "made by ToCopy" in hidden[0].message and "nn.Parameter(t.float())" in hidden[0].message
+    torch.manual_seed(0)
+    twin = _Cast(True, cast)
+    opt = torch.optim.SGD(twin.parameters(), lr=0.05)
+    assert _kinds(_run(twin, opt, _standard(twin, opt), steps=3)) == []
+
+
+def test_a_weight_computed_in_forward_from_a_registered_parameter_is_not_a_lost_one():
+    """A module attribute computed from a parameter that the model does register (a weight
+    normalised in forward, kept for reuse) is not a cast of a lost one."""
+    class _Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 2)
+
+        def forward(self, x):
+            self.w = self.body.weight / self.body.weight.norm()
+            return x @ self.w.t() + self.body.bias
+
+    torch.manual_seed(0)
+    model = _Normed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    assert _kinds(_run(model, opt, _standard(model, opt), steps=3)) == []
+
+
 # --------------------------------------------------------------------------- dead_grad since the first step
 def test_gradients_dead_from_initialisation_are_found():
     model = _mlp()

@@ -426,7 +426,10 @@ class LossGraph(Check):
         held = _held_tensors(root)
         out = [(where, tuple(strays[i].shape)) for i, where in held.items()
                if i in strays and where not in self._reported]
-        loose = [v for i, v in strays.items() if isinstance(v, nn.Parameter) and i not in now and i not in held]
+        casts = _held_casts(root, strays)
+        self._found += [("hidden_cast", c) for c in casts.values() if c[0] not in self._reported]
+        loose = [v for i, v in strays.items() if isinstance(v, nn.Parameter) and i not in now and i not in held
+                 and i not in casts]
         # parameters that are neither the model's nor held by it: another model's (a GAN's other
         # network: the same tensors at every pass that has them), or made anew in each forward pass
         if loose:
@@ -459,6 +462,10 @@ class LossGraph(Check):
             out.append(self._pattern_finding(step.index, list(dict.fromkeys(patterns))))
         hidden = list(dict.fromkeys(h for kind, h in found if kind == "hidden_param" and h[0] not in self._reported))
         made = [shapes for kind, shapes in found if kind == "made_in_forward"]
+        casts = list(dict.fromkeys(c for kind, c in found if kind == "hidden_cast" and c[0] not in self._reported))
+        if casts and self._policies["hidden_param"] is not None:
+            self._reported.update(c[0] for c in casts)
+            out.append(self._cast_finding(step.index, casts))
         if made and "<made in forward>" not in self._reported and self._policies["hidden_param"] is not None:
             self._reported.add("<made in forward>")
             out.append(self._made_finding(step.index, made[0]))
@@ -482,6 +489,16 @@ class LossGraph(Check):
                             f"kl_div expects log-probabilities as its input, so the loss can go below 0 and does "
                             f"not measure the divergence", "pass F.log_softmax(x, dim) as kl_div's input"))
         return out[:1]
+
+    def _cast_finding(self, index: int, casts: List[Tuple[str, str, Tuple[int, ...]]]) -> Finding:
+        shown_ = ", ".join(f"{w} (shape {tuple(sh)}, made by {op})" for w, op, sh in casts[:6])
+        msg = (f"graddbg: parameters registered nowhere, at step {index}: the model holds {shown_}, the result of an "
+               f"op on an nn.Parameter, not the Parameter: the loss's gradients reach that Parameter, but it belongs "
+               f"to no module (model.parameters() does not list it), so the optimizer never updates it. Likely "
+               f"cause: a cast after wrapping, as in nn.Parameter(t).float() or nn.Parameter(t).to(device), which "
+               f"return a plain tensor. Fix: cast before wrapping: nn.Parameter(t.float()).")
+        return finding("hidden_param", index, [c[0] for c in casts], [], msg, self._policies["hidden_param"],
+                       self.ctx.rank)
 
     def _made_finding(self, index: int, shapes: Tuple[Tuple[int, ...], ...]) -> Finding:
         shown = ", ".join(str(x) for x in shapes[:6])
@@ -549,6 +566,25 @@ def _held_tensors(root: nn.Module) -> Dict[int, str]:
                 continue
             for where, t in _tensors_in(v, prefix + attr):
                 out.setdefault(id(t), where)
+    return out
+
+
+def _held_casts(root: nn.Module, strays: Dict[int, Tensor]) -> Dict[int, Tuple[str, str, Tuple[int, ...]]]:
+    """``{id(parameter): (where, op, shape)}`` for the tensor attributes of the model's modules
+    computed from a parameter that is among ``strays`` (registered nowhere) by one or two ops
+    (``nn.Parameter(t).float()``: the module holds the cast, the Parameter is lost)."""
+    out: Dict[int, Tuple[str, str, Tuple[int, ...]]] = {}
+    for mname, m in root.named_modules():
+        for attr, v in vars(m).items():
+            fn = getattr(v, "grad_fn", None) if isinstance(v, Tensor) and not attr.startswith("_") else None
+            if fn is None:
+                continue
+            op = _name(fn).replace("Backward0", "").replace("Backward1", "")
+            for node in (fn, *(n for n, _ in fn.next_functions if n is not None)):
+                for leaf, _ in node.next_functions:
+                    var = getattr(leaf, "variable", None) if leaf is not None else None
+                    if var is not None and id(var) in strays and isinstance(var, nn.Parameter):
+                        out.setdefault(id(var), (f"{mname}.{attr}" if mname else attr, op, tuple(v.shape)))
     return out
 
 
