@@ -807,3 +807,28 @@ def test_adam_on_fp16_weights_is_judged_only_for_lost_updates():
     model = _model(torch.float16)
     w, losses = _train(model, torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4), dtype=torch.float16)
     assert _audits(w) == [] and all(math.isfinite(v) for v in losses)
+
+
+def test_an_optimizer_stepped_in_backward_is_healthy():
+    """torch's own pattern (fusing the optimizer step into the backward pass): each parameter's
+    post-accumulate-grad hook steps its optimizer and clears its gradient. The weights are
+    written inside the backward pass by design: no finding, and a coverage note instead of
+    "never received a gradient"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opts = {p: torch.optim.SGD([p], lr=0.05) for p in model.parameters()}
+
+    def hook(p):
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(graddbg.CoverageWarning, match="stepped inside the backward pass"):
+        with graddbg.watch(model) as w:
+            for _ in range(12):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+    assert w.anomalies == [], [a.message for a in w.anomalies]
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))

@@ -317,8 +317,9 @@ class ManualDuring(_Table):
     of the model begins (within the weight budget's size) and compared on the device when
     the backward pass ends; the flags and the sizes ride its read-back. One such interval
     is evidence enough (the values differ). Not looked at: an ``nn.Embedding`` with
-    ``max_norm`` (it renormalises its rows in place in forward, by design), parameters in
-    shared memory (Hogwild), several processes."""
+    ``max_norm`` (it renormalises its rows in place in forward, by design), parameters with
+    post-accumulate-grad hooks of the user's (an optimizer stepped in backward), parameters
+    in shared memory (Hogwild), several processes."""
 
     STATE = ("_reported",)
     KIND = "update_rule"
@@ -332,11 +333,11 @@ class ManualDuring(_Table):
         self._on = self._on and ctx.optimizer is None and bool(ctx.params) and ctx.world_size <= 1
         self._next = 0  # the step the next backward pass ends (each one is a step here)
         self._snap: Optional[Tuple[int, List[int], List[Tensor]]] = None  # (step, ix, weights)
-        self._skip = _renormed(ctx) if self._on else set()
+        self._skip = _renormed(ctx) | _hooked(ctx) if self._on else set()
 
     def params_added(self, k: int) -> None:
         self._snap = self._table = None
-        self._skip = _renormed(self.ctx)
+        self._skip = _renormed(self.ctx) | _hooked(self.ctx)
 
     def on_forward(self, fwd: Any) -> None:
         if not self._on or self._reported or not STEP_AUDIT.includes(self._next):
@@ -390,6 +391,13 @@ class ManualDuring(_Table):
 
     def close(self) -> None:
         self._snap = self._table = None
+
+
+def _hooked(ctx: Watched) -> set:
+    """The watched indices of parameters with post-accumulate-grad hooks of the user's (taken
+    before graddbg adds its own): an optimizer stepped in the backward pass writes them there,
+    by design."""
+    return {i for i, p in enumerate(ctx.params) if getattr(p, "_post_accumulate_grad_hooks", None)}
 
 
 def _renormed(ctx: Watched) -> set:
