@@ -235,10 +235,11 @@ class _OutputTap:
             reap()
 
 
-def _stepped_in_backward(p: Tensor) -> bool:
-    """Whether the user gave ``p`` a post-accumulate-grad hook (before graddbg's): the pattern
-    of an optimizer stepped in the backward pass, one parameter at a time."""
-    return bool(getattr(p, "_post_accumulate_grad_hooks", None))
+def _stepped_in_backward(ctx: Watched) -> set:
+    """The names of the parameters the user gave post-accumulate-grad hooks (before graddbg
+    adds its own): the pattern of an optimizer stepped in the backward pass, one parameter at
+    a time."""
+    return {n for n, p in zip(ctx.names, ctx.params) if getattr(p, "_post_accumulate_grad_hooks", None)}
 
 
 def _check_optimizer(ctx: Watched) -> Optional[str]:
@@ -701,9 +702,7 @@ class StepPipeline:
         ctx.ledger = Ledger(opts.history)
         ctx.alive, ctx.read_scale = self._alive, lambda: scale_of(self.options.scaler)
         ctx.adopt_scaler = self._adopt_scaler
-        self._frozen = _frozen_parameters(model, ctx.params)
-        # (parameters stepped inside the backward pass by hooks of their own: an optimizer in backward)
-        self._in_backward = {n for n, p in zip(ctx.names, ctx.params) if _stepped_in_backward(p)}
+        self._frozen, self._in_backward = _frozen_parameters(model, ctx.params), _stepped_in_backward(ctx)
         if not ctx.params:
             warnings.warn(f"graddbg.watch: {type(model).__name__} has no trainable parameter (none requires "
                           f"grad), so nothing will be recorded until one is unfrozen "
