@@ -832,3 +832,36 @@ def test_an_optimizer_stepped_in_backward_is_healthy():
                 torch.nn.functional.mse_loss(model(x), y).backward()
     assert w.anomalies == [], [a.message for a in w.anomalies]
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def _spent_loop(keep_generator, steps=12):
+    """A hand-written SGD loop over ``params``: a generator kept across steps (spent after its
+    first pass: the bug) or model.parameters() anew each step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    params = model.parameters()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model) as w:
+            for _ in range(steps):
+                model.zero_grad()
+                ((model(x) - y) ** 2).mean().backward()
+                with torch.no_grad():
+                    for p in (params if keep_generator else model.parameters()):
+                        p -= 0.05 * p.grad
+    return [a for a in w.anomalies if a.kind == "update_rule"], w
+
+
+def test_a_hand_written_update_that_stops_is_named():
+    found, _ = _spent_loop(True)
+    assert len(found) == 1 and found[0].step == 2, [a.message for a in found]
+    msg = found[0].message
+    assert "stopped: the weights moved in the interval after step 0" in msg and "steps 1 and 2" in msg, msg
+    assert "a generator, spent after one pass" in msg
+
+
+def test_a_hand_written_update_that_goes_on_is_silent():
+    found, w = _spent_loop(False)
+    assert found == [] and not w.anomalies, [a.message for a in w.anomalies]

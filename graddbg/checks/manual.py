@@ -239,7 +239,10 @@ class ManualRule(_Table):
     budget's size); when the next one ends, each parameter's change ``d`` is fitted on the
     device as ``a * grad + b * w``. Named when the fit is exact (a residual under `FIT`) and
     ``b > 0`` moves the weights by at least `GROWTH` of the step, in two audited intervals in
-    a row; an update that the fit does not explain (momentum, Adam) is not judged."""
+    a row; an update that the fit does not explain (momentum, Adam) is not judged. A step up
+    the gradient (``a > 0``) is a rule too (REINFORCE written by hand). Also named: the update
+    stopped, no weight changed at all in two audited intervals in a row after one in which
+    they moved, though each backward pass made gradients (`_stopped`)."""
 
     STATE = ("_reported",)
     KIND = "update_rule"
@@ -253,6 +256,8 @@ class ManualRule(_Table):
         self._on = self._on and ctx.optimizer is None and bool(ctx.params)
         self._snap: Optional[Tuple[int, List[int], List[Tensor], List[Tensor]]] = None  # (step, ix, weights, grads)
         self._grew: Optional[Tuple[int, set]] = None  # the last judged interval's growing parameters
+        self._moved_at: Optional[int] = None  # the last audited interval in which weights moved
+        self._still: List[int] = []  # the audited intervals since, in a row, in which none moved
 
     def params_added(self, k: int) -> None:
         self._snap = self._table = self._grew = None
@@ -287,6 +292,9 @@ class ManualRule(_Table):
             ab = _growth(dd, dg, gg, dw, gw, ww)
             if ab is not None:
                 grew[i] = ab
+        found = self._stopped(at, moved, ix)
+        if found:
+            return found
         last, self._grew = self._grew, ((at, set(grew)) if moved else self._grew)
         both = sorted(set(grew) & last[1]) if last is not None and last[0] == at - 1 else []
         if not both:
@@ -302,6 +310,28 @@ class ManualRule(_Table):
                f"w -= lr * (grad + wd * w).")
         return [finding("update_rule", at, names, [self.ctx.modules[i] for i in both], msg, self._policy,
                         self.ctx.rank, value=b)]
+
+    def _stopped(self, at: int, moved: bool, ix: List[int]) -> List[Finding]:
+        """The update stopped: no weight changed in two audited intervals in a row, after an
+        earlier one in which they moved, while each backward pass made gradients."""
+        if moved:
+            self._moved_at, self._still = at, []
+            return []
+        if self._moved_at is None:
+            return []
+        self._still = [x for x in self._still if x == at - 1] + [at]
+        if len(self._still) < 2:
+            return []
+        self._reported = True
+        names = [self.ctx.names[i] for i in ix]
+        msg = (f"graddbg: the update of a hand-written loop (no optimizer) stopped: the weights moved in the interval "
+               f"after step {self._moved_at}, and in the intervals after steps {self._still[0]} and {at} none of "
+               f"{shown(names)} changed at all, though each backward pass made gradients for them. Likely cause: the "
+               f"update loops over something that is empty after its first use (params = model.parameters() kept "
+               f"across steps: a generator, spent after one pass), or the update is skipped. Fix: loop over "
+               f"model.parameters() anew at each step (or keep list(model.parameters())).")
+        return [finding("update_rule", at, names, [self.ctx.modules[i] for i in ix], msg, self._policy,
+                        self.ctx.rank)]
 
     def close(self) -> None:
         self._snap = self._table = None
@@ -416,16 +446,23 @@ def _fit_numbers(d: Tensor, g: Tensor, w: Tensor) -> Tensor:
     return torch.stack([(d * d).sum(), (d * g).sum(), (g * g).sum(), (d * w).sum(), (g * w).sum(), (w * w).sum()])
 
 
-def _growth(dd: float, dg: float, gg: float, dw: float, gw: float, ww: float) -> Optional[Tuple[float, float]]:
-    """(a, b) when the change ``d`` is exactly ``a * grad + b * w`` (a residual under `FIT`)
-    with a growth term ``b * w`` over `GROWTH` of the change; None otherwise."""
+def _fit(dd: float, dg: float, gg: float, dw: float, gw: float, ww: float) -> Optional[Tuple[float, float]]:
+    """(a, b) when the change ``d`` is exactly ``a * grad + b * w`` (a residual under `FIT`);
+    None otherwise, or when the gradient lies along the weights (a and b not told apart)."""
     if not all(map(math.isfinite, (dd, dg, gg, dw, gw, ww))) or dd == 0 or gg == 0 or ww == 0:
         return None
     det = gg * ww - gw * gw
     if det <= 1e-12 * gg * ww:
-        return None  # (the gradient is along the weights: a and b are not told apart)
-    a, b = (dg * ww - dw * gw) / det, (dw * gg - dg * gw) / det
-    if dd - (a * dg + b * dw) > FIT ** 2 * dd or b <= 0 or b * math.sqrt(ww) < GROWTH * math.sqrt(dd):
         return None
-    return a, b
+    a, b = (dg * ww - dw * gw) / det, (dw * gg - dg * gw) / det
+    return None if dd - (a * dg + b * dw) > FIT ** 2 * dd else (a, b)
+
+
+def _growth(dd: float, dg: float, gg: float, dw: float, gw: float, ww: float) -> Optional[Tuple[float, float]]:
+    """(a, b) when the change ``d`` is exactly ``a * grad + b * w`` with a growth term
+    ``b * w`` over `GROWTH` of the change; None otherwise."""
+    ab = _fit(dd, dg, gg, dw, gw, ww)
+    if ab is None or ab[1] <= 0 or ab[1] * math.sqrt(ww) < GROWTH * math.sqrt(dd):
+        return None
+    return ab
 
