@@ -83,6 +83,23 @@ def test_third_corpus_is_a_fresh_held_out_half():
     assert not [n for n in corpus.THIRD if f'"{n}"' in dev_text]
 
 
+def test_fourth_corpus_is_a_fresh_held_out_half():
+    """The fourth corpus: the same as the third, mined after the third was run and spent."""
+    from corpus import mech4, mech_dev
+
+    assert len(corpus.FOURTH) >= 40
+    assert {corpus.SPLIT[n] for n in corpus.FOURTH} == {"heldout4"}
+    for module, cases in mech4.MODULES.items():
+        assert module in mechanisms.MECHANISMS, module
+        assert all(c.family == module for c in cases), module
+    assert set(mech4.MODULES) == set(mechanisms.MECHANISMS)
+    assert not corpus.FOURTH & (corpus.FIRST | corpus.SECOND | corpus.THIRD)
+    assert len(corpus.FOURTH) == len(mech4.CASES)
+    dev_text = "".join((BENCH / "corpus").joinpath(p).read_text() for p in
+                       ["dev.py", *(f"mech_dev/{m}.py" for m in mech_dev.MODULES)])
+    assert not [n for n in corpus.FOURTH if f'"{n}"' in dev_text]
+
+
 def test_no_corpus_file_imports_graddbg():
     for path in (BENCH / "corpus").rglob("*.py"):
         text = path.read_text()

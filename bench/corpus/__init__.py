@@ -15,31 +15,35 @@ The second corpus (issue 39: mined one mechanism of a step at a time, mechanisms
 The third (``mech3/``, ``THIRD``) is a fresh held-out half, split ``heldout3``: mined by
 mechanism after the second corpus's held-out half had been run, by people who neither read
 nor ran graddbg's detection code, and committed before it was run under graddbg, once.
+The fourth (``mech4/``, ``FOURTH``, split ``heldout4``) is the same again, mined after the
+third was run and spent, by people whose reports gave counts only.
 """
 from __future__ import annotations
 
 from typing import Dict, List
 
-from . import dev, heldout, mech3, mech_dev, mech_heldout
+from . import dev, heldout, mech3, mech4, mech_dev, mech_heldout
 from ._common import Case
 from .split import SEED
 from .split import SPLIT as _FIRST_SPLIT
 
 _ALL: List[Case] = [*dev.CASES, *heldout.CASES, *mech_dev.CASES, *mech_heldout.CASES,
-                    *mech3.CASES]
+                    *mech3.CASES, *mech4.CASES]
 
 CASES: Dict[str, Case] = {c.name: c for c in _ALL}
 FIRST = frozenset(c.name for c in (*dev.CASES, *heldout.CASES))
 SECOND = frozenset(c.name for c in (*mech_dev.CASES, *mech_heldout.CASES))
 THIRD = frozenset(c.name for c in mech3.CASES)
+FOURTH = frozenset(c.name for c in mech4.CASES)
 #: every case's side: the first corpus's frozen split, and the second's by where its file is
 SPLIT: Dict[str, str] = {**_FIRST_SPLIT, **{c.name: "dev" for c in mech_dev.CASES},
                          **{c.name: "heldout" for c in mech_heldout.CASES},
-                         **{c.name: "heldout3" for c in mech3.CASES}}
+                         **{c.name: "heldout3" for c in mech3.CASES},
+                         **{c.name: "heldout4" for c in mech4.CASES}}
 
 
 #: the splits ``names`` accepts
-SPLITS = ("dev", "heldout", "heldout3", "all")
+SPLITS = ("dev", "heldout", "heldout3", "heldout4", "all")
 
 
 def split_of(name: str) -> str:
@@ -55,5 +59,5 @@ def names(split: str = "all") -> List[str]:
     return [n for n in CASES if split == "all" or SPLIT[n] == split]
 
 
-__all__ = ["CASES", "FIRST", "SECOND", "SEED", "SPLIT", "SPLITS", "THIRD", "Case", "names",
+__all__ = ["CASES", "FIRST", "SECOND", "SEED", "SPLIT", "SPLITS", "THIRD", "FOURTH", "Case", "names",
            "split_of"]
