@@ -865,3 +865,47 @@ def test_a_hand_written_update_that_stops_is_named():
 def test_a_hand_written_update_that_goes_on_is_silent():
     found, w = _spent_loop(False)
     assert found == [] and not w.anomalies, [a.message for a in w.anomalies]
+
+
+def _hooked_loop(hook, steps=6, clamp=False):
+    """An optimizer loop whose parameters carry a post-accumulate-grad hook ``hook(p)``."""
+    torch.manual_seed(0)
+    model = _Clamped(clamp=clamp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if hook is not None:
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model, opt) as w:
+            for _ in range(steps):
+                opt.zero_grad()
+                ((model(x) - y) ** 2).mean().backward()
+                opt.step()
+    return [a for a in w.anomalies if a.kind == "foreign_update"], w
+
+
+def _divide_param(p):  # (the bug: the hook is handed the parameter, not its gradient)
+    with torch.no_grad():
+        p.div_(2.0)
+
+
+def _divide_grad(p):  # (the fix)
+    p.grad.div_(2.0)
+
+
+def test_a_hook_that_writes_the_parameter_during_backward_is_named_with_an_optimizer():
+    found, _ = _hooked_loop(_divide_param)
+    assert len(found) == 1 and found[0].step == 0, [a.message for a in found]
+    msg = found[0].message
+    assert "inside a backward pass" in msg and "SGD then stepped them" in msg, msg
+    assert "register_post_accumulate_grad_hook hands the hook the parameter" in msg
+
+
+@pytest.mark.parametrize("hook, clamp", [(_divide_grad, False), (None, True), (None, False)],
+                         ids=["the hook on the gradient", "a clamp in forward (a projection)", "plain"])
+def test_weights_written_before_use_or_not_at_all_are_silent_with_an_optimizer(hook, clamp):
+    found, w = _hooked_loop(hook, clamp=clamp)
+    assert found == [] and not w.anomalies, [a.message for a in w.anomalies]

@@ -338,9 +338,12 @@ class ManualRule(_Table):
 
 
 class ManualDuring(_Table):
-    """``update_rule`` in a hand-written update loop: nothing moves the weights between the
-    start of a forward pass of the watched model and the end of the backward pass that
-    follows it; the update belongs after ``backward()``. A weight written in that window (in
+    """``update_rule`` in a hand-written update loop (``foreign_update`` with an optimizer):
+    nothing moves the weights between the start of a forward pass of the watched model and
+    the end of the backward pass that follows it; the update belongs after ``backward()``.
+    With an optimizer, only the backward pass is looked at (from when it reaches the model's
+    output), and a parameter written there is named when its gradient is still there at the
+    step (the optimizer then moves it a second time, with a gradient of the weights before). A weight written in that window (in
     place, through ``.data`` or under ``no_grad``, which autograd does not see) makes the
     backward pass compute gradients for weights that are no longer there. When the next
     step is one of `graddbg._args.STEP_AUDIT`'s, the weights are copied as each forward pass
@@ -360,14 +363,26 @@ class ManualDuring(_Table):
 
     def attach(self, ctx: Watched) -> None:
         super().attach(ctx)
-        self._on = self._on and ctx.optimizer is None and bool(ctx.params) and ctx.world_size <= 1
-        self._next = 0  # the step the next backward pass ends (each one is a step here)
+        # (with an optimizer: foreign_update, "the watched optimizer is what changes the parameters")
+        self._kind = "update_rule" if ctx.optimizer is None else "foreign_update"
+        self._policy = getattr(ctx.options, self._kind)
+        self._on = self._policy is not None and bool(ctx.params) and ctx.world_size <= 1
+        self._next = 0  # the step of the next forward pass (without an optimizer, each backward pass is one)
         self._snap: Optional[Tuple[int, List[int], List[Tensor]]] = None  # (step, ix, weights)
-        self._skip = _renormed(ctx) | _hooked(ctx) if self._on else set()
+        self._skip = self._skipped() if self._on else set()
+        self._split = False
+
+    def _skipped(self) -> set:
+        # (an optimizer stepped in backward writes its parameters there by design; with a watched
+        # optimizer, such a parameter's gradient is gone at the step, which `read` asks for)
+        return _renormed(self.ctx) | (_hooked(self.ctx) if self.ctx.optimizer is None else set())
 
     def params_added(self, k: int) -> None:
         self._snap = self._table = None
-        self._skip = _renormed(self.ctx) | _hooked(self.ctx)
+        self._skip = self._skipped()
+
+    def after_step(self, index: int) -> None:
+        self._next = index + 1
 
     def on_forward(self, fwd: Any) -> None:
         if not self._on or self._reported or not STEP_AUDIT.includes(self._next):
@@ -381,11 +396,27 @@ class ManualDuring(_Table):
             return  # (nothing to copy, or the copies do not fit the budget: not looked at)
         with torch.no_grad():
             self._snap = (self._next, ix, [params[i].detach().clone() for i in ix])
+        self._split = False  # (with an optimizer: the copies brought up to the start of the backward pass)
+
+    def on_output_grad(self) -> None:
+        """The backward pass reached the model's output. With an optimizer only what happens
+        from here on is looked at: a write in forward() before the weights are used (a
+        constraint, as nn.Embedding's max_norm makes) leaves the gradient true to the weights;
+        the copies are brought up to now."""
+        if self.ctx.optimizer is None or self._snap is None:
+            return
+        params = self.ctx.params
+        with torch.no_grad():
+            for i, w in zip(self._snap[1], self._snap[2]):
+                w.copy_(params[i].detach())
+        self._split = True
 
     def on_backward_end(self, bw: BackwardEnd) -> None:
-        self._next = bw.step + 1
+        if self.ctx.optimizer is None:
+            self._next = bw.step + 1
         snap, self._snap = self._snap, None
-        if not self._on or self._reported or snap is None or snap[0] != bw.step:
+        if not self._on or self._reported or snap is None or snap[0] != bw.step or \
+                (self.ctx.optimizer is not None and not self._split):
             return
         params = self.ctx.params
         with torch.no_grad():
@@ -403,20 +434,32 @@ class ManualDuring(_Table):
             return []
         at, ix, v = got
         moved = [(i, d, w) for (changed, d, w), i in zip(v, ix) if changed > 0]
+        if self.ctx.optimizer is not None:  # (and the watched optimizer then steps them with that pass's gradient)
+            present = step.entry.present if step.entry is not None else None
+            moved = [m for m in moved if present is not None and m[0] < len(present) and present[m[0]]]
         if not moved:
             return []
         self._reported = True
         names = [self.ctx.names[i] for i, _, _ in moved]
         _, d, w = moved[0]
-        msg = (f"graddbg: weights changed during a forward and backward pass of a hand-written loop (no optimizer): "
-               f"between the start of the forward pass of step {at} and the end of its backward pass, {shown(names)} "
-               f"changed (|change| {d:.3g}, |weight| {w:.3g} for {names[0]}), so the gradients of that pass are of "
-               f"weights that are no longer there. Likely cause: code that writes the weights in place (through "
-               f".data, or under no_grad) inside forward() or between the forward pass and backward(): a weight "
-               f"clamp or normalisation in forward, or the update placed before loss.backward(). Fix: change the "
-               f"weights only after backward(), with the update; for a constraint in forward, compute a new tensor "
-               f"from the weight (torch.nn.utils.parametrize) instead of writing it.")
-        return [finding("update_rule", at, names, [self.ctx.modules[i] for i, _, _ in moved], msg, self._policy,
+        change = f"(|change| {d:.3g}, |weight| {w:.3g} for {names[0]})"
+        if self.ctx.optimizer is None:
+            msg = (f"graddbg: weights changed during a forward and backward pass of a hand-written loop (no "
+                   f"optimizer): between the start of the forward pass of step {at} and the end of its backward pass, "
+                   f"{shown(names)} changed {change}, so the gradients of that pass are of weights that are no longer "
+                   f"there. Likely cause: code that writes the weights in place (through .data, or under no_grad) "
+                   f"inside forward() or between the forward pass and backward(): a weight clamp or normalisation in "
+                   f"forward, or the update placed before loss.backward(). Fix: change the weights only after "
+                   f"backward(), with the update; for a constraint in forward, compute a new tensor from the weight "
+                   f"(torch.nn.utils.parametrize) instead of writing it.")
+        else:
+            msg = (f"graddbg: weights changed outside the optimizer's step, inside a backward pass: during the backward "
+                   f"pass of step {at}, {shown(names)} changed {change}, and {type(self.ctx.optimizer).__name__} then stepped them with that pass's "
+                   f"gradient, computed for the weights before the change: each step moves them twice, once by "
+                   f"something else. Likely cause: a hook that writes the parameter (register_post_accumulate_grad_hook "
+                   f"hands the hook the parameter, not its gradient: p.div_() there divides the weights). Fix: in such "
+                   f"a hook change p.grad, not p.")
+        return [finding(self._kind, at, names, [self.ctx.modules[i] for i, _, _ in moved], msg, self._policy,
                         self.ctx.rank, value=d)]
 
     def close(self) -> None:
