@@ -366,7 +366,8 @@ class ManualDuring(_Table):
         # (with an optimizer: foreign_update, "the watched optimizer is what changes the parameters")
         self._kind = "update_rule" if ctx.optimizer is None else "foreign_update"
         self._policy = getattr(ctx.options, self._kind)
-        self._on = self._policy is not None and bool(ctx.params) and ctx.world_size <= 1
+        self._on = self._policy is not None and bool(ctx.params) and ctx.world_size <= 1 and \
+            not type(ctx.optimizer).__module__.startswith("deepspeed")  # (ZeRO-3 gathers the weights in forward)
         self._next = 0  # the step of the next forward pass (without an optimizer, each backward pass is one)
         self._snap: Optional[Tuple[int, List[int], List[Tensor]]] = None  # (step, ix, weights)
         self._skip = self._skipped() if self._on else set()
@@ -408,6 +409,9 @@ class ManualDuring(_Table):
         params = self.ctx.params
         with torch.no_grad():
             for i, w in zip(self._snap[1], self._snap[2]):
+                if params[i].shape != w.shape:  # (a weight replaced or gathered since: not looked at)
+                    self._snap = None
+                    return
                 w.copy_(params[i].detach())
         self._split = True
 
