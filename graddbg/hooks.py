@@ -807,8 +807,7 @@ class StepPipeline:
         self._frozen = [(n, p) for n, p in self._frozen if not p.requires_grad]
         self.ctx.add(new)
         self.ctx.history.add_params([n for n, _ in new], [p.numel() for _, p in new], self.clock.index)
-        for handle in self._on["params_added"]:
-            handle(len(new))
+        self._dispatch("params_added", len(new))
 
     # ------------------------------------------------------------------ hook bodies
     @_guarded
@@ -820,9 +819,7 @@ class StepPipeline:
             return None
         self._tap.before()
         self.ctx.layout.forward_began(self.clock.index)
-        fwd = self._keeper.forward_facts(module)
-        for handle in self._on["on_forward"]:
-            handle(fwd)
+        self._dispatch("on_forward", self._keeper.forward_facts(module))
         return None
 
     @_guarded
@@ -838,8 +835,7 @@ class StepPipeline:
             self._zero.origin.output_grad(grad)
         else:
             self.ctx.layout.output_grad(grad)
-        for handle in self._on["on_output_grad"]:
-            handle()
+        self._dispatch("on_output_grad")
 
     def _queue_end_of_backward(self) -> None:
         if self._cb_queued or self.closed:
@@ -871,9 +867,7 @@ class StepPipeline:
         self.ctx.layout.backward_ended()
         scale = scale_of(self.options.scaler)
         bw = BackwardEnd(self.clock.index, self.ctx.grads(), scale)
-        found: List[Finding] = []
-        for handle in self._on["on_backward_end"]:
-            found += handle(bw) or ()
+        found: List[Finding] = [f for got in self._dispatch("on_backward_end", bw) for f in got]
         if found:
             self._apply(found)
         if self.ctx.optimizer is None:
@@ -901,8 +895,7 @@ class StepPipeline:
         if not self._scaler_looked:
             self._scaler_looked = True
             self._adopt_scaler(find_scaler())
-        for handle in self._on["before_step"]:
-            handle(self.clock.index, closure is not None)
+        self._dispatch("before_step", self.clock.index, closure is not None)
         if self.clock.step_began(closure is not None):
             self._boundary()
 
@@ -917,8 +910,7 @@ class StepPipeline:
             if self.clock.step_ended():
                 self._boundary(closure=True)
         finally:
-            for handle in self._on["after_step"]:
-                handle(self.clock.index - 1)
+            self._dispatch("after_step", self.clock.index - 1)
 
     # ------------------------------------------------------------------ the step boundary
     def _boundary(self, closure: bool = False, manual: bool = False) -> None:
@@ -932,10 +924,13 @@ class StepPipeline:
         due_stats = opts.record_schedule.includes(index)
         grads = self.ctx.grads()
         entry = self._keeper.begin(index, _path(self._zero, self.ctx.optimizer, opts.scaler, closure, manual), grads)
-        step = Step(index, grads, due_stats, read=due_stats or due_nf or any(due(index) for due in self._on["due"]),
+        step = Step(index, grads, due_stats, read=due_stats or due_nf or any(self._dispatch("due", index)),
                     tapped=self._tap.capture, closure=closure, entry=entry)
         for check in self._queuers:
-            step.tokens[id(check)] = step.accept(check, check.queue(step))
+            try:
+                step.tokens[id(check)] = step.accept(check, check.queue(step))
+            except Exception as err:
+                self._isolate(check, "queue", err)
         step.reduce.run()  # (the one small all-reduce the checks packed, before the read-back)
         if step.read:
             step.readback.fetch()
@@ -943,7 +938,10 @@ class StepPipeline:
         found: List[Finding] = []
         try:
             for check in self._readers:
-                found += step.accept(check, check.read(step))
+                try:
+                    found += step.accept(check, check.read(step))
+                except Exception as err:
+                    self._isolate(check, "read", err)
         finally:
             step.record_into(self.ctx.history, self.ctx.ledger)  # (its row, from what the checks measured)
         step.entry.kinds = [f.anomaly.kind for f in found]
@@ -952,6 +950,37 @@ class StepPipeline:
             seen = len(self.anomalies) + sum(self.anomalies.not_kept.values())  # (those past the limit too)
             self._sink.step(self.ctx.history, index, seen + len(found))
         self._apply(found)
+
+    def _dispatch(self, event: str, *args: Any) -> List[Any]:
+        """Each check's handler of ``event``, in the checks' order, and what they returned
+        (None left out). A check that fails is switched off with one warning (`_isolate`) and
+        the others go on."""
+        out = []
+        for handle in self._on[event]:
+            try:
+                got = handle(*args)
+            except Exception as err:
+                self._isolate(getattr(handle, "__self__", None), event, err)
+                continue
+            if got is not None:
+                out.append(got)
+        return out
+
+    def _isolate(self, check: Any, where: str, err: Exception) -> None:
+        """A bug in one check costs that check alone: it is switched off for the rest of the
+        watch, with one `GraddbgWarning` naming it, and the step's record and the other checks'
+        findings stand. Anomalies under the ``"raise"`` policy, a user's policy callable's
+        errors and a failure of the record's own parts (the ledger, the recorder, the guard)
+        propagate as before (to `_guarded`)."""
+        if isinstance(err, GradientAnomalyError) or self._in_policy or check is None or \
+                check in (self._keeper, self.ctx.guard, self.recorder):
+            raise err
+        self._on = {e: [h for h in hs if getattr(h, "__self__", None) is not check] for e, hs in self._on.items()}
+        self._queuers = [c for c in self._queuers if c is not check]
+        self._readers = [c for c in self._readers if c is not check]
+        warn_at_user(f"graddbg.watch: an internal error in {type(check).__name__}.{where} at step {self.clock.index}: "
+                     f"{type(err).__name__}: {err}. That check is off for the rest of the watch; the record and "
+                     f"the other checks go on. Please report it.", GraddbgWarning)
 
     def _apply(self, found: List[Finding]) -> None:
         """Each finding into ``anomalies`` (and its step kept in the history), then its

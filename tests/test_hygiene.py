@@ -582,3 +582,31 @@ def test_gradients_clipped_to_zero_before_every_step_are_empty_steps(max_norm):
         return
     assert len(found) == 1 and found[0].step == PATIENCE - 1, [a.message for a in w.anomalies]
     assert "multiplied to exactly 0 before the step" in found[0].message and "max of 0" in found[0].message
+
+
+# --------------------------------------------------------------------------- a bug in one check costs that check alone
+@pytest.mark.parametrize("name, event", [("EmptyStep", "read"), ("EmptyStep", "on_backward_end"),
+                                         ("ExplodeCheck", "read")])
+def test_a_failing_check_is_switched_off_and_the_record_and_other_findings_stand(monkeypatch, name, event):
+    """A bug inside one detector (made to raise; ExplodeCheck reads before StaleGrad) warns
+    once, naming it, and switches it off; every step is still recorded and the other checks
+    still find the missing zero_grad()."""
+    import graddbg.checks as checks
+
+    def broken(self, *args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(getattr(checks, name), event, broken)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        with graddbg.watch(model, opt, stale_grad="record") as w:
+            for i in range(6):
+                x, y = _batch(i)
+                F.cross_entropy(model(x), y).backward()  # (zero_grad() missing: stale gradients)
+                opt.step()
+    errors = [str(r.message) for r in rec if "internal error" in str(r.message)]
+    assert len(errors) == 1 and f"{name}.{event}" in errors[0] and "That check is off" in errors[0], errors
+    assert len(w.steps) == 6 and w.steps["global_norm"].notna().all()
+    assert [a.kind for a in w.anomalies] == ["stale_grad"], [a.message for a in w.anomalies]

@@ -428,7 +428,7 @@ class ManualDuring(_Table):
             for i, w in zip(snap[1], snap[2]):
                 now = params[i].detach()
                 d = (now - w).double() if now.shape == w.shape else None
-                rows.append(torch.stack([(now != w).any().double(), d.norm(), w.double().norm()])
+                rows.append(torch.stack([_differs(now, w).double(), d.norm(), w.double().norm()])
                             if d is not None else torch.ones(3, dtype=torch.float64, device=w.device))
             self._put(bw.step, snap[1], rows)
 
@@ -468,6 +468,15 @@ class ManualDuring(_Table):
 
     def close(self) -> None:
         self._snap = self._table = None
+
+
+def _differs(now: Tensor, was: Tensor) -> Tensor:
+    """Whether any element changed, a NaN that stayed NaN counting as unchanged (a device
+    bool)."""
+    changed = now != was
+    if now.is_floating_point():
+        changed &= ~(now.isnan() & was.isnan())
+    return changed.any()
 
 
 def _hooked(ctx: Watched) -> set:
