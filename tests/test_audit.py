@@ -909,3 +909,36 @@ def test_a_hook_that_writes_the_parameter_during_backward_is_named_with_an_optim
 def test_weights_written_before_use_or_not_at_all_are_silent_with_an_optimizer(hook, clamp):
     found, w = _hooked_loop(hook, clamp=clamp)
     assert found == [] and not w.anomalies, [a.message for a in w.anomalies]
+
+
+class _PolySGD(torch.optim.SGD):
+    """SGD whose step() sets the lr from a step count it keeps itself (a polynomial decay
+    written into the optimizer, as segmentation codes do)."""
+
+    def __init__(self, params, lr, max_step):
+        super().__init__(params, lr, momentum=0.9, weight_decay=5e-4)
+        self.global_step, self.max_step = 0, max_step
+        self.initial_lr = [g["lr"] for g in self.param_groups]
+
+    def step(self, closure=None):
+        mult = (1 - self.global_step / self.max_step) ** 0.9
+        for g, lr in zip(self.param_groups, self.initial_lr):
+            g["lr"] = lr * mult
+        out = super().step(closure)
+        self.global_step += 1
+        return out
+
+
+def test_an_optimizer_that_counts_its_own_steps_is_shadowed_as_the_step_found_it():
+    """The audit's twin takes the optimizer's attributes from before the step (its step count
+    was 0, not the 1 the real step left): no false 'moved 1.02x the rule'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = _PolySGD(model.parameters(), lr=0.02, max_step=20)
+    x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+    with graddbg.watch(model, opt) as w:
+        for _ in range(12):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert w.anomalies == [], [a.message for a in w.anomalies]

@@ -84,6 +84,7 @@ class StepAudit(PolicyCheck):
         super().attach(ctx)
         self._reported = False
         self._copy: Optional[Tuple[int, List[Tuple[Dict[str, Any], List[int]]], Dict[int, Any]]] = None
+        self._attrs: Optional[Dict[str, Any]] = None  # the optimizer's attributes before the audited step
         self._pending: Optional[Tuple[int, List[int], Tensor]] = None  # (step, indices, [k, 9] on the device)
         #: after an audited step: (step, indices, the weights after it, the change it made) ...
         self._afterwards: Optional[Tuple[int, List[int], List[Tensor], List[Tensor]]] = None
@@ -141,6 +142,9 @@ class StepAudit(PolicyCheck):
                 raise
             self._off(f"no memory for its copies at step {index}")
             return
+        # (the optimizer's own attributes as the step found them: a subclass may count its steps
+        # there and set its lr from the count inside step())
+        self._attrs = dict(opt.__dict__)
         self._copy = (index, groups, copies)
 
     def _groups(self, index: int) -> List[Tuple[int, Dict[str, Any], List[int]]]:
@@ -186,6 +190,7 @@ class StepAudit(PolicyCheck):
         try:
             with torch.no_grad():
                 expected = self._shadow(groups, copies)  # (each audited parameter's numbers)
+            self._attrs = None
         except Exception as err:  # (an optimizer the shadow cannot reproduce: off, never the job's failure)
             self._off(f"its shadow step of {type(self.ctx.optimizer).__name__} failed "
                       f"({type(err).__name__}: {str(err)[:160]})")
@@ -228,7 +233,7 @@ class StepAudit(PolicyCheck):
         # depend on a group's place)
         for batch in ([[u] for u in groups] if per_param else [groups]):
             twin = object.__new__(cls)
-            twin.__dict__.update(opt.__dict__)
+            twin.__dict__.update(self._attrs if self._attrs is not None else opt.__dict__)
             # (hooks of its own, none: a step that calls super().step() runs the hooked base step)
             twin._optimizer_step_pre_hooks, twin._optimizer_step_post_hooks = \
                 collections.OrderedDict(), collections.OrderedDict()
