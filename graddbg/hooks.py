@@ -271,6 +271,17 @@ class _Apart:
 
     PATIENCE = 3
 
+    @classmethod
+    def take(cls, what: Optional[str], ctx: Watched, apply: Callable[[List[Finding]], None],
+             clock: Any) -> Optional["_Apart"]:
+        """The optimizer `_check_optimizer` found holding copies (``what``), taken off the
+        context: the watch goes on as ``watch(model)``; None when there is none."""
+        if what is None:
+            return None
+        apart = cls(what, ctx.optimizer, ctx, apply, lambda: clock.index)
+        ctx.amend(optimizer=None)
+        return apart
+
     def __init__(self, what: str, opt: Any, ctx: Watched, apply: Callable[[List[Finding]], None],
                  index: Callable[[], int]) -> None:
         self.what, self.opt, self.ctx, self._apply, self._index = what, opt, ctx, apply, index
@@ -708,7 +719,7 @@ class StepPipeline:
                           f"grad), so nothing will be recorded until one is unfrozen "
                           f"({len(self._frozen)} frozen).", CoverageWarning, stacklevel=3)
         # (ZeRO replaced the optimizer's param groups with its flat partitions)
-        self._apart = self._apart_optimizer(_check_optimizer(ctx) if zero is None else None)
+        self._apart = _Apart.take(_check_optimizer(ctx) if zero is None else None, ctx, self._apply, self.clock)
         self.meta = _meta(opts, ctx)
         if opts.log_to is not None:  # ("wandb" / "mlflow" without an active run: an error now)
             self._sink = Sink(opts.log_to, ctx.names, opts.log_detail)
@@ -737,15 +748,6 @@ class StepPipeline:
             raise
         self.closed = False
         self._begin_apart()
-
-    def _apart_optimizer(self, what: Optional[str]) -> Optional[_Apart]:
-        """An optimizer over copies of the weights (`_check_optimizer`): the watch goes on as
-        ``watch(model)``, and `_Apart` hooks the optimizer's step."""
-        if what is None:
-            return None
-        apart = _Apart(what, self.ctx.optimizer, self.ctx, self._apply, lambda: self.clock.index)
-        self.ctx.amend(optimizer=None)
-        return apart
 
     def _begin_apart(self) -> None:
         if self._apart is None:
@@ -970,10 +972,12 @@ class StepPipeline:
         """A bug in one check costs that check alone: it is switched off for the rest of the
         watch, with one `GraddbgWarning` naming it, and the step's record and the other checks'
         findings stand. Anomalies under the ``"raise"`` policy, a user's policy callable's
-        errors and a failure of the record's own parts (the ledger, the recorder, the guard)
-        propagate as before (to `_guarded`)."""
+        errors, a failure of the record's own parts (the ledger, the recorder, the guard) and
+        any failure under several processes propagate as before (to `_guarded`): a check
+        switched off on one rank only would leave its collectives, and the step's packed sum,
+        different on the others."""
         if isinstance(err, GradientAnomalyError) or self._in_policy or check is None or \
-                check in (self._keeper, self.ctx.guard, self.recorder):
+                check in (self._keeper, self.ctx.guard, self.recorder) or self.ctx.world_size > 1:
             raise err
         self._on = {e: [h for h in hs if getattr(h, "__self__", None) is not check] for e, hs in self._on.items()}
         self._queuers = [c for c in self._queuers if c is not check]

@@ -610,3 +610,35 @@ def test_a_failing_check_is_switched_off_and_the_record_and_other_findings_stand
     assert len(errors) == 1 and f"{name}.{event}" in errors[0] and "That check is off" in errors[0], errors
     assert len(w.steps) == 6 and w.steps["global_norm"].notna().all()
     assert [a.kind for a in w.anomalies] == ["stale_grad"], [a.message for a in w.anomalies]
+
+
+def test_under_several_processes_a_failing_check_is_not_switched_off_on_one_rank(monkeypatch):
+    """A check off on one rank only would leave its collectives (and the step's packed sum)
+    different on the others: with a world size over 1 the step-level guard handles it, as
+    before (one warning naming the boundary; the check stays on)."""
+    import graddbg.checks as checks
+
+    calls = []
+
+    def broken(self, step):
+        calls.append(step.index)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(checks.EmptyStep, "read", broken)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        w = graddbg.Watch(model, opt)
+        object.__setattr__(w._steps.ctx, "world_size", 2)  # (as under torchrun: the rule, not the collectives)
+        try:
+            for i in range(4):
+                opt.zero_grad()
+                x, y = _batch(i)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+        finally:
+            w.close()
+    errors = [str(r.message) for r in rec if "internal error" in str(r.message)]
+    assert len(errors) == 1 and "internal error in _on_opt_pre" in errors[0] and "That check is off" not in errors[0]
+    assert calls == [0, 1, 2, 3]  # (still on at every step)
