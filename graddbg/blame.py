@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import sys
 import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple

@@ -222,11 +222,10 @@ class ScalerSkips(Check):
         if not scale < 1.0:
             return None
         self._reported = True
-        skipped = [e for e in self.ctx.ledger.entries]
-        applied = [e.index for e in skipped if not e.skipped]
-        first = next((e.index for e in reversed(skipped) if not e.skipped), None)
-        start = (first + 1) if first is not None else skipped[0].index
-        since = (f"no step has changed the weights since step {applied[-1]}" if applied else
+        entries = self.ctx.ledger.entries
+        last = next((e.index for e in reversed(entries) if not e.skipped), None)  # (the last step applied)
+        start = last + 1 if last is not None else entries[0].index
+        since = (f"no step has changed the weights since step {last}" if last is not None else
                  "no step has changed the weights since the watch began")
         msg = (f"graddbg: the GradScaler skipped every step from step {start} to step {run[-1].index} "
                f"({run[-1].index - start + 1} in a row): each found inf or NaN gradients, and its loss scale has "
@@ -242,12 +241,13 @@ class Discarded(PolicyCheck):
     """``applied_grad``: steps that apply the gradients of their last backward pass only.
     Several backward passes ran from one ``backward()`` line between two steps (the
     micro-batches of an accumulation loop), each pass after the first found the gradient
-    the pass before had left set to None (``zero_grad()``'s default), and nothing replaced the gradients
-    before the step (a projection or a sum set by hand, as PCGrad or per-sample clipping
-    do, replaces them; a clip or an unscale changes them in place): the first passes' gradients were
-    thrown away. ``PATIENCE`` such steps in a row. Not judged: steps with a closure (L-BFGS
-    evaluates it several times, clearing each time), steps after weights were written since
-    the previous step (SAM's perturbed second pass). Host facts of the ledger only."""
+    the pass before had left set to None (``zero_grad()``'s default), and nothing replaced
+    the gradients before the step (a projection or a sum set by hand, as PCGrad or
+    per-sample clipping do, replaces them; a clip or an unscale changes them in place): the
+    first passes' gradients were thrown away. ``PATIENCE`` such steps in a row. Not judged:
+    steps with a closure (L-BFGS evaluates it several times, clearing each time), steps
+    after weights were written since the previous step (SAM's perturbed second pass). Host
+    facts of the ledger only."""
 
     STATE = ("_reported",)
     KIND = "applied_grad"
