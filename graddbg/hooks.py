@@ -235,13 +235,6 @@ class _OutputTap:
             reap()
 
 
-def _stepped_in_backward(ctx: Watched) -> set:
-    """The names of the parameters the user gave post-accumulate-grad hooks (before graddbg
-    adds its own): the pattern of an optimizer stepped in the backward pass, one parameter at
-    a time."""
-    return {n for n, p in zip(ctx.names, ctx.params) if getattr(p, "_post_accumulate_grad_hooks", None)}
-
-
 def _check_optimizer(ctx: Watched) -> Optional[str]:
     """What an optimizer that holds none of the model's trainable parameters holds instead:
     ``"copies"`` (tensors of the same shapes and dtypes: another instance of the model, or a
@@ -713,7 +706,7 @@ class StepPipeline:
         ctx.ledger = Ledger(opts.history)
         ctx.alive, ctx.read_scale = self._alive, lambda: scale_of(self.options.scaler)
         ctx.adopt_scaler = self._adopt_scaler
-        self._frozen, self._in_backward = _frozen_parameters(model, ctx.params), _stepped_in_backward(ctx)
+        self._frozen = _frozen_parameters(model, ctx.params)
         if not ctx.params:
             warnings.warn(f"graddbg.watch: {type(model).__name__} has no trainable parameter (none requires "
                           f"grad), so nothing will be recorded until one is unfrozen "
@@ -1077,13 +1070,14 @@ class StepPipeline:
         unused by design, each a fact; the others one unused_param finding."""
         named = self.graph.reported_unused()
         names = [n for n in self.recorder.uncovered() if n not in named]
-        hooked = [n for n in names if n in self._in_backward]
+        stepped = {n for n, p in zip(self.ctx.names, self.ctx.params) if id(p) in self.ctx.stepped_in_backward}
+        hooked = [n for n in names if n in stepped]
         if hooked:
             warn_at_user(f"graddbg.watch: {len(hooked)} trainable parameter(s) are stepped inside the backward pass by "
                          f"post-accumulate-grad hooks of their own (an optimizer in backward): {shown(hooked)}. Their "
                          f"gradients are consumed before the pass ends, so no gradient statistics were recorded for "
                          f"them; they are not unused.", CoverageWarning)
-            names = [n for n in names if n not in self._in_backward]
+            names = [n for n in names if n not in stepped]
         if not names:
             return []
         copied, library, rest = unused_facts(names, self.ctx) if self._zero is None else ([], [], names)

@@ -942,3 +942,30 @@ def test_an_optimizer_that_counts_its_own_steps_is_shadowed_as_the_step_found_it
             F.cross_entropy(model(x), y).backward()
             opt.step()
     assert w.anomalies == [], [a.message for a in w.anomalies]
+
+
+def test_weights_written_during_the_pass_are_still_looked_at_after_layers_are_unfrozen():
+    """Unfreezing adds parameters while graddbg's own post-accumulate-grad hooks are on the
+    others (a hand-written loop): only the user's hooks, taken as each parameter is added,
+    exempt a parameter, so an update placed before backward() is still named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model[0].requires_grad_(False)
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with graddbg.watch(model) as w:
+            for i in range(12):
+                if i == 3:
+                    model[0].requires_grad_(True)
+                loss = ((model(x) - y) ** 2).mean()
+                if i > 3:  # (the update placed between the forward pass and backward())
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p.data.sub_(0.01 * p.grad)
+                    model.zero_grad()
+                loss.backward()
+    found = [a for a in w.anomalies if a.kind == "update_rule"]
+    assert len(found) == 1 and found[0].step == 10, [a.message for a in w.anomalies]
+    assert {"0.weight", "2.weight"} <= set(found[0].params), found[0].params  # (2.*: hooked by graddbg itself)

@@ -81,6 +81,9 @@ class Watched:
         self.layout: Any = None  #: which ranks graddbg exchanges what with (`graddbg._dist.layout.Layout`)
         #: the one memory budget of the weights copied before a step, shared by the checks that copy them
         self.budget = WeightBudget(options.copy_budget)
+        #: ids of the parameters that had post-accumulate-grad hooks of the user's when they were
+        #: added (before graddbg's own): an optimizer stepped in the backward pass, one at a time
+        self.stepped_in_backward: set = set()
         self.add(named)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -115,6 +118,7 @@ class Watched:
         self.names.extend(n for n, _ in named)  # (in place: the context is read-only once sealed)
         self.modules.extend(module_of(n) for n, _ in named)
         self.params.extend(p for _, p in named)
+        self.stepped_in_backward.update(id(p) for _, p in named if getattr(p, "_post_accumulate_grad_hooks", None))
 
     @property
     def numel(self) -> List[int]:

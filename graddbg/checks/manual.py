@@ -343,7 +343,8 @@ class ManualDuring(_Table):
     the end of the backward pass that follows it; the update belongs after ``backward()``.
     With an optimizer, only the backward pass is looked at (from when it reaches the model's
     output), and a parameter written there is named when its gradient is still there at the
-    step (the optimizer then moves it a second time, with a gradient of the weights before). A weight written in that window (in
+    step (the optimizer then moves it a second time, with a gradient of the weights before).
+    A weight written in that window (in
     place, through ``.data`` or under ``no_grad``, which autograd does not see) makes the
     backward pass compute gradients for weights that are no longer there. When the next
     step is one of `graddbg._args.STEP_AUDIT`'s, the weights are copied as each forward pass
@@ -457,8 +458,9 @@ class ManualDuring(_Table):
                    f"backward(), with the update; for a constraint in forward, compute a new tensor from the weight "
                    f"(torch.nn.utils.parametrize) instead of writing it.")
         else:
+            opt = type(self.ctx.optimizer).__name__
             msg = (f"graddbg: weights changed outside the optimizer's step, inside a backward pass: during the backward "
-                   f"pass of step {at}, {shown(names)} changed {change}, and {type(self.ctx.optimizer).__name__} then stepped them with that pass's "
+                   f"pass of step {at}, {shown(names)} changed {change}, and {opt} then stepped them with that pass's "
                    f"gradient, computed for the weights before the change: each step moves them twice, once by "
                    f"something else. Likely cause: a hook that writes the parameter (register_post_accumulate_grad_hook "
                    f"hands the hook the parameter, not its gradient: p.div_() there divides the weights). Fix: in such "
@@ -480,10 +482,10 @@ def _differs(now: Tensor, was: Tensor) -> Tensor:
 
 
 def _hooked(ctx: Watched) -> set:
-    """The watched indices of parameters with post-accumulate-grad hooks of the user's (taken
-    before graddbg adds its own): an optimizer stepped in the backward pass writes them there,
-    by design."""
-    return {i for i, p in enumerate(ctx.params) if getattr(p, "_post_accumulate_grad_hooks", None)}
+    """The watched indices of parameters with post-accumulate-grad hooks of the user's
+    (`Watched.stepped_in_backward`): an optimizer stepped in the backward pass writes them
+    there, by design."""
+    return {i for i, p in enumerate(ctx.params) if id(p) in ctx.stepped_in_backward}
 
 
 def _renormed(ctx: Watched) -> set:
